@@ -1,0 +1,100 @@
+//! Every shared vector decodes to its JSON and re-encodes byte for byte.
+
+use kvevent_wire::{Release, decode, encode, json};
+
+#[test]
+fn every_vector_decodes_to_its_json_and_reencodes_exactly() {
+    let mut failures = Vec::new();
+    let cases = crate::vectors();
+    for (release, case, payload, expected) in &cases {
+        let label = format!("vllm-{release}/{case}");
+        let outcome = (|| -> Result<(), String> {
+            let batch = decode(payload).map_err(|e| format!("decode: {e}"))?;
+            let got = json::to_json(&batch);
+            if &got != expected {
+                return Err(format!("json differs:\n got {got}\nwant {expected}"));
+            }
+            let rel: Release = release.parse().map_err(|e| format!("{e}"))?;
+            let bytes = encode(&batch, rel).map_err(|e| format!("encode: {e}"))?;
+            if &bytes != payload {
+                return Err(format!(
+                    "re-encoding differs: {} bytes vs {}",
+                    bytes.len(),
+                    payload.len()
+                ));
+            }
+            // The JSON side goes back to the same bytes too.
+            let from_json = json::from_json(expected).map_err(|e| format!("from_json: {e}"))?;
+            let bytes = encode(&from_json, rel).map_err(|e| format!("encode json: {e}"))?;
+            if &bytes != payload {
+                return Err("encoding the JSON differs from the payload".into());
+            }
+            Ok(())
+        })();
+        match outcome {
+            Ok(()) => println!("ok   {label}"),
+            Err(why) => {
+                println!("FAIL {label}: {why}");
+                failures.push(label);
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {} failed: {failures:?}",
+        failures.len(),
+        cases.len()
+    );
+}
+
+#[test]
+fn a_newer_release_encodes_like_the_newest_known() {
+    for (release, case, payload, _) in crate::vectors() {
+        if release != "0.33.0" {
+            continue;
+        }
+        let batch = decode(&payload).expect("decode");
+        let bytes = encode(&batch, "0.40.1".parse().expect("release")).expect(&case);
+        assert_eq!(bytes, payload, "{case}");
+    }
+}
+
+#[test]
+fn every_release_between_vectors_encodes_and_decodes_back() {
+    // Take the newest vector of each case, drop what an older release lacks, and check that
+    // the result decodes back to the same batch for every release in between.
+    let newest: Vec<_> = crate::vectors()
+        .into_iter()
+        .filter(|v| v.0 == "0.33.0")
+        .collect();
+    for minor in 9..=34 {
+        for patch in [0, 1, 2] {
+            let rel = Release {
+                major: 0,
+                minor,
+                patch,
+            };
+            for (_, case, payload, _) in &newest {
+                let mut batch = decode(payload).expect("decode");
+                batch.retain_fields_of(rel);
+                let bytes = encode(&batch, rel).unwrap_or_else(|e| panic!("{rel} {case}: {e}"));
+                let back = decode(&bytes).unwrap_or_else(|e| panic!("{rel} {case}: {e}"));
+                assert_eq!(back, batch, "{rel} {case}");
+                assert_eq!(
+                    back.data_parallel_rank.is_some(),
+                    rel.has_dp_rank() && batch.data_parallel_rank.is_some()
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn encoding_a_field_the_release_lacks_is_an_error() {
+    let payload =
+        std::fs::read(crate::shared_dir().join("vectors/vllm-0.33.0/newest_fields.msgpack"))
+            .expect("read");
+    let batch = decode(&payload).expect("decode");
+    let err = encode(&batch, "0.24.0".parse().expect("release")).expect_err("locality");
+    assert_eq!(err.to_string(), "vLLM 0.24.0 has no field `locality`");
+}
