@@ -131,18 +131,17 @@ impl Encoder<'_> {
     /// Which fields are written, given what the release has and what is set.
     fn plan(
         &self,
-        count: usize,
         first_defaulted: usize,
         has: impl Fn(usize) -> bool,
         is_set: impl Fn(usize) -> bool,
         names: &[&'static str],
     ) -> Result<(Vec<usize>, usize)> {
-        let mut write = Vec::with_capacity(count);
+        let mut write = Vec::with_capacity(names.len());
         let mut possible = 0;
-        for idx in 0..count {
+        for (idx, name) in names.iter().enumerate() {
             if !has(idx) {
                 if is_set(idx) {
-                    return Err(self.not_in_release(names[idx]));
+                    return Err(self.not_in_release(name));
                 }
                 continue;
             }
@@ -163,7 +162,6 @@ impl Encoder<'_> {
     fn stored(&mut self, e: &BlockStored<'_>) -> Result<()> {
         let rel = self.release;
         let (write, possible) = self.plan(
-            STORED_FIELDS.len(),
             STORED_FIRST_DEFAULTED,
             |i| rel.has_stored_field(i),
             |i| stored_is_set(e, i),
@@ -208,7 +206,6 @@ impl Encoder<'_> {
     fn removed(&mut self, e: &BlockRemoved<'_>) -> Result<()> {
         let rel = self.release;
         let (write, possible) = self.plan(
-            REMOVED_FIELDS.len(),
             REMOVED_FIRST_DEFAULTED,
             |i| rel.has_removed_field(i),
             |i| removed_is_set(e, i),

@@ -327,6 +327,10 @@ pub struct BlockRemoved<'a> {
 
 /// One KV-cache event.
 #[derive(Debug, Clone, PartialEq)]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "events live in one Vec per batch; boxing would allocate once per event"
+)]
 pub enum Event<'a> {
     /// `BlockStored`
     BlockStored(BlockStored<'a>),
