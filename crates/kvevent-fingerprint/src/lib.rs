@@ -1,0 +1,89 @@
+//! Positional content fingerprints of token blocks: prefix keys that a gateway holding only a
+//! request's token ids computes exactly as the subscriber does.
+//!
+//! Engine block hashes depend on the engine's hash algorithm, seed and version; these do not.
+//! The scheme (`shared/spec/fingerprint.md`), with XXH3-64 and seed [`SEED`]:
+//!
+//! - `content[i]` = XXH3 over block i's token ids, each as 4 bytes little-endian (a block is
+//!   `block_size` consecutive tokens; a partial tail block is ignored);
+//! - `prefix[0]` = `content[0]` without a parent, else XXH3 over
+//!   `le_u64(parent) ++ le_u64(content[0])`;
+//! - `prefix[i]` = XXH3 over `le_u64(prefix[i-1]) ++ le_u64(content[i])`;
+//! - on the wire a prefix is 8 bytes big-endian ([`wire_key`]).
+//!
+//! ```
+//! let blocks = kvevent_fingerprint::chain(&(1..=32).collect::<Vec<u32>>(), 16, None);
+//! assert_eq!(blocks.len(), 2);
+//! assert_eq!(blocks[0].prefix, blocks[0].content);
+//! // Extending a known prefix continues its chain:
+//! let tail = kvevent_fingerprint::chain(&(17..=32).collect::<Vec<u32>>(), 16, Some(blocks[0].prefix));
+//! assert_eq!(tail[0].prefix, blocks[1].prefix);
+//! ```
+//!
+//! Pure functions, no state, no IO. Token ids are only read; nothing is kept.
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// The seed every party uses.
+pub const SEED: u64 = 1337;
+
+/// The fingerprints of one block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Block {
+    /// XXH3 of the block's own tokens.
+    pub content: u64,
+    /// The fingerprint of the whole prefix up to and including this block.
+    pub prefix: u64,
+}
+
+/// The fingerprint of one block's tokens.
+pub fn content(tokens: &[u32]) -> u64 {
+    // Blocks are small (16–256 tokens): a stack buffer avoids allocating per block.
+    let mut buf = [0u8; 4 * 256];
+    if tokens.len() <= 256 {
+        for (dst, t) in buf.chunks_exact_mut(4).zip(tokens) {
+            dst.copy_from_slice(&t.to_le_bytes());
+        }
+        xxh3_64_with_seed(&buf[..4 * tokens.len()], SEED)
+    } else {
+        let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        xxh3_64_with_seed(&bytes, SEED)
+    }
+}
+
+/// The prefix fingerprint of a block whose content is `content`, after `parent` (if any).
+pub fn extend(parent: Option<u64>, content: u64) -> u64 {
+    match parent {
+        None => content,
+        Some(p) => {
+            let mut buf = [0u8; 16];
+            buf[..8].copy_from_slice(&p.to_le_bytes());
+            buf[8..].copy_from_slice(&content.to_le_bytes());
+            xxh3_64_with_seed(&buf, SEED)
+        }
+    }
+}
+
+/// The chain of full blocks in `tokens`, continuing from `parent` (the prefix fingerprint of
+/// the block before the first one), or starting at position 0 when `parent` is `None`.
+/// Tokens after the last full block are ignored; `block_size` 0 yields no blocks.
+pub fn chain(tokens: &[u32], block_size: usize, parent: Option<u64>) -> Vec<Block> {
+    if block_size == 0 {
+        return Vec::new();
+    }
+    let mut prev = parent;
+    tokens
+        .chunks_exact(block_size)
+        .map(|block| {
+            let content = content(block);
+            let prefix = extend(prev, content);
+            prev = Some(prefix);
+            Block { content, prefix }
+        })
+        .collect()
+}
+
+/// A prefix fingerprint as the contract carries it: 8 bytes big-endian.
+pub fn wire_key(prefix: u64) -> [u8; 8] {
+    prefix.to_be_bytes()
+}

@@ -1,0 +1,37 @@
+//! The InferenceCache v1alpha1 contract as Rust types.
+//!
+//! The `.proto` lives in `proto/inferencecache/v1alpha1/` at the workspace root and is written
+//! from the contract table, so the bytes match the reference server's. The messages depend only
+//! on prost; the tonic client and server (`inference_cache_client`, `inference_cache_server`)
+//! come with feature `grpc`. Code is generated at build time by protox (pure Rust): no system
+//! `protoc` is needed.
+//!
+//! [`Report`] names what the engine side sends: an additive [`CacheStateUpdate`] or a
+//! [`CacheEvent`]. The mapper produces reports; the forwarder delivers them. Neither knows the
+//! other.
+
+#![allow(missing_docs, unreachable_pub, reason = "generated code")]
+#![allow(clippy::doc_lazy_continuation, reason = "generated code")]
+
+include!(concat!(env!("OUT_DIR"), "/inferencecache.v1alpha1.rs"));
+
+/// One thing the engine side reports to the server.
+#[derive(Clone, PartialEq, Debug)]
+pub enum Report {
+    /// Prefixes added or refreshed (or, with no prefixes, stats only).
+    Update(CacheStateUpdate),
+    /// A removal (`PREFIX_EVICTED`) or a clear (`ALL_CLEARED`).
+    Event(CacheEvent),
+}
+
+impl CacheTier {
+    /// The tier's short name for logs and metrics (`t1`, `t2`, ...).
+    pub fn short_name(self) -> &'static str {
+        match self {
+            Self::Unspecified => "unspecified",
+            Self::T1 => "t1",
+            Self::T2 => "t2",
+            Self::T3 => "t3",
+        }
+    }
+}
