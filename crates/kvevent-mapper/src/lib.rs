@@ -1,0 +1,101 @@
+//! Maps decoded vLLM KV events onto the InferenceCache contract.
+//!
+//! One [`Mapper`] per engine source (endpoint and DP rank) turns each
+//! [`EventBatch`](wire::EventBatch) into [`Report`](pb::Report)s:
+//!
+//! | engine event | report |
+//! |---|---|
+//! | BlockStored | one `CacheStateUpdate`, one `PrefixEntry` per block (cumulative `token_count`, tier from the medium) |
+//! | BlockRemoved | one `PREFIX_EVICTED` per hash, or a T2 re-report when the engine has an offload tier |
+//! | AllBlocksCleared, [`Mapper::reset`] | one `ALL_CLEARED` |
+//!
+//! The key of a prefix depends on the [`KeyMode`]: the engine's block hash (an int as 8 bytes
+//! big-endian, bytes as they are) or the content fingerprint of its token ids
+//! (`kvevent-fingerprint`). Both modes share one bounded per-source map, engine block hash →
+//! (key, cumulative token count, adapter, tiers), which continues counts and chains across
+//! events, resolves removals to the key they were reported under, and is emptied by clears.
+//!
+//! Pure: no IO, no async runtime, no gRPC (only the prost messages). What the mapper drops or
+//! cannot key is counted in [`MapperStats`], never guessed.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use kvevent_fingerprint as fingerprint;
+use kvevent_proto as pb;
+use kvevent_wire as wire;
+
+mod identity;
+mod mapper;
+
+pub use identity::{Identity, parse_lora_adapters};
+pub use mapper::{Mapper, MapperStats, timestamp_us};
+
+/// What went wrong building a mapper.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum Error {
+    /// A required identity field is empty.
+    #[error("{0} is required and must not be empty")]
+    MissingIdentity(&'static str),
+    /// A `--lora-adapter-names` entry is not `id=name`.
+    #[error(
+        "bad LoRA adapter entry `{0}`: expected id=name with an integer id and a non-empty name"
+    )]
+    BadLoraEntry(String),
+    /// The same LoRA id is named twice.
+    #[error("LoRA id {0} is named twice")]
+    DuplicateLoraId(i64),
+}
+
+/// Which key a prefix is reported under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KeyMode {
+    /// The engine's block hash (int → 8 bytes big-endian; bytes pass through).
+    #[default]
+    Engine,
+    /// The positional content fingerprint of the block's token ids (XXH3-64, seed 1337).
+    Fingerprint,
+}
+
+/// How events are mapped.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Which key prefixes are reported under.
+    pub key_mode: KeyMode,
+    /// The engine has an offload tier that keeps blocks evicted from the GPU: a GPU removal
+    /// re-reports the prefix at T2 instead of evicting it.
+    pub engine_has_offload_tier: bool,
+    /// Adapter names for `lora_id`s, for releases before 0.14 (no `lora_name`).
+    pub lora_adapters: HashMap<i64, Arc<str>>,
+    /// Most engine blocks tracked per source; inserts beyond are refused and counted.
+    pub max_tracked_blocks: usize,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            key_mode: KeyMode::Engine,
+            engine_has_offload_tier: false,
+            lora_adapters: HashMap::new(),
+            max_tracked_blocks: 1 << 20,
+        }
+    }
+}
+
+/// The tier a medium maps to: GPU (or no medium, before 0.10.2) → T1, anything else → T2.
+pub fn tier_of(medium: Option<&wire::Medium<'_>>) -> pb::CacheTier {
+    match medium.map(wire::Medium::kind) {
+        None | Some(wire::MediumKind::Gpu) => pb::CacheTier::T1,
+        Some(_) => pb::CacheTier::T2,
+    }
+}
+
+/// The engine-mode key of a block hash.
+pub fn engine_key(hash: &wire::BlockHash<'_>) -> Vec<u8> {
+    hash.to_bytes().into_owned()
+}
+
+/// The fingerprint-mode key of a prefix fingerprint.
+pub fn fingerprint_key(prefix: u64) -> Vec<u8> {
+    fingerprint::wire_key(prefix).to_vec()
+}

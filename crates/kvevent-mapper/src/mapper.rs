@@ -1,0 +1,294 @@
+//! The per-source mapper.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::{
+    Identity, KeyMode, Options, engine_key, fingerprint, fingerprint_key, pb, tier_of, wire,
+};
+
+/// What the mapper did and refused, since it was made. Plain counters: the caller exports them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MapperStats {
+    /// Batches mapped.
+    pub batches: u64,
+    /// BlockStored events seen.
+    pub stored_events: u64,
+    /// BlockRemoved events seen.
+    pub removed_events: u64,
+    /// AllBlocksCleared events seen.
+    pub cleared_events: u64,
+    /// Events of unknown type skipped by the decoder.
+    pub unknown_events: u64,
+    /// Prefix entries produced (adds and T2 re-reports).
+    pub prefixes: u64,
+    /// `PREFIX_EVICTED` events produced.
+    pub evictions: u64,
+    /// GPU removals re-reported at T2 (engine with an offload tier).
+    pub offload_rereports: u64,
+    /// Offloading placeholders (`block_size` 0): carry no prefix, not forwarded.
+    pub placeholder_stores: u64,
+    /// Stores dropped because their `lora_id` has no configured name.
+    pub unknown_adapter_drops: u64,
+    /// Stores whose non-nil parent was never seen (count restarts at 0).
+    pub unknown_parents: u64,
+    /// Removed hashes never seen stored (fingerprint mode: skipped).
+    pub unknown_removals: u64,
+    /// Blocks that could not be keyed correctly (fingerprint mode: token ids do not cover the
+    /// blocks, or the parent was itself unkeyable): not reported.
+    pub unkeyable_blocks: u64,
+    /// Blocks not tracked because the per-source map was full.
+    pub map_refusals: u64,
+}
+
+/// What is known of one engine block.
+#[derive(Debug, Clone)]
+struct Tracked {
+    /// The key it was reported under; `None` when it could not be keyed.
+    key: Option<Vec<u8>>,
+    /// Its prefix fingerprint (fingerprint mode).
+    prefix: Option<u64>,
+    /// Tokens covered by the prefix up to and including this block.
+    tokens: u32,
+    adapter: Arc<str>,
+    /// Bit set of the tiers holding it: 1 = T1, 2 = T2.
+    tiers: u8,
+}
+
+fn tier_bit(tier: pb::CacheTier) -> u8 {
+    if tier == pb::CacheTier::T1 { 1 } else { 2 }
+}
+
+/// Engine block hash and KV-cache group: the same hash may live in several groups.
+type BlockId = (Vec<u8>, Option<i64>);
+
+/// Maps one engine source's batches to reports. Keep one per (endpoint, DP rank).
+#[derive(Debug)]
+pub struct Mapper {
+    identity: Identity,
+    options: Options,
+    base_adapter: Arc<str>,
+    blocks: HashMap<BlockId, Tracked>,
+    stats: MapperStats,
+}
+
+impl Mapper {
+    /// A mapper for one source.
+    pub fn new(identity: Identity, options: Options) -> Self {
+        Self {
+            identity,
+            options,
+            base_adapter: Arc::from(""),
+            blocks: HashMap::new(),
+            stats: MapperStats::default(),
+        }
+    }
+
+    /// What the mapper did so far.
+    pub fn stats(&self) -> &MapperStats {
+        &self.stats
+    }
+
+    /// Engine blocks currently tracked for this source.
+    pub fn tracked_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// The identity stamped on every report.
+    pub fn identity(&self) -> &Identity {
+        &self.identity
+    }
+
+    /// Maps one batch, appending its reports to `out` in event order.
+    pub fn map_batch(&mut self, batch: &wire::EventBatch<'_>, out: &mut Vec<pb::Report>) {
+        self.stats.batches += 1;
+        self.stats.unknown_events += batch.unknown_events as u64;
+        let ts = timestamp_us(batch.ts);
+        for event in &batch.events {
+            match event {
+                wire::Event::BlockStored(e) => self.stored(e, ts, out),
+                wire::Event::BlockRemoved(e) => self.removed(e, ts, out),
+                wire::Event::AllBlocksCleared => {
+                    self.stats.cleared_events += 1;
+                    out.push(self.reset(ts));
+                }
+            }
+        }
+    }
+
+    /// Forgets everything known of the source and returns the `ALL_CLEARED` to send: for an
+    /// engine clear, an engine restart, or state that became stale.
+    pub fn reset(&mut self, timestamp_us: i64) -> pb::Report {
+        self.blocks.clear();
+        pb::Report::Event(self.identity.event(
+            pb::cache_event::Type::AllCleared,
+            Vec::new(),
+            "",
+            timestamp_us,
+        ))
+    }
+
+    /// The adapter a store belongs to: its `lora_name`, else the configured name of its
+    /// `lora_id`, else the base model. `None` for a `lora_id` without a name.
+    fn adapter(&self, e: &wire::BlockStored<'_>) -> Option<Arc<str>> {
+        match (&e.lora_name, e.lora_id) {
+            (Some(name), _) => Some(Arc::from(&**name)),
+            (None, Some(id)) => self.options.lora_adapters.get(&id).cloned(),
+            (None, None) => Some(self.base_adapter.clone()),
+        }
+    }
+
+    fn stored(&mut self, e: &wire::BlockStored<'_>, ts: i64, out: &mut Vec<pb::Report>) {
+        self.stats.stored_events += 1;
+        if e.block_size == 0 {
+            self.stats.placeholder_stores += 1;
+            return;
+        }
+        let Some(adapter) = self.adapter(e) else {
+            self.stats.unknown_adapter_drops += 1;
+            return;
+        };
+        let tier = tier_of(e.medium.as_ref());
+        let group = e.group_idx;
+        let parent = e.parent_block_hash.as_ref().map(|p| {
+            let known = self.blocks.get(&(engine_key(p), group));
+            (known.map(|t| t.tokens), known.map(|t| t.prefix))
+        });
+        let (base_tokens, parent_prefix) = match parent {
+            None => (0, None),
+            Some((Some(tokens), prefix)) => (tokens, prefix),
+            Some((None, _)) => {
+                self.stats.unknown_parents += 1;
+                (0, None)
+            }
+        };
+        let n = e.block_hashes.len();
+        // Fingerprints need every block's tokens, and a keyable parent when there is one.
+        let prefixes: Vec<Option<u64>> = match self.options.key_mode {
+            KeyMode::Engine => vec![None; n],
+            KeyMode::Fingerprint => {
+                let covered = e.token_ids.len() == n * e.block_size as usize;
+                let parent_keyable = !matches!(parent_prefix, Some(None));
+                if covered && parent_keyable {
+                    let tokens = e.token_ids.to_vec();
+                    fingerprint::chain(&tokens, e.block_size as usize, parent_prefix.flatten())
+                        .into_iter()
+                        .map(|b| Some(b.prefix))
+                        .collect()
+                } else {
+                    self.stats.unkeyable_blocks += n as u64;
+                    vec![None; n]
+                }
+            }
+        };
+        let mut update = self.identity.update(ts);
+        update.adapter_id = adapter.to_string();
+        for (i, (hash, prefix)) in e.block_hashes.iter().zip(prefixes).enumerate() {
+            let tokens = base_tokens.saturating_add((i as u32 + 1).saturating_mul(e.block_size));
+            let id = engine_key(hash);
+            let key = match self.options.key_mode {
+                KeyMode::Engine => Some(id.clone()),
+                KeyMode::Fingerprint => prefix.map(fingerprint_key),
+            };
+            if let Some(key) = &key {
+                update.prefixes.push(pb::PrefixEntry {
+                    prefix_hash: key.clone(),
+                    token_count: i32::try_from(tokens).unwrap_or(i32::MAX),
+                    tier: tier as i32,
+                    adapter_id: adapter.to_string(),
+                    ..Default::default()
+                });
+            }
+            self.track(
+                (id, group),
+                Tracked {
+                    key,
+                    prefix,
+                    tokens,
+                    adapter: adapter.clone(),
+                    tiers: tier_bit(tier),
+                },
+            );
+        }
+        if !update.prefixes.is_empty() {
+            self.stats.prefixes += update.prefixes.len() as u64;
+            out.push(pb::Report::Update(update));
+        }
+    }
+
+    fn track(&mut self, id: BlockId, mut block: Tracked) {
+        if let Some(existing) = self.blocks.get_mut(&id) {
+            block.tiers |= existing.tiers;
+            *existing = block;
+        } else if self.blocks.len() < self.options.max_tracked_blocks {
+            self.blocks.insert(id, block);
+        } else {
+            self.stats.map_refusals += 1;
+        }
+    }
+
+    fn removed(&mut self, e: &wire::BlockRemoved<'_>, ts: i64, out: &mut Vec<pb::Report>) {
+        self.stats.removed_events += 1;
+        let tier = tier_of(e.medium.as_ref());
+        let rereport = self.options.engine_has_offload_tier && tier == pb::CacheTier::T1;
+        for hash in &e.block_hashes {
+            let id = (engine_key(hash), e.group_idx);
+            let (key, adapter, tokens, emptied) = match self.blocks.get_mut(&id) {
+                Some(t) => {
+                    if rereport {
+                        t.tiers = (t.tiers & !1) | 2;
+                    } else {
+                        t.tiers &= !tier_bit(tier);
+                    }
+                    (t.key.clone(), t.adapter.clone(), t.tokens, t.tiers == 0)
+                }
+                None => {
+                    self.stats.unknown_removals += 1;
+                    // An engine hash is its own key; a fingerprint cannot be recovered.
+                    let key = match self.options.key_mode {
+                        KeyMode::Engine => Some(id.0.clone()),
+                        KeyMode::Fingerprint => None,
+                    };
+                    (key, self.base_adapter.clone(), 0, false)
+                }
+            };
+            if emptied {
+                self.blocks.remove(&id);
+            }
+            let Some(key) = key else {
+                continue;
+            };
+            if rereport {
+                self.stats.offload_rereports += 1;
+                self.stats.prefixes += 1;
+                let mut update = self.identity.update(ts);
+                update.adapter_id = adapter.to_string();
+                update.prefixes.push(pb::PrefixEntry {
+                    prefix_hash: key,
+                    token_count: i32::try_from(tokens).unwrap_or(i32::MAX),
+                    tier: pb::CacheTier::T2 as i32,
+                    adapter_id: adapter.to_string(),
+                    ..Default::default()
+                });
+                out.push(pb::Report::Update(update));
+            } else {
+                self.stats.evictions += 1;
+                out.push(pb::Report::Event(self.identity.event(
+                    pb::cache_event::Type::PrefixEvicted,
+                    key,
+                    &adapter,
+                    ts,
+                )));
+            }
+        }
+    }
+}
+
+/// The batch time in microseconds (`ts` × 1e6); 0 ("server now") when not a finite time.
+pub fn timestamp_us(ts: f64) -> i64 {
+    if ts.is_finite() && ts > 0.0 {
+        (ts * 1e6) as i64
+    } else {
+        0
+    }
+}

@@ -1,0 +1,178 @@
+//! Engine key mode: counts across events, tiers, adapters, offload, placeholders, bounds.
+
+use std::borrow::Cow;
+
+use kvevent_mapper::{Identity, Options, parse_lora_adapters};
+use kvevent_proto as pb;
+use kvevent_wire as wire;
+
+use crate::{be, entries, events, mapper, removed, run, stored, tokens};
+
+const T1: i32 = pb::CacheTier::T1 as i32;
+const T2: i32 = pb::CacheTier::T2 as i32;
+const EVICTED: i32 = pb::cache_event::Type::PrefixEvicted as i32;
+const CLEARED: i32 = pb::cache_event::Type::AllCleared as i32;
+
+#[test]
+fn token_counts_continue_across_events_through_a_known_parent() {
+    let mut m = mapper(Options::default());
+    let first = run(&mut m, vec![stored(&[1, 2], None, tokens(0..32), 16)]);
+    assert_eq!(
+        entries(&first),
+        vec![(be(1), 16, T1, "".into()), (be(2), 32, T1, "".into())]
+    );
+    let ext = run(&mut m, vec![stored(&[3], Some(2), tokens(32..48), 16)]);
+    assert_eq!(entries(&ext), vec![(be(3), 48, T1, "".into())]);
+    // An unknown parent restarts the count at 0 and is counted.
+    let orphan = run(&mut m, vec![stored(&[9], Some(77), tokens(0..16), 16)]);
+    assert_eq!(entries(&orphan), vec![(be(9), 16, T1, "".into())]);
+    assert_eq!(m.stats().unknown_parents, 1);
+    // A removal prunes the map: a later extension of 2 no longer continues.
+    run(&mut m, vec![removed(&[2], "GPU")]);
+    let after = run(&mut m, vec![stored(&[4], Some(2), tokens(0..16), 16)]);
+    assert_eq!(entries(&after)[0].1, 16);
+    // A clear empties it.
+    run(&mut m, vec![wire::Event::AllBlocksCleared]);
+    assert_eq!(m.tracked_blocks(), 0);
+}
+
+#[test]
+fn removals_and_clears_become_events_in_order() {
+    let mut m = mapper(Options::default());
+    let out = run(
+        &mut m,
+        vec![
+            stored(&[1], None, tokens(0..16), 16),
+            removed(&[1, 5], "GPU"),
+            wire::Event::AllBlocksCleared,
+        ],
+    );
+    assert!(matches!(out[0], pb::Report::Update(_)));
+    assert_eq!(
+        events(&out),
+        vec![
+            (EVICTED, be(1), "".into()),
+            (EVICTED, be(5), "".into()),
+            (CLEARED, vec![], "".into())
+        ]
+    );
+    assert_eq!(m.stats().unknown_removals, 1);
+}
+
+#[test]
+fn negative_int_hashes_are_twos_complement() {
+    let mut m = mapper(Options::default());
+    let event = wire::Event::BlockStored(wire::BlockStored {
+        block_hashes: vec![wire::BlockHash::Int(wire::Int::I64(-2))],
+        token_ids: tokens(0..4).into(),
+        block_size: 4,
+        ..Default::default()
+    });
+    let out = run(&mut m, vec![event]);
+    assert_eq!(
+        entries(&out)[0].0,
+        vec![0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xfe]
+    );
+}
+
+#[test]
+fn media_map_to_tiers_case_insensitively() {
+    let mut m = mapper(Options::default());
+    for (medium, tier) in [
+        ("GPU", T1),
+        ("gpu", T1),
+        ("CPU", T2),
+        ("cpu", T2),
+        ("STORAGE", T2),
+        ("FS", T2),
+        ("OBJ", T2),
+        ("CXL", T2),
+        ("something-new", T2),
+    ] {
+        let mut e = stored(&[1], None, tokens(0..4), 4);
+        if let wire::Event::BlockStored(s) = &mut e {
+            s.medium = Some(wire::Medium(Cow::Owned(medium.into())));
+        }
+        assert_eq!(entries(&run(&mut m, vec![e]))[0].2, tier, "{medium}");
+    }
+}
+
+#[test]
+fn adapters_come_from_lora_name_then_the_configured_map() {
+    let options = Options {
+        lora_adapters: parse_lora_adapters("1=sql").expect("map"),
+        ..Options::default()
+    };
+    let mut m = mapper(options);
+    let with = |name: Option<&'static str>, id: Option<i64>| {
+        let mut e = stored(&[1], None, tokens(0..4), 4);
+        if let wire::Event::BlockStored(s) = &mut e {
+            s.lora_name = name.map(Cow::Borrowed);
+            s.lora_id = id;
+        }
+        e
+    };
+    assert_eq!(
+        entries(&run(&mut m, vec![with(Some("chat"), Some(1))]))[0].3,
+        "chat"
+    );
+    assert_eq!(entries(&run(&mut m, vec![with(None, Some(1))]))[0].3, "sql");
+    assert!(
+        run(&mut m, vec![with(None, Some(2))]).is_empty(),
+        "unnamed lora_id is dropped"
+    );
+    assert_eq!(m.stats().unknown_adapter_drops, 1);
+    assert_eq!(entries(&run(&mut m, vec![with(None, None)]))[0].3, "");
+    // A removal carries the adapter the block was stored under.
+    let out = run(&mut m, vec![with(Some("chat"), None), removed(&[1], "GPU")]);
+    assert_eq!(events(&out), vec![(EVICTED, be(1), "chat".into())]);
+}
+
+#[test]
+fn offload_tier_turns_gpu_removals_into_t2_reports() {
+    let options = Options {
+        engine_has_offload_tier: true,
+        ..Options::default()
+    };
+    let mut m = mapper(options);
+    run(&mut m, vec![stored(&[1, 2], None, tokens(0..8), 4)]);
+    let out = run(&mut m, vec![removed(&[2], "GPU")]);
+    assert_eq!(entries(&out), vec![(be(2), 8, T2, "".into())]);
+    assert!(events(&out).is_empty());
+    // A removal from the offload tier itself is a real eviction.
+    let out = run(&mut m, vec![removed(&[2], "CPU")]);
+    assert_eq!(events(&out), vec![(EVICTED, be(2), "".into())]);
+    assert_eq!(m.stats().offload_rereports, 1);
+}
+
+#[test]
+fn placeholders_are_counted_not_forwarded() {
+    let mut m = mapper(Options::default());
+    assert!(run(&mut m, vec![stored(&[1], None, vec![], 0)]).is_empty());
+    assert_eq!(m.stats().placeholder_stores, 1);
+}
+
+#[test]
+fn the_per_source_map_is_bounded() {
+    let options = Options {
+        max_tracked_blocks: 2,
+        ..Options::default()
+    };
+    let mut m = mapper(options);
+    let out = run(&mut m, vec![stored(&[1, 2, 3], None, tokens(0..12), 4)]);
+    assert_eq!(entries(&out).len(), 3, "still reported");
+    assert_eq!((m.tracked_blocks(), m.stats().map_refusals), (2, 1));
+}
+
+#[test]
+fn identity_is_validated() {
+    assert!(Identity::new("", "m", "", "vllm").is_err());
+    assert!(Identity::new("r", "", "", "vllm").is_err());
+    let err = Identity::new("r", "m", "", "").expect_err("scheme");
+    assert_eq!(
+        err.to_string(),
+        "hash scheme is required and must not be empty"
+    );
+    assert!(parse_lora_adapters("1=a,1=b").is_err());
+    assert!(parse_lora_adapters("1=").is_err());
+}

@@ -1,0 +1,101 @@
+//! The mapper against the shared vectors and hand-built event sequences.
+
+mod engine_mode;
+mod fingerprint_mode;
+mod vectors;
+
+use std::borrow::Cow;
+
+use kvevent_mapper::{Identity, Mapper, Options};
+use kvevent_proto as pb;
+use kvevent_wire as wire;
+
+pub(crate) fn identity() -> Identity {
+    Identity::new("replica-1", "llama", "tenant-a", "vllm").expect("identity")
+}
+
+pub(crate) fn mapper(options: Options) -> Mapper {
+    Mapper::new(identity(), options)
+}
+
+pub(crate) fn stored(
+    hashes: &[u64],
+    parent: Option<u64>,
+    tokens: Vec<u32>,
+    bs: u32,
+) -> wire::Event<'static> {
+    wire::Event::BlockStored(wire::BlockStored {
+        block_hashes: hashes
+            .iter()
+            .map(|h| wire::BlockHash::Int(wire::Int::U64(*h)))
+            .collect(),
+        parent_block_hash: parent.map(|p| wire::BlockHash::Int(wire::Int::U64(p))),
+        token_ids: tokens.into(),
+        block_size: bs,
+        medium: Some(wire::Medium(Cow::Borrowed("GPU"))),
+        ..Default::default()
+    })
+}
+
+pub(crate) fn removed(hashes: &[u64], medium: &'static str) -> wire::Event<'static> {
+    wire::Event::BlockRemoved(wire::BlockRemoved {
+        block_hashes: hashes
+            .iter()
+            .map(|h| wire::BlockHash::Int(wire::Int::U64(*h)))
+            .collect(),
+        medium: Some(wire::Medium(Cow::Borrowed(medium))),
+        ..Default::default()
+    })
+}
+
+pub(crate) fn run(m: &mut Mapper, events: Vec<wire::Event<'static>>) -> Vec<pb::Report> {
+    let batch = wire::EventBatch {
+        ts: 2.5,
+        events,
+        data_parallel_rank: Some(0),
+        unknown_events: 0,
+    };
+    let mut out = Vec::new();
+    m.map_batch(&batch, &mut out);
+    out
+}
+
+/// (key, token_count, tier, adapter) of every prefix entry in the reports.
+pub(crate) fn entries(reports: &[pb::Report]) -> Vec<(Vec<u8>, i32, i32, String)> {
+    reports
+        .iter()
+        .filter_map(|r| match r {
+            pb::Report::Update(u) => Some(u),
+            _ => None,
+        })
+        .flat_map(|u| {
+            u.prefixes.iter().map(|p| {
+                (
+                    p.prefix_hash.clone(),
+                    p.token_count,
+                    p.tier,
+                    p.adapter_id.clone(),
+                )
+            })
+        })
+        .collect()
+}
+
+/// (type, key, adapter) of every event in the reports.
+pub(crate) fn events(reports: &[pb::Report]) -> Vec<(i32, Vec<u8>, String)> {
+    reports
+        .iter()
+        .filter_map(|r| match r {
+            pb::Report::Event(e) => Some((e.r#type, e.prefix_hash.clone(), e.adapter_id.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+pub(crate) fn be(h: u64) -> Vec<u8> {
+    h.to_be_bytes().to_vec()
+}
+
+pub(crate) fn tokens(range: std::ops::Range<u32>) -> Vec<u32> {
+    range.collect()
+}
