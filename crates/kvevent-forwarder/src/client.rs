@@ -1,0 +1,182 @@
+//! A deadline-bounded InferenceCache client for the engine-side RPCs.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvevent_proto::inference_cache_client::InferenceCacheClient;
+use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
+use tonic::{Code, Request, Status};
+
+use crate::{Error, pb};
+
+/// Supplies a bearer token per call (read fresh each time, so rotated secrets apply).
+pub trait Credentials: Send + Sync + 'static {
+    /// The token to send as `authorization: Bearer …`, if any.
+    fn bearer_token(&self) -> Option<String>;
+}
+
+/// How to reach the server.
+#[derive(Clone)]
+pub struct ClientConfig {
+    /// `host:port` (plain HTTP/2), or an `http://` / `https://` URI.
+    pub address: String,
+    /// Deadline of every RPC. Default 5 s.
+    pub rpc_timeout: Duration,
+    /// Deadline of a connection attempt. Default 5 s.
+    pub connect_timeout: Duration,
+    /// TLS settings; required for `https://`.
+    pub tls: Option<ClientTlsConfig>,
+    /// Bearer token source, if the server wants one.
+    pub credentials: Option<Arc<dyn Credentials>>,
+}
+
+impl std::fmt::Debug for ClientConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientConfig")
+            .field("address", &self.address)
+            .field("rpc_timeout", &self.rpc_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("tls", &self.tls.is_some())
+            .field("credentials", &self.credentials.is_some())
+            .finish()
+    }
+}
+
+impl ClientConfig {
+    /// Defaults for `address`.
+    pub fn new(address: impl Into<String>) -> Self {
+        Self {
+            address: address.into(),
+            rpc_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(5),
+            tls: None,
+            credentials: None,
+        }
+    }
+
+    /// The address as a URI: `host:port` becomes `http://host:port`.
+    pub fn uri(&self) -> String {
+        let a = self.address.trim();
+        if a.starts_with("http://") || a.starts_with("https://") {
+            a.to_owned()
+        } else {
+            format!("http://{a}")
+        }
+    }
+}
+
+/// The engine-side InferenceCache RPCs, each bounded by the configured deadline. Cheap to clone;
+/// clones share one HTTP/2 connection, which reconnects by itself after failures.
+#[derive(Clone)]
+pub struct Client {
+    inner: InferenceCacheClient<Channel>,
+    rpc_timeout: Duration,
+    credentials: Option<Arc<dyn Credentials>>,
+}
+
+/// Makes a client. Connects lazily: no IO happens here, so a server that is down at start is
+/// not an error.
+pub fn connect(config: &ClientConfig) -> Result<Client, Error> {
+    let uri = config.uri();
+    let invalid = |source| Error::InvalidAddress {
+        address: config.address.clone(),
+        source,
+    };
+    let mut endpoint = Endpoint::from_shared(uri)
+        .map_err(invalid)?
+        .connect_timeout(config.connect_timeout)
+        .timeout(config.rpc_timeout)
+        .tcp_nodelay(true)
+        .tcp_keepalive(Some(Duration::from_secs(30)))
+        .http2_keep_alive_interval(Duration::from_secs(30))
+        .keep_alive_timeout(Duration::from_secs(10));
+    if let Some(tls) = &config.tls {
+        endpoint = endpoint.tls_config(tls.clone()).map_err(Error::Tls)?;
+    }
+    Ok(Client {
+        inner: InferenceCacheClient::new(endpoint.connect_lazy()),
+        rpc_timeout: config.rpc_timeout,
+        credentials: config.credentials.clone(),
+    })
+}
+
+impl Client {
+    /// A client over an existing channel (in-memory transports in tests, custom connectors).
+    pub fn from_channel(channel: Channel, rpc_timeout: Duration) -> Self {
+        Self {
+            inner: InferenceCacheClient::new(channel),
+            rpc_timeout,
+            credentials: None,
+        }
+    }
+
+    fn request<T>(&self, message: T) -> Result<Request<T>, Status> {
+        let mut request = Request::new(message);
+        request.set_timeout(self.rpc_timeout);
+        if let Some(token) = self.credentials.as_ref().and_then(|c| c.bearer_token()) {
+            let value = format!("Bearer {token}")
+                .parse()
+                .map_err(|_| Status::unauthenticated("bearer token is not a valid header value"))?;
+            request.metadata_mut().insert("authorization", value);
+        }
+        Ok(request)
+    }
+
+    async fn bounded<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<tonic::Response<T>, Status>>,
+    ) -> Result<T, Status> {
+        match tokio::time::timeout(self.rpc_timeout, call).await {
+            Ok(result) => result.map(tonic::Response::into_inner),
+            Err(_) => Err(Status::deadline_exceeded("rpc deadline passed")),
+        }
+    }
+
+    /// One `ReportCacheState` call streaming `updates`, then half-closing for the `Ack`.
+    pub async fn report(&self, updates: Vec<pb::CacheStateUpdate>) -> Result<pb::Ack, Status> {
+        let request = self.request(tokio_stream::iter(updates))?;
+        let mut inner = self.inner.clone();
+        self.bounded(inner.report_cache_state(request)).await
+    }
+
+    /// One `PublishEvent` call.
+    pub async fn publish(&self, event: pb::CacheEvent) -> Result<pb::Ack, Status> {
+        let request = self.request(event)?;
+        let mut inner = self.inner.clone();
+        self.bounded(inner.publish_event(request)).await
+    }
+}
+
+/// What to do after a failed RPC.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retry {
+    /// A passing condition (server down, overloaded, deadline): keep the work, retry later.
+    Retry,
+    /// The request itself is wrong: retrying cannot help; drop it and count.
+    GiveUp,
+}
+
+/// The one place gRPC status codes are classified.
+pub fn classify(status: &Status) -> Retry {
+    match status.code() {
+        // Transient: the server or the path to it.
+        Code::Unavailable
+        | Code::DeadlineExceeded
+        | Code::ResourceExhausted
+        | Code::Aborted
+        | Code::Cancelled
+        | Code::Unknown
+        | Code::Internal
+        // A rotated token may fix these: keep the work.
+        | Code::Unauthenticated
+        | Code::PermissionDenied => Retry::Retry,
+        Code::Ok
+        | Code::InvalidArgument
+        | Code::NotFound
+        | Code::AlreadyExists
+        | Code::FailedPrecondition
+        | Code::OutOfRange
+        | Code::Unimplemented
+        | Code::DataLoss => Retry::GiveUp,
+    }
+}

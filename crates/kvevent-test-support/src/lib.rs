@@ -1,0 +1,28 @@
+//! Fakes for kvevent's tests, speaking the real protocols on loopback.
+//!
+//! - [`RecordingServer`]: a real tonic InferenceCache server on `127.0.0.1:0` that records every
+//!   `CacheStateUpdate` and `CacheEvent` in arrival order, and can be told to refuse, delay or
+//!   hang, or be stopped and started again on the same port.
+//!
+//! Used only as a dev-dependency. Every wait is bounded by a timeout.
+
+mod server;
+
+pub use server::{Behaviour, Received, RecordingServer};
+
+/// `shared/` beside the checkout (or `KVEVENT_SHARED_DIR`).
+pub fn shared_dir() -> std::path::PathBuf {
+    if let Some(dir) = std::env::var_os("KVEVENT_SHARED_DIR") {
+        return dir.into();
+    }
+    let mut dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    loop {
+        if dir.join("shared/vectors").is_dir() {
+            return dir.join("shared");
+        }
+        assert!(
+            dir.pop(),
+            "no shared/ above the crate: set KVEVENT_SHARED_DIR"
+        );
+    }
+}
