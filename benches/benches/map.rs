@@ -28,7 +28,10 @@ fn map(c: &mut Criterion) {
     let identity = Identity::new("replica-1", "llama", "", "vllm").expect("identity");
     let mut group = c.benchmark_group("map");
     group.throughput(Throughput::Elements(blocks_in(&batch)));
-    for (name, mode) in [("engine_keys", KeyMode::Engine), ("fingerprint_keys", KeyMode::Fingerprint)] {
+    for (name, mode) in [
+        ("engine_keys", KeyMode::Engine),
+        ("fingerprint_keys", KeyMode::Fingerprint),
+    ] {
         let options = Options {
             key_mode: mode,
             ..Options::default()
@@ -54,12 +57,16 @@ fn map(c: &mut Criterion) {
     }
     group.finish();
 
-    let tokens: Vec<u32> = (0..16_384u32).map(|i| i.wrapping_mul(2_654_435_761) % 152_064).collect();
+    let tokens: Vec<u32> = (0..16_384u32)
+        .map(|i| i.wrapping_mul(2_654_435_761) % 152_064)
+        .collect();
     let mut group = c.benchmark_group("fingerprint");
     group.throughput(Throughput::Elements(tokens.len() as u64));
     for block_size in [16usize, 64] {
         group.bench_function(format!("chain_tokens/block_size_{block_size}"), |b| {
-            b.iter(|| kvevent_fingerprint::chain(std::hint::black_box(&tokens), block_size, None).len())
+            b.iter(|| {
+                kvevent_fingerprint::chain(std::hint::black_box(&tokens), block_size, None).len()
+            })
         });
     }
     group.finish();

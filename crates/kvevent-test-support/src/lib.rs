@@ -4,10 +4,17 @@
 //!   `CacheStateUpdate` and `CacheEvent` in arrival order, and can be told to refuse, delay or
 //!   hang, or be stopped and started again on the same port.
 //!
+//! - [`Publisher`]: the Rust fake engine (re-exported from `kvevent-zmq`).
+//! - [`PythonPublisher`]: a publisher built on msgspec + pyzmq exactly as vLLM's is, run as a
+//!   child process, so both sides' libzmq really talk.
+//!
 //! Used only as a dev-dependency. Every wait is bounded by a timeout.
 
+mod python;
 mod server;
 
+pub use kvevent_zmq::publisher::{Publisher, PublisherConfig};
+pub use python::{PythonPublisher, python};
 pub use server::{Behaviour, Received, RecordingServer};
 
 /// `shared/` beside the checkout (or `KVEVENT_SHARED_DIR`).

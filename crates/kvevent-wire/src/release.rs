@@ -33,6 +33,11 @@ const fn r(major: u16, minor: u16, patch: u16) -> Release {
 }
 
 impl Release {
+    /// A release number.
+    pub const fn new(major: u16, minor: u16, patch: u16) -> Self {
+        r(major, minor, patch)
+    }
+
     /// The oldest release with KV events.
     pub const OLDEST: Release = r(0, 9, 0);
     /// The newest release whose format this crate knows; newer ones are written like it.

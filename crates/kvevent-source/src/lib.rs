@@ -1,0 +1,25 @@
+//! Per-source state for vLLM KV events, and the stream a router consumes.
+//!
+//! ZMQ PUB/SUB is at-most-once: batches are lost to slow joiners, HWM overflow and
+//! reconnects, and a seq going backwards means a new engine process. This crate turns the raw
+//! frames of [`kvevent_zmq`] into a trustworthy stream per source (endpoint and DP rank):
+//!
+//! - [`SourceState`] — a pure state machine: tracks the last seq, drops duplicates, replays
+//!   from 0 on a late join and from `last + 1` on a gap (holding live batches meanwhile and
+//!   applying them after), and answers with a [`ResetReason`] whenever what is known became
+//!   stale: first contact, engine restart (then rebuilds from the replay buffer), a gap or a
+//!   truncated replay it cannot repair, a corrupt payload. Failed replays back off; live
+//!   batches keep flowing.
+//! - [`Subscriber`] — runs the transport and one state per source and yields [`Update`]s:
+//!   batches in seq order (validated by decoding once) and resets. It is the in-process API for
+//!   a Rust router, independent of any gRPC forwarding.
+//!
+//! Every decision is counted in [`SourceMetrics`]. No tokio, tonic, hyper or prost here.
+
+mod metrics;
+mod state;
+mod subscriber;
+
+pub use metrics::{DECODE_FAILURE_KINDS, SourceMetrics};
+pub use state::{ReplayEnd, ResetReason, SourceState, StateConfig, Step};
+pub use subscriber::{Batch, Config, Subscriber, Update};

@@ -1,0 +1,352 @@
+//! The per-source state machine: pure, driven by what arrives, answering with [`Step`]s.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::{Duration, Instant};
+
+use crate::metrics::SourceMetrics;
+
+/// Why a source's state was declared stale.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ResetReason {
+    /// First message from the source: whatever the server holds for it may be stale.
+    Startup,
+    /// The seq went backwards: a new engine process.
+    Restart,
+    /// Batches were lost and could not be replayed.
+    Gap,
+    /// A replay began later than asked: the engine's buffer no longer had them.
+    TruncatedReplay,
+    /// A payload could not be decoded: its events are lost.
+    Corrupt,
+}
+
+impl ResetReason {
+    /// Every reason, for exporting.
+    pub const ALL: [ResetReason; 5] = [
+        Self::Startup,
+        Self::Restart,
+        Self::Gap,
+        Self::TruncatedReplay,
+        Self::Corrupt,
+    ];
+
+    /// The reason's label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Startup => "startup",
+            Self::Restart => "restart",
+            Self::Gap => "gap",
+            Self::TruncatedReplay => "truncated_replay",
+            Self::Corrupt => "corrupt",
+        }
+    }
+}
+
+/// What the state asks its driver to do, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// Apply this batch (seqs strictly increase between resets).
+    Deliver {
+        /// The batch's seq.
+        seq: u64,
+        /// The msgpack payload.
+        payload: Vec<u8>,
+    },
+    /// Everything known of the source is stale: clear it.
+    Reset(ResetReason),
+    /// Ask the engine to replay from this seq.
+    Replay {
+        /// First seq wanted.
+        from: u64,
+    },
+}
+
+/// How a replay ended, as the driver saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplayEnd {
+    /// The end marker arrived.
+    Complete,
+    /// Nothing more arrived for the idle timeout.
+    TimedOut,
+    /// The request could not be sent.
+    Failed,
+}
+
+/// Settings of one source's state.
+#[derive(Debug, Clone)]
+pub struct StateConfig {
+    /// The engine has a replay endpoint.
+    pub has_replay: bool,
+    /// Live batches kept while a replay runs; beyond, the oldest are dropped (a gap).
+    pub max_buffered: usize,
+    /// Wait after a failed replay before the next; doubles up to `replay_backoff_max`.
+    pub replay_backoff_initial: Duration,
+    /// Longest wait between failed replays.
+    pub replay_backoff_max: Duration,
+}
+
+impl Default for StateConfig {
+    fn default() -> Self {
+        Self {
+            has_replay: false,
+            max_buffered: 20_000,
+            replay_backoff_initial: Duration::from_secs(1),
+            replay_backoff_max: Duration::from_secs(60),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Replay {
+    from: u64,
+    first: Option<u64>,
+    /// This replay rebuilds the source from nothing (first message, restart).
+    bootstrap: bool,
+    /// Something was lost on the way: the state is not whole after this replay.
+    lossy: bool,
+}
+
+/// One source's state: last seq, a running replay and the live batches held back meanwhile.
+#[derive(Debug)]
+pub struct SourceState {
+    config: StateConfig,
+    last: Option<u64>,
+    replay: Option<Replay>,
+    buffered: VecDeque<(u64, Vec<u8>)>,
+    /// Seqs at or above this that are not above `last` are replay duplicates, not a restart.
+    dup_floor: Option<u64>,
+    /// Draining the batches held during a replay: a gap now is not replayed again.
+    draining: bool,
+    failures: u32,
+    backoff_until: Option<Instant>,
+    metrics: Arc<SourceMetrics>,
+}
+
+impl SourceState {
+    /// A fresh state reporting into `metrics`.
+    pub fn new(config: StateConfig, metrics: Arc<SourceMetrics>) -> Self {
+        Self {
+            config,
+            last: None,
+            replay: None,
+            buffered: VecDeque::new(),
+            dup_floor: None,
+            draining: false,
+            failures: 0,
+            backoff_until: None,
+            metrics,
+        }
+    }
+
+    /// The last seq delivered.
+    pub fn last_seq(&self) -> Option<u64> {
+        self.last
+    }
+
+    /// True while a replay runs.
+    pub fn replaying(&self) -> bool {
+        self.replay.is_some()
+    }
+
+    /// The events seen cover what the engine holds again (e.g. after `AllBlocksCleared`).
+    pub fn mark_whole(&self) {
+        self.metrics.degraded.store(false, Relaxed);
+    }
+
+    /// Something made the state incomplete.
+    pub fn mark_degraded(&self) {
+        self.metrics.degraded.store(true, Relaxed);
+    }
+
+    fn can_replay(&self, now: Instant) -> bool {
+        self.config.has_replay && self.backoff_until.is_none_or(|t| now >= t)
+    }
+
+    fn deliver(&mut self, seq: u64, payload: Vec<u8>, out: &mut Vec<Step>) {
+        self.last = Some(seq);
+        self.metrics.last_seq.store(seq, Relaxed);
+        self.metrics.batches.fetch_add(1, Relaxed);
+        out.push(Step::Deliver { seq, payload });
+    }
+
+    fn reset(&mut self, reason: ResetReason, out: &mut Vec<Step>) {
+        self.metrics.reset(reason);
+        out.push(Step::Reset(reason));
+    }
+
+    fn start_replay(&mut self, from: u64, bootstrap: bool, out: &mut Vec<Step>) {
+        self.metrics.replays_requested.fetch_add(1, Relaxed);
+        self.replay = Some(Replay {
+            from,
+            first: None,
+            bootstrap,
+            lossy: false,
+        });
+        self.dup_floor = Some(from);
+        out.push(Step::Replay { from });
+    }
+
+    fn hold(&mut self, seq: u64, payload: Vec<u8>) {
+        self.buffered.push_back((seq, payload));
+        if self.buffered.len() > self.config.max_buffered {
+            self.buffered.pop_front();
+            self.metrics.buffer_overflows.fetch_add(1, Relaxed);
+        }
+    }
+
+    /// A live batch arrived.
+    pub fn on_live(&mut self, seq: u64, payload: Vec<u8>, now: Instant, out: &mut Vec<Step>) {
+        if self.replay.is_some() {
+            self.hold(seq, payload);
+            return;
+        }
+        match self.last {
+            None => {
+                self.reset(ResetReason::Startup, out);
+                self.begin(seq, payload, now, out);
+            }
+            Some(last) if seq == last.wrapping_add(1) => self.deliver(seq, payload, out),
+            Some(last) if seq <= last => {
+                if seq == last || self.dup_floor.is_some_and(|f| seq >= f) {
+                    self.metrics.duplicates.fetch_add(1, Relaxed);
+                } else {
+                    tracing::info!(seq, last, "seq went backwards: engine restarted");
+                    self.metrics.restarts.fetch_add(1, Relaxed);
+                    self.reset(ResetReason::Restart, out);
+                    self.last = None;
+                    self.dup_floor = None;
+                    self.begin(seq, payload, now, out);
+                }
+            }
+            Some(last) => {
+                let missing = seq - last - 1;
+                self.metrics.gaps.fetch_add(1, Relaxed);
+                self.metrics.missing_seqs.fetch_add(missing, Relaxed);
+                if !self.draining && self.can_replay(now) {
+                    tracing::info!(from = last + 1, missing, "gap: replaying");
+                    self.start_replay(last + 1, false, out);
+                    self.hold(seq, payload);
+                } else {
+                    tracing::warn!(missing, "gap that cannot be replayed: resetting the source");
+                    self.mark_degraded();
+                    self.reset(ResetReason::Gap, out);
+                    self.deliver(seq, payload, out);
+                }
+            }
+        }
+    }
+
+    /// The first batch of a source (or of a new engine process), after its reset.
+    fn begin(&mut self, seq: u64, payload: Vec<u8>, now: Instant, out: &mut Vec<Step>) {
+        if seq == 0 {
+            self.mark_whole();
+            self.deliver(seq, payload, out);
+        } else if self.can_replay(now) {
+            self.start_replay(0, true, out);
+            self.hold(seq, payload);
+        } else {
+            if !self.config.has_replay {
+                self.metrics.replays_unavailable.fetch_add(1, Relaxed);
+            }
+            self.mark_degraded();
+            self.deliver(seq, payload, out);
+        }
+    }
+
+    /// A replayed batch arrived.
+    pub fn on_replayed(&mut self, seq: u64, payload: Vec<u8>, out: &mut Vec<Step>) {
+        let Some(replay) = self.replay.as_mut() else {
+            self.metrics.duplicates.fetch_add(1, Relaxed);
+            return;
+        };
+        if replay.first.is_none() {
+            replay.first = Some(seq);
+            if seq > replay.from {
+                replay.lossy = true;
+                let bootstrap = replay.bootstrap;
+                self.metrics.replays_truncated.fetch_add(1, Relaxed);
+                self.metrics
+                    .missing_seqs
+                    .fetch_add(seq - replay.from, Relaxed);
+                self.mark_degraded();
+                // A bootstrap already reset the source; a gap repair must clear what is stale.
+                if !bootstrap {
+                    self.reset(ResetReason::TruncatedReplay, out);
+                }
+            }
+        }
+        match self.last {
+            Some(last) if seq <= last => {
+                self.metrics.duplicates.fetch_add(1, Relaxed);
+            }
+            Some(last) if seq > last + 1 && replay_first(&self.replay) != Some(seq) => {
+                // The engine's ROUTER dropped some replies (its HWM): a hole inside the replay.
+                if let Some(r) = self.replay.as_mut() {
+                    r.lossy = true;
+                }
+                self.metrics.gaps.fetch_add(1, Relaxed);
+                self.metrics.missing_seqs.fetch_add(seq - last - 1, Relaxed);
+                self.mark_degraded();
+                self.reset(ResetReason::Gap, out);
+                self.deliver(seq, payload, out);
+            }
+            _ => self.deliver(seq, payload, out),
+        }
+    }
+
+    /// The replay is over; apply the live batches held back meanwhile.
+    pub fn on_replay_done(&mut self, end: ReplayEnd, now: Instant, out: &mut Vec<Step>) {
+        let Some(replay) = self.replay.take() else {
+            return;
+        };
+        match end {
+            ReplayEnd::Complete => {
+                self.metrics.replays_complete.fetch_add(1, Relaxed);
+                self.failures = 0;
+                self.backoff_until = None;
+                if replay.bootstrap && !replay.lossy && replay.first == Some(0) {
+                    self.mark_whole();
+                }
+            }
+            ReplayEnd::TimedOut | ReplayEnd::Failed => {
+                if end == ReplayEnd::TimedOut {
+                    self.metrics.replays_timed_out.fetch_add(1, Relaxed);
+                } else {
+                    self.metrics.replays_failed.fetch_add(1, Relaxed);
+                }
+                self.failures = self.failures.saturating_add(1);
+                let backoff = self
+                    .config
+                    .replay_backoff_initial
+                    .saturating_mul(1 << self.failures.min(16).saturating_sub(1))
+                    .min(self.config.replay_backoff_max);
+                self.backoff_until = Some(now + backoff);
+            }
+        }
+        self.draining = true;
+        while self.replay.is_none() {
+            let Some((seq, payload)) = self.buffered.pop_front() else {
+                break;
+            };
+            if self.last.is_none() {
+                // Nothing came back at all: start from the first held batch.
+                if seq > 0 {
+                    self.mark_degraded();
+                }
+                self.deliver(seq, payload, out);
+                continue;
+            }
+            self.on_live(seq, payload, now, out);
+        }
+        self.draining = false;
+        if self.buffered.is_empty() && self.replay.is_none() {
+            self.dup_floor = None;
+        }
+    }
+}
+
+fn replay_first(replay: &Option<Replay>) -> Option<u64> {
+    replay.as_ref().and_then(|r| r.first)
+}

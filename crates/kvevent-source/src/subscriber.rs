@@ -1,0 +1,279 @@
+//! The transport and the per-source states, joined into one stream of updates.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use kvevent_wire::{self as wire, frames};
+use kvevent_zmq as transport;
+
+use crate::{ReplayEnd, ResetReason, SourceMetrics, SourceState, StateConfig, Step};
+
+/// How to subscribe.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The engine sources (one per endpoint and DP rank).
+    pub sources: Vec<transport::Source>,
+    /// Socket options.
+    pub socket: transport::SourceOptions,
+    /// Capacity of the frames channel between the source threads and the subscriber.
+    /// Default 1,024 messages.
+    pub channel_capacity: usize,
+    /// Per-source state settings (`has_replay` is taken from each source).
+    pub state: StateConfig,
+    /// Limits on what one payload may hold.
+    pub limits: wire::Limits,
+}
+
+impl Config {
+    /// Defaults for these sources.
+    pub fn new(sources: Vec<transport::Source>) -> Self {
+        Self {
+            sources,
+            socket: transport::SourceOptions::default(),
+            channel_capacity: 1024,
+            state: StateConfig::default(),
+            limits: wire::Limits::DEFAULT,
+        }
+    }
+}
+
+/// One batch to apply, in seq order for its source.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Batch {
+    /// Index of the source in [`Config::sources`].
+    pub source: usize,
+    /// The batch's seq.
+    pub seq: u64,
+    /// The msgpack payload, already checked to decode.
+    pub payload: Vec<u8>,
+}
+
+impl Batch {
+    /// The decoded batch, borrowing the payload.
+    pub fn decode(&self) -> wire::Result<wire::EventBatch<'_>> {
+        wire::decode(&self.payload)
+    }
+}
+
+/// What a consumer applies, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Update {
+    /// A batch of events.
+    Batch(Batch),
+    /// Everything known of `source` is stale: forget it (a router clears that replica).
+    Reset {
+        /// Index of the source.
+        source: usize,
+        /// Why.
+        reason: ResetReason,
+    },
+}
+
+/// Subscribes to engine sources and yields their updates.
+pub struct Subscriber {
+    transport: Option<transport::Transport>,
+    frames: Receiver<transport::Frames>,
+    states: Vec<SourceState>,
+    metrics: Vec<Arc<SourceMetrics>>,
+    sources: Vec<transport::Source>,
+    limits: wire::Limits,
+    ready: VecDeque<Update>,
+    steps: Vec<Step>,
+}
+
+impl std::fmt::Debug for Subscriber {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Subscriber")
+            .field("sources", &self.sources)
+            .finish()
+    }
+}
+
+impl Subscriber {
+    /// Opens every source's sockets and starts their threads.
+    pub fn start(ctx: &zmq::Context, config: Config) -> Result<Self, transport::Error> {
+        let (tx, rx) = mpsc::sync_channel(config.channel_capacity.max(1));
+        let transport = transport::Transport::start(ctx, &config.sources, &config.socket, tx)?;
+        let metrics: Vec<_> = config
+            .sources
+            .iter()
+            .map(|_| Arc::new(SourceMetrics::default()))
+            .collect();
+        let states = config
+            .sources
+            .iter()
+            .zip(&metrics)
+            .map(|(source, m)| {
+                let state = StateConfig {
+                    has_replay: source.replay_endpoint.is_some(),
+                    ..config.state.clone()
+                };
+                SourceState::new(state, m.clone())
+            })
+            .collect();
+        Ok(Self {
+            transport: Some(transport),
+            frames: rx,
+            states,
+            metrics,
+            sources: config.sources,
+            limits: config.limits,
+            ready: VecDeque::new(),
+            steps: Vec::new(),
+        })
+    }
+
+    /// The sources, in index order.
+    pub fn sources(&self) -> &[transport::Source] {
+        &self.sources
+    }
+
+    /// Each source's counters, in index order.
+    pub fn metrics(&self) -> &[Arc<SourceMetrics>] {
+        &self.metrics
+    }
+
+    /// The next update, waiting at most `timeout`. `None` on timeout (or once the transport
+    /// is gone).
+    pub fn next(&mut self, timeout: Duration) -> Option<Update> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(update) = self.ready.pop_front() {
+                return Some(update);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.frames.recv_timeout(left) {
+                Ok(frames) => self.handle(frames),
+                Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => return None,
+            }
+        }
+    }
+
+    fn handle(&mut self, incoming: transport::Frames) {
+        let source = incoming.source;
+        let Some(state) = self.states.get_mut(source) else {
+            return;
+        };
+        let metrics = &self.metrics[source];
+        let now = Instant::now();
+        match incoming.delivery {
+            transport::Delivery::Live(mut msg) => match frames::parse_live(&msg) {
+                Ok(live) => {
+                    let seq = live.seq;
+                    let payload = msg.pop().unwrap_or_default();
+                    state.on_live(seq, payload, now, &mut self.steps);
+                }
+                Err(e) => {
+                    metrics.malformed_frames.fetch_add(1, Relaxed);
+                    tracing::warn!(source = %self.sources[source].label(), error = %e, "malformed live message skipped");
+                }
+            },
+            transport::Delivery::Replay(mut msg) => match frames::parse_replay(&msg) {
+                Ok(frames::ReplayReply::Batch { seq, .. }) => {
+                    let payload = msg.pop().unwrap_or_default();
+                    state.on_replayed(seq, payload, &mut self.steps);
+                }
+                Ok(frames::ReplayReply::End) => {}
+                Err(e) => {
+                    metrics.malformed_frames.fetch_add(1, Relaxed);
+                    tracing::warn!(source = %self.sources[source].label(), error = %e, "malformed replay reply skipped");
+                }
+            },
+            transport::Delivery::ReplayDone(outcome) => {
+                let end = match outcome {
+                    transport::ReplayOutcome::Complete => ReplayEnd::Complete,
+                    transport::ReplayOutcome::TimedOut => ReplayEnd::TimedOut,
+                    transport::ReplayOutcome::Failed(why) => {
+                        tracing::warn!(source = %self.sources[source].label(), %why, "replay failed");
+                        ReplayEnd::Failed
+                    }
+                };
+                state.on_replay_done(end, now, &mut self.steps);
+            }
+        }
+        self.apply_steps(source);
+    }
+
+    fn apply_steps(&mut self, source: usize) {
+        let mut steps = std::mem::take(&mut self.steps);
+        for step in steps.drain(..) {
+            match step {
+                Step::Deliver { seq, payload } => self.deliver(source, seq, payload),
+                Step::Reset(reason) => {
+                    tracing::info!(source = %self.sources[source].label(), reason = reason.as_str(), "source reset");
+                    self.ready.push_back(Update::Reset { source, reason });
+                }
+                Step::Replay { from } => {
+                    let asked = self
+                        .transport
+                        .as_ref()
+                        .is_some_and(|t| t.request_replay(source, from));
+                    if !asked {
+                        let mut more = Vec::new();
+                        self.states[source].on_replay_done(
+                            ReplayEnd::Failed,
+                            Instant::now(),
+                            &mut more,
+                        );
+                        self.steps = more;
+                        self.apply_steps(source);
+                    }
+                }
+            }
+        }
+        if self.steps.is_empty() {
+            self.steps = steps;
+        }
+    }
+
+    /// Checks that a batch decodes before handing it on; a corrupt one resets the source
+    /// (its events are lost) and is counted by kind.
+    fn deliver(&mut self, source: usize, seq: u64, payload: Vec<u8>) {
+        let metrics = &self.metrics[source];
+        match wire::decode_with(&payload, &self.limits) {
+            Ok(batch) => {
+                let mut cleared = false;
+                for e in &batch.events {
+                    let i = match e {
+                        wire::Event::BlockStored(_) => 0,
+                        wire::Event::BlockRemoved(_) => 1,
+                        wire::Event::AllBlocksCleared => {
+                            cleared = true;
+                            2
+                        }
+                    };
+                    metrics.events[i].fetch_add(1, Relaxed);
+                }
+                metrics.events[3].fetch_add(batch.unknown_events as u64, Relaxed);
+                if cleared {
+                    self.states[source].mark_whole();
+                }
+                self.ready.push_back(Update::Batch(Batch {
+                    source,
+                    seq,
+                    payload,
+                }));
+            }
+            Err(e) => {
+                metrics.decode_failure(e.kind());
+                tracing::warn!(source = %self.sources[source].label(), seq, error = %e, "payload does not decode: its events are lost");
+                self.states[source].mark_degraded();
+                metrics.reset(ResetReason::Corrupt);
+                self.ready.push_back(Update::Reset {
+                    source,
+                    reason: ResetReason::Corrupt,
+                });
+            }
+        }
+    }
+
+    /// Stops the source threads.
+    pub fn shutdown(mut self) {
+        if let Some(t) = self.transport.take() {
+            t.shutdown();
+        }
+    }
+}

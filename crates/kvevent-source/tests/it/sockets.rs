@@ -1,0 +1,319 @@
+//! The subscriber against the Rust fake engine over real ZMQ sockets on loopback.
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::{Duration, Instant};
+
+use kvevent_source::{Config, ResetReason, Subscriber, Update};
+use kvevent_test_support::{Publisher, PublisherConfig};
+use kvevent_wire::{self as wire, Release};
+use kvevent_zmq as transport;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn batch(i: u64) -> wire::EventBatch<'static> {
+    wire::EventBatch {
+        ts: 1.0 + i as f64,
+        events: vec![wire::Event::BlockStored(wire::BlockStored {
+            block_hashes: vec![wire::BlockHash::Int(wire::Int::U64(100 + i))],
+            token_ids: vec![1, 2, 3, 4].into(),
+            block_size: 4,
+            medium: Some("GPU".into()),
+            ..Default::default()
+        })],
+        data_parallel_rank: Some(0),
+        unknown_events: 0,
+    }
+}
+
+fn payload(release: Release, i: u64) -> Vec<u8> {
+    wire::encode(&batch(i), release).expect("encode")
+}
+
+fn source_of(p: &Publisher, replay: bool) -> transport::Source {
+    transport::Source {
+        endpoint: p.endpoint().to_owned(),
+        replay_endpoint: if replay {
+            p.replay_endpoint().map(str::to_owned)
+        } else {
+            None
+        },
+        topic: b"kv-events".to_vec(),
+        bind: false,
+        dp_rank: 0,
+    }
+}
+
+fn subscriber(ctx: &zmq::Context, sources: Vec<transport::Source>) -> Subscriber {
+    let mut config = Config::new(sources);
+    config.socket.replay_idle_timeout = Duration::from_millis(300);
+    config.state.replay_backoff_initial = Duration::from_millis(100);
+    Subscriber::start(ctx, config).expect("subscriber")
+}
+
+/// Collects updates as `B<source>:<seq>` / `R<source>:<reason>` until `done` holds.
+fn collect(sub: &mut Subscriber, done: impl Fn(&[String]) -> bool) -> Vec<String> {
+    let deadline = Instant::now() + WAIT;
+    let mut seen = Vec::new();
+    while !done(&seen) {
+        assert!(Instant::now() < deadline, "timed out; saw {seen:?}");
+        match sub.next(Duration::from_millis(100)) {
+            Some(Update::Batch(b)) => {
+                b.decode().expect("a delivered batch decodes");
+                seen.push(format!("B{}:{}", b.source, b.seq));
+            }
+            Some(Update::Reset { source, reason }) => {
+                seen.push(format!("R{source}:{}", reason.as_str()))
+            }
+            None => {}
+        }
+    }
+    seen
+}
+
+fn has(s: &str) -> impl Fn(&[String]) -> bool + '_ {
+    move |seen| seen.iter().any(|x| x == s)
+}
+
+fn engine(release: Release) -> (zmq::Context, Publisher) {
+    let ctx = zmq::Context::new();
+    let publisher = Publisher::start(&ctx, PublisherConfig::loopback(release)).expect("publisher");
+    (ctx, publisher)
+}
+
+#[test]
+fn live_batches_flow_in_order() {
+    let release = Release::NEWEST_KNOWN;
+    let (ctx, engine) = engine(release);
+    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)]);
+    // Synchronise on the subscription instead of sleeping (slow joiner).
+    assert!(engine.wait_for_subscribers(1, WAIT));
+    for i in 0..5 {
+        engine.publish(&batch(i)).expect("publish");
+    }
+    let seen = collect(&mut sub, has("B0:4"));
+    assert_eq!(seen, ["R0:startup", "B0:0", "B0:1", "B0:2", "B0:3", "B0:4"]);
+    let m = &sub.metrics()[0];
+    assert_eq!(
+        (m.events[0].load(Relaxed), m.last_seq.load(Relaxed)),
+        (5, 4)
+    );
+    assert!(!m.degraded.load(Relaxed));
+}
+
+#[test]
+fn a_late_joiner_bootstraps_from_replay() {
+    for release in [Release::new(0, 20, 0), Release::new(0, 33, 0)] {
+        // Both replay reply formats: [seq, payload] before 0.26, [topic, seq, payload] after.
+        let (ctx, engine) = engine(release);
+        for i in 0..6 {
+            engine.publish(&batch(i)).expect("publish");
+        }
+        let mut sub = subscriber(&ctx, vec![source_of(&engine, true)]);
+        assert!(engine.wait_for_subscribers(1, WAIT));
+        engine.publish(&batch(6)).expect("publish");
+        let seen = collect(&mut sub, has("B0:6"));
+        let want: Vec<String> = std::iter::once("R0:startup".to_owned())
+            .chain((0..=6).map(|i| format!("B0:{i}")))
+            .collect();
+        assert_eq!(seen, want, "{release}");
+        // The end marker follows the last replayed batch.
+        let m = sub.metrics()[0].clone();
+        let deadline = Instant::now() + WAIT;
+        while m.replays_complete.load(Relaxed) == 0 {
+            assert!(
+                Instant::now() < deadline,
+                "{release}: replay never completed"
+            );
+            sub.next(Duration::from_millis(50));
+        }
+        assert!(!m.degraded.load(Relaxed), "{release}");
+    }
+}
+
+#[test]
+fn a_gap_is_repaired_by_replay() {
+    let release = Release::NEWEST_KNOWN;
+    let (ctx, engine) = engine(release);
+    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)]);
+    assert!(engine.wait_for_subscribers(1, WAIT));
+    engine.publish(&batch(0)).expect("publish");
+    engine.publish_lost(payload(release, 1));
+    engine.publish_lost(payload(release, 2));
+    engine.publish(&batch(3)).expect("publish");
+    let seen = collect(&mut sub, has("B0:3"));
+    assert_eq!(seen, ["R0:startup", "B0:0", "B0:1", "B0:2", "B0:3"]);
+    let m = &sub.metrics()[0];
+    assert_eq!((m.gaps.load(Relaxed), m.missing_seqs.load(Relaxed)), (1, 2));
+}
+
+#[test]
+fn a_truncated_replay_clears_the_source() {
+    let release = Release::NEWEST_KNOWN;
+    let ctx = zmq::Context::new();
+    let config = PublisherConfig {
+        buffer_steps: 2,
+        ..PublisherConfig::loopback(release)
+    };
+    let engine = Publisher::start(&ctx, config).expect("publisher");
+    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)]);
+    assert!(engine.wait_for_subscribers(1, WAIT));
+    engine.publish(&batch(0)).expect("publish");
+    for i in 1..=4 {
+        engine.publish_lost(payload(release, i));
+    }
+    engine.publish(&batch(5)).expect("publish");
+    // The buffer holds only 4 and 5: 1..=3 are gone for good.
+    let seen = collect(&mut sub, has("B0:5"));
+    assert_eq!(
+        seen,
+        ["R0:startup", "B0:0", "R0:truncated_replay", "B0:4", "B0:5"]
+    );
+    assert!(sub.metrics()[0].degraded.load(Relaxed));
+}
+
+#[test]
+fn a_restarted_engine_clears_then_rebuilds() {
+    let release = Release::NEWEST_KNOWN;
+    let (ctx, engine) = engine(release);
+    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)]);
+    assert!(engine.wait_for_subscribers(1, WAIT));
+    for i in 0..3 {
+        engine.publish(&batch(i)).expect("publish");
+    }
+    collect(&mut sub, has("B0:2"));
+    engine.restart();
+    engine.publish_lost(payload(release, 10));
+    engine.publish(&batch(11)).expect("publish");
+    let seen = collect(&mut sub, has("B0:1"));
+    assert_eq!(seen, ["R0:restart", "B0:0", "B0:1"]);
+    assert_eq!(sub.metrics()[0].restarts.load(Relaxed), 1);
+}
+
+#[test]
+fn a_lost_end_marker_times_out_and_live_batches_go_on() {
+    let release = Release::new(0, 26, 0);
+    let ctx = zmq::Context::new();
+    let config = PublisherConfig {
+        lose_end_marker: true,
+        ..PublisherConfig::loopback(release)
+    };
+    let engine = Publisher::start(&ctx, config).expect("publisher");
+    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)]);
+    assert!(engine.wait_for_subscribers(1, WAIT));
+    engine.publish(&batch(0)).expect("publish");
+    engine.publish_lost(payload(release, 1));
+    engine.publish(&batch(2)).expect("publish");
+    let seen = collect(&mut sub, has("B0:2"));
+    // The replay delivered 1 and 2, then never ended: the idle timeout closes it.
+    assert_eq!(seen, ["R0:startup", "B0:0", "B0:1", "B0:2"]);
+    let m = sub.metrics()[0].clone();
+    let deadline = Instant::now() + WAIT;
+    while m.replays_timed_out.load(Relaxed) == 0 {
+        assert!(Instant::now() < deadline, "no timeout counted");
+        sub.next(Duration::from_millis(50));
+    }
+    engine.publish(&batch(3)).expect("publish");
+    assert_eq!(collect(&mut sub, has("B0:3")), ["B0:3"]);
+}
+
+#[test]
+fn without_a_replay_endpoint_a_lost_batch_clears_the_source() {
+    let release = Release::NEWEST_KNOWN;
+    let (ctx, engine) = engine(release);
+    let mut sub = subscriber(&ctx, vec![source_of(&engine, false)]);
+    assert!(engine.wait_for_subscribers(1, WAIT));
+    engine.publish(&batch(0)).expect("publish");
+    engine.skip_seq();
+    engine.publish(&batch(2)).expect("publish");
+    let seen = collect(&mut sub, has("B0:2"));
+    assert_eq!(seen, ["R0:startup", "B0:0", "R0:gap", "B0:2"]);
+}
+
+#[test]
+fn two_dp_ranks_are_kept_apart() {
+    // Endpoints derived by vLLM's rule from one base (inproc: `x` → `x_dp1`).
+    let ctx = zmq::Context::new();
+    let release = Release::NEWEST_KNOWN;
+    let sources = transport::dp_sources(
+        "inproc://kv",
+        Some("inproc://kv-replay"),
+        2,
+        b"kv-events",
+        false,
+    )
+    .expect("sources");
+    let engines: Vec<Publisher> = sources
+        .iter()
+        .map(|s| {
+            let config = PublisherConfig {
+                endpoint: s.endpoint.clone(),
+                replay_endpoint: s.replay_endpoint.clone(),
+                ..PublisherConfig::loopback(release)
+            };
+            Publisher::start(&ctx, config).expect("publisher")
+        })
+        .collect();
+    assert_eq!(engines[1].endpoint(), "inproc://kv_dp1");
+    let mut sub = subscriber(&ctx, sources);
+    for e in &engines {
+        assert!(e.wait_for_subscribers(1, WAIT));
+    }
+    engines[0].publish(&batch(0)).expect("publish");
+    engines[1].publish(&batch(0)).expect("publish");
+    engines[1].publish(&batch(1)).expect("publish");
+    engines[0].publish(&batch(1)).expect("publish");
+    let seen = collect(&mut sub, |s| has("B0:1")(s) && has("B1:1")(s));
+    let rank = |r: &str| {
+        seen.iter()
+            .filter(|x| x.starts_with(r))
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(rank("B0"), ["B0:0", "B0:1"]);
+    assert_eq!(rank("B1"), ["B1:0", "B1:1"]);
+    assert_eq!(rank("R0"), ["R0:startup"]);
+    assert_eq!(rank("R1"), ["R1:startup"]);
+}
+
+#[test]
+fn malformed_frames_and_payloads_are_counted_and_skipped() {
+    let ctx = zmq::Context::new();
+    let publisher = ctx.socket(zmq::XPUB).expect("socket");
+    publisher.bind("tcp://127.0.0.1:*").expect("bind");
+    let endpoint = publisher
+        .get_last_endpoint()
+        .expect("endpoint")
+        .expect("utf8");
+    let source = transport::Source {
+        endpoint,
+        replay_endpoint: None,
+        topic: Vec::new(),
+        bind: false,
+        dp_rank: 0,
+    };
+    let mut sub = subscriber(&ctx, vec![source]);
+    publisher.recv_bytes(0).expect("subscription");
+    let good = payload(Release::NEWEST_KNOWN, 0);
+    let seq = |s: u64| s.to_be_bytes().to_vec();
+    publisher
+        .send_multipart([b"t".to_vec(), b"bad-seq".to_vec(), good.clone()], 0)
+        .expect("send");
+    publisher
+        .send_multipart([b"t".to_vec(), good.clone()], 0)
+        .expect("send");
+    publisher
+        .send_multipart([b"t".to_vec(), seq(0), good.clone()], 0)
+        .expect("send");
+    publisher
+        .send_multipart([b"t".to_vec(), seq(1), good[..good.len() - 1].to_vec()], 0)
+        .expect("send");
+    publisher
+        .send_multipart([b"t".to_vec(), seq(2), good.clone()], 0)
+        .expect("send");
+    let seen = collect(&mut sub, has("B0:2"));
+    assert_eq!(seen, ["R0:startup", "B0:0", "R0:corrupt", "B0:2"]);
+    let m = &sub.metrics()[0];
+    assert_eq!(m.malformed_frames.load(Relaxed), 2);
+    assert_eq!(m.decode_failures[0].load(Relaxed), 1, "truncated");
+    assert_eq!(m.resets(ResetReason::Corrupt), 1);
+}

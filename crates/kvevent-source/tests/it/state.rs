@@ -1,0 +1,189 @@
+//! The state machine, step by step, without sockets.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::{Duration, Instant};
+
+use kvevent_source::{ReplayEnd, ResetReason, SourceMetrics, SourceState, StateConfig, Step};
+
+fn state(has_replay: bool) -> (SourceState, Arc<SourceMetrics>) {
+    let metrics = Arc::new(SourceMetrics::default());
+    let config = StateConfig {
+        has_replay,
+        max_buffered: 4,
+        replay_backoff_initial: Duration::from_secs(1),
+        replay_backoff_max: Duration::from_secs(8),
+    };
+    (SourceState::new(config, metrics.clone()), metrics)
+}
+
+fn p(seq: u64) -> Vec<u8> {
+    vec![seq as u8]
+}
+
+/// Short form of steps: D<seq>, R<reason>, P<from> (replay).
+fn short(steps: &[Step]) -> Vec<String> {
+    steps
+        .iter()
+        .map(|s| match s {
+            Step::Deliver { seq, .. } => format!("D{seq}"),
+            Step::Reset(r) => format!("R:{}", r.as_str()),
+            Step::Replay { from } => format!("P{from}"),
+        })
+        .collect()
+}
+
+fn live(s: &mut SourceState, seq: u64, now: Instant) -> Vec<String> {
+    let mut out = Vec::new();
+    s.on_live(seq, p(seq), now, &mut out);
+    short(&out)
+}
+
+fn replayed(s: &mut SourceState, seq: u64) -> Vec<String> {
+    let mut out = Vec::new();
+    s.on_replayed(seq, p(seq), &mut out);
+    short(&out)
+}
+
+fn done(s: &mut SourceState, end: ReplayEnd, now: Instant) -> Vec<String> {
+    let mut out = Vec::new();
+    s.on_replay_done(end, now, &mut out);
+    short(&out)
+}
+
+#[test]
+fn a_fresh_engine_flows_and_duplicates_are_dropped() {
+    let (mut s, m) = state(true);
+    let now = Instant::now();
+    assert_eq!(live(&mut s, 0, now), ["R:startup", "D0"]);
+    assert_eq!(live(&mut s, 1, now), ["D1"]);
+    assert!(live(&mut s, 1, now).is_empty());
+    assert_eq!(m.duplicates.load(Relaxed), 1);
+    assert!(!m.degraded.load(Relaxed));
+}
+
+#[test]
+fn a_late_join_bootstraps_from_replay_and_dedups_the_held_live_batches() {
+    let (mut s, m) = state(true);
+    let now = Instant::now();
+    assert_eq!(live(&mut s, 3, now), ["R:startup", "P0"]);
+    assert!(live(&mut s, 4, now).is_empty(), "held during the replay");
+    for seq in 0..=4 {
+        assert_eq!(replayed(&mut s, seq), [format!("D{seq}")]);
+    }
+    assert!(
+        done(&mut s, ReplayEnd::Complete, now).is_empty(),
+        "3 and 4 were replayed already"
+    );
+    assert_eq!(live(&mut s, 5, now), ["D5"]);
+    assert_eq!(m.duplicates.load(Relaxed), 2);
+    assert!(!m.degraded.load(Relaxed), "whole: replayed from 0");
+}
+
+#[test]
+fn a_gap_is_replayed_then_the_held_batches_follow() {
+    let (mut s, m) = state(true);
+    let now = Instant::now();
+    live(&mut s, 0, now);
+    assert_eq!(live(&mut s, 3, now), ["P1"]);
+    assert!(live(&mut s, 4, now).is_empty());
+    assert_eq!(replayed(&mut s, 1), ["D1"]);
+    assert_eq!(replayed(&mut s, 2), ["D2"]);
+    assert_eq!(replayed(&mut s, 3), ["D3"]);
+    assert_eq!(done(&mut s, ReplayEnd::Complete, now), ["D4"]);
+    assert_eq!((m.gaps.load(Relaxed), m.missing_seqs.load(Relaxed)), (1, 2));
+    assert_eq!(m.resets(ResetReason::Gap), 0);
+}
+
+#[test]
+fn a_truncated_replay_resets_the_source_and_degrades_it() {
+    let (mut s, m) = state(true);
+    let now = Instant::now();
+    live(&mut s, 0, now);
+    assert_eq!(live(&mut s, 10, now), ["P1"]);
+    assert_eq!(replayed(&mut s, 8), ["R:truncated_replay", "D8"]);
+    assert_eq!(replayed(&mut s, 9), ["D9"]);
+    assert_eq!(done(&mut s, ReplayEnd::Complete, now), ["D10"]);
+    assert!(m.degraded.load(Relaxed));
+    assert_eq!(m.replays_truncated.load(Relaxed), 1);
+    // An engine clear makes the state whole again.
+    s.mark_whole();
+    assert!(!m.degraded.load(Relaxed));
+}
+
+#[test]
+fn without_replay_a_gap_resets() {
+    let (mut s, m) = state(false);
+    let now = Instant::now();
+    assert_eq!(live(&mut s, 5, now), ["R:startup", "D5"]);
+    assert!(m.degraded.load(Relaxed), "joined late with no replay");
+    assert_eq!(live(&mut s, 7, now), ["R:gap", "D7"]);
+    assert_eq!(m.replays_unavailable.load(Relaxed), 1);
+}
+
+#[test]
+fn a_restart_resets_and_rebuilds_from_the_new_buffer() {
+    let (mut s, m) = state(true);
+    let now = Instant::now();
+    live(&mut s, 0, now);
+    live(&mut s, 1, now);
+    live(&mut s, 2, now);
+    // New engine process: seq back to 0 (its seq 0 lost on the way).
+    assert_eq!(live(&mut s, 1, now), ["R:restart", "P0"]);
+    assert_eq!(replayed(&mut s, 0), ["D0"]);
+    assert_eq!(replayed(&mut s, 1), ["D1"]);
+    assert!(done(&mut s, ReplayEnd::Complete, now).is_empty());
+    assert_eq!(m.restarts.load(Relaxed), 1);
+    // A restart straight to seq 0 needs no replay.
+    live(&mut s, 2, now);
+    assert_eq!(live(&mut s, 0, now), ["R:restart", "D0"]);
+}
+
+#[test]
+fn failing_replays_back_off_and_live_batches_keep_flowing() {
+    let (mut s, m) = state(true);
+    let t0 = Instant::now();
+    live(&mut s, 0, t0);
+    assert_eq!(live(&mut s, 2, t0), ["P1"]);
+    assert!(live(&mut s, 3, t0).is_empty());
+    // The end marker never came: the gap stays, the source resets and goes on.
+    assert_eq!(done(&mut s, ReplayEnd::TimedOut, t0), ["R:gap", "D2", "D3"]);
+    // Within the backoff, another gap is not replayed.
+    assert_eq!(
+        live(&mut s, 5, t0 + Duration::from_millis(500)),
+        ["R:gap", "D5"]
+    );
+    // After it, it is.
+    assert_eq!(live(&mut s, 7, t0 + Duration::from_secs(2)), ["P6"]);
+    assert_eq!(
+        done(&mut s, ReplayEnd::Failed, t0 + Duration::from_secs(2)),
+        ["R:gap", "D7"]
+    );
+    // The second failure doubles the wait: 2 s.
+    assert_eq!(
+        live(&mut s, 9, t0 + Duration::from_secs(3)),
+        ["R:gap", "D9"]
+    );
+    assert_eq!(live(&mut s, 11, t0 + Duration::from_secs(5)), ["P10"]);
+    assert_eq!(m.replays_timed_out.load(Relaxed), 1);
+    assert_eq!(m.replays_failed.load(Relaxed), 1);
+}
+
+#[test]
+fn the_hold_buffer_is_bounded() {
+    let (mut s, m) = state(true);
+    let now = Instant::now();
+    live(&mut s, 0, now);
+    live(&mut s, 2, now);
+    for seq in 3..10 {
+        live(&mut s, seq, now);
+    }
+    assert_eq!(m.buffer_overflows.load(Relaxed), 4);
+    assert_eq!(replayed(&mut s, 1), ["D1"]);
+    assert_eq!(replayed(&mut s, 2), ["D2"]);
+    // 3..=5 were dropped from the buffer: a gap that is not replayed again.
+    assert_eq!(
+        done(&mut s, ReplayEnd::Complete, now),
+        ["R:gap", "D6", "D7", "D8", "D9"]
+    );
+}

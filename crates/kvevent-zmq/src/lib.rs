@@ -1,0 +1,54 @@
+//! ZeroMQ transport for vLLM KV events.
+//!
+//! - [`Transport`] subscribes to one or more engine sources (an endpoint and DP rank each):
+//!   a SUB socket per source — connecting to the engine's PUB, or binding for engines
+//!   configured with a non-wildcard endpoint ([`Source::bind`]) — and, when the engine has a
+//!   replay endpoint, a DEALER speaking vLLM's ROUTER replay protocol. Each source runs on its
+//!   own named std thread and hands out raw frames with its index over a bounded channel
+//!   ([`Frames`]); it never decodes payloads.
+//! - [`dp_endpoint`] applies vLLM's data-parallel port-offset rule.
+//! - [`publisher::Publisher`] is the other side: a publisher that behaves as vLLM's does (PUB
+//!   `[topic, seq, payload]`, a bounded ROUTER replay buffer, either reply format, restarts,
+//!   injected gaps), for tests, demos and `kvevents publish`.
+//!
+//! libzmq is blocking: sockets live on their own threads, never inside an async runtime.
+//! **Invariant:** no tokio, tonic, hyper or prost here.
+//!
+//! libzmq 4.3 is built from source by `zmq-sys` and linked statically (LGPL-3.0 with a
+//! static-linking exception).
+
+mod options;
+pub mod publisher;
+mod transport;
+
+pub use options::{Source, SourceOptions, dp_endpoint, dp_sources};
+pub use transport::{Delivery, Frames, ReplayOutcome, Transport};
+
+/// What went wrong setting up sockets.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A socket could not be created, configured, bound or connected.
+    #[error("{action} {endpoint}")]
+    Socket {
+        /// What was being done (`connect`, `bind`, `configure`).
+        action: &'static str,
+        /// The endpoint involved.
+        endpoint: String,
+        /// libzmq's error.
+        #[source]
+        source: zmq::Error,
+    },
+    /// An endpoint that vLLM's port-offset rule cannot derive a DP rank's endpoint from.
+    #[error("cannot derive the endpoint of DP rank {rank} from `{endpoint}`: {why}")]
+    DpEndpoint {
+        /// The base endpoint.
+        endpoint: String,
+        /// The rank asked for.
+        rank: u32,
+        /// Why not.
+        why: &'static str,
+    },
+    /// A thread could not be started.
+    #[error("spawn thread")]
+    Spawn(#[source] std::io::Error),
+}

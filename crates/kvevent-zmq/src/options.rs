@@ -1,0 +1,128 @@
+//! Sources and socket options.
+
+use std::time::Duration;
+
+use crate::Error;
+
+/// One engine publisher to subscribe to: an endpoint and its DP rank.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Source {
+    /// The engine's PUB endpoint, e.g. `tcp://10.0.0.7:5557`.
+    pub endpoint: String,
+    /// The engine's replay ROUTER endpoint, if it has one.
+    pub replay_endpoint: Option<String>,
+    /// Topic prefix to subscribe to (vLLM's default topic is empty).
+    pub topic: Vec<u8>,
+    /// Bind instead of connect: for engines whose endpoint has no wildcard (they connect).
+    pub bind: bool,
+    /// The DP rank this source is.
+    pub dp_rank: u32,
+}
+
+impl Source {
+    /// A short label for logs and metrics: `endpoint` (plus `#rank` when not rank 0).
+    pub fn label(&self) -> String {
+        if self.dp_rank == 0 {
+            self.endpoint.clone()
+        } else {
+            format!("{}#{}", self.endpoint, self.dp_rank)
+        }
+    }
+}
+
+/// Socket options that matter in production.
+#[derive(Debug, Clone)]
+pub struct SourceOptions {
+    /// SUB receive high-water mark, in messages. Default 100,000 (the engine's own default).
+    pub rcvhwm: i32,
+    /// ZMTP heartbeat interval. Default 5 s (0 disables).
+    pub heartbeat_interval: Duration,
+    /// A peer silent this long after a heartbeat is dropped and reconnected. Default 15 s.
+    pub heartbeat_timeout: Duration,
+    /// First reconnect delay. Default 100 ms.
+    pub reconnect_interval: Duration,
+    /// Longest reconnect delay (exponential backoff up to it). Default 5 s.
+    pub reconnect_interval_max: Duration,
+    /// TCP keepalive idle time (0 leaves the OS default). Default 60 s.
+    pub tcp_keepalive_idle: Duration,
+    /// A replay with no reply for this long is over (the end marker can be lost before 0.33).
+    /// Default 3 s.
+    pub replay_idle_timeout: Duration,
+    /// Capacity of each source's command queue. Internal; default 16.
+    pub command_capacity: usize,
+}
+
+impl Default for SourceOptions {
+    fn default() -> Self {
+        Self {
+            rcvhwm: 100_000,
+            heartbeat_interval: Duration::from_secs(5),
+            heartbeat_timeout: Duration::from_secs(15),
+            reconnect_interval: Duration::from_millis(100),
+            reconnect_interval_max: Duration::from_secs(5),
+            tcp_keepalive_idle: Duration::from_secs(60),
+            replay_idle_timeout: Duration::from_secs(3),
+            command_capacity: 16,
+        }
+    }
+}
+
+pub(crate) fn ms(d: Duration) -> i32 {
+    i32::try_from(d.as_millis()).unwrap_or(i32::MAX)
+}
+
+/// The endpoint DP rank `rank` uses, by vLLM's rule: a `tcp://` port is offset by the rank,
+/// an `inproc://x` becomes `inproc://x_dp{rank}`. Rank 0 is the base endpoint unchanged.
+///
+/// ```
+/// use kvevent_zmq::dp_endpoint;
+/// assert_eq!(dp_endpoint("tcp://10.0.0.7:5557", 2)?, "tcp://10.0.0.7:5559");
+/// assert_eq!(dp_endpoint("tcp://*:5557", 0)?, "tcp://*:5557");
+/// assert_eq!(dp_endpoint("inproc://kv", 1)?, "inproc://kv_dp1");
+/// assert!(dp_endpoint("ipc:///tmp/kv", 1).is_err());
+/// # Ok::<(), kvevent_zmq::Error>(())
+/// ```
+pub fn dp_endpoint(base: &str, rank: u32) -> Result<String, Error> {
+    if rank == 0 {
+        return Ok(base.to_owned());
+    }
+    let err = |why| Error::DpEndpoint {
+        endpoint: base.to_owned(),
+        rank,
+        why,
+    };
+    if base.starts_with("inproc://") {
+        return Ok(format!("{base}_dp{rank}"));
+    }
+    if !base.starts_with("tcp://") {
+        return Err(err("vLLM offsets only tcp:// and inproc:// endpoints"));
+    }
+    let (addr, port) = base.rsplit_once(':').ok_or_else(|| err("no port"))?;
+    let port: u32 = port.parse().map_err(|_| err("the port is not a number"))?;
+    let port = port + rank;
+    if port > 65_535 {
+        return Err(err("the offset port is above 65535"));
+    }
+    Ok(format!("{addr}:{port}"))
+}
+
+/// One source per rank `0..dp_size`, endpoints derived from the two base endpoints.
+pub fn dp_sources(
+    endpoint: &str,
+    replay_endpoint: Option<&str>,
+    dp_size: u32,
+    topic: &[u8],
+    bind: bool,
+) -> Result<Vec<Source>, Error> {
+    (0..dp_size.max(1))
+        .map(|rank| {
+            Ok(Source {
+                endpoint: dp_endpoint(endpoint, rank)?,
+                replay_endpoint: replay_endpoint.map(|r| dp_endpoint(r, rank)).transpose()?,
+                topic: topic.to_vec(),
+                bind,
+                dp_rank: rank,
+            })
+        })
+        .collect()
+}

@@ -1,0 +1,368 @@
+//! A publisher that behaves as vLLM's `ZmqEventPublisher` does, for tests, demos and
+//! `kvevents publish`.
+//!
+//! - `[topic, seq, payload]` on a PUB-compatible socket (XPUB, so that a test can wait for
+//!   subscribers instead of sleeping; SUB peers see no difference);
+//! - a ROUTER replay socket answering `["", start]` with every buffered batch from `start`
+//!   in the release's reply format, then the end marker; the buffer keeps the last
+//!   `buffer_steps` batches;
+//! - binds or connects by vLLM's rule ([`binds`]);
+//! - faults on command: a batch buffered but not sent live (a lost message: a gap replay can
+//!   repair), a seq consumed and never sent (a gap it cannot), a restart (seq back to 0, empty
+//!   buffer), a lost end marker.
+
+use std::collections::VecDeque;
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvevent_wire::{self as wire, Release, frames::END_OF_REPLAY};
+
+use crate::Error;
+
+/// vLLM's rule: the PUB socket binds when the endpoint has `*` or `::`, or is `ipc://` or
+/// `inproc://`; otherwise it connects (and the subscriber binds).
+pub fn binds(endpoint: &str) -> bool {
+    endpoint.contains('*')
+        || endpoint.contains("::")
+        || endpoint.starts_with("ipc://")
+        || endpoint.starts_with("inproc://")
+}
+
+/// How the publisher is set up.
+#[derive(Debug, Clone)]
+pub struct PublisherConfig {
+    /// Where to publish, e.g. `tcp://127.0.0.1:*` (binds, port picked by the OS).
+    pub endpoint: String,
+    /// Where to serve replays, if at all (always bound, as vLLM does).
+    pub replay_endpoint: Option<String>,
+    /// The topic frame.
+    pub topic: Vec<u8>,
+    /// Batches kept for replay. vLLM's default is 10,000.
+    pub buffer_steps: usize,
+    /// The release whose payloads and replay reply format to speak.
+    pub release: Release,
+    /// Never send the replay end marker (as a pre-0.33 ROUTER over its HWM may lose it).
+    pub lose_end_marker: bool,
+}
+
+impl PublisherConfig {
+    /// Loopback defaults for `release`: PUB and replay ROUTER on OS-picked ports.
+    pub fn loopback(release: Release) -> Self {
+        Self {
+            endpoint: "tcp://127.0.0.1:*".into(),
+            replay_endpoint: Some("tcp://127.0.0.1:*".into()),
+            topic: b"kv-events".to_vec(),
+            buffer_steps: 10_000,
+            release,
+            lose_end_marker: false,
+        }
+    }
+}
+
+enum Command {
+    Publish {
+        payload: Vec<u8>,
+        live: bool,
+        reply: Sender<u64>,
+    },
+    Skip(Sender<u64>),
+    Restart(Sender<()>),
+    Subscribers(Sender<usize>),
+}
+
+/// A running vLLM-like publisher (its sockets live on a thread of their own).
+pub struct Publisher {
+    release: Release,
+    endpoint: String,
+    replay_endpoint: Option<String>,
+    commands: Option<Sender<Command>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Publisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Publisher")
+            .field("endpoint", &self.endpoint)
+            .field("replay_endpoint", &self.replay_endpoint)
+            .finish()
+    }
+}
+
+fn err(action: &'static str, endpoint: &str) -> impl FnOnce(zmq::Error) -> Error {
+    let endpoint = endpoint.to_owned();
+    move |source| Error::Socket {
+        action,
+        endpoint,
+        source,
+    }
+}
+
+fn last_endpoint(socket: &zmq::Socket, asked: &str) -> String {
+    match socket.get_last_endpoint() {
+        Ok(Ok(e)) => e,
+        _ => asked.to_owned(),
+    }
+}
+
+impl Publisher {
+    /// Opens the sockets and starts the publisher thread.
+    pub fn start(ctx: &zmq::Context, config: PublisherConfig) -> Result<Self, Error> {
+        let e = config.endpoint.as_str();
+        let publisher = ctx.socket(zmq::XPUB).map_err(err("create", e))?;
+        publisher.set_linger(0).map_err(err("configure", e))?;
+        publisher
+            .set_xpub_verbose(true)
+            .map_err(err("configure", e))?;
+        publisher.set_sndhwm(100_000).map_err(err("configure", e))?;
+        let endpoint = if binds(e) {
+            publisher.bind(e).map_err(err("bind", e))?;
+            last_endpoint(&publisher, e)
+        } else {
+            publisher.connect(e).map_err(err("connect", e))?;
+            e.to_owned()
+        };
+        let (router, replay_endpoint) = match &config.replay_endpoint {
+            Some(r) => {
+                let router = ctx.socket(zmq::ROUTER).map_err(err("create", r))?;
+                router.set_linger(0).map_err(err("configure", r))?;
+                let hwm = if config.release >= Release::new(0, 33, 0) {
+                    100_000
+                } else {
+                    1_000
+                };
+                router.set_sndhwm(hwm).map_err(err("configure", r))?;
+                router.bind(r).map_err(err("bind", r))?;
+                let bound = last_endpoint(&router, r);
+                (Some(router), Some(bound))
+            }
+            None => (None, None),
+        };
+        let (tx, rx) = mpsc::channel();
+        let worker = Worker {
+            config: config.clone(),
+            publisher,
+            router,
+            commands: rx,
+            next_seq: 0,
+            buffer: VecDeque::new(),
+            subscribers: 0,
+        };
+        let thread = std::thread::Builder::new()
+            .name("kvevent-fake-engine".into())
+            .spawn(move || worker.run())
+            .map_err(Error::Spawn)?;
+        Ok(Self {
+            release: config.release,
+            endpoint,
+            replay_endpoint,
+            commands: Some(tx),
+            thread: Some(thread),
+        })
+    }
+
+    /// The publishing endpoint as bound (a wildcard port resolved), for subscribers to connect.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// The replay endpoint as bound.
+    pub fn replay_endpoint(&self) -> Option<&str> {
+        self.replay_endpoint.as_deref()
+    }
+
+    /// The release spoken.
+    pub fn release(&self) -> Release {
+        self.release
+    }
+
+    fn call<T>(&self, make: impl FnOnce(Sender<T>) -> Command) -> T
+    where
+        T: Default,
+    {
+        let (tx, rx) = mpsc::channel();
+        let sent = self
+            .commands
+            .as_ref()
+            .is_some_and(|c| c.send(make(tx)).is_ok());
+        if !sent {
+            return T::default();
+        }
+        rx.recv_timeout(Duration::from_secs(10)).unwrap_or_default()
+    }
+
+    /// Encodes `batch` as the release would (dropping fields it lacks), publishes it and
+    /// returns its seq.
+    pub fn publish(&self, batch: &wire::EventBatch<'_>) -> Result<u64, wire::Error> {
+        let mut batch = batch.clone();
+        batch.retain_fields_of(self.release);
+        let payload = wire::encode(&batch, self.release)?;
+        Ok(self.publish_payload(payload))
+    }
+
+    /// Publishes a payload as it is; returns its seq.
+    pub fn publish_payload(&self, payload: Vec<u8>) -> u64 {
+        self.call(|reply| Command::Publish {
+            payload,
+            live: true,
+            reply,
+        })
+    }
+
+    /// Buffers a payload for replay without sending it live (a message lost on the way).
+    pub fn publish_lost(&self, payload: Vec<u8>) -> u64 {
+        self.call(|reply| Command::Publish {
+            payload,
+            live: false,
+            reply,
+        })
+    }
+
+    /// Consumes a seq without sending or buffering anything (a batch lost for good).
+    pub fn skip_seq(&self) -> u64 {
+        self.call(Command::Skip)
+    }
+
+    /// Behaves like a new engine process: seq back to 0, empty replay buffer.
+    pub fn restart(&self) {
+        self.call(Command::Restart);
+    }
+
+    /// Waits until `n` subscriptions arrived (from SUB sockets) or `timeout` passes.
+    pub fn wait_for_subscribers(&self, n: usize, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if self.call(Command::Subscribers) >= n {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Stops the thread and closes the sockets.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        self.commands.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Publisher {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+struct Worker {
+    config: PublisherConfig,
+    publisher: zmq::Socket,
+    router: Option<zmq::Socket>,
+    commands: Receiver<Command>,
+    next_seq: u64,
+    buffer: VecDeque<(u64, Vec<u8>)>,
+    subscribers: usize,
+}
+
+impl Worker {
+    fn run(mut self) {
+        loop {
+            match self.commands.recv_timeout(Duration::from_millis(2)) {
+                Ok(command) => self.handle(command),
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => return,
+            }
+            self.serve();
+        }
+    }
+
+    fn handle(&mut self, command: Command) {
+        match command {
+            Command::Publish {
+                payload,
+                live,
+                reply,
+            } => {
+                let seq = self.next_seq;
+                self.next_seq += 1;
+                if live {
+                    let frames = [
+                        self.config.topic.clone(),
+                        seq.to_be_bytes().to_vec(),
+                        payload.clone(),
+                    ];
+                    if let Err(e) = self.publisher.send_multipart(frames, zmq::DONTWAIT) {
+                        tracing::warn!(error = %e, seq, "fake engine: publish dropped");
+                    }
+                }
+                self.buffer.push_back((seq, payload));
+                while self.buffer.len() > self.config.buffer_steps {
+                    self.buffer.pop_front();
+                }
+                let _ = reply.send(seq);
+            }
+            Command::Skip(reply) => {
+                let _ = reply.send(self.next_seq);
+                self.next_seq += 1;
+            }
+            Command::Restart(reply) => {
+                self.next_seq = 0;
+                self.buffer.clear();
+                let _ = reply.send(());
+            }
+            Command::Subscribers(reply) => {
+                let _ = reply.send(self.subscribers);
+            }
+        }
+    }
+
+    /// Counts new subscriptions and answers replay requests, between publishes as vLLM does.
+    fn serve(&mut self) {
+        while let Ok(msg) = self.publisher.recv_bytes(zmq::DONTWAIT) {
+            if msg.first() == Some(&1) {
+                self.subscribers += 1;
+            }
+        }
+        let Some(router) = &self.router else { return };
+        while let Ok(request) = router.recv_multipart(zmq::DONTWAIT) {
+            // [identity, "", start]: anything else is ignored, as the engine does.
+            let [identity, empty, start] = request.as_slice() else {
+                continue;
+            };
+            let Ok(start) = <[u8; 8]>::try_from(start.as_slice()) else {
+                continue;
+            };
+            if !empty.is_empty() {
+                continue;
+            }
+            let start = u64::from_be_bytes(start);
+            let with_topic = self.config.release >= Release::new(0, 26, 0);
+            let reply = |seq: u64, payload: &[u8]| {
+                let mut frames = vec![identity.clone(), Vec::new()];
+                if with_topic {
+                    frames.push(if seq == END_OF_REPLAY {
+                        Vec::new()
+                    } else {
+                        self.config.topic.clone()
+                    });
+                }
+                frames.push(seq.to_be_bytes().to_vec());
+                frames.push(payload.to_vec());
+                let _ = router.send_multipart(frames, zmq::DONTWAIT);
+            };
+            for (seq, payload) in self.buffer.iter().filter(|(s, _)| *s >= start) {
+                reply(*seq, payload);
+            }
+            if !self.config.lose_end_marker {
+                reply(END_OF_REPLAY, b"");
+            }
+        }
+    }
+}

@@ -1,0 +1,379 @@
+//! Source threads: SUB and replay DEALER sockets, raw frames out.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvevent_wire::frames::{self, ReplayReply};
+
+use crate::options::ms;
+use crate::{Error, Source, SourceOptions};
+
+/// How long a source thread waits in `poll` before it looks at its commands and the stop flag.
+const POLL_INTERVAL: Duration = Duration::from_millis(50);
+/// Most messages read from one socket before the thread looks at the other one.
+const BURST: usize = 256;
+
+/// What a source thread hands out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Delivery {
+    /// A message from the SUB socket, frames as received.
+    Live(Vec<Vec<u8>>),
+    /// A reply from the replay socket (not the end marker), frames as received.
+    Replay(Vec<Vec<u8>>),
+    /// The replay asked for is over.
+    ReplayDone(ReplayOutcome),
+}
+
+/// How a replay ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReplayOutcome {
+    /// The end marker arrived.
+    Complete,
+    /// No reply for the idle timeout: the end marker (or more) was lost.
+    TimedOut,
+    /// The request could not be made.
+    Failed(String),
+}
+
+/// Frames from one source, tagged with the source's index in [`Transport::start`]'s list.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frames {
+    /// Index of the source.
+    pub source: usize,
+    /// What arrived.
+    pub delivery: Delivery,
+}
+
+enum Command {
+    Replay { from: u64 },
+}
+
+/// The running source threads.
+pub struct Transport {
+    stop: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+    commands: Vec<SyncSender<Command>>,
+}
+
+impl std::fmt::Debug for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transport")
+            .field("sources", &self.threads.len())
+            .finish()
+    }
+}
+
+fn socket_err(action: &'static str, endpoint: &str) -> impl FnOnce(zmq::Error) -> Error {
+    let endpoint = endpoint.to_owned();
+    move |source| Error::Socket {
+        action,
+        endpoint,
+        source,
+    }
+}
+
+fn sub_socket(
+    ctx: &zmq::Context,
+    source: &Source,
+    opts: &SourceOptions,
+) -> Result<zmq::Socket, Error> {
+    let e = &source.endpoint;
+    let socket = ctx.socket(zmq::SUB).map_err(socket_err("create", e))?;
+    let configure = || -> Result<(), zmq::Error> {
+        socket.set_linger(0)?;
+        socket.set_rcvhwm(opts.rcvhwm)?;
+        socket.set_reconnect_ivl(ms(opts.reconnect_interval))?;
+        socket.set_reconnect_ivl_max(ms(opts.reconnect_interval_max))?;
+        if !opts.heartbeat_interval.is_zero() {
+            socket.set_heartbeat_ivl(ms(opts.heartbeat_interval))?;
+            socket.set_heartbeat_timeout(ms(opts.heartbeat_timeout))?;
+            socket.set_heartbeat_ttl(ms(opts.heartbeat_timeout))?;
+        }
+        socket.set_tcp_keepalive(1)?;
+        if !opts.tcp_keepalive_idle.is_zero() {
+            socket.set_tcp_keepalive_idle(
+                opts.tcp_keepalive_idle
+                    .as_secs()
+                    .try_into()
+                    .unwrap_or(i32::MAX),
+            )?;
+        }
+        socket.set_subscribe(&source.topic)
+    };
+    configure().map_err(socket_err("configure", e))?;
+    if source.bind {
+        socket.bind(e).map_err(socket_err("bind", e))?;
+    } else {
+        socket.connect(e).map_err(socket_err("connect", e))?;
+    }
+    Ok(socket)
+}
+
+fn dealer_socket(
+    ctx: &zmq::Context,
+    endpoint: &str,
+    opts: &SourceOptions,
+) -> Result<zmq::Socket, Error> {
+    let socket = ctx
+        .socket(zmq::DEALER)
+        .map_err(socket_err("create", endpoint))?;
+    let configure = || -> Result<(), zmq::Error> {
+        socket.set_linger(0)?;
+        socket.set_rcvhwm(0)?;
+        socket.set_reconnect_ivl(ms(opts.reconnect_interval))?;
+        socket.set_reconnect_ivl_max(ms(opts.reconnect_interval_max))?;
+        socket.set_tcp_keepalive(1)
+    };
+    configure().map_err(socket_err("configure", endpoint))?;
+    socket
+        .connect(endpoint)
+        .map_err(socket_err("connect", endpoint))?;
+    Ok(socket)
+}
+
+impl Transport {
+    /// Creates every source's sockets (so a bad endpoint fails here, before any thread runs),
+    /// then starts one thread per source, named `kvevent-src-<index>`. Frames go to `out`; a
+    /// full `out` stops that thread reading (libzmq then queues up to the HWM, and the engine's
+    /// PUB drops beyond it: the engine is never slowed down).
+    pub fn start(
+        ctx: &zmq::Context,
+        sources: &[Source],
+        opts: &SourceOptions,
+        out: SyncSender<Frames>,
+    ) -> Result<Self, Error> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut prepared = Vec::with_capacity(sources.len());
+        for source in sources {
+            let sub = sub_socket(ctx, source, opts)?;
+            let dealer = source
+                .replay_endpoint
+                .as_deref()
+                .map(|r| dealer_socket(ctx, r, opts))
+                .transpose()?;
+            prepared.push((sub, dealer));
+        }
+        let mut threads = Vec::with_capacity(sources.len());
+        let mut commands = Vec::with_capacity(sources.len());
+        for (index, ((sub, dealer), source)) in prepared.into_iter().zip(sources).enumerate() {
+            let (cmd_tx, cmd_rx) = mpsc::sync_channel(opts.command_capacity.max(1));
+            let worker = Worker {
+                index,
+                ctx: ctx.clone(),
+                source: source.clone(),
+                opts: opts.clone(),
+                sub,
+                dealer,
+                commands: cmd_rx,
+                out: out.clone(),
+                stop: stop.clone(),
+                replay_deadline: None,
+            };
+            let handle = std::thread::Builder::new()
+                .name(format!("kvevent-src-{index}"))
+                .spawn(move || worker.run())
+                .map_err(Error::Spawn)?;
+            threads.push(handle);
+            commands.push(cmd_tx);
+        }
+        Ok(Self {
+            stop,
+            threads,
+            commands,
+        })
+    }
+
+    /// Asks source `source` to replay every buffered batch from `from`. The frames come as
+    /// [`Delivery::Replay`], then one [`Delivery::ReplayDone`]. Returns false when the source
+    /// has no replay endpoint or has stopped.
+    pub fn request_replay(&self, source: usize, from: u64) -> bool {
+        self.commands
+            .get(source)
+            .is_some_and(|c| c.try_send(Command::Replay { from }).is_ok())
+    }
+
+    /// Stops every source thread and waits for them (each notices within ~50 ms).
+    pub fn shutdown(mut self) {
+        self.stop_and_join();
+    }
+
+    fn stop_and_join(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Transport {
+    fn drop(&mut self) {
+        self.stop_and_join();
+    }
+}
+
+struct Worker {
+    index: usize,
+    ctx: zmq::Context,
+    source: Source,
+    opts: SourceOptions,
+    sub: zmq::Socket,
+    dealer: Option<zmq::Socket>,
+    commands: Receiver<Command>,
+    out: SyncSender<Frames>,
+    stop: Arc<AtomicBool>,
+    /// Set while a replay is running: when it is over if nothing more arrives.
+    replay_deadline: Option<Instant>,
+}
+
+impl Worker {
+    fn run(mut self) {
+        tracing::debug!(source = %self.source.label(), "source thread started");
+        while !self.stop.load(Ordering::Relaxed) {
+            while let Ok(Command::Replay { from }) = self.commands.try_recv() {
+                self.start_replay(from);
+            }
+            let (sub_ready, dealer_ready) = match self.poll() {
+                Ok(ready) => ready,
+                Err(e) => {
+                    tracing::warn!(source = %self.source.label(), error = %e, "poll failed");
+                    std::thread::sleep(POLL_INTERVAL);
+                    continue;
+                }
+            };
+            if dealer_ready {
+                self.read_replay();
+            }
+            if sub_ready {
+                self.read_live();
+            }
+            if self.replay_deadline.is_some_and(|d| Instant::now() >= d) {
+                tracing::warn!(source = %self.source.label(), "replay timed out");
+                self.end_replay(ReplayOutcome::TimedOut);
+            }
+        }
+        tracing::debug!(source = %self.source.label(), "source thread stopped");
+    }
+
+    fn poll(&self) -> Result<(bool, bool), zmq::Error> {
+        let mut items = vec![self.sub.as_poll_item(zmq::POLLIN)];
+        if let Some(d) = &self.dealer {
+            items.push(d.as_poll_item(zmq::POLLIN));
+        }
+        zmq::poll(&mut items, ms(POLL_INTERVAL).into())?;
+        Ok((
+            items[0].is_readable(),
+            items.get(1).is_some_and(|i| i.is_readable()),
+        ))
+    }
+
+    /// Hands frames out, waiting while the channel is full (false: stopping).
+    fn emit(&self, delivery: Delivery) -> bool {
+        let mut frames = Frames {
+            source: self.index,
+            delivery,
+        };
+        loop {
+            match self.out.try_send(frames) {
+                Ok(()) => return true,
+                Err(TrySendError::Full(back)) => {
+                    if self.stop.load(Ordering::Relaxed) {
+                        return false;
+                    }
+                    frames = back;
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(TrySendError::Disconnected(_)) => {
+                    self.stop.store(true, Ordering::Relaxed);
+                    return false;
+                }
+            }
+        }
+    }
+
+    fn read_live(&self) {
+        for _ in 0..BURST {
+            match self.sub.recv_multipart(zmq::DONTWAIT) {
+                Ok(frames) => {
+                    if !self.emit(Delivery::Live(frames)) {
+                        return;
+                    }
+                }
+                Err(zmq::Error::EAGAIN) => return,
+                Err(e) => {
+                    tracing::warn!(source = %self.source.label(), error = %e, "receive failed");
+                    return;
+                }
+            }
+        }
+    }
+
+    fn start_replay(&mut self, from: u64) {
+        if self.replay_deadline.is_some() {
+            // One replay at a time: the state asks again after this one ends.
+            tracing::debug!(source = %self.source.label(), from, "replay already running");
+            return;
+        }
+        let Some(dealer) = &self.dealer else {
+            self.emit(Delivery::ReplayDone(ReplayOutcome::Failed(
+                "no replay endpoint".into(),
+            )));
+            return;
+        };
+        let [empty, seq] = frames::replay_request(from);
+        match dealer.send_multipart([empty, seq], zmq::DONTWAIT) {
+            Ok(()) => {
+                tracing::info!(source = %self.source.label(), from, "replay requested");
+                self.replay_deadline = Some(Instant::now() + self.opts.replay_idle_timeout);
+            }
+            Err(e) => {
+                self.emit(Delivery::ReplayDone(ReplayOutcome::Failed(format!(
+                    "send replay request: {e}"
+                ))));
+            }
+        }
+    }
+
+    fn read_replay(&mut self) {
+        for _ in 0..BURST {
+            let Some(dealer) = &self.dealer else { return };
+            match dealer.recv_multipart(zmq::DONTWAIT) {
+                Ok(msg) => {
+                    if self.replay_deadline.is_none() {
+                        // A late reply to a replay already given up on: not ours any more.
+                        continue;
+                    }
+                    if matches!(frames::parse_replay(&msg), Ok(ReplayReply::End)) {
+                        self.replay_deadline = None;
+                        self.emit(Delivery::ReplayDone(ReplayOutcome::Complete));
+                        return;
+                    }
+                    self.replay_deadline = Some(Instant::now() + self.opts.replay_idle_timeout);
+                    if !self.emit(Delivery::Replay(msg)) {
+                        return;
+                    }
+                }
+                Err(zmq::Error::EAGAIN) => return,
+                Err(e) => {
+                    tracing::warn!(source = %self.source.label(), error = %e, "replay receive failed");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Ends a replay that will not complete, with a fresh socket so late replies to it cannot
+    /// be taken for the next one's.
+    fn end_replay(&mut self, outcome: ReplayOutcome) {
+        self.replay_deadline = None;
+        if let Some(endpoint) = self.source.replay_endpoint.clone() {
+            match dealer_socket(&self.ctx, &endpoint, &self.opts) {
+                Ok(fresh) => self.dealer = Some(fresh),
+                Err(e) => tracing::warn!(error = %e, "could not renew the replay socket"),
+            }
+        }
+        self.emit(Delivery::ReplayDone(outcome));
+    }
+}

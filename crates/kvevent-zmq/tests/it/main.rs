@@ -1,0 +1,170 @@
+//! The transport over real sockets: both topologies and the replay protocol, frames untouched.
+
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use kvevent_wire::{Release, frames};
+use kvevent_zmq::publisher::{Publisher, PublisherConfig, binds};
+use kvevent_zmq::{Delivery, Frames, ReplayOutcome, Source, SourceOptions, Transport};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn recv(rx: &mpsc::Receiver<Frames>) -> Frames {
+    rx.recv_timeout(WAIT).expect("frames within the wait")
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port()
+}
+
+#[test]
+fn reverse_topology_the_engine_connects_and_we_bind() {
+    let ctx = zmq::Context::new();
+    let endpoint = format!("tcp://127.0.0.1:{}", free_port());
+    assert!(!binds(&endpoint), "no wildcard: vLLM's publisher connects");
+    let source = Source {
+        endpoint: endpoint.clone(),
+        replay_endpoint: None,
+        topic: Vec::new(),
+        bind: true,
+        dp_rank: 0,
+    };
+    let (tx, rx) = mpsc::sync_channel(16);
+    let transport =
+        Transport::start(&ctx, &[source], &SourceOptions::default(), tx).expect("start");
+    let config = PublisherConfig {
+        endpoint,
+        replay_endpoint: None,
+        ..PublisherConfig::loopback(Release::NEWEST_KNOWN)
+    };
+    let engine = Publisher::start(&ctx, config).expect("engine");
+    assert!(engine.wait_for_subscribers(1, WAIT));
+    engine.publish_payload(b"\x90".to_vec());
+    let got = recv(&rx);
+    assert_eq!(got.source, 0);
+    let Delivery::Live(msg) = got.delivery else {
+        panic!("{got:?}")
+    };
+    let live = frames::parse_live(&msg).expect("live");
+    assert_eq!(
+        (live.topic, live.seq, live.payload),
+        (&b"kv-events"[..], 0, &b"\x90"[..])
+    );
+    transport.shutdown();
+}
+
+#[test]
+fn a_replay_hands_out_raw_replies_then_done() {
+    let ctx = zmq::Context::new();
+    let engine =
+        Publisher::start(&ctx, PublisherConfig::loopback(Release::new(0, 26, 0))).expect("engine");
+    for i in 0..3u8 {
+        engine.publish_payload(vec![i]);
+    }
+    let source = Source {
+        endpoint: engine.endpoint().to_owned(),
+        replay_endpoint: engine.replay_endpoint().map(str::to_owned),
+        topic: b"kv-events".to_vec(),
+        bind: false,
+        dp_rank: 0,
+    };
+    let (tx, rx) = mpsc::sync_channel(16);
+    let transport =
+        Transport::start(&ctx, &[source], &SourceOptions::default(), tx).expect("start");
+    assert!(transport.request_replay(0, 1));
+    let mut seqs = Vec::new();
+    loop {
+        match recv(&rx).delivery {
+            Delivery::Replay(msg) => match frames::parse_replay(&msg).expect("reply") {
+                frames::ReplayReply::Batch {
+                    topic,
+                    seq,
+                    payload,
+                } => {
+                    assert_eq!(topic, Some(&b"kv-events"[..]));
+                    assert_eq!(payload, [seq as u8]);
+                    seqs.push(seq);
+                }
+                frames::ReplayReply::End => panic!("the end marker is not handed out"),
+            },
+            Delivery::ReplayDone(outcome) => {
+                assert_eq!(outcome, ReplayOutcome::Complete);
+                break;
+            }
+            Delivery::Live(_) => {}
+        }
+    }
+    assert_eq!(seqs, [1, 2]);
+    transport.shutdown();
+}
+
+#[test]
+fn a_replay_with_no_answer_times_out() {
+    let ctx = zmq::Context::new();
+    // A ROUTER that never answers.
+    let router = ctx.socket(zmq::ROUTER).expect("router");
+    router.bind("tcp://127.0.0.1:*").expect("bind");
+    let replay = router.get_last_endpoint().expect("ep").expect("utf8");
+    let source = Source {
+        endpoint: format!("tcp://127.0.0.1:{}", free_port()),
+        replay_endpoint: Some(replay),
+        topic: Vec::new(),
+        bind: false,
+        dp_rank: 0,
+    };
+    let opts = SourceOptions {
+        replay_idle_timeout: Duration::from_millis(200),
+        ..SourceOptions::default()
+    };
+    let (tx, rx) = mpsc::sync_channel(16);
+    let transport = Transport::start(&ctx, &[source], &opts, tx).expect("start");
+    let started = Instant::now();
+    assert!(transport.request_replay(0, 0));
+    assert_eq!(
+        recv(&rx).delivery,
+        Delivery::ReplayDone(ReplayOutcome::TimedOut)
+    );
+    assert!(started.elapsed() >= Duration::from_millis(200));
+    // The request reached the ROUTER in vLLM's shape: [identity, "", start].
+    let request = router.recv_multipart(zmq::DONTWAIT).expect("request");
+    assert_eq!(request.len(), 3);
+    assert!(request[1].is_empty());
+    assert_eq!(request[2], 0u64.to_be_bytes());
+    transport.shutdown();
+}
+
+#[test]
+fn a_bad_endpoint_fails_at_start_with_its_name() {
+    let ctx = zmq::Context::new();
+    let source = Source {
+        endpoint: "tcp://nowhere-valid".into(),
+        replay_endpoint: None,
+        topic: Vec::new(),
+        bind: true,
+        dp_rank: 0,
+    };
+    let (tx, _rx) = mpsc::sync_channel(1);
+    let err = Transport::start(&ctx, &[source], &SourceOptions::default(), tx).expect_err("bad");
+    assert!(err.to_string().contains("tcp://nowhere-valid"), "{err}");
+}
+
+#[test]
+fn shutdown_is_prompt() {
+    let ctx = zmq::Context::new();
+    let source = Source {
+        endpoint: format!("tcp://127.0.0.1:{}", free_port()),
+        replay_endpoint: None,
+        topic: Vec::new(),
+        bind: false,
+        dp_rank: 0,
+    };
+    let (tx, _rx) = mpsc::sync_channel(1);
+    let transport =
+        Transport::start(&ctx, &[source], &SourceOptions::default(), tx).expect("start");
+    let started = Instant::now();
+    transport.shutdown();
+    assert!(started.elapsed() < Duration::from_secs(1));
+}
