@@ -1,5 +1,10 @@
-//! `kvevents`: decode vLLM KV-event payloads to normalized JSON lines, and encode JSON back to
-//! the exact bytes a given vLLM release sends.
+//! `kvevents`: offline and manual tooling for vLLM KV events.
+//!
+//! - `decode`: payloads to normalized JSON lines;
+//! - `encode`: JSON back to the exact bytes a given vLLM release sends;
+//! - `publish`: a fake engine speaking any release (PUB + replay ROUTER);
+//! - `fingerprint`: the content-fingerprint chain of token ids, to check that a gateway and the
+//!   subscriber agree.
 
 use std::io::{self, Read, Write};
 use std::path::PathBuf;
@@ -41,6 +46,143 @@ enum Command {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// Act as a vLLM engine: publish batches on ZMQ and serve replays, as that release does.
+    ///
+    /// Publishes the JSON batches given (one per file, in order), or a scripted workload.
+    Publish {
+        /// The release to speak.
+        #[arg(long, default_value = "0.33.0")]
+        release: wire::Release,
+        /// PUB endpoint (binds when it has `*`, as vLLM does; otherwise connects).
+        #[arg(long, default_value = "tcp://*:5557")]
+        endpoint: String,
+        /// Replay ROUTER endpoint; empty for none.
+        #[arg(long, default_value = "tcp://*:5558")]
+        replay_endpoint: String,
+        /// Topic frame.
+        #[arg(long, default_value = "kv-events")]
+        topic: String,
+        /// Time between batches, in milliseconds.
+        #[arg(long, default_value_t = 100)]
+        interval_ms: u64,
+        /// Stop after this many batches (0: run until interrupted).
+        #[arg(long, default_value_t = 0)]
+        count: u64,
+        /// JSON batch files to publish instead of the scripted workload.
+        files: Vec<PathBuf>,
+    },
+    /// Print the fingerprint chain of token ids (XXH3-64, seed 1337).
+    Fingerprint {
+        /// Tokens per block.
+        #[arg(long)]
+        block_size: usize,
+        /// Prefix fingerprint of the block before the first (decimal), if any.
+        #[arg(long)]
+        parent: Option<u64>,
+        /// A JSON file holding an array of token ids, instead of TOKENS.
+        #[arg(long, conflicts_with = "tokens")]
+        file: Option<PathBuf>,
+        /// Token ids.
+        tokens: Vec<u32>,
+    },
+}
+
+fn publish(
+    release: wire::Release,
+    endpoint: String,
+    replay_endpoint: String,
+    topic: String,
+    interval_ms: u64,
+    count: u64,
+    files: &[PathBuf],
+) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    use kvevent_zmq::publisher::{Publisher, PublisherConfig, scripted_batch};
+    let texts = files
+        .iter()
+        .map(|f| std::fs::read(f).with_context(|| format!("cannot read {}", f.display())))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let values = texts
+        .iter()
+        .zip(files)
+        .map(|(t, f)| {
+            serde_json::from_slice(t).with_context(|| format!("{}: not JSON", f.display()))
+        })
+        .collect::<anyhow::Result<Vec<serde_json::Value>>>()?;
+    let batches = values
+        .iter()
+        .zip(files)
+        .map(|(v, f)| json::from_json(v).with_context(|| f.display().to_string()))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let ctx = zmq::Context::new();
+    let config = PublisherConfig {
+        endpoint,
+        replay_endpoint: (!replay_endpoint.is_empty()).then_some(replay_endpoint),
+        topic: topic.into_bytes(),
+        release,
+        ..PublisherConfig::loopback(release)
+    };
+    let engine = Publisher::start(&ctx, config)?;
+    eprintln!(
+        "kvevents: publishing as vLLM {release} on {} (replay: {})",
+        engine.endpoint(),
+        engine.replay_endpoint().unwrap_or("none")
+    );
+    let mut step = 0u64;
+    while count == 0 || step < count {
+        let seq = if batches.is_empty() {
+            engine.publish(&scripted_batch(step))?
+        } else {
+            engine.publish(&batches[(step as usize) % batches.len()])?
+        };
+        if seq % 100 == 0 {
+            eprintln!("kvevents: published seq {seq}");
+        }
+        step += 1;
+        std::thread::sleep(std::time::Duration::from_millis(interval_ms));
+    }
+    // Let subscribers replay the tail before the sockets close.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    Ok(())
+}
+
+fn fingerprint(
+    block_size: usize,
+    parent: Option<u64>,
+    file: Option<&PathBuf>,
+    tokens: Vec<u32>,
+) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    anyhow::ensure!(block_size > 0, "--block-size must be at least 1");
+    let tokens = match file {
+        Some(f) => serde_json::from_slice::<Vec<u32>>(
+            &std::fs::read(f).with_context(|| format!("cannot read {}", f.display()))?,
+        )
+        .with_context(|| format!("{}: expected a JSON array of token ids", f.display()))?,
+        None => tokens,
+    };
+    let chain = kvevent_fingerprint::chain(&tokens, block_size, parent);
+    for (i, block) in chain.iter().enumerate() {
+        let hex: String = kvevent_fingerprint::wire_key(block.prefix)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        println!(
+            "{}",
+            serde_json::json!({
+                "block": i,
+                "token_count": (i + 1) * block_size,
+                "content": block.content.to_string(),
+                "prefix": block.prefix.to_string(),
+                "prefix_be_hex": hex,
+            })
+        );
+    }
+    let tail = tokens.len() % block_size;
+    if tail > 0 {
+        eprintln!("kvevents: {tail} token(s) after the last full block are not fingerprinted");
+    }
+    Ok(())
 }
 
 fn read_input(path: &PathBuf) -> io::Result<Vec<u8>> {
@@ -127,12 +269,39 @@ fn main() -> ExitCode {
             lenient,
             file,
             out,
-        } => match encode(release, lenient, &file, out.as_ref()) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("kvevents: {e:#}");
-                ExitCode::FAILURE
-            }
-        },
+        } => report(encode(release, lenient, &file, out.as_ref())),
+        Command::Publish {
+            release,
+            endpoint,
+            replay_endpoint,
+            topic,
+            interval_ms,
+            count,
+            files,
+        } => report(publish(
+            release,
+            endpoint,
+            replay_endpoint,
+            topic,
+            interval_ms,
+            count,
+            &files,
+        )),
+        Command::Fingerprint {
+            block_size,
+            parent,
+            file,
+            tokens,
+        } => report(fingerprint(block_size, parent, file.as_ref(), tokens)),
+    }
+}
+
+fn report(result: anyhow::Result<()>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvevents: {e:#}");
+            ExitCode::FAILURE
+        }
     }
 }

@@ -131,3 +131,87 @@ fn encode_refuses_a_field_the_release_lacks_unless_lenient() {
         "clap rejects an unknown release"
     );
 }
+
+#[test]
+fn fingerprint_prints_the_golden_chain() {
+    let golden: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(shared().join("fingerprint/golden.json")).expect("read"),
+    )
+    .expect("json");
+    let case = golden["cases"]
+        .as_array()
+        .expect("cases")
+        .iter()
+        .find(|c| c["name"] == "with_parent")
+        .expect("with_parent case");
+    let mut args = vec![
+        "fingerprint".to_owned(),
+        "--block-size".to_owned(),
+        case["block_size"].to_string(),
+        "--parent".to_owned(),
+        case["parent_prefix"].as_str().expect("parent").to_owned(),
+    ];
+    args.extend(
+        case["tokens"]
+            .as_array()
+            .expect("tokens")
+            .iter()
+            .map(|t| t.to_string()),
+    );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = kvevents(&args, None);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .expect("utf8")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json"))
+        .collect();
+    let want = case["blocks"].as_array().expect("blocks");
+    assert_eq!(lines.len(), want.len());
+    for (got, want) in lines.iter().zip(want) {
+        assert_eq!(got["prefix"], want["prefix"]);
+        assert_eq!(got["prefix_be_hex"], want["prefix_be_hex"]);
+    }
+}
+
+#[test]
+fn publish_speaks_to_a_subscriber() {
+    // `kvevents publish` on a loopback port, read back with a plain SUB socket.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("port")
+        .port();
+    let endpoint = format!("tcp://127.0.0.1:{port}");
+    let ctx = zmq::Context::new();
+    let sub = ctx.socket(zmq::SUB).expect("sub");
+    sub.set_subscribe(b"").expect("subscribe");
+    sub.set_rcvtimeo(10_000).expect("timeout");
+    sub.bind(&endpoint).expect("bind");
+    // The tool's endpoint has no wildcard: it connects, as vLLM's publisher would.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvevents"))
+        .args([
+            "publish",
+            "--endpoint",
+            &endpoint,
+            "--replay-endpoint",
+            "",
+            "--count",
+            "40",
+        ])
+        .args(["--interval-ms", "25"])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn");
+    // Read while it runs: a peer's unread messages go with its connection.
+    let msg = sub.recv_multipart(0);
+    let status = child.wait().expect("wait");
+    assert!(status.success());
+    let msg = msg.expect("a message within 10 s");
+    let live = kvevent_wire::frames::parse_live(&msg).expect("frames");
+    assert_eq!(live.topic, b"kv-events");
+    kvevent_wire::decode(live.payload).expect("a payload vLLM 0.33 would send");
+}

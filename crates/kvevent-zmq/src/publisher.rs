@@ -366,3 +366,62 @@ impl Worker {
         }
     }
 }
+
+/// A deterministic engine workload, step by step: prompts stored as 4 blocks of 16 tokens,
+/// extensions of earlier prompts (with their parent), GPU evictions, an offload to CPU, and a
+/// prefix-cache reset every 50 steps. Used by `kvevents publish` and the demo.
+pub fn scripted_batch(step: u64) -> wire::EventBatch<'static> {
+    use wire::{BlockHash, BlockRemoved, BlockStored, Event, Int};
+    let hash = |prompt: u64, block: u64| BlockHash::Int(Int::U64(prompt * 1_000 + block + 1));
+    let tokens = |prompt: u64, from: u64, blocks: u64| -> wire::TokenIds<'static> {
+        (from * 16..(from + blocks) * 16)
+            .map(|t| ((prompt * 7_919 + t) % 50_000) as u32)
+            .collect::<Vec<_>>()
+            .into()
+    };
+    let prompt = step / 3;
+    let events = match step % 3 {
+        // A new prompt: 4 blocks from token 0.
+        0 => vec![Event::BlockStored(BlockStored {
+            block_hashes: (0..4).map(|b| hash(prompt, b)).collect(),
+            token_ids: tokens(prompt, 0, 4),
+            block_size: 16,
+            medium: Some("GPU".into()),
+            ..Default::default()
+        })],
+        // Its continuation: 2 more blocks after the 4th.
+        1 => vec![Event::BlockStored(BlockStored {
+            block_hashes: (4..6).map(|b| hash(prompt, b)).collect(),
+            parent_block_hash: Some(hash(prompt, 3)),
+            token_ids: tokens(prompt, 4, 2),
+            block_size: 16,
+            medium: Some("GPU".into()),
+            ..Default::default()
+        })],
+        // Memory pressure: the previous prompt's tail leaves the GPU, its head goes to CPU.
+        _ if step % 50 == 47 => vec![Event::AllBlocksCleared],
+        _ => {
+            let old = prompt.saturating_sub(1);
+            vec![
+                Event::BlockRemoved(BlockRemoved {
+                    block_hashes: (4..6).map(|b| hash(old, b)).collect(),
+                    medium: Some("GPU".into()),
+                    ..Default::default()
+                }),
+                Event::BlockStored(BlockStored {
+                    block_hashes: vec![hash(old, 0)],
+                    token_ids: tokens(old, 0, 1),
+                    block_size: 16,
+                    medium: Some("CPU".into()),
+                    ..Default::default()
+                }),
+            ]
+        }
+    };
+    wire::EventBatch {
+        ts: 1_700_000_000.0 + step as f64 * 0.01,
+        events,
+        data_parallel_rank: Some(0),
+        unknown_events: 0,
+    }
+}
