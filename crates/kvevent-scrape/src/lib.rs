@@ -1,0 +1,80 @@
+//! Scrapes an inference engine's Prometheus `/metrics` into replica stats.
+//!
+//! - [`text`]: a pure parser of the Prometheus text format and OpenMetrics (HELP/TYPE, label
+//!   escaping, NaN and ±Inf, timestamps, `# EOF`, counters with or without `_total`, names
+//!   written with `_` for `:`).
+//! - [`stats`]: engine profiles (vLLM current and legacy names, SGLang; detected or set), the
+//!   `model_name` filter, aggregation over DP engines (sums for counters and request gauges,
+//!   mean for usage), hit rate and offload-tier deltas between scrapes, pressure. Absent
+//!   series are an error, never a fabricated zero.
+//! - [`Fetcher`]: one HTTP GET (hyper), bounded in time and body size, gzip handled.
+//! - [`Scraper`]: the three together, keeping the previous scrape for deltas.
+//!
+//! It knows nothing of gRPC: the caller wraps [`Stats`] in its report. Scraping is a failure
+//! domain of its own: an error here never touches the event path.
+
+mod fetch;
+pub mod stats;
+pub mod text;
+
+use std::time::Duration;
+
+pub use fetch::{FetchError, Fetcher};
+pub use stats::{CacheTier, Profile, Reading, Stats, StatsConfig, StatsError};
+
+/// Why a scrape produced no stats.
+#[derive(Debug, thiserror::Error)]
+pub enum ScrapeError {
+    /// The HTTP exchange failed.
+    #[error("fetch")]
+    Fetch(#[from] FetchError),
+    /// The body is not exposition text.
+    #[error("parse")]
+    Parse(#[from] text::ParseError),
+    /// The exposition lacks what the profile needs.
+    #[error("stats")]
+    Stats(#[from] StatsError),
+}
+
+impl ScrapeError {
+    /// A short label for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Fetch(e) => e.kind(),
+            Self::Parse(_) => "parse",
+            Self::Stats(_) => "missing_series",
+        }
+    }
+}
+
+/// Fetch, parse, read and diff, one scrape at a time.
+#[derive(Debug)]
+pub struct Scraper {
+    fetcher: Fetcher,
+    config: StatsConfig,
+    deltas: stats::Deltas,
+}
+
+impl Scraper {
+    /// A scraper of `url`. Bodies over `max_body` bytes are refused.
+    pub fn new(
+        url: &str,
+        timeout: Duration,
+        max_body: usize,
+        config: StatsConfig,
+    ) -> Result<Self, FetchError> {
+        Ok(Self {
+            fetcher: Fetcher::new(url, timeout, max_body)?,
+            config,
+            deltas: stats::Deltas::default(),
+        })
+    }
+
+    /// Scrapes once. A failed scrape leaves the previous reading as the base for deltas.
+    pub async fn scrape(&mut self) -> Result<Stats, ScrapeError> {
+        let body = self.fetcher.fetch().await?;
+        let exposition = text::parse(&body)?;
+        let reading = stats::read(&exposition, &self.config)?;
+        Ok(self.deltas.next(reading, &self.config))
+    }
+}
