@@ -159,7 +159,10 @@ fn number(s: &str) -> Result<f64, String> {
 }
 
 /// Parses `name="value",...}` and returns the labels and what follows the `}`.
-fn label_set(mut s: &str) -> Result<(Vec<(String, String)>, &str), String> {
+/// Label pairs in written order.
+type Labels = Vec<(String, String)>;
+
+fn label_set(mut s: &str) -> Result<(Labels, &str), String> {
     let mut labels = Vec::new();
     loop {
         s = s.trim_start();
