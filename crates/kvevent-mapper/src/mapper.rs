@@ -292,3 +292,24 @@ pub fn timestamp_us(ts: f64) -> i64 {
         0
     }
 }
+
+impl Mapper {
+    /// Evicts every keyed block tracked for this source, one `PREFIX_EVICTED` each, and
+    /// forgets them: a reset of one source among several of the same replica (DP ranks), where
+    /// an `ALL_CLEARED` would also wipe the other ranks' prefixes.
+    pub fn evict_all(&mut self, timestamp_us: i64) -> Vec<pb::Report> {
+        let mut out = Vec::with_capacity(self.blocks.len());
+        for (_, block) in self.blocks.drain() {
+            if let Some(key) = block.key {
+                self.stats.evictions += 1;
+                out.push(pb::Report::Event(self.identity.event(
+                    pb::cache_event::Type::PrefixEvicted,
+                    key,
+                    &block.adapter,
+                    timestamp_us,
+                )));
+            }
+        }
+        out
+    }
+}

@@ -2,7 +2,8 @@
 //!
 //! - [`RecordingServer`]: a real tonic InferenceCache server on `127.0.0.1:0` that records every
 //!   `CacheStateUpdate` and `CacheEvent` in arrival order, and can be told to refuse, delay or
-//!   hang, or be stopped and started again on the same port.
+//!   hang, or be stopped and started again on the same port (re-exported from the pipeline's
+//!   demo, which runs it too).
 //!
 //! - [`Publisher`]: the Rust fake engine (re-exported from `kvevent-zmq`).
 //! - [`PythonPublisher`]: a publisher built on msgspec + pyzmq exactly as vLLM's is, run as a
@@ -11,11 +12,10 @@
 //! Used only as a dev-dependency. Every wait is bounded by a timeout.
 
 mod python;
-mod server;
 
+pub use kvevent_pipeline::demo::{Behaviour, Received, RecordingServer};
 pub use kvevent_zmq::publisher::{Publisher, PublisherConfig};
 pub use python::{PythonPublisher, python};
-pub use server::{Behaviour, Received, RecordingServer};
 
 /// `shared/` beside the checkout (or `KVEVENT_SHARED_DIR`).
 pub fn shared_dir() -> std::path::PathBuf {

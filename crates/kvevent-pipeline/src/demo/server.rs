@@ -1,4 +1,4 @@
-//! A recording InferenceCache server.
+//! A recording InferenceCache server, for the demo and for tests.
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -176,13 +176,25 @@ impl InferenceCache for Shared {
 pub struct RecordingServer {
     addr: SocketAddr,
     shared: Shared,
+    tls: Option<tonic::transport::ServerTlsConfig>,
     stop: Option<oneshot::Sender<()>>,
     task: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl RecordingServer {
     /// Starts on `127.0.0.1:0`.
+    ///
+    /// # Panics
+    /// When no loopback port can be bound (a test or demo cannot go on without one).
     pub async fn start() -> Self {
+        Self::start_with_tls(None).await
+    }
+
+    /// Starts on `127.0.0.1:0` serving TLS (and mTLS when the config names a client CA).
+    ///
+    /// # Panics
+    /// When no loopback port can be bound.
+    pub async fn start_with_tls(tls: Option<tonic::transport::ServerTlsConfig>) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind 127.0.0.1:0");
@@ -190,6 +202,7 @@ impl RecordingServer {
         let mut server = Self {
             addr,
             shared: Shared::default(),
+            tls,
             stop: None,
             task: None,
         };
@@ -202,8 +215,15 @@ impl RecordingServer {
         let service = InferenceCacheServer::new(self.shared.clone());
         let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
         self.stop = Some(stop_tx);
+        let mut builder = tonic::transport::Server::builder();
+        if let Some(tls) = self.tls.clone() {
+            match builder.tls_config(tls) {
+                Ok(b) => builder = b,
+                Err(e) => panic!("server tls config: {e}"),
+            }
+        }
         self.task = Some(tokio::spawn(async move {
-            let _ = tonic::transport::Server::builder()
+            let _ = builder
                 .add_service(service)
                 .serve_with_incoming_shutdown(incoming, async {
                     let _ = stop_rx.await;
@@ -234,6 +254,9 @@ impl RecordingServer {
     }
 
     /// Serves again on the same port, keeping what was recorded.
+    ///
+    /// # Panics
+    /// When the port cannot be bound again within 5 s.
     pub async fn restart(&mut self) {
         self.stop().await;
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
@@ -293,8 +316,11 @@ impl RecordingServer {
             .collect()
     }
 
-    /// Waits until `done` holds for what was received, or panics after `timeout`. `done` runs
+    /// Waits until `done` holds for what was received. `done` runs
     /// under the server's lock: it must not call back into the server.
+    ///
+    /// # Panics
+    /// After `timeout`, with what was received.
     pub async fn wait_for(&self, timeout: Duration, done: impl Fn(&[Received]) -> bool) {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
@@ -312,7 +338,10 @@ impl RecordingServer {
         }
     }
 
-    /// Waits until at least `n` calls reached the server, or panics after `timeout`.
+    /// Waits until at least `n` calls reached the server.
+    ///
+    /// # Panics
+    /// After `timeout`.
     pub async fn wait_for_calls(&self, n: u64, timeout: Duration) {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {

@@ -1,0 +1,223 @@
+//! The command line: the Go sidecar's flags (same names, meanings and defaults) and ours.
+//!
+//! Flags are the top layer over defaults, the `--config` TOML file and `KVEVENT_*` variables:
+//! only the flags actually given are passed on, so an absent flag never hides a lower layer.
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+use serde::Serialize;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "kvevent-subscriber",
+    version,
+    about = "Sidecar next to a vLLM replica: reports its KV-cache events and stats to the InferenceCache server.",
+    long_about = "Sidecar next to a vLLM replica: subscribes to the engine's KV-cache events (with replay of missed batches), maps them onto the InferenceCache contract and reports them to the server; scrapes the engine's /metrics for replica stats.\n\nEvery option can also be set in the --config TOML file (same name with underscores) or as an environment variable KVEVENT_<NAME>. Precedence, lowest first: defaults, file, environment, flags. Durations are written Go's way (50ms, 10s, 1m30s). Go-style single-dash flags (-replica-id=x) are accepted.",
+    args_conflicts_with_subcommands = true
+)]
+pub(crate) struct Cli {
+    #[command(subcommand)]
+    pub(crate) command: Option<Command>,
+    /// TOML file with options (env: KVEVENT_CONFIG).
+    #[arg(long, env = "KVEVENT_CONFIG", value_name = "FILE")]
+    pub(crate) config: Option<PathBuf>,
+    #[command(flatten)]
+    pub(crate) options: Options,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum Command {
+    /// Run a self-contained demo: an in-process engine, the real pipeline over loopback
+    /// sockets, a recording InferenceCache server and a served /metrics fixture.
+    Demo {
+        /// Engine steps to publish.
+        #[arg(long, default_value_t = 200)]
+        batches: u64,
+    },
+}
+
+/// Every option; `None` when the flag was not given.
+#[derive(Debug, Default, clap::Args, Serialize)]
+pub(crate) struct Options {
+    /// Engine KV-event PUB endpoint [default: tcp://127.0.0.1:5557] [env: KVEVENT_ENGINE_ENDPOINT]
+    #[arg(long, value_name = "ENDPOINT")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    engine_endpoint: Option<String>,
+    /// Bind the SUB socket; for engines whose endpoint has no wildcard (they connect) [default: false] [env: KVEVENT_ENGINE_BIND]
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    engine_bind: Option<bool>,
+    /// Engine replay ROUTER endpoint; empty: no replay [default: ""] [env: KVEVENT_REPLAY_ENDPOINT]
+    #[arg(long, value_name = "ENDPOINT")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    replay_endpoint: Option<String>,
+    /// Topic prefix to subscribe to [default: kv-events] [env: KVEVENT_TOPIC]
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    topic: Option<String>,
+    /// Data-parallel ranks 0..N-1, endpoints by vLLM's port offset from the two base endpoints [default: 1] [env: KVEVENT_DP_SIZE]
+    #[arg(long, value_name = "N")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    dp_size: Option<u32>,
+    /// InferenceCache server: host:port, http://… or https://… [default: 127.0.0.1:9090] [env: KVEVENT_SERVER]
+    #[arg(long, value_name = "ADDRESS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    server: Option<String>,
+    /// This replica's id (required) [env: KVEVENT_REPLICA_ID]
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    replica_id: Option<String>,
+    /// The served model's id (required) [env: KVEVENT_MODEL_ID]
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    model_id: Option<String>,
+    /// Tenant id [default: ""] [env: KVEVENT_TENANT_ID]
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tenant_id: Option<String>,
+    /// Hash scheme reported with every prefix (the server's comparison domain) [default: vllm] [env: KVEVENT_HASH_SCHEME]
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    hash_scheme: Option<String>,
+    /// Prefix keys: engine (engine block hashes) or fingerprint (content fingerprints of token ids) [default: engine] [env: KVEVENT_KEY_MODE]
+    #[arg(long, value_name = "MODE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    key_mode: Option<String>,
+    /// Coalescing window of adds [default: 100ms] [env: KVEVENT_WINDOW]
+    #[arg(long, value_name = "DURATION")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    window: Option<String>,
+    /// Engine Prometheus endpoint; empty: no stats [default: http://127.0.0.1:8000/metrics] [env: KVEVENT_ENGINE_METRICS_URL]
+    #[arg(long, value_name = "URL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    engine_metrics_url: Option<String>,
+    /// Interval of stats reports; 0: none [default: 10s] [env: KVEVENT_STATS_INTERVAL]
+    #[arg(long, value_name = "DURATION")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stats_interval: Option<String>,
+    /// Engine KV cache size in bytes, for cache_memory_bytes; 0: unknown [default: 0] [env: KVEVENT_ENGINE_CACHE_SIZE_BYTES]
+    #[arg(long, value_name = "BYTES")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    engine_cache_size_bytes: Option<u64>,
+    /// Running + waiting requests that count as full pressure [default: 256] [env: KVEVENT_MAX_CONCURRENCY_CEILING]
+    #[arg(long, value_name = "N")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_concurrency_ceiling: Option<u32>,
+    /// Cache usage gauge: auto (kv → gpu → cpu), kv, gpu, cpu [default: auto] [env: KVEVENT_CACHE_TIER]
+    #[arg(long, value_name = "TIER")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cache_tier: Option<String>,
+    /// Keep only metric series with this model_name label [default: ""] [env: KVEVENT_ENGINE_MODEL_NAME]
+    #[arg(long, value_name = "NAME")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    engine_model_name: Option<String>,
+    /// Engine metrics profile: auto, vllm, vllm-legacy, sglang [default: auto] [env: KVEVENT_ENGINE_PROFILE]
+    #[arg(long, value_name = "PROFILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    engine_profile: Option<String>,
+    /// The engine has an offload tier: GPU removals re-report the prefix at T2 [default: false] [env: KVEVENT_IGNORE_BLOCK_REMOVED]
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ignore_block_removed: Option<bool>,
+    /// Adapter names for LoRA ids, for engines without lora_name: 1=a,2=b [default: ""] [env: KVEVENT_LORA_ADAPTER_NAMES]
+    #[arg(long, value_name = "MAP")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lora_adapter_names: Option<String>,
+    /// Our HTTP endpoint for /metrics, /healthz, /readyz; empty: none [default: 0.0.0.0:9095] [env: KVEVENT_METRICS_ADDRESS]
+    #[arg(long, value_name = "HOST:PORT")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    metrics_address: Option<String>,
+    /// Deadline to flush pending reports on SIGTERM/SIGINT [default: 5s] [env: KVEVENT_DRAIN_TIMEOUT]
+    #[arg(long, value_name = "DURATION")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    drain_timeout: Option<String>,
+    /// Log format: text or json [default: text] [env: KVEVENT_LOG_FORMAT]
+    #[arg(long, value_name = "FORMAT")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    log_format: Option<String>,
+    /// Log level or filter, e.g. info, debug, kvevent_source=debug [default: info] [env: KVEVENT_LOG_LEVEL]
+    #[arg(long, value_name = "LEVEL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    log_level: Option<String>,
+    /// Deadline of every RPC to the server [default: 5s] [env: KVEVENT_RPC_TIMEOUT]
+    #[arg(long, value_name = "DURATION")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rpc_timeout: Option<String>,
+    /// Deadline of a connection attempt to the server [default: 5s] [env: KVEVENT_CONNECT_TIMEOUT]
+    #[arg(long, value_name = "DURATION")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    connect_timeout: Option<String>,
+    /// Most pending prefix entries plus events while the server is unreachable; beyond, the oldest are dropped [default: 100000] [env: KVEVENT_MAX_PENDING]
+    #[arg(long, value_name = "N")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_pending: Option<usize>,
+    /// Longest delay between retries to the server [default: 10s] [env: KVEVENT_MAX_BACKOFF]
+    #[arg(long, value_name = "DURATION")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_backoff: Option<String>,
+    /// Engine blocks tracked per source for cumulative counts and fingerprint chains [default: 1048576] [env: KVEVENT_MAX_TRACKED_BLOCKS]
+    #[arg(long, value_name = "N")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_tracked_blocks: Option<usize>,
+    /// A replay with no reply for this long is over [default: 3s] [env: KVEVENT_REPLAY_TIMEOUT]
+    #[arg(long, value_name = "DURATION")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    replay_timeout: Option<String>,
+    /// Deadline of an engine metrics scrape [default: 5s] [env: KVEVENT_SCRAPE_TIMEOUT]
+    #[arg(long, value_name = "DURATION")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    scrape_timeout: Option<String>,
+    /// CA bundle (PEM) to verify the server; empty: system roots (implies TLS) [default: ""] [env: KVEVENT_TLS_CA_FILE]
+    #[arg(long, value_name = "FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls_ca_file: Option<String>,
+    /// Client certificate (PEM) for mTLS [default: ""] [env: KVEVENT_TLS_CERT_FILE]
+    #[arg(long, value_name = "FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls_cert_file: Option<String>,
+    /// Client key (PEM) for mTLS [default: ""] [env: KVEVENT_TLS_KEY_FILE]
+    #[arg(long, value_name = "FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls_key_file: Option<String>,
+    /// Name to verify the server certificate against [default: the host of --server] [env: KVEVENT_TLS_SERVER_NAME]
+    #[arg(long, value_name = "NAME")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls_server_name: Option<String>,
+    /// File with a bearer token sent as authorization metadata; re-read when it changes [default: ""] [env: KVEVENT_TOKEN_FILE]
+    #[arg(long, value_name = "FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    token_file: Option<String>,
+}
+
+/// Rewrites Go-style single-dash long flags (`-replica-id=x`, `-window 50ms`) to `--`.
+pub(crate) fn go_style(args: impl IntoIterator<Item = String>) -> Vec<String> {
+    use clap::CommandFactory;
+    let command = Cli::command();
+    let longs: Vec<String> = command
+        .get_arguments()
+        .filter_map(|a| a.get_long().map(str::to_owned))
+        .chain(["help".to_owned(), "version".to_owned()])
+        .collect();
+    let mut out = Vec::new();
+    let mut rest_literal = false;
+    for (i, arg) in args.into_iter().enumerate() {
+        if i == 0 || rest_literal {
+            out.push(arg);
+            continue;
+        }
+        if arg == "--" {
+            rest_literal = true;
+            out.push(arg);
+            continue;
+        }
+        let single = arg.starts_with('-') && !arg.starts_with("--") && arg.len() > 2;
+        let name = arg[1..].split('=').next().unwrap_or_default();
+        if single && longs.iter().any(|l| l == name) {
+            out.push(format!("-{arg}"));
+        } else {
+            out.push(arg);
+        }
+    }
+    out
+}

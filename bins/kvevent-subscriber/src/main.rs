@@ -1,0 +1,135 @@
+//! `kvevent-subscriber`: the sidecar. Parses all configuration before any socket opens (every
+//! problem at once, exit 64), starts the pipeline, drains on SIGTERM/SIGINT (a second signal
+//! exits at once), and maps the outcome to an exit code.
+
+mod cli;
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use kvevent_pipeline::{self as pipeline, Settings};
+
+/// Bad configuration (EX_USAGE).
+const EXIT_CONFIG: u8 = 64;
+/// The pipeline could not start (EX_UNAVAILABLE).
+const EXIT_START: u8 = 69;
+/// A second signal: stop now.
+const EXIT_INTERRUPTED: i32 = 130;
+
+fn init_tracing(format: &str, level: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_new(level)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if format == "json" {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("kvevent-rt")
+        .enable_all()
+        .build()
+}
+
+fn main() -> ExitCode {
+    let cli = match cli::Cli::try_parse_from(cli::go_style(std::env::args())) {
+        Ok(cli) => cli,
+        Err(e) if !e.use_stderr() => {
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    if let Some(cli::Command::Demo { batches }) = cli.command {
+        init_tracing("text", "warn");
+        return match runtime().map(|rt| rt.block_on(pipeline::demo::run(batches))) {
+            Ok(Ok(_)) => ExitCode::SUCCESS,
+            Ok(Err(e)) => {
+                eprintln!("demo failed: {e}");
+                ExitCode::FAILURE
+            }
+            Err(e) => {
+                eprintln!("cannot start the runtime: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    let settings = match Settings::load(cli.config.as_ref(), &cli.options) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("kvevent-subscriber: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    init_tracing(&settings.log_format, &settings.log_level);
+    let rt = match runtime() {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot start the runtime");
+            return ExitCode::from(EXIT_START);
+        }
+    };
+    rt.block_on(run(settings))
+}
+
+async fn run(settings: Settings) -> ExitCode {
+    let ctx = zmq::Context::new();
+    let running = match pipeline::start(&settings, &ctx).await {
+        Ok(r) => r,
+        Err(e) => {
+            let mut chain = e.to_string();
+            let mut source = std::error::Error::source(&e);
+            while let Some(s) = source {
+                chain.push_str(&format!(": {s}"));
+                source = s.source();
+            }
+            tracing::error!(error = %chain, "cannot start");
+            return ExitCode::from(EXIT_START);
+        }
+    };
+    let signal = wait_for_signal().await;
+    tracing::info!(signal, drain_timeout = ?settings.drain_timeout.0, "stopping: draining pending reports");
+    tokio::spawn(async {
+        let second = wait_for_signal().await;
+        tracing::warn!(signal = second, "second signal: exiting now");
+        std::process::exit(EXIT_INTERRUPTED);
+    });
+    let left = running.shutdown(settings.drain_timeout.0).await;
+    if left.unsent_prefixes + left.unsent_events > 0 {
+        tracing::warn!(
+            unsent_prefixes = left.unsent_prefixes,
+            unsent_events = left.unsent_events,
+            "stopped with reports unsent"
+        );
+    } else {
+        tracing::info!("stopped: everything pending was sent");
+    }
+    // Sockets close with linger 0; give the log a moment to flush.
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    ExitCode::SUCCESS
+}
+
+async fn wait_for_signal() -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        std::future::pending::<()>().await;
+        return "none";
+    };
+    tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    }
+}

@@ -1,0 +1,103 @@
+//! Our own HTTP endpoint: `/metrics`, `/healthz`, `/readyz`.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+
+use crate::telemetry::Telemetry;
+
+/// What `/readyz` requires.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Readiness {
+    /// The last accepted report must be at most this old.
+    pub(crate) max_silence: Duration,
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn respond(status: u16, content_type: &str, body: String) -> hyper::Response<Full<Bytes>> {
+    let mut r = hyper::Response::new(Full::new(Bytes::from(body)));
+    *r.status_mut() = hyper::StatusCode::from_u16(status).unwrap_or(hyper::StatusCode::OK);
+    if let Ok(v) = content_type.parse() {
+        r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
+    }
+    r
+}
+
+fn route(path: &str, telemetry: &Telemetry, readiness: Readiness) -> hyper::Response<Full<Bytes>> {
+    match path {
+        "/metrics" => respond(
+            200,
+            "text/plain; version=0.0.4; charset=utf-8",
+            telemetry.render(),
+        ),
+        "/healthz" => respond(200, "text/plain", "ok\n".into()),
+        "/readyz" => {
+            let subscribed = telemetry.subscribed.load(Relaxed);
+            let last = telemetry.last_success_unix_ms();
+            let recent = last > 0
+                && now_ms().saturating_sub(last) <= readiness.max_silence.as_millis() as u64;
+            match (subscribed, recent) {
+                (true, true) => respond(200, "text/plain", "ready\n".into()),
+                (false, _) => respond(
+                    503,
+                    "text/plain",
+                    "not ready: engine subscription is not up\n".into(),
+                ),
+                (true, false) => respond(
+                    503,
+                    "text/plain",
+                    format!(
+                        "not ready: no report accepted by the server in the last {:?}\n",
+                        readiness.max_silence
+                    ),
+                ),
+            }
+        }
+        _ => respond(
+            404,
+            "text/plain",
+            "not found: try /metrics, /healthz, /readyz\n".into(),
+        ),
+    }
+}
+
+/// Binds `addr` and serves until the returned task is aborted.
+pub(crate) async fn serve(
+    addr: SocketAddr,
+    telemetry: Arc<Telemetry>,
+    readiness: Readiness,
+) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let bound = listener.local_addr()?;
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let telemetry = telemetry.clone();
+            tokio::spawn(async move {
+                let service = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                    let response = route(req.uri().path(), &telemetry, readiness);
+                    async move { Ok::<_, Infallible>(response) }
+                });
+                let conn = hyper::server::conn::http1::Builder::new()
+                    .header_read_timeout(Duration::from_secs(10))
+                    .serve_connection(TokioIo::new(stream), service);
+                let _ = tokio::time::timeout(Duration::from_secs(60), conn).await;
+            });
+        }
+    });
+    Ok((bound, task))
+}

@@ -1,0 +1,271 @@
+//! The subscriber pipeline, composed from the kvevent crates.
+//!
+//! ```text
+//! engine PUB/ROUTER ─▶ kvevent-source::Subscriber ─▶ kvevent-mapper ─▶ kvevent-forwarder ─▶ server
+//!                      (std thread "kvevent-events", one Mapper per source)   (tokio task)
+//! engine /metrics ───▶ kvevent-scrape::Scraper ─▶ stats-only CacheStateUpdate ─▶ server
+//!                      (tokio task, own cadence, own failure domain)
+//! ```
+//!
+//! [`start`] builds everything from validated [`Settings`] (sockets open only after the
+//! configuration is whole), [`Running::shutdown`] stops intake and drains within a deadline.
+//! Routers can embed the whole pipeline in-process; the `kvevent-subscriber` binary is a thin
+//! shell around it. [`demo`] runs it against an in-process engine, server and metrics endpoint.
+//!
+//! This is the only crate that knows every layer: the others know their neighbours'
+//! abstractions, never each other.
+
+pub mod credentials;
+pub mod demo;
+mod events;
+mod http_server;
+pub mod settings;
+mod stats_reporter;
+pub mod telemetry;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::time::Duration;
+
+use kvevent_forwarder as fwd;
+use kvevent_mapper as mapper;
+use kvevent_source as source;
+use kvevent_zmq as transport;
+
+pub use settings::{ConfigError, Settings};
+pub use stats_reporter::CLIENT_VERSION;
+pub use telemetry::Telemetry;
+
+/// What went wrong starting the pipeline.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The identity or mapping options are invalid.
+    #[error("mapping options")]
+    Mapper(#[from] mapper::Error),
+    /// The engine endpoints could not be derived or opened.
+    #[error("engine subscription")]
+    Transport(#[from] transport::Error),
+    /// The server address or TLS settings are unusable.
+    #[error("server connection")]
+    Forwarder(#[from] fwd::Error),
+    /// TLS files could not be read.
+    #[error("tls")]
+    Tls(#[from] credentials::TlsFileError),
+    /// The engine metrics URL is unusable.
+    #[error("engine metrics")]
+    Scrape(#[from] kvevent_scrape::FetchError),
+    /// Our HTTP endpoint could not be bound.
+    #[error("bind metrics address {0}")]
+    MetricsAddress(String, #[source] std::io::Error),
+    /// The events thread could not be started.
+    #[error("spawn events thread")]
+    Spawn(#[source] std::io::Error),
+}
+
+/// The running pipeline.
+pub struct Running {
+    stop_events: Arc<AtomicBool>,
+    events: Option<std::thread::JoinHandle<()>>,
+    forwarder: fwd::Forwarder,
+    stop_stats: tokio::sync::watch::Sender<bool>,
+    stats: Option<tokio::task::JoinHandle<()>>,
+    http: Option<(SocketAddr, tokio::task::JoinHandle<()>)>,
+    telemetry: Arc<Telemetry>,
+}
+
+impl std::fmt::Debug for Running {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Running")
+            .field("metrics_addr", &self.metrics_addr())
+            .finish()
+    }
+}
+
+fn identity(s: &Settings) -> Result<mapper::Identity, mapper::Error> {
+    mapper::Identity::new(&s.replica_id, &s.model_id, &s.tenant_id, &s.hash_scheme)
+}
+
+fn client_config(s: &Settings) -> Result<fwd::ClientConfig, StartError> {
+    let tls = credentials::tls_config(s)?;
+    let mut address = s.server.trim().to_owned();
+    if tls.is_some() && !address.starts_with("https://") {
+        let bare = address.trim_start_matches("http://").to_owned();
+        address = format!("https://{bare}");
+    }
+    let mut config = fwd::ClientConfig::new(address);
+    config.rpc_timeout = s.rpc_timeout.0;
+    config.connect_timeout = s.connect_timeout.0;
+    config.tls = tls;
+    if !s.token_file.is_empty() {
+        config.credentials = Some(Arc::new(credentials::TokenFile::new(&s.token_file)));
+    }
+    Ok(config)
+}
+
+fn stats_config(s: &Settings) -> kvevent_scrape::StatsConfig {
+    use kvevent_scrape::{CacheTier, Profile};
+    kvevent_scrape::StatsConfig {
+        profile: match s.engine_profile.as_str() {
+            "vllm" => Some(Profile::Vllm),
+            "vllm-legacy" => Some(Profile::VllmLegacy),
+            "sglang" => Some(Profile::Sglang),
+            _ => None,
+        },
+        cache_tier: match s.cache_tier.as_str() {
+            "kv" => CacheTier::Kv,
+            "gpu" => CacheTier::Gpu,
+            "cpu" => CacheTier::Cpu,
+            _ => CacheTier::Auto,
+        },
+        model_name: (!s.engine_model_name.is_empty()).then(|| s.engine_model_name.clone()),
+        cache_size_bytes: s.engine_cache_size_bytes,
+        concurrency_ceiling: s.max_concurrency_ceiling,
+    }
+}
+
+/// Starts the pipeline on the current tokio runtime. `settings` must be valid
+/// ([`Settings::load`] validates); `ctx` is the ZMQ context (shared with an in-process engine
+/// for `inproc://` endpoints).
+pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, StartError> {
+    let identity = identity(settings)?;
+    let options = mapper::Options {
+        key_mode: if settings.key_mode == "fingerprint" {
+            mapper::KeyMode::Fingerprint
+        } else {
+            mapper::KeyMode::Engine
+        },
+        engine_has_offload_tier: settings.ignore_block_removed,
+        lora_adapters: mapper::parse_lora_adapters(&settings.lora_adapter_names)?,
+        max_tracked_blocks: settings.max_tracked_blocks,
+    };
+    let client = fwd::connect(&client_config(settings)?)?;
+    let sources = transport::dp_sources(
+        &settings.engine_endpoint,
+        (!settings.replay_endpoint.is_empty()).then_some(settings.replay_endpoint.as_str()),
+        settings.dp_size,
+        settings.topic.as_bytes(),
+        settings.engine_bind,
+    )?;
+    let scraper = if settings.engine_metrics_url.is_empty() || settings.stats_interval.0.is_zero() {
+        None
+    } else {
+        Some(kvevent_scrape::Scraper::new(
+            &settings.engine_metrics_url,
+            settings.scrape_timeout.0,
+            8 << 20,
+            stats_config(settings),
+        )?)
+    };
+
+    let fwd_config = fwd::Config {
+        window: settings.window.0,
+        max_pending: settings.max_pending,
+        backoff_max: settings.max_backoff.0,
+        drain_timeout: settings.drain_timeout.0,
+        ..fwd::Config::default()
+    };
+    let (handle, forwarder) = fwd::spawn(client.clone(), fwd_config);
+
+    let mut sub_config = source::Config::new(sources.clone());
+    sub_config.socket.replay_idle_timeout = settings.replay_timeout.0;
+    let subscriber = source::Subscriber::start(ctx, sub_config)?;
+    let telemetry = Arc::new(Telemetry::new(
+        sources.iter().map(transport::Source::label).collect(),
+        subscriber.metrics().to_vec(),
+        handle.metrics().clone(),
+    ));
+    telemetry.subscribed.store(true, Relaxed);
+
+    let http = if settings.metrics_address.is_empty() {
+        None
+    } else {
+        let addr: SocketAddr = settings.metrics_address.parse().map_err(|e| {
+            StartError::MetricsAddress(settings.metrics_address.clone(), std::io::Error::other(e))
+        })?;
+        let readiness = http_server::Readiness {
+            max_silence: (settings.stats_interval.0 * 3).max(Duration::from_secs(30)),
+        };
+        let served = http_server::serve(addr, telemetry.clone(), readiness)
+            .await
+            .map_err(|e| StartError::MetricsAddress(settings.metrics_address.clone(), e))?;
+        tracing::info!(address = %served.0, "serving /metrics, /healthz, /readyz");
+        Some(served)
+    };
+
+    let stop_events = Arc::new(AtomicBool::new(false));
+    let events = events::EventsLoop {
+        subscriber,
+        mappers: sources
+            .iter()
+            .map(|_| mapper::Mapper::new(identity.clone(), options.clone()))
+            .collect(),
+        forwarder: handle,
+        stop: stop_events.clone(),
+        telemetry: telemetry.clone(),
+    };
+    let events = std::thread::Builder::new()
+        .name("kvevent-events".into())
+        .spawn(move || events.run())
+        .map_err(StartError::Spawn)?;
+
+    let (stop_stats, stop_rx) = tokio::sync::watch::channel(false);
+    let stats = scraper.map(|scraper| {
+        tokio::spawn(
+            stats_reporter::StatsReporter {
+                scraper,
+                client,
+                identity,
+                interval: settings.stats_interval.0,
+                telemetry: telemetry.clone(),
+            }
+            .run(stop_rx),
+        )
+    });
+    tracing::info!(
+        sources = sources.len(),
+        server = %settings.server,
+        key_mode = %settings.key_mode,
+        "pipeline started"
+    );
+    Ok(Running {
+        stop_events,
+        events: Some(events),
+        forwarder,
+        stop_stats,
+        stats,
+        http,
+        telemetry,
+    })
+}
+
+impl Running {
+    /// Where `/metrics` is served, if it is.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.http.as_ref().map(|(a, _)| *a)
+    }
+
+    /// Every counter.
+    pub fn telemetry(&self) -> &Arc<Telemetry> {
+        &self.telemetry
+    }
+
+    /// Stops taking events, flushes what is pending within `drain`, stops the stats loop and
+    /// the HTTP endpoint. Returns what could not be sent.
+    pub async fn shutdown(mut self, drain: Duration) -> fwd::DrainReport {
+        self.stop_events.store(true, Relaxed);
+        if let Some(events) = self.events.take() {
+            // The events thread notices within its 100 ms poll; it holds no lock we need.
+            let _ = tokio::task::spawn_blocking(move || events.join()).await;
+        }
+        let _ = self.stop_stats.send(true);
+        if let Some(stats) = self.stats.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(1), stats).await;
+        }
+        let report = self.forwarder.shutdown(drain).await;
+        if let Some((_, task)) = self.http.take() {
+            task.abort();
+        }
+        report
+    }
+}

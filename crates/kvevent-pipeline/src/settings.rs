@@ -1,0 +1,469 @@
+//! Every option of the subscriber: defaults, TOML file, environment, flags; validated at once.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use figment::Figment;
+use figment::providers::{Env, Format, Serialized, Toml};
+use serde::{Deserialize, Serialize};
+
+/// Prefix of every environment variable (`KVEVENT_REPLICA_ID`, ...).
+pub const ENV_PREFIX: &str = "KVEVENT_";
+
+/// A duration written Go's way: `100ms`, `10s`, `1m30s`, `1h`, `250us`; `0` is zero.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
+pub struct GoDuration(pub Duration);
+
+impl GoDuration {
+    /// From milliseconds.
+    pub const fn ms(ms: u64) -> Self {
+        Self(Duration::from_millis(ms))
+    }
+
+    /// From seconds.
+    pub const fn secs(s: u64) -> Self {
+        Self(Duration::from_secs(s))
+    }
+}
+
+/// Parses a Go-style duration.
+///
+/// ```
+/// use kvevent_pipeline::settings::parse_duration;
+/// use std::time::Duration;
+/// assert_eq!(parse_duration("1m30s")?, Duration::from_secs(90));
+/// assert_eq!(parse_duration("50ms")?, Duration::from_millis(50));
+/// assert_eq!(parse_duration("1.5s")?, Duration::from_millis(1500));
+/// assert!(parse_duration("10").is_err());
+/// # Ok::<(), String>(())
+/// ```
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    if s == "0" {
+        return Ok(Duration::ZERO);
+    }
+    let bad = || format!("`{s}` is not a duration (use e.g. 100ms, 10s, 1m30s)");
+    if s.is_empty() {
+        return Err(bad());
+    }
+    let mut total = 0f64;
+    let mut rest = s;
+    while !rest.is_empty() {
+        let num_end = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .ok_or_else(bad)?;
+        let value: f64 = rest[..num_end].parse().map_err(|_| bad())?;
+        rest = &rest[num_end..];
+        let unit_end = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
+        let scale = match &rest[..unit_end] {
+            "ns" => 1e-9,
+            "us" | "µs" => 1e-6,
+            "ms" => 1e-3,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            _ => return Err(bad()),
+        };
+        total += value * scale;
+        rest = &rest[unit_end..];
+    }
+    Duration::try_from_secs_f64(total).map_err(|_| bad())
+}
+
+impl fmt::Display for GoDuration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let d = self.0;
+        if d.is_zero() {
+            f.write_str("0s")
+        } else if d.subsec_nanos() == 0 {
+            write!(f, "{}s", d.as_secs())
+        } else if d.as_nanos() % 1_000_000 == 0 {
+            write!(f, "{}ms", d.as_millis())
+        } else {
+            write!(f, "{}us", d.as_micros())
+        }
+    }
+}
+
+impl Serialize for GoDuration {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for GoDuration {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        parse_duration(&s)
+            .map(GoDuration)
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// Every option, with the Go sidecar's names and defaults where it has them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Settings {
+    /// The engine's KV-event PUB endpoint.
+    pub engine_endpoint: String,
+    /// Bind the SUB socket instead of connecting (for engines with a non-wildcard endpoint).
+    pub engine_bind: bool,
+    /// The engine's replay ROUTER endpoint; empty: no replay.
+    pub replay_endpoint: String,
+    /// Topic prefix.
+    pub topic: String,
+    /// Data-parallel ranks to subscribe to (endpoints by vLLM's port-offset rule).
+    pub dp_size: u32,
+    /// The InferenceCache server: `host:port`, `http://…` or `https://…`.
+    pub server: String,
+    /// This replica's id (required).
+    pub replica_id: String,
+    /// The model's id (required).
+    pub model_id: String,
+    /// Tenant id (optional).
+    pub tenant_id: String,
+    /// Hash scheme reported with every prefix (the server's comparison domain).
+    pub hash_scheme: String,
+    /// Key mode: `engine` (engine block hashes) or `fingerprint` (content fingerprints).
+    pub key_mode: String,
+    /// Coalescing window of adds.
+    pub window: GoDuration,
+    /// The engine's Prometheus endpoint; empty: no stats.
+    pub engine_metrics_url: String,
+    /// Interval of stats reports; 0: no stats.
+    pub stats_interval: GoDuration,
+    /// The engine's KV cache size in bytes (0: unknown).
+    pub engine_cache_size_bytes: u64,
+    /// Running + waiting requests that count as full pressure.
+    pub max_concurrency_ceiling: u32,
+    /// Which usage gauge: auto, kv, gpu, cpu.
+    pub cache_tier: String,
+    /// Keep only metric series with this `model_name` label.
+    pub engine_model_name: String,
+    /// Engine metrics profile: auto, vllm, vllm-legacy, sglang.
+    pub engine_profile: String,
+    /// The engine has an offload tier: GPU removals are re-reported at T2.
+    pub ignore_block_removed: bool,
+    /// Adapter names for LoRA ids: `1=a,2=b`.
+    pub lora_adapter_names: String,
+    /// Our own HTTP endpoint (`/metrics`, `/healthz`, `/readyz`); empty: none.
+    pub metrics_address: String,
+    /// Deadline to flush pending reports on shutdown.
+    pub drain_timeout: GoDuration,
+    /// Log format: text or json.
+    pub log_format: String,
+    /// Log level or filter (`info`, `kvevent=debug`).
+    pub log_level: String,
+    /// Deadline of every RPC.
+    pub rpc_timeout: GoDuration,
+    /// Deadline of a connection attempt to the server.
+    pub connect_timeout: GoDuration,
+    /// Most pending prefix entries plus events while the server is unreachable.
+    pub max_pending: usize,
+    /// Longest delay between retries to the server.
+    pub max_backoff: GoDuration,
+    /// Engine blocks tracked per source (cumulative counts, fingerprint chains).
+    pub max_tracked_blocks: usize,
+    /// A replay with no reply for this long is over.
+    pub replay_timeout: GoDuration,
+    /// Deadline of a metrics scrape.
+    pub scrape_timeout: GoDuration,
+    /// CA bundle (PEM) to verify the server with; empty: system roots.
+    pub tls_ca_file: String,
+    /// Client certificate (PEM) for mTLS.
+    pub tls_cert_file: String,
+    /// Client key (PEM) for mTLS.
+    pub tls_key_file: String,
+    /// Name to verify the server's certificate against, if not the host in `server`.
+    pub tls_server_name: String,
+    /// File holding a bearer token sent as `authorization`; re-read when it changes.
+    pub token_file: String,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            engine_endpoint: "tcp://127.0.0.1:5557".into(),
+            engine_bind: false,
+            replay_endpoint: String::new(),
+            topic: "kv-events".into(),
+            dp_size: 1,
+            server: "127.0.0.1:9090".into(),
+            replica_id: String::new(),
+            model_id: String::new(),
+            tenant_id: String::new(),
+            hash_scheme: "vllm".into(),
+            key_mode: "engine".into(),
+            window: GoDuration::ms(100),
+            engine_metrics_url: "http://127.0.0.1:8000/metrics".into(),
+            stats_interval: GoDuration::secs(10),
+            engine_cache_size_bytes: 0,
+            max_concurrency_ceiling: 256,
+            cache_tier: "auto".into(),
+            engine_model_name: String::new(),
+            engine_profile: "auto".into(),
+            ignore_block_removed: false,
+            lora_adapter_names: String::new(),
+            metrics_address: "0.0.0.0:9095".into(),
+            drain_timeout: GoDuration::secs(5),
+            log_format: "text".into(),
+            log_level: "info".into(),
+            rpc_timeout: GoDuration::secs(5),
+            connect_timeout: GoDuration::secs(5),
+            max_pending: 100_000,
+            max_backoff: GoDuration::secs(10),
+            max_tracked_blocks: 1 << 20,
+            replay_timeout: GoDuration::secs(3),
+            scrape_timeout: GoDuration::secs(5),
+            tls_ca_file: String::new(),
+            tls_cert_file: String::new(),
+            tls_key_file: String::new(),
+            tls_server_name: String::new(),
+            token_file: String::new(),
+        }
+    }
+}
+
+/// The names of every option, as in the TOML file.
+pub fn known_options() -> Vec<String> {
+    figment::value::Value::serialize(Settings::default())
+        .ok()
+        .and_then(|v| v.into_dict())
+        .map(|d| d.into_keys().collect())
+        .unwrap_or_default()
+}
+
+/// One configuration problem, naming the option as a flag and as an environment variable.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    /// The option (`replica_id`).
+    pub option: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "--{} ({}{}): {}",
+            self.option.replace('_', "-"),
+            ENV_PREFIX,
+            self.option.to_uppercase(),
+            self.message
+        )
+    }
+}
+
+/// Every problem found, reported together.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid configuration:{}", .0.iter().map(|p| format!("\n  {p}")).collect::<String>())]
+pub struct ConfigError(pub Vec<Problem>);
+
+impl Settings {
+    /// Layers, lowest first: defaults, the TOML file (if any), `KVEVENT_*` environment, then
+    /// `overrides` (the flags actually given). Then validates everything.
+    pub fn load(file: Option<&PathBuf>, overrides: impl Serialize) -> Result<Self, ConfigError> {
+        let mut figment = Figment::from(Serialized::defaults(Settings::default()));
+        if let Some(path) = file {
+            if !path.is_file() {
+                return Err(ConfigError(vec![Problem {
+                    option: "config".into(),
+                    message: format!("no such file {}", path.display()),
+                }]));
+            }
+            figment = figment.merge(Toml::file(path));
+        }
+        // Only our options: other KVEVENT_* variables (a test harness's, say) are not ours.
+        let known = known_options();
+        let figment = figment
+            .merge(Env::prefixed(ENV_PREFIX).filter(move |k| known.iter().any(|o| o == k.as_str())))
+            .merge(Serialized::defaults(overrides));
+        let settings: Settings = figment.extract().map_err(|e| {
+            ConfigError(
+                e.into_iter()
+                    .map(|e| Problem {
+                        option: e.path.last().cloned().unwrap_or_else(|| "config".into()),
+                        message: e.kind.to_string(),
+                    })
+                    .collect(),
+            )
+        })?;
+        settings.validate()?;
+        Ok(settings)
+    }
+
+    /// Checks every option; reports every problem at once.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let mut problems = Vec::new();
+        let mut bad = |option: &str, message: String| {
+            problems.push(Problem {
+                option: option.into(),
+                message,
+            })
+        };
+        for (option, value) in [
+            ("replica_id", &self.replica_id),
+            ("model_id", &self.model_id),
+            ("hash_scheme", &self.hash_scheme),
+        ] {
+            if value.trim().is_empty() {
+                bad(option, "is required".into());
+            }
+        }
+        for (option, value, allowed) in [
+            ("engine_endpoint", &self.engine_endpoint, true),
+            (
+                "replay_endpoint",
+                &self.replay_endpoint,
+                !self.replay_endpoint.is_empty(),
+            ),
+        ] {
+            if allowed
+                && !["tcp://", "ipc://", "inproc://"]
+                    .iter()
+                    .any(|p| value.starts_with(p))
+            {
+                bad(
+                    option,
+                    format!("`{value}` is not a tcp://, ipc:// or inproc:// endpoint"),
+                );
+            }
+        }
+        if self.dp_size == 0 || self.dp_size > 256 {
+            bad("dp_size", format!("must be 1 to 256, not {}", self.dp_size));
+        } else if self.dp_size > 1 {
+            for (option, value) in [
+                ("engine_endpoint", &self.engine_endpoint),
+                ("replay_endpoint", &self.replay_endpoint),
+            ] {
+                if !value.is_empty()
+                    && let Err(e) = kvevent_zmq::dp_endpoint(value, self.dp_size - 1)
+                {
+                    bad(option, e.to_string());
+                }
+            }
+        }
+        let server = self.server.trim();
+        let host_port = server
+            .strip_prefix("http://")
+            .or_else(|| server.strip_prefix("https://"))
+            .unwrap_or(server);
+        if host_port.is_empty()
+            || !host_port.contains(':')
+            || host_port.contains('/')
+            || format!("http://{host_port}").parse::<http::Uri>().is_err()
+        {
+            bad(
+                "server",
+                format!("`{server}` is not host:port or an http(s):// URI"),
+            );
+        }
+        if !matches!(self.key_mode.as_str(), "engine" | "fingerprint") {
+            bad(
+                "key_mode",
+                format!("`{}` is not engine or fingerprint", self.key_mode),
+            );
+        }
+        if !matches!(self.cache_tier.as_str(), "auto" | "kv" | "gpu" | "cpu") {
+            bad(
+                "cache_tier",
+                format!("`{}` is not auto, kv, gpu or cpu", self.cache_tier),
+            );
+        }
+        if !matches!(
+            self.engine_profile.as_str(),
+            "auto" | "vllm" | "vllm-legacy" | "sglang"
+        ) {
+            bad(
+                "engine_profile",
+                format!(
+                    "`{}` is not auto, vllm, vllm-legacy or sglang",
+                    self.engine_profile
+                ),
+            );
+        }
+        if !matches!(self.log_format.as_str(), "text" | "json") {
+            bad(
+                "log_format",
+                format!("`{}` is not text or json", self.log_format),
+            );
+        }
+        if let Err(e) = kvevent_mapper::parse_lora_adapters(&self.lora_adapter_names) {
+            bad("lora_adapter_names", e.to_string());
+        }
+        if !self.engine_metrics_url.is_empty() && !self.stats_interval.0.is_zero() {
+            let ok = self
+                .engine_metrics_url
+                .parse::<http::Uri>()
+                .is_ok_and(|u| u.scheme_str() == Some("http") && u.host().is_some());
+            if !ok {
+                bad(
+                    "engine_metrics_url",
+                    format!("`{}` is not an http:// URL", self.engine_metrics_url),
+                );
+            }
+        }
+        if !self.metrics_address.is_empty()
+            && self
+                .metrics_address
+                .parse::<std::net::SocketAddr>()
+                .is_err()
+        {
+            bad(
+                "metrics_address",
+                format!(
+                    "`{}` is not host:port (an IP address and a port)",
+                    self.metrics_address
+                ),
+            );
+        }
+        for (option, d) in [
+            ("window", self.window),
+            ("rpc_timeout", self.rpc_timeout),
+            ("connect_timeout", self.connect_timeout),
+            ("max_backoff", self.max_backoff),
+            ("replay_timeout", self.replay_timeout),
+            ("scrape_timeout", self.scrape_timeout),
+        ] {
+            if d.0.is_zero() {
+                bad(option, "must be more than 0".into());
+            }
+        }
+        if self.max_pending == 0 {
+            bad("max_pending", "must be at least 1".into());
+        }
+        if self.tls_cert_file.is_empty() != self.tls_key_file.is_empty() {
+            bad(
+                "tls_key_file",
+                "a client certificate and its key go together: set both or neither".into(),
+            );
+        }
+        for (option, path) in [
+            ("tls_ca_file", &self.tls_ca_file),
+            ("tls_cert_file", &self.tls_cert_file),
+            ("tls_key_file", &self.tls_key_file),
+            ("token_file", &self.token_file),
+        ] {
+            if !path.is_empty() && !std::path::Path::new(path).is_file() {
+                bad(option, format!("no such file {path}"));
+            }
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigError(problems))
+        }
+    }
+
+    /// True when the server is reached over TLS.
+    pub fn uses_tls(&self) -> bool {
+        self.server.trim().starts_with("https://")
+            || !self.tls_ca_file.is_empty()
+            || !self.tls_cert_file.is_empty()
+            || !self.tls_server_name.is_empty()
+    }
+}

@@ -1,0 +1,95 @@
+//! The stats loop: scrape the engine, report a stats-only update, on its own cadence.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
+
+use kvevent_forwarder as fwd;
+use kvevent_mapper::Identity;
+use kvevent_proto as pb;
+use kvevent_scrape::Scraper;
+use tokio::sync::watch;
+
+use crate::telemetry::Telemetry;
+
+/// `client_version` in every ReplicaStats.
+pub const CLIENT_VERSION: &str = concat!("kvevent-subscriber/", env!("CARGO_PKG_VERSION"));
+
+pub(crate) struct StatsReporter {
+    pub(crate) scraper: Scraper,
+    pub(crate) client: fwd::Client,
+    pub(crate) identity: Identity,
+    pub(crate) interval: Duration,
+    pub(crate) telemetry: Arc<Telemetry>,
+}
+
+fn now() -> (i64, u64) {
+    let d = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    (d.as_micros() as i64, d.as_millis() as u64)
+}
+
+impl StatsReporter {
+    /// Ticks until `stop` changes. A failed scrape or RPC logs, counts and skips the tick.
+    pub(crate) async fn run(mut self, mut stop: watch::Receiver<bool>) {
+        let mut ticker = tokio::time::interval(self.interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        loop {
+            tokio::select! {
+                _ = ticker.tick() => {}
+                _ = stop.changed() => return,
+            }
+            let stats = match self.scraper.scrape().await {
+                Ok(stats) => {
+                    self.telemetry.scrape("ok");
+                    stats
+                }
+                Err(e) => {
+                    tracing::warn!(error = %error_chain(&e), "engine metrics scrape failed; skipping this tick");
+                    self.telemetry.scrape(e.kind());
+                    continue;
+                }
+            };
+            let (ts_us, ts_ms) = now();
+            let mut update = self.identity.update(ts_us);
+            update.stats = Some(pb::ReplicaStats {
+                replica_id: self.identity.replica_id().to_owned(),
+                cache_memory_bytes: stats.cache_memory_bytes,
+                hit_rate: stats.hit_rate,
+                pressure: stats.pressure,
+                client_version: CLIENT_VERSION.into(),
+                t2_hit_tokens: stats.t2_hit_tokens,
+                t2_query_tokens: stats.t2_query_tokens,
+            });
+            match self.client.report(vec![update]).await {
+                Ok(ack) if ack.accepted => {
+                    self.telemetry.stats_report("ok");
+                    self.telemetry
+                        .stats_last_success_unix_ms
+                        .store(ts_ms, Relaxed);
+                }
+                Ok(ack) => {
+                    tracing::warn!(reason = %ack.reason_code, "server did not accept the stats");
+                    self.telemetry.stats_report("rejected");
+                }
+                Err(status) => {
+                    tracing::warn!(code = ?status.code(), message = status.message(), "stats report failed; skipping this tick");
+                    self.telemetry.stats_report("rpc_error");
+                }
+            }
+        }
+    }
+}
+
+/// `a: b: c` from an error and its sources.
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(inner) = cur {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        cur = inner.source();
+    }
+    s
+}

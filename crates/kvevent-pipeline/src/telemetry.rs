@@ -1,0 +1,419 @@
+//! Every counter the crates keep, in one place, rendered in the Prometheus text format.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+
+use kvevent_forwarder as fwd;
+use kvevent_mapper::MapperStats;
+use kvevent_source::{DECODE_FAILURE_KINDS, ResetReason, SourceMetrics};
+
+/// Shared handles to every counter, read by `/metrics` and `/readyz`.
+#[derive(Debug)]
+pub struct Telemetry {
+    /// Source labels, in index order.
+    pub sources: Vec<String>,
+    /// Per-source transport and state counters.
+    pub source_metrics: Vec<Arc<SourceMetrics>>,
+    /// Per-source mapper counters (copied by the events thread after each batch).
+    pub mappers: Mutex<Vec<(MapperStats, usize)>>,
+    /// The forwarder's counters.
+    pub forwarder: Arc<fwd::Metrics>,
+    /// Scrapes by outcome (`ok` or the error kind).
+    pub scrapes: Mutex<BTreeMap<&'static str, u64>>,
+    /// Stats reports by outcome (`ok`, `rejected`, `rpc_error`).
+    pub stats_reports: Mutex<BTreeMap<&'static str, u64>>,
+    /// Unix time (ms) of the last stats report the server accepted.
+    pub stats_last_success_unix_ms: AtomicU64,
+    /// The engine sockets are open and their threads running.
+    pub subscribed: AtomicBool,
+    /// Reports not handed to the forwarder because it had shut down.
+    pub reports_after_shutdown: AtomicU64,
+}
+
+/// Metric names, one scheme: `kvevent_<what>_<unit>_total`.
+pub mod names {
+    /// Build information (gauge, 1).
+    pub const BUILD_INFO: &str = "kvevent_build_info";
+    /// Events received, by source and type.
+    pub const EVENTS: &str = "kvevent_events_received_total";
+    /// Batches delivered, by source.
+    pub const BATCHES: &str = "kvevent_batches_received_total";
+    /// Payloads that failed to decode, by source and kind.
+    pub const DECODE_FAILURES: &str = "kvevent_decode_failures_total";
+    /// Gaps in the seq, by source.
+    pub const GAPS: &str = "kvevent_seq_gaps_total";
+    /// Seqs missing, by source.
+    pub const MISSING: &str = "kvevent_seq_missing_total";
+    /// Replays by source and outcome.
+    pub const REPLAYS: &str = "kvevent_replays_total";
+    /// Engine restarts (seq regressions), by source.
+    pub const RESTARTS: &str = "kvevent_engine_restarts_total";
+    /// Duplicate batches dropped, by source.
+    pub const DUPLICATES: &str = "kvevent_duplicate_batches_total";
+    /// Malformed ZMQ messages skipped, by source.
+    pub const MALFORMED: &str = "kvevent_malformed_messages_total";
+    /// Source resets (clears sent), by source and reason.
+    pub const RESETS: &str = "kvevent_source_resets_total";
+    /// Last seq delivered, by source.
+    pub const LAST_SEQ: &str = "kvevent_source_last_seq";
+    /// 1 while a source's state is known to be incomplete.
+    pub const DEGRADED: &str = "kvevent_source_degraded";
+    /// Live batches dropped from the hold buffer during replays, by source.
+    pub const HOLD_OVERFLOWS: &str = "kvevent_hold_buffer_overflows_total";
+    /// What the mapper dropped or could not key, by source and reason.
+    pub const MAPPER_SKIPPED: &str = "kvevent_mapper_skipped_total";
+    /// Engine blocks tracked by the mapper, by source.
+    pub const TRACKED: &str = "kvevent_mapper_tracked_blocks";
+    /// Prefix entries delivered to the server.
+    pub const PREFIXES_SENT: &str = "kvevent_prefixes_sent_total";
+    /// CacheStateUpdates delivered.
+    pub const UPDATES_SENT: &str = "kvevent_updates_sent_total";
+    /// CacheEvents delivered, by type.
+    pub const EVENTS_SENT: &str = "kvevent_events_sent_total";
+    /// Failed RPCs by gRPC code.
+    pub const RPC_ERRORS: &str = "kvevent_rpc_errors_total";
+    /// Work dropped by kind (prefix, event) and reason.
+    pub const DROPPED: &str = "kvevent_dropped_total";
+    /// Pending prefix entries plus events.
+    pub const QUEUE_DEPTH: &str = "kvevent_queue_depth";
+    /// Prefix entries merged into a pending identical one.
+    pub const COALESCED: &str = "kvevent_coalesced_prefixes_total";
+    /// Pending work discarded by a later clear.
+    pub const SUPERSEDED: &str = "kvevent_superseded_by_clear_total";
+    /// Unix time of the last successful report.
+    pub const LAST_SUCCESS: &str = "kvevent_last_success_timestamp_seconds";
+    /// Engine metrics scrapes by outcome.
+    pub const SCRAPES: &str = "kvevent_scrapes_total";
+    /// Stats reports by outcome.
+    pub const STATS_REPORTS: &str = "kvevent_stats_reports_total";
+}
+
+struct Out(String);
+
+impl Out {
+    fn family(&mut self, name: &str, kind: &str, help: &str) {
+        let _ = writeln!(self.0, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    }
+
+    fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: impl std::fmt::Display) {
+        self.0.push_str(name);
+        if !labels.is_empty() {
+            self.0.push('{');
+            for (i, (k, v)) in labels.iter().enumerate() {
+                if i > 0 {
+                    self.0.push(',');
+                }
+                let v = v
+                    .replace('\\', "\\\\")
+                    .replace('"', "\\\"")
+                    .replace('\n', "\\n");
+                let _ = write!(self.0, "{k}=\"{v}\"");
+            }
+            self.0.push('}');
+        }
+        let _ = writeln!(self.0, " {value}");
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Telemetry {
+    /// Empty telemetry for these sources.
+    pub fn new(
+        sources: Vec<String>,
+        source_metrics: Vec<Arc<SourceMetrics>>,
+        forwarder: Arc<fwd::Metrics>,
+    ) -> Self {
+        let n = sources.len();
+        Self {
+            sources,
+            source_metrics,
+            mappers: Mutex::new(vec![(MapperStats::default(), 0); n]),
+            forwarder,
+            scrapes: Mutex::new(BTreeMap::new()),
+            stats_reports: Mutex::new(BTreeMap::new()),
+            stats_last_success_unix_ms: AtomicU64::new(0),
+            subscribed: AtomicBool::new(false),
+            reports_after_shutdown: AtomicU64::new(0),
+        }
+    }
+
+    /// Counts one scrape outcome.
+    pub fn scrape(&self, outcome: &'static str) {
+        *lock(&self.scrapes).entry(outcome).or_default() += 1;
+    }
+
+    /// Counts one stats report outcome.
+    pub fn stats_report(&self, outcome: &'static str) {
+        *lock(&self.stats_reports).entry(outcome).or_default() += 1;
+    }
+
+    /// Unix time (ms) of the last report the server accepted, events or stats.
+    pub fn last_success_unix_ms(&self) -> u64 {
+        self.forwarder
+            .last_success_unix_ms
+            .load(Relaxed)
+            .max(self.stats_last_success_unix_ms.load(Relaxed))
+    }
+
+    /// The Prometheus text exposition of everything.
+    pub fn render(&self) -> String {
+        use names::*;
+        let mut o = Out(String::with_capacity(16 * 1024));
+        o.family(BUILD_INFO, "gauge", "Build information.");
+        o.sample(BUILD_INFO, &[("version", env!("CARGO_PKG_VERSION"))], 1);
+
+        let per_source =
+            |o: &mut Out, name: &str, kind: &str, help: &str, f: &dyn Fn(&SourceMetrics) -> u64| {
+                o.family(name, kind, help);
+                for (label, m) in self.sources.iter().zip(&self.source_metrics) {
+                    o.sample(name, &[("source", label)], f(m));
+                }
+            };
+        o.family(
+            EVENTS,
+            "counter",
+            "Events received from the engine, by type.",
+        );
+        for (label, m) in self.sources.iter().zip(&self.source_metrics) {
+            for (i, t) in ["stored", "removed", "cleared", "unknown"]
+                .iter()
+                .enumerate()
+            {
+                o.sample(
+                    EVENTS,
+                    &[("source", label), ("type", t)],
+                    m.events[i].load(Relaxed),
+                );
+            }
+        }
+        per_source(
+            &mut o,
+            BATCHES,
+            "counter",
+            "Batches received and applied.",
+            &|m| m.batches.load(Relaxed),
+        );
+        o.family(
+            DECODE_FAILURES,
+            "counter",
+            "Payloads that failed to decode, by kind.",
+        );
+        for (label, m) in self.sources.iter().zip(&self.source_metrics) {
+            for (i, kind) in DECODE_FAILURE_KINDS.iter().enumerate() {
+                o.sample(
+                    DECODE_FAILURES,
+                    &[("source", label), ("kind", kind)],
+                    m.decode_failures[i].load(Relaxed),
+                );
+            }
+        }
+        per_source(
+            &mut o,
+            GAPS,
+            "counter",
+            "Gaps in the sequence numbers.",
+            &|m| m.gaps.load(Relaxed),
+        );
+        per_source(
+            &mut o,
+            MISSING,
+            "counter",
+            "Sequence numbers missing across gaps.",
+            &|m| m.missing_seqs.load(Relaxed),
+        );
+        o.family(REPLAYS, "counter", "Replays by outcome.");
+        for (label, m) in self.sources.iter().zip(&self.source_metrics) {
+            for (outcome, c) in [
+                ("requested", &m.replays_requested),
+                ("complete", &m.replays_complete),
+                ("truncated", &m.replays_truncated),
+                ("timed_out", &m.replays_timed_out),
+                ("failed", &m.replays_failed),
+                ("unavailable", &m.replays_unavailable),
+            ] {
+                o.sample(
+                    REPLAYS,
+                    &[("source", label), ("outcome", outcome)],
+                    c.load(Relaxed),
+                );
+            }
+        }
+        per_source(
+            &mut o,
+            RESTARTS,
+            "counter",
+            "Engine restarts detected (sequence regressions).",
+            &|m| m.restarts.load(Relaxed),
+        );
+        per_source(
+            &mut o,
+            DUPLICATES,
+            "counter",
+            "Duplicate batches dropped.",
+            &|m| m.duplicates.load(Relaxed),
+        );
+        per_source(
+            &mut o,
+            MALFORMED,
+            "counter",
+            "Malformed ZMQ messages skipped.",
+            &|m| m.malformed_frames.load(Relaxed),
+        );
+        o.family(
+            RESETS,
+            "counter",
+            "Source resets (the replica's state cleared), by reason.",
+        );
+        for (label, m) in self.sources.iter().zip(&self.source_metrics) {
+            for reason in ResetReason::ALL {
+                o.sample(
+                    RESETS,
+                    &[("source", label), ("reason", reason.as_str())],
+                    m.resets(reason),
+                );
+            }
+        }
+        per_source(
+            &mut o,
+            LAST_SEQ,
+            "gauge",
+            "Last sequence number applied.",
+            &|m| m.last_seq.load(Relaxed),
+        );
+        per_source(
+            &mut o,
+            DEGRADED,
+            "gauge",
+            "1 while the source's state is known to be incomplete.",
+            &|m| u64::from(m.degraded.load(Relaxed)),
+        );
+        per_source(
+            &mut o,
+            HOLD_OVERFLOWS,
+            "counter",
+            "Live batches dropped from the hold buffer during replays.",
+            &|m| m.buffer_overflows.load(Relaxed),
+        );
+
+        {
+            let mappers = lock(&self.mappers);
+            o.family(
+                MAPPER_SKIPPED,
+                "counter",
+                "Blocks or events the mapper did not report, by reason.",
+            );
+            for (label, (s, _)) in self.sources.iter().zip(mappers.iter()) {
+                for (reason, v) in [
+                    ("placeholder_store", s.placeholder_stores),
+                    ("unknown_adapter", s.unknown_adapter_drops),
+                    ("unknown_parent", s.unknown_parents),
+                    ("unknown_removal", s.unknown_removals),
+                    ("unkeyable_block", s.unkeyable_blocks),
+                    ("map_full", s.map_refusals),
+                ] {
+                    o.sample(MAPPER_SKIPPED, &[("source", label), ("reason", reason)], v);
+                }
+            }
+            o.family(TRACKED, "gauge", "Engine blocks tracked by the mapper.");
+            for (label, (_, tracked)) in self.sources.iter().zip(mappers.iter()) {
+                o.sample(TRACKED, &[("source", label)], tracked);
+            }
+        }
+
+        let f = &self.forwarder;
+        o.family(
+            PREFIXES_SENT,
+            "counter",
+            "Prefix entries delivered to the server.",
+        );
+        o.sample(PREFIXES_SENT, &[], f.prefixes_sent.load(Relaxed));
+        o.family(
+            UPDATES_SENT,
+            "counter",
+            "CacheStateUpdates delivered to the server.",
+        );
+        o.sample(UPDATES_SENT, &[], f.updates_sent.load(Relaxed));
+        o.family(
+            EVENTS_SENT,
+            "counter",
+            "CacheEvents delivered to the server, by type.",
+        );
+        o.sample(
+            EVENTS_SENT,
+            &[("type", "prefix_evicted")],
+            f.evictions_sent.load(Relaxed),
+        );
+        o.sample(
+            EVENTS_SENT,
+            &[("type", "all_cleared")],
+            f.clears_sent.load(Relaxed),
+        );
+        o.family(
+            RPC_ERRORS,
+            "counter",
+            "Failed RPCs to the server, by gRPC code.",
+        );
+        for (i, c) in f.rpc_errors.iter().enumerate() {
+            let v = c.load(Relaxed);
+            if v > 0 {
+                let code = format!("{:?}", tonic::Code::from_i32(i as i32));
+                o.sample(RPC_ERRORS, &[("code", &code)], v);
+            }
+        }
+        o.family(
+            DROPPED,
+            "counter",
+            "Reports dropped instead of delivered, by kind and reason.",
+        );
+        for reason in fwd::DropReason::ALL {
+            o.sample(
+                DROPPED,
+                &[("kind", "prefix"), ("reason", reason.as_str())],
+                f.dropped_prefixes(reason),
+            );
+            o.sample(
+                DROPPED,
+                &[("kind", "event"), ("reason", reason.as_str())],
+                f.dropped_events(reason),
+            );
+        }
+        o.family(QUEUE_DEPTH, "gauge", "Pending prefix entries plus events.");
+        o.sample(QUEUE_DEPTH, &[], f.queue_depth.load(Relaxed));
+        o.family(
+            COALESCED,
+            "counter",
+            "Prefix entries merged into a pending identical one.",
+        );
+        o.sample(COALESCED, &[], f.coalesced.load(Relaxed));
+        o.family(
+            SUPERSEDED,
+            "counter",
+            "Pending reports discarded by a later clear.",
+        );
+        o.sample(SUPERSEDED, &[], f.superseded_by_clear.load(Relaxed));
+        o.family(
+            LAST_SUCCESS,
+            "gauge",
+            "Unix time of the last report the server accepted.",
+        );
+        o.sample(
+            LAST_SUCCESS,
+            &[],
+            self.last_success_unix_ms() as f64 / 1000.0,
+        );
+        o.family(SCRAPES, "counter", "Engine metrics scrapes, by outcome.");
+        for (outcome, v) in lock(&self.scrapes).iter() {
+            o.sample(SCRAPES, &[("outcome", outcome)], v);
+        }
+        o.family(STATS_REPORTS, "counter", "Stats reports, by outcome.");
+        for (outcome, v) in lock(&self.stats_reports).iter() {
+            o.sample(STATS_REPORTS, &[("outcome", outcome)], v);
+        }
+        o.0
+    }
+}
