@@ -93,6 +93,7 @@ pub(crate) async fn serve(
                     async move { Ok::<_, Infallible>(response) }
                 });
                 let conn = hyper::server::conn::http1::Builder::new()
+                    .timer(hyper_util::rt::TokioTimer::new())
                     .header_read_timeout(Duration::from_secs(10))
                     .serve_connection(TokioIo::new(stream), service);
                 let _ = tokio::time::timeout(Duration::from_secs(60), conn).await;

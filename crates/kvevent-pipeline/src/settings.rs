@@ -103,35 +103,73 @@ impl<'de> Deserialize<'de> for GoDuration {
     }
 }
 
+/// A string option that the environment layer may have parsed as a number or a bool
+/// (`KVEVENT_REPLICA_ID=7`): taken back as the text it was.
+fn lenient_string<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    struct Lenient;
+    impl serde::de::Visitor<'_> for Lenient {
+        type Value = String;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a string")
+        }
+        fn visit_str<E>(self, v: &str) -> Result<String, E> {
+            Ok(v.to_owned())
+        }
+        fn visit_u64<E>(self, v: u64) -> Result<String, E> {
+            Ok(v.to_string())
+        }
+        fn visit_i64<E>(self, v: i64) -> Result<String, E> {
+            Ok(v.to_string())
+        }
+        fn visit_f64<E>(self, v: f64) -> Result<String, E> {
+            Ok(v.to_string())
+        }
+        fn visit_bool<E>(self, v: bool) -> Result<String, E> {
+            Ok(v.to_string())
+        }
+    }
+    d.deserialize_any(Lenient)
+}
+
 /// Every option, with the Go sidecar's names and defaults where it has them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Settings {
     /// The engine's KV-event PUB endpoint.
+    #[serde(deserialize_with = "lenient_string")]
     pub engine_endpoint: String,
     /// Bind the SUB socket instead of connecting (for engines with a non-wildcard endpoint).
     pub engine_bind: bool,
     /// The engine's replay ROUTER endpoint; empty: no replay.
+    #[serde(deserialize_with = "lenient_string")]
     pub replay_endpoint: String,
     /// Topic prefix.
+    #[serde(deserialize_with = "lenient_string")]
     pub topic: String,
     /// Data-parallel ranks to subscribe to (endpoints by vLLM's port-offset rule).
     pub dp_size: u32,
     /// The InferenceCache server: `host:port`, `http://…` or `https://…`.
+    #[serde(deserialize_with = "lenient_string")]
     pub server: String,
     /// This replica's id (required).
+    #[serde(deserialize_with = "lenient_string")]
     pub replica_id: String,
     /// The model's id (required).
+    #[serde(deserialize_with = "lenient_string")]
     pub model_id: String,
     /// Tenant id (optional).
+    #[serde(deserialize_with = "lenient_string")]
     pub tenant_id: String,
     /// Hash scheme reported with every prefix (the server's comparison domain).
+    #[serde(deserialize_with = "lenient_string")]
     pub hash_scheme: String,
     /// Key mode: `engine` (engine block hashes) or `fingerprint` (content fingerprints).
+    #[serde(deserialize_with = "lenient_string")]
     pub key_mode: String,
     /// Coalescing window of adds.
     pub window: GoDuration,
     /// The engine's Prometheus endpoint; empty: no stats.
+    #[serde(deserialize_with = "lenient_string")]
     pub engine_metrics_url: String,
     /// Interval of stats reports; 0: no stats.
     pub stats_interval: GoDuration,
@@ -140,22 +178,29 @@ pub struct Settings {
     /// Running + waiting requests that count as full pressure.
     pub max_concurrency_ceiling: u32,
     /// Which usage gauge: auto, kv, gpu, cpu.
+    #[serde(deserialize_with = "lenient_string")]
     pub cache_tier: String,
     /// Keep only metric series with this `model_name` label.
+    #[serde(deserialize_with = "lenient_string")]
     pub engine_model_name: String,
     /// Engine metrics profile: auto, vllm, vllm-legacy, sglang.
+    #[serde(deserialize_with = "lenient_string")]
     pub engine_profile: String,
     /// The engine has an offload tier: GPU removals are re-reported at T2.
     pub ignore_block_removed: bool,
     /// Adapter names for LoRA ids: `1=a,2=b`.
+    #[serde(deserialize_with = "lenient_string")]
     pub lora_adapter_names: String,
     /// Our own HTTP endpoint (`/metrics`, `/healthz`, `/readyz`); empty: none.
+    #[serde(deserialize_with = "lenient_string")]
     pub metrics_address: String,
     /// Deadline to flush pending reports on shutdown.
     pub drain_timeout: GoDuration,
     /// Log format: text or json.
+    #[serde(deserialize_with = "lenient_string")]
     pub log_format: String,
     /// Log level or filter (`info`, `kvevent=debug`).
+    #[serde(deserialize_with = "lenient_string")]
     pub log_level: String,
     /// Deadline of every RPC.
     pub rpc_timeout: GoDuration,
@@ -172,14 +217,19 @@ pub struct Settings {
     /// Deadline of a metrics scrape.
     pub scrape_timeout: GoDuration,
     /// CA bundle (PEM) to verify the server with; empty: system roots.
+    #[serde(deserialize_with = "lenient_string")]
     pub tls_ca_file: String,
     /// Client certificate (PEM) for mTLS.
+    #[serde(deserialize_with = "lenient_string")]
     pub tls_cert_file: String,
     /// Client key (PEM) for mTLS.
+    #[serde(deserialize_with = "lenient_string")]
     pub tls_key_file: String,
     /// Name to verify the server's certificate against, if not the host in `server`.
+    #[serde(deserialize_with = "lenient_string")]
     pub tls_server_name: String,
     /// File holding a bearer token sent as `authorization`; re-read when it changes.
+    #[serde(deserialize_with = "lenient_string")]
     pub token_file: String,
 }
 
@@ -280,7 +330,10 @@ impl Settings {
         // Only our options: other KVEVENT_* variables (a test harness's, say) are not ours.
         let known = known_options();
         let figment = figment
-            .merge(Env::prefixed(ENV_PREFIX).filter(move |k| known.iter().any(|o| o == k.as_str())))
+            .merge(
+                Env::prefixed(ENV_PREFIX)
+                    .filter(move |k| known.iter().any(|o| k.as_str().eq_ignore_ascii_case(o))),
+            )
             .merge(Serialized::defaults(overrides));
         let settings: Settings = figment.extract().map_err(|e| {
             ConfigError(

@@ -1,0 +1,149 @@
+//! Layers, precedence and validation of the settings.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use figment::Jail;
+use kvevent_pipeline::Settings;
+use kvevent_pipeline::settings::parse_duration;
+
+fn flags(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+#[test]
+fn precedence_is_defaults_then_file_then_env_then_flags() {
+    Jail::expect_with(|jail| {
+        jail.create_file(
+            "sub.toml",
+            r#"
+                replica_id = "from-file"
+                model_id = "from-file"
+                window = "250ms"
+                topic = "file-topic"
+                dp_size = 2
+            "#,
+        )?;
+        jail.set_env("KVEVENT_MODEL_ID", "from-env");
+        jail.set_env("KVEVENT_TOPIC", "env-topic");
+        jail.set_env("KVEVENT_ENGINE_BIND", "true");
+        jail.set_env("KVEVENT_PYTHON", "/not/an/option");
+        let path = jail.directory().join("sub.toml");
+        let s = Settings::load(Some(&path), flags(&[("topic", "flag-topic")])).expect("valid");
+        assert_eq!(s.replica_id, "from-file");
+        assert_eq!(s.model_id, "from-env");
+        assert_eq!(s.topic, "flag-topic");
+        assert_eq!(s.window.0, Duration::from_millis(250));
+        assert_eq!(s.dp_size, 2);
+        assert!(s.engine_bind);
+        assert_eq!(s.server, "127.0.0.1:9090", "default kept");
+        Ok(())
+    });
+}
+
+#[test]
+fn numeric_looking_env_values_are_still_strings() {
+    Jail::expect_with(|jail| {
+        jail.set_env("KVEVENT_REPLICA_ID", "123");
+        jail.set_env("KVEVENT_MODEL_ID", "7");
+        jail.set_env("KVEVENT_STATS_INTERVAL", "1m30s");
+        let s = Settings::load(None, flags(&[])).expect("valid");
+        assert_eq!((s.replica_id.as_str(), s.model_id.as_str()), ("123", "7"));
+        assert_eq!(s.stats_interval.0, Duration::from_secs(90));
+        Ok(())
+    });
+}
+
+#[test]
+fn every_problem_is_reported_at_once_with_flag_and_env_names() {
+    Jail::expect_with(|_jail| {
+        let err = Settings::load(
+            None,
+            flags(&[
+                ("window", "0"),
+                ("server", "not an address"),
+                ("key_mode", "magic"),
+                ("lora_adapter_names", "x=y"),
+                ("engine_endpoint", "http://engine"),
+            ]),
+        )
+        .expect_err("invalid");
+        let text = err.to_string();
+        for needle in [
+            "--replica-id (KVEVENT_REPLICA_ID): is required",
+            "--model-id (KVEVENT_MODEL_ID): is required",
+            "--window (KVEVENT_WINDOW): must be more than 0",
+            "--server (KVEVENT_SERVER)",
+            "--key-mode (KVEVENT_KEY_MODE)",
+            "--lora-adapter-names (KVEVENT_LORA_ADAPTER_NAMES)",
+            "--engine-endpoint (KVEVENT_ENGINE_ENDPOINT)",
+        ] {
+            assert!(text.contains(needle), "missing {needle:?} in:\n{text}");
+        }
+        assert_eq!(err.0.len(), 7, "{text}");
+        Ok(())
+    });
+}
+
+#[test]
+fn type_errors_name_the_option() {
+    Jail::expect_with(|jail| {
+        jail.set_env("KVEVENT_DP_SIZE", "many");
+        let err = Settings::load(None, flags(&[("replica_id", "r"), ("model_id", "m")]))
+            .expect_err("bad");
+        assert!(
+            err.to_string().contains("--dp-size (KVEVENT_DP_SIZE)"),
+            "{err}"
+        );
+        jail.set_env("KVEVENT_DP_SIZE", "2");
+        jail.set_env("KVEVENT_WINDOW", "fast");
+        let err = Settings::load(None, flags(&[("replica_id", "r"), ("model_id", "m")]))
+            .expect_err("bad");
+        assert!(
+            err.to_string()
+                .contains("--window (KVEVENT_WINDOW): `fast` is not a duration"),
+            "{err}"
+        );
+        Ok(())
+    });
+}
+
+#[test]
+fn a_missing_config_file_and_unknown_file_keys_are_errors() {
+    Jail::expect_with(|jail| {
+        let missing = jail.directory().join("nope.toml");
+        assert!(Settings::load(Some(&missing), flags(&[])).is_err());
+        jail.create_file(
+            "typo.toml",
+            "replica_id = \"r\"\nmodel_id = \"m\"\nwindw = \"1s\"\n",
+        )?;
+        let err = Settings::load(Some(&jail.directory().join("typo.toml")), flags(&[]))
+            .expect_err("typo");
+        assert!(err.to_string().contains("windw"), "{err}");
+        Ok(())
+    });
+}
+
+#[test]
+fn go_durations() {
+    for (s, ms) in [
+        ("50ms", 50),
+        ("10s", 10_000),
+        ("1m30s", 90_000),
+        ("1h", 3_600_000),
+        ("1.5s", 1500),
+        ("0", 0),
+    ] {
+        assert_eq!(
+            parse_duration(s).expect(s),
+            Duration::from_millis(ms),
+            "{s}"
+        );
+    }
+    for s in ["", "10", "5 s", "1x", "-1s"] {
+        assert!(parse_duration(s).is_err(), "{s}");
+    }
+}

@@ -1,0 +1,311 @@
+//! Engine → pipeline → server over loopback sockets, with stats and our HTTP endpoint.
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::{Duration, Instant};
+
+use kvevent_pipeline::demo::{self, Received, RecordingServer};
+use kvevent_pipeline::settings::GoDuration;
+use kvevent_pipeline::{Settings, start};
+use kvevent_proto as pb;
+use kvevent_test_support::{Publisher, PublisherConfig};
+use kvevent_wire::Release;
+use kvevent_zmq::publisher::scripted_batch;
+
+use crate::http_get;
+
+const WAIT: Duration = Duration::from_secs(15);
+
+fn settings(engine: &Publisher, server: &RecordingServer) -> Settings {
+    Settings {
+        engine_endpoint: engine.endpoint().to_owned(),
+        replay_endpoint: engine.replay_endpoint().unwrap_or_default().to_owned(),
+        server: server.addr().to_string(),
+        replica_id: "r1".into(),
+        model_id: "llama".into(),
+        metrics_address: "127.0.0.1:0".into(),
+        engine_metrics_url: String::new(),
+        window: GoDuration::ms(20),
+        engine_cache_size_bytes: 1_000_000,
+        ..Settings::default()
+    }
+}
+
+fn stats_of(received: &[Received]) -> Vec<pb::ReplicaStats> {
+    received
+        .iter()
+        .filter_map(|r| match r {
+            Received::Update(u) => u.stats.clone(),
+            Received::Event(_) => None,
+        })
+        .collect()
+}
+
+async fn wait_subscribed(engine: &Publisher) {
+    assert!(tokio::task::block_in_place(
+        || engine.wait_for_subscribers(1, WAIT)
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_and_stats_flow_end_to_end() {
+    let server = RecordingServer::start().await;
+    let (metrics_addr, metrics_task) = demo::serve_metrics(demo::METRICS_FIXTURE)
+        .await
+        .expect("metrics");
+    let ctx = zmq::Context::new();
+    let engine =
+        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    let s = Settings {
+        engine_metrics_url: format!("http://{metrics_addr}/metrics"),
+        stats_interval: GoDuration::ms(100),
+        max_concurrency_ceiling: 10,
+        ..settings(&engine, &server)
+    };
+    let running = start(&s, &ctx).await.expect("start");
+    wait_subscribed(&engine).await;
+    for step in 0..3 {
+        engine.publish(&scripted_batch(step)).expect("publish");
+    }
+    // Step 0 stores 4 blocks, step 1 extends with 2 (counts 80, 96), step 2 evicts and offloads.
+    server
+        .wait_for(WAIT, |r| {
+            r.iter().filter(|x| matches!(x, Received::Event(_))).count() >= 3
+                && stats_of(r).len() >= 2
+        })
+        .await;
+    let events = server.events();
+    assert_eq!(
+        events[0].r#type,
+        pb::cache_event::Type::AllCleared as i32,
+        "startup clear first"
+    );
+    let prefixes = server.prefixes();
+    let counts: Vec<i32> = prefixes.iter().map(|p| p.token_count).collect();
+    assert!(counts.starts_with(&[16, 32, 48, 64, 80, 96]), "{counts:?}");
+    let stats = stats_of(&server.received());
+    let last = stats.last().expect("stats");
+    assert_eq!(last.replica_id, "r1");
+    assert_eq!(last.cache_memory_bytes, 83_700, "usage 0.0837 of 1 MB");
+    assert!(
+        (last.pressure - 0.7).abs() < 1e-6,
+        "(5 running + 2 waiting) / 10"
+    );
+    assert_eq!(last.client_version, kvevent_pipeline::CLIENT_VERSION);
+
+    let addr = running.metrics_addr().expect("metrics address");
+    let (status, body) = http_get(addr, "/metrics").await;
+    assert_eq!(status, 200);
+    for needle in [
+        "kvevent_build_info{version=",
+        "# TYPE kvevent_events_received_total counter",
+        "kvevent_batches_received_total{source=",
+        "kvevent_prefixes_sent_total ",
+        "kvevent_scrapes_total{outcome=\"ok\"}",
+        "kvevent_stats_reports_total{outcome=\"ok\"}",
+        "kvevent_source_resets_total{source=",
+        "kvevent_dropped_total{kind=\"prefix\",reason=\"overflow\"} 0",
+    ] {
+        assert!(
+            body.contains(needle),
+            "{needle} missing from /metrics:\n{body}"
+        );
+    }
+    // Every exposed line parses back with our own parser.
+    let parsed = kvevent_scrape::text::parse(&body).expect("our /metrics parses");
+    let stored = parsed
+        .series("kvevent_events_received_total")
+        .find(|s| s.label("type") == Some("stored"))
+        .expect("stored events");
+    assert_eq!(stored.value, 3.0, "one BlockStored in each of the 3 steps");
+    assert_eq!(http_get(addr, "/healthz").await.0, 200);
+    assert_eq!(http_get(addr, "/readyz").await.0, 200);
+    assert_eq!(http_get(addr, "/nope").await.0, 404);
+    let left = running.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(left.unsent_prefixes + left.unsent_events, 0);
+    metrics_task.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_scrape_never_touches_the_event_path() {
+    let server = RecordingServer::start().await;
+    let ctx = zmq::Context::new();
+    let engine =
+        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr");
+    let s = Settings {
+        engine_metrics_url: format!("http://{closed}/metrics"),
+        stats_interval: GoDuration::ms(50),
+        scrape_timeout: GoDuration::ms(200),
+        ..settings(&engine, &server)
+    };
+    let running = start(&s, &ctx).await.expect("start");
+    wait_subscribed(&engine).await;
+    engine.publish(&scripted_batch(0)).expect("publish");
+    server
+        .wait_for(WAIT, |r| {
+            r.iter()
+                .any(|x| matches!(x, Received::Update(u) if !u.prefixes.is_empty()))
+        })
+        .await;
+    let deadline = Instant::now() + WAIT;
+    while running
+        .telemetry()
+        .scrapes
+        .lock()
+        .map(|m| m.get("request").copied().unwrap_or(0))
+        .unwrap_or(0)
+        < 2
+    {
+        assert!(Instant::now() < deadline, "scrape failures not counted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(stats_of(&server.received()).is_empty());
+    running.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_waits_for_the_server_to_accept_something() {
+    let mut server = RecordingServer::start().await;
+    server.stop().await;
+    let ctx = zmq::Context::new();
+    let engine =
+        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    let s = Settings {
+        rpc_timeout: GoDuration::ms(300),
+        ..settings(&engine, &server)
+    };
+    let running = start(&s, &ctx).await.expect("start");
+    let addr = running.metrics_addr().expect("addr");
+    let (status, body) = http_get(addr, "/readyz").await;
+    assert_eq!(status, 503);
+    assert!(body.contains("no report accepted"), "{body}");
+    assert_eq!(
+        http_get(addr, "/healthz").await.0,
+        200,
+        "alive all the same"
+    );
+    server.restart().await;
+    wait_subscribed(&engine).await;
+    engine.publish(&scripted_batch(0)).expect("publish");
+    let deadline = Instant::now() + WAIT;
+    while http_get(addr, "/readyz").await.0 != 200 {
+        assert!(Instant::now() < deadline, "never ready");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    running.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_drains_adds_still_in_their_window() {
+    let server = RecordingServer::start().await;
+    let ctx = zmq::Context::new();
+    let engine =
+        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    let s = Settings {
+        window: GoDuration::secs(60),
+        ..settings(&engine, &server)
+    };
+    let running = start(&s, &ctx).await.expect("start");
+    wait_subscribed(&engine).await;
+    engine.publish(&scripted_batch(0)).expect("publish");
+    engine.publish(&scripted_batch(1)).expect("publish");
+    let deadline = Instant::now() + WAIT;
+    while running.telemetry().source_metrics[0].batches.load(Relaxed) < 2 {
+        assert!(Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Give the events thread a moment to hand the reports over.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        server.prefixes().is_empty(),
+        "still inside the one-minute window"
+    );
+    let left = running.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(left.unsent_prefixes + left.unsent_events, 0);
+    assert_eq!(
+        server.prefixes().len(),
+        6,
+        "all 6 blocks flushed by the drain"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dp_rank_restart_evicts_only_that_rank() {
+    let server = RecordingServer::start().await;
+    let ctx = zmq::Context::new();
+    let engines: Vec<Publisher> = (0..2)
+        .map(|rank| {
+            let config = PublisherConfig {
+                endpoint: kvevent_zmq::dp_endpoint("inproc://dp-test", rank).expect("ep"),
+                replay_endpoint: Some(
+                    kvevent_zmq::dp_endpoint("inproc://dp-test-replay", rank).expect("ep"),
+                ),
+                ..PublisherConfig::loopback(Release::NEWEST_KNOWN)
+            };
+            Publisher::start(&ctx, config).expect("engine")
+        })
+        .collect();
+    let s = Settings {
+        engine_endpoint: "inproc://dp-test".into(),
+        replay_endpoint: "inproc://dp-test-replay".into(),
+        dp_size: 2,
+        ..settings(&engines[0], &server)
+    };
+    let running = start(&s, &ctx).await.expect("start");
+    for e in &engines {
+        wait_subscribed(e).await;
+    }
+    engines[0].publish(&scripted_batch(0)).expect("publish");
+    engines[1].publish(&scripted_batch(3)).expect("publish");
+    engines[1].publish(&scripted_batch(4)).expect("publish");
+    server.wait_for(WAIT, |r| distinct_prefixes(r) >= 10).await;
+    // Rank 1 restarts (its seq goes back below 1): its 6 blocks are evicted one by one;
+    // rank 0's stay.
+    engines[1].restart();
+    engines[1].publish(&scripted_batch(6)).expect("publish");
+    server
+        .wait_for(WAIT, |r| {
+            r.iter().filter(|x| matches!(x, Received::Event(_))).count() >= 7
+        })
+        .await;
+    let events = server.events();
+    let clears = events
+        .iter()
+        .filter(|e| e.r#type == pb::cache_event::Type::AllCleared as i32)
+        .count();
+    let evicted: Vec<Vec<u8>> = events
+        .iter()
+        .filter(|e| e.r#type == pb::cache_event::Type::PrefixEvicted as i32)
+        .map(|e| e.prefix_hash.clone())
+        .collect();
+    assert_eq!(clears, 1, "only the startup clear");
+    let mut want: Vec<Vec<u8>> = (0..6u64)
+        .map(|b| (1_000 + b + 1).to_be_bytes().to_vec())
+        .collect();
+    let mut got = evicted.clone();
+    got.sort();
+    want.sort();
+    assert_eq!(got, want, "rank 1's prompt 1 blocks");
+    assert_eq!(
+        running.telemetry().source_metrics[1].restarts.load(Relaxed),
+        1
+    );
+    running.shutdown(Duration::from_secs(5)).await;
+}
+
+fn distinct_prefixes(received: &[Received]) -> usize {
+    let mut keys: Vec<&[u8]> = received
+        .iter()
+        .filter_map(|r| match r {
+            Received::Update(u) => Some(u.prefixes.iter().map(|p| p.prefix_hash.as_slice())),
+            Received::Event(_) => None,
+        })
+        .flatten()
+        .collect();
+    keys.sort_unstable();
+    keys.dedup();
+    keys.len()
+}

@@ -1,0 +1,161 @@
+//! TLS and mTLS with certificates made in the test; the bearer token header.
+
+use std::time::Duration;
+
+use kvevent_pipeline::demo::{Received, RecordingServer};
+use kvevent_pipeline::settings::GoDuration;
+use kvevent_pipeline::{Settings, start};
+use kvevent_test_support::{Publisher, PublisherConfig};
+use kvevent_wire::Release;
+use kvevent_zmq::publisher::scripted_batch;
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+
+const WAIT: Duration = Duration::from_secs(15);
+
+struct Pki {
+    dir: std::path::PathBuf,
+    ca_pem: String,
+    server: (String, String),
+    client: (String, String),
+}
+
+fn pki(name: &str) -> Pki {
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("params");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca =
+        CertifiedIssuer::self_signed(ca_params, KeyPair::generate().expect("key")).expect("ca");
+    let leaf = |san: &str| {
+        let key = KeyPair::generate().expect("key");
+        let cert = CertificateParams::new(vec![san.to_owned()])
+            .expect("params")
+            .signed_by(&key, &ca)
+            .expect("sign");
+        (cert.pem(), key.serialize_pem())
+    };
+    let dir = std::env::temp_dir().join(format!("kvevent-tls-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    Pki {
+        dir,
+        ca_pem: ca.pem(),
+        server: leaf("inference-cache.test"),
+        client: leaf("kvevent-subscriber"),
+    }
+}
+
+impl Pki {
+    fn write(&self, name: &str, content: &str) -> String {
+        let p = self.dir.join(name);
+        std::fs::write(&p, content).expect("write");
+        p.display().to_string()
+    }
+}
+
+async fn deliver_one(
+    settings: &Settings,
+    engine: &Publisher,
+    ctx: &zmq::Context,
+) -> kvevent_pipeline::Running {
+    let running = start(settings, ctx).await.expect("start");
+    assert!(tokio::task::block_in_place(
+        || engine.wait_for_subscribers(1, WAIT)
+    ));
+    engine.publish(&scripted_batch(0)).expect("publish");
+    running
+}
+
+fn base(engine: &Publisher, server: &RecordingServer) -> Settings {
+    Settings {
+        engine_endpoint: engine.endpoint().to_owned(),
+        server: format!("https://127.0.0.1:{}", server.addr().port()),
+        replica_id: "r1".into(),
+        model_id: "m".into(),
+        engine_metrics_url: String::new(),
+        metrics_address: String::new(),
+        window: GoDuration::ms(10),
+        rpc_timeout: GoDuration::ms(800),
+        tls_server_name: "inference-cache.test".into(),
+        ..Settings::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mtls_with_a_custom_ca_delivers_and_a_missing_client_cert_does_not() {
+    let pki = pki("mtls");
+    let tls = ServerTlsConfig::new()
+        .identity(Identity::from_pem(&pki.server.0, &pki.server.1))
+        .client_ca_root(Certificate::from_pem(&pki.ca_pem));
+    let server = RecordingServer::start_with_tls(Some(tls)).await;
+    let ctx = zmq::Context::new();
+
+    // Without a client certificate the handshake fails: nothing arrives, errors are counted.
+    let engine =
+        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    let s = Settings {
+        tls_ca_file: pki.write("ca.pem", &pki.ca_pem),
+        ..base(&engine, &server)
+    };
+    let running = deliver_one(&s, &engine, &ctx).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(server.received().is_empty());
+    let errors: u64 = running
+        .telemetry()
+        .forwarder
+        .rpc_errors
+        .iter()
+        .map(|c| c.load(std::sync::atomic::Ordering::Relaxed))
+        .sum();
+    assert!(errors >= 1, "failed handshakes are counted");
+    running.shutdown(Duration::from_millis(200)).await;
+
+    // With it, reports arrive.
+    let engine =
+        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    let s = Settings {
+        tls_ca_file: pki.write("ca.pem", &pki.ca_pem),
+        tls_cert_file: pki.write("client.pem", &pki.client.0),
+        tls_key_file: pki.write("client.key", &pki.client.1),
+        ..base(&engine, &server)
+    };
+    let running = deliver_one(&s, &engine, &ctx).await;
+    server
+        .wait_for(WAIT, |r| r.iter().any(|x| matches!(x, Received::Update(_))))
+        .await;
+    running.shutdown(Duration::from_secs(2)).await;
+    std::fs::remove_dir_all(&pki.dir).ok();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bearer_token_is_sent_and_rotates_with_its_file() {
+    let pki = pki("token");
+    let tls = ServerTlsConfig::new().identity(Identity::from_pem(&pki.server.0, &pki.server.1));
+    let server = RecordingServer::start_with_tls(Some(tls)).await;
+    let ctx = zmq::Context::new();
+    let engine =
+        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    let token = pki.write("token", "secret-1\n");
+    let s = Settings {
+        tls_ca_file: pki.write("ca.pem", &pki.ca_pem),
+        token_file: token.clone(),
+        ..base(&engine, &server)
+    };
+    let running = deliver_one(&s, &engine, &ctx).await;
+    server.wait_for(WAIT, |r| r.len() >= 2).await;
+    assert!(
+        server
+            .auth_headers()
+            .iter()
+            .all(|h| h.as_deref() == Some("Bearer secret-1"))
+    );
+    // The mounted secret rotates (a new file, as Kubernetes swaps it).
+    std::fs::write(format!("{token}.new"), "secret-2-longer\n").expect("write");
+    std::fs::rename(format!("{token}.new"), &token).expect("rename");
+    engine.publish(&scripted_batch(2)).expect("publish");
+    server.wait_for(WAIT, |r| r.len() >= 4).await;
+    assert_eq!(
+        server.auth_headers().last().cloned().flatten().as_deref(),
+        Some("Bearer secret-2-longer")
+    );
+    running.shutdown(Duration::from_secs(2)).await;
+    std::fs::remove_dir_all(&pki.dir).ok();
+}
