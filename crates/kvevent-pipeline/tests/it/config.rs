@@ -1,4 +1,8 @@
 //! Layers, precedence and validation of the settings.
+#![allow(
+    clippy::result_large_err,
+    reason = "figment::Jail fixes the closure's error type"
+)]
 
 use std::collections::BTreeMap;
 use std::time::Duration;
