@@ -1,0 +1,199 @@
+//! The `kvevent-subscriber` binary, run as an operator would.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvevent_test_support::{Publisher, PublisherConfig, Received, RecordingServer};
+use kvevent_wire::Release;
+
+const BIN: &str = env!("CARGO_BIN_EXE_kvevent-subscriber");
+const WAIT: Duration = Duration::from_secs(20);
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("port")
+        .port()
+}
+
+fn run(args: &[&str]) -> std::process::Output {
+    Command::new(BIN)
+        .args(args)
+        .env_remove("KVEVENT_REPLICA_ID")
+        .env_remove("KVEVENT_MODEL_ID")
+        .output()
+        .expect("run")
+}
+
+#[test]
+fn help_documents_every_option_with_its_default_and_env_name() {
+    let out = run(&["--help"]);
+    assert!(out.status.success());
+    let help = String::from_utf8(out.stdout).expect("utf8");
+    for needle in [
+        "--engine-endpoint",
+        "[default: tcp://127.0.0.1:5557]",
+        "[env: KVEVENT_ENGINE_ENDPOINT]",
+        "--server",
+        "[default: 127.0.0.1:9090]",
+        "--window",
+        "[default: 100ms]",
+        "--lora-adapter-names",
+        "--replay-endpoint",
+        "--dp-size",
+        "--metrics-address",
+        "--drain-timeout",
+        "--key-mode",
+        "--token-file",
+        "--tls-ca-file",
+        "KVEVENT_CONFIG",
+    ] {
+        assert!(help.contains(needle), "--help lacks {needle:?}");
+    }
+}
+
+#[test]
+fn bad_configuration_exits_64_naming_every_problem() {
+    let out = run(&["-window=0", "--dp-size", "0", "--cache-tier=warm"]);
+    assert_eq!(out.status.code(), Some(64));
+    let err = String::from_utf8_lossy(&out.stderr);
+    for needle in [
+        "--replica-id (KVEVENT_REPLICA_ID): is required",
+        "--model-id (KVEVENT_MODEL_ID): is required",
+        "--window (KVEVENT_WINDOW): must be more than 0",
+        "--dp-size (KVEVENT_DP_SIZE)",
+        "--cache-tier (KVEVENT_CACHE_TIER)",
+    ] {
+        assert!(err.contains(needle), "stderr lacks {needle:?}:\n{err}");
+    }
+    let out = run(&["--no-such-flag"]);
+    assert_eq!(out.status.code(), Some(64));
+}
+
+async fn metric(port: u16, name: &str) -> Option<f64> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .ok()?;
+    stream
+        .write_all(b"GET /metrics HTTP/1.0\r\n\r\n")
+        .await
+        .ok()?;
+    let mut text = String::new();
+    stream.read_to_string(&mut text).await.ok()?;
+    text.lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn end_to_end_with_go_style_flags_and_a_sigterm_drain_that_loses_nothing() {
+    let server = RecordingServer::start().await;
+    let ctx = zmq::Context::new();
+    let engine =
+        Publisher::start(&ctx, PublisherConfig::loopback(Release::new(0, 26, 0))).expect("engine");
+    let metrics_port = free_port();
+    let mut child = Command::new(BIN)
+        .args([
+            &format!("-engine-endpoint={}", engine.endpoint()),
+            "-replay-endpoint",
+            engine.replay_endpoint().expect("replay"),
+            &format!("--server=http://{}", server.addr()),
+            "-replica-id=replica-7",
+            "--model-id",
+            "llama",
+            // Long enough that only the drain can send the adds.
+            "-window=1m",
+            "-stats-interval=0",
+            &format!("--metrics-address=127.0.0.1:{metrics_port}"),
+            "-log-format=json",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    assert!(
+        tokio::task::block_in_place(|| engine.wait_for_subscribers(1, WAIT)),
+        "the binary subscribed"
+    );
+    let batches = 9u64;
+    for step in 0..batches {
+        engine
+            .publish(&kvevent_zmq::publisher::scripted_batch(step))
+            .expect("publish");
+    }
+    let deadline = Instant::now() + WAIT;
+    while metric(metrics_port, "kvevent_batches_received_total").await != Some(batches as f64) {
+        assert!(
+            Instant::now() < deadline,
+            "the binary did not receive every batch"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let pending = metric(metrics_port, "kvevent_queue_depth")
+        .await
+        .unwrap_or(0.0);
+    assert!(pending > 0.0, "adds are waiting in their window");
+    let kill = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(kill.success());
+    let status = tokio::task::block_in_place(|| {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            if let Some(status) = child.try_wait().expect("wait") {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "did not exit after SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    });
+    let mut log = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut log)
+        .expect("log");
+    assert_eq!(status.code(), Some(0), "{log}");
+    assert!(log.contains("everything pending was sent"), "{log}");
+    assert!(log.lines().all(|l| l.starts_with('{')), "json logs: {log}");
+    // Everything the engine still held, as the workload says: steps 0..9 minus evictions.
+    let received = server.received();
+    let clears = received
+        .iter()
+        .filter(|r| matches!(r, Received::Event(e) if e.r#type == kvevent_proto::cache_event::Type::AllCleared as i32))
+        .count();
+    assert_eq!(clears, 1, "the startup clear");
+    let evictions = received
+        .iter()
+        .filter(|r| matches!(r, Received::Event(_)))
+        .count()
+        - clears;
+    assert_eq!(evictions, 6, "steps 2, 5 and 8 each evict 2 blocks");
+    let prefixes = server.prefixes().len();
+    assert_eq!(
+        prefixes,
+        3 * 4 + 3 * 2 + 3,
+        "3 prompts of 4 blocks, 3 extensions of 2, 3 offloads"
+    );
+}
+
+#[test]
+fn the_demo_runs_the_real_pipeline_and_exits_0() {
+    let out = run(&["demo", "--batches", "60"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for needle in [
+        "batches published by the engine   60",
+        "batches received                  60",
+        "left unsent at shutdown           0 prefixes, 0 events",
+    ] {
+        assert!(
+            stdout.contains(needle),
+            "demo output lacks {needle:?}:\n{stdout}"
+        );
+    }
+}
