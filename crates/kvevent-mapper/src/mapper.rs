@@ -24,7 +24,8 @@ pub struct MapperStats {
     pub prefixes: u64,
     /// `PREFIX_EVICTED` events produced.
     pub evictions: u64,
-    /// GPU removals re-reported at T2 (engine with an offload tier).
+    /// Removals re-reported at the tier that still holds the block instead of evicted: GPU
+    /// removals with an offload tier, or blocks also stored on another medium.
     pub offload_rereports: u64,
     /// Offloading placeholders (`block_size` 0): carry no prefix, not forwarded.
     pub placeholder_stores: u64,
@@ -230,17 +231,17 @@ impl Mapper {
     fn removed(&mut self, e: &wire::BlockRemoved<'_>, ts: i64, out: &mut Vec<pb::Report>) {
         self.stats.removed_events += 1;
         let tier = tier_of(e.medium.as_ref());
-        let rereport = self.options.engine_has_offload_tier && tier == pb::CacheTier::T1;
+        let offload = self.options.engine_has_offload_tier && tier == pb::CacheTier::T1;
         for hash in &e.block_hashes {
             let id = (engine_key(hash), e.group_idx);
-            let (key, adapter, tokens, emptied) = match self.blocks.get_mut(&id) {
+            // The tiers still holding the block after this removal.
+            let (key, adapter, tokens, remaining) = match self.blocks.get_mut(&id) {
                 Some(t) => {
-                    if rereport {
-                        t.tiers = (t.tiers & !1) | 2;
-                    } else {
-                        t.tiers &= !tier_bit(tier);
+                    t.tiers &= !tier_bit(tier);
+                    if offload {
+                        t.tiers |= tier_bit(pb::CacheTier::T2);
                     }
-                    (t.key.clone(), t.adapter.clone(), t.tokens, t.tiers == 0)
+                    (t.key.clone(), t.adapter.clone(), t.tokens, t.tiers)
                 }
                 None => {
                     self.stats.unknown_removals += 1;
@@ -249,16 +250,28 @@ impl Mapper {
                         KeyMode::Engine => Some(id.0.clone()),
                         KeyMode::Fingerprint => None,
                     };
-                    (key, self.base_adapter.clone(), 0, false)
+                    let remaining = if offload {
+                        tier_bit(pb::CacheTier::T2)
+                    } else {
+                        0
+                    };
+                    (key, self.base_adapter.clone(), 0, remaining)
                 }
             };
-            if emptied {
+            if remaining == 0 {
                 self.blocks.remove(&id);
             }
             let Some(key) = key else {
                 continue;
             };
-            if rereport {
+            if remaining != 0 {
+                // Another tier still holds the block (an offload tier, or a store we saw on
+                // another medium): report it there instead of evicting the prefix.
+                let still = if remaining & 1 != 0 {
+                    pb::CacheTier::T1
+                } else {
+                    pb::CacheTier::T2
+                };
                 self.stats.offload_rereports += 1;
                 self.stats.prefixes += 1;
                 let mut update = self.identity.update(ts);
@@ -266,7 +279,7 @@ impl Mapper {
                 update.prefixes.push(pb::PrefixEntry {
                     prefix_hash: key,
                     token_count: i32::try_from(tokens).unwrap_or(i32::MAX),
-                    tier: pb::CacheTier::T2 as i32,
+                    tier: still as i32,
                     adapter_id: adapter.to_string(),
                     ..Default::default()
                 });

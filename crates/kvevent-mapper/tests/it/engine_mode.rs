@@ -176,3 +176,23 @@ fn identity_is_validated() {
     assert!(parse_lora_adapters("1=a,1=b").is_err());
     assert!(parse_lora_adapters("1=").is_err());
 }
+
+#[test]
+fn a_block_still_held_by_another_medium_is_re_reported_not_evicted() {
+    let mut m = mapper(Options::default());
+    run(&mut m, vec![stored(&[1], None, tokens(0..4), 4)]);
+    // The connector offloads block 1 to CPU: now in both tiers.
+    let mut cpu = stored(&[1], None, tokens(0..4), 4);
+    if let wire::Event::BlockStored(s) = &mut cpu {
+        s.medium = Some("CPU".into());
+    }
+    run(&mut m, vec![cpu]);
+    // The GPU drops it: still in CPU, so the server keeps it at T2.
+    let out = run(&mut m, vec![removed(&[1], "GPU")]);
+    assert_eq!(entries(&out), vec![(be(1), 4, T2, "".into())]);
+    assert!(events(&out).is_empty());
+    // The CPU drops it too: now it is gone.
+    let out = run(&mut m, vec![removed(&[1], "CPU")]);
+    assert_eq!(events(&out), vec![(EVICTED, be(1), "".into())]);
+    assert_eq!(m.tracked_blocks(), 0);
+}
