@@ -84,8 +84,9 @@ pub fn connect(config: &ClientConfig) -> Result<Client, Error> {
     };
     let mut endpoint = Endpoint::from_shared(uri)
         .map_err(invalid)?
+        // The RPC deadline is enforced per call (`Client::bounded`) so that it always surfaces
+        // as DEADLINE_EXCEEDED; the server learns it from the grpc-timeout header.
         .connect_timeout(config.connect_timeout)
-        .timeout(config.rpc_timeout)
         .tcp_nodelay(true)
         .tcp_keepalive(Some(Duration::from_secs(30)))
         .http2_keep_alive_interval(Duration::from_secs(30))
