@@ -13,7 +13,7 @@
 
 mod python;
 
-pub use kvevent_pipeline::demo::{Behaviour, Received, RecordingServer};
+pub use kvevent_pipeline::demo::{Behaviour, Received, RecordingServer, distinct_prefixes};
 pub use kvevent_zmq::publisher::{Publisher, PublisherConfig};
 pub use python::{PythonPublisher, python};
 

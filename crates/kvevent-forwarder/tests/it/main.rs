@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use kvevent_forwarder::{self as fwd, DropReason, Submit};
 use kvevent_proto as pb;
-use kvevent_test_support::{Behaviour, Received, RecordingServer};
+use kvevent_test_support::{Behaviour, Received, RecordingServer, distinct_prefixes};
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -167,23 +167,9 @@ async fn a_hung_server_never_blocks_the_input_side() {
         m.rpc_errors(tonic::Code::DeadlineExceeded) + m.rpc_errors(tonic::Code::Cancelled);
     assert!(timed_out >= 1, "rpc errors by code: {codes:?}");
     server.set_behaviour(Behaviour::Accept);
-    server.wait_for(WAIT, |r| distinct_keys(r) >= 200).await;
-    assert_eq!(distinct_keys(&server.received()), 200, "nothing lost");
+    server.wait_for(WAIT, |r| distinct_prefixes(r) >= 200).await;
+    assert_eq!(distinct_prefixes(&server.received()), 200, "nothing lost");
     f.shutdown(WAIT).await;
-}
-
-fn distinct_keys(received: &[Received]) -> usize {
-    let mut keys: Vec<u8> = received
-        .iter()
-        .filter_map(|r| match r {
-            Received::Update(u) => Some(u.prefixes.iter().map(|p| p.prefix_hash[0])),
-            Received::Event(_) => None,
-        })
-        .flatten()
-        .collect();
-    keys.sort_unstable();
-    keys.dedup();
-    keys.len()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -18,7 +18,7 @@ use kvevent_proto as pb;
 use kvevent_wire::Release;
 use kvevent_zmq::publisher::{Publisher, PublisherConfig, scripted_batch};
 
-pub use server::{Behaviour, Received, RecordingServer};
+pub use server::{Behaviour, Received, RecordingServer, distinct_prefixes};
 
 use crate::Settings;
 

@@ -172,6 +172,21 @@ impl InferenceCache for Shared {
     }
 }
 
+/// How many distinct prefix keys the received updates carry.
+pub fn distinct_prefixes(received: &[Received]) -> usize {
+    let mut keys: Vec<&[u8]> = received
+        .iter()
+        .filter_map(|r| match r {
+            Received::Update(u) => Some(u.prefixes.iter().map(|p| p.prefix_hash.as_slice())),
+            Received::Event(_) => None,
+        })
+        .flatten()
+        .collect();
+    keys.sort_unstable();
+    keys.dedup();
+    keys.len()
+}
+
 /// A real InferenceCache server on loopback that records what it receives.
 pub struct RecordingServer {
     addr: SocketAddr,

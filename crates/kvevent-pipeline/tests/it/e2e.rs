@@ -3,7 +3,7 @@
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
-use kvevent_pipeline::demo::{self, Received, RecordingServer};
+use kvevent_pipeline::demo::{self, Received, RecordingServer, distinct_prefixes};
 use kvevent_pipeline::settings::GoDuration;
 use kvevent_pipeline::{Settings, start};
 use kvevent_proto as pb;
@@ -294,18 +294,4 @@ async fn a_dp_rank_restart_evicts_only_that_rank() {
         1
     );
     running.shutdown(Duration::from_secs(5)).await;
-}
-
-fn distinct_prefixes(received: &[Received]) -> usize {
-    let mut keys: Vec<&[u8]> = received
-        .iter()
-        .filter_map(|r| match r {
-            Received::Update(u) => Some(u.prefixes.iter().map(|p| p.prefix_hash.as_slice())),
-            Received::Event(_) => None,
-        })
-        .flatten()
-        .collect();
-    keys.sort_unstable();
-    keys.dedup();
-    keys.len()
 }
