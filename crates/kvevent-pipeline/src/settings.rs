@@ -389,14 +389,39 @@ impl Settings {
         if self.dp_size == 0 || self.dp_size > 256 {
             bad("dp_size", format!("must be 1 to 256, not {}", self.dp_size));
         } else if self.dp_size > 1 {
+            let mut derived = Vec::new();
             for (option, value) in [
                 ("engine_endpoint", &self.engine_endpoint),
                 ("replay_endpoint", &self.replay_endpoint),
             ] {
-                if !value.is_empty()
-                    && let Err(e) = kvevent_zmq::dp_endpoint(value, self.dp_size - 1)
+                if value.is_empty() {
+                    continue;
+                }
+                for rank in 0..self.dp_size {
+                    match kvevent_zmq::dp_endpoint(value, rank) {
+                        Ok(e) => derived.push((e, rank, option)),
+                        Err(e) => {
+                            bad(option, e.to_string());
+                            break;
+                        }
+                    }
+                }
+            }
+            // Adjacent base ports collide once offset by rank (5557/5558: rank 1's PUB is
+            // rank 0's replay): vLLM deployments space the bases apart.
+            for (i, (endpoint, rank, option)) in derived.iter().enumerate() {
+                if let Some((_, other_rank, other_option)) =
+                    derived[..i].iter().find(|(e, _, _)| e == endpoint)
                 {
-                    bad(option, e.to_string());
+                    bad(
+                        option,
+                        format!(
+                            "rank {rank}'s endpoint {endpoint} is also rank {other_rank}'s {} with --dp-size {}: space the base ports at least {} apart",
+                            other_option.replace('_', "-"),
+                            self.dp_size,
+                            self.dp_size
+                        ),
+                    );
                 }
             }
         }

@@ -1,6 +1,7 @@
 //! The normalized JSON form of a batch (feature `json`), as in `shared/vectors/README.md`:
 //! every field of the newest release present (null when absent), int hashes as JSON
-//! integers, bytes hashes as lowercase hex, bytes inside `extra_keys` as `{"hex": …}`.
+//! integers, bytes hashes as lowercase hex, bytes inside `extra_keys` as `{"hex": …}`. A map
+//! inside `extra_keys` (no release sends one) is written `{"map": [[key, value], …]}`.
 
 use std::borrow::Cow;
 

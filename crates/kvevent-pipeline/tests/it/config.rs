@@ -151,3 +151,29 @@ fn go_durations() {
         assert!(parse_duration(s).is_err(), "{s}");
     }
 }
+
+#[test]
+fn dp_ranks_whose_offset_ports_collide_are_refused() {
+    Jail::expect_with(|jail| {
+        jail.set_env("KVEVENT_DP_SIZE", "2");
+        let base = [("replica_id", "r"), ("model_id", "m")];
+        let mut adjacent = base.to_vec();
+        adjacent.extend([
+            ("engine_endpoint", "tcp://10.0.0.1:5557"),
+            ("replay_endpoint", "tcp://10.0.0.1:5558"),
+        ]);
+        let err = Settings::load(None, flags(&adjacent)).expect_err("collision");
+        assert!(
+            err.to_string()
+                .contains("rank 1's endpoint tcp://10.0.0.1:5558 is also rank 0's replay-endpoint"),
+            "{err}"
+        );
+        let mut spaced = base.to_vec();
+        spaced.extend([
+            ("engine_endpoint", "tcp://10.0.0.1:5557"),
+            ("replay_endpoint", "tcp://10.0.0.1:5657"),
+        ]);
+        Settings::load(None, flags(&spaced)).expect("spaced apart");
+        Ok(())
+    });
+}
