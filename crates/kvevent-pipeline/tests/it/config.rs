@@ -165,7 +165,7 @@ fn dp_ranks_whose_offset_ports_collide_are_refused() {
         let err = Settings::load(None, flags(&adjacent)).expect_err("collision");
         assert!(
             err.to_string()
-                .contains("rank 1's endpoint tcp://10.0.0.1:5558 is also rank 0's replay-endpoint"),
+                .contains("rank 0's endpoint tcp://10.0.0.1:5558 is also rank 1's engine-endpoint"),
             "{err}"
         );
         let mut spaced = base.to_vec();
