@@ -50,6 +50,8 @@ pub mod names {
     pub const REPLAYS: &str = "kvevent_replays_total";
     /// Engine restarts (seq regressions), by source.
     pub const RESTARTS: &str = "kvevent_engine_restarts_total";
+    /// Connection drops to the engine, by source.
+    pub const DISCONNECTS: &str = "kvevent_engine_disconnects_total";
     /// Duplicate batches dropped, by source.
     pub const DUPLICATES: &str = "kvevent_duplicate_batches_total";
     /// Malformed ZMQ messages skipped, by source.

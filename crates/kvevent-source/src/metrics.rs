@@ -31,7 +31,9 @@ pub struct SourceMetrics {
     /// Seq regressions: engine restarts.
     pub restarts: AtomicU64,
     /// Resets by reason (index = position in `ResetReason::ALL`).
-    pub resets: [AtomicU64; 5],
+    pub resets: [AtomicU64; 6],
+    /// Times the connection to the engine dropped.
+    pub disconnects: AtomicU64,
     /// Replays asked for.
     pub replays_requested: AtomicU64,
     /// Replays that ended with the end marker.

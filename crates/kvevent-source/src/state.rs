@@ -20,16 +20,19 @@ pub enum ResetReason {
     TruncatedReplay,
     /// A payload could not be decoded: its events are lost.
     Corrupt,
+    /// A gap right after a reconnect: the engine may be a new process whose seqs passed ours.
+    Reconnect,
 }
 
 impl ResetReason {
     /// Every reason, for exporting.
-    pub const ALL: [ResetReason; 5] = [
+    pub const ALL: [ResetReason; 6] = [
         Self::Startup,
         Self::Restart,
         Self::Gap,
         Self::TruncatedReplay,
         Self::Corrupt,
+        Self::Reconnect,
     ];
 
     /// The reason's label value.
@@ -40,6 +43,7 @@ impl ResetReason {
             Self::Gap => "gap",
             Self::TruncatedReplay => "truncated_replay",
             Self::Corrupt => "corrupt",
+            Self::Reconnect => "reconnect",
         }
     }
 }
@@ -121,6 +125,8 @@ pub struct SourceState {
     draining: bool,
     failures: u32,
     backoff_until: Option<Instant>,
+    /// The connection to the engine dropped since the last batch.
+    reconnected: bool,
     metrics: Arc<SourceMetrics>,
 }
 
@@ -136,6 +142,7 @@ impl SourceState {
             draining: false,
             failures: 0,
             backoff_until: None,
+            reconnected: false,
             metrics,
         }
     }
@@ -196,10 +203,36 @@ impl SourceState {
         }
     }
 
+    /// The connection to the engine dropped (libzmq reconnects by itself). Seqs carry no
+    /// process identity: a new engine process that published past our last seq before we were
+    /// back would look like a plain gap. So the first gap after a disconnect is treated as a
+    /// possible restart: reset and rebuild from the replay buffer, never patched.
+    pub fn on_disconnected(&mut self) {
+        self.reconnected = true;
+        self.metrics.disconnects.fetch_add(1, Relaxed);
+    }
+
     /// A live batch arrived.
     pub fn on_live(&mut self, seq: u64, payload: Vec<u8>, now: Instant, out: &mut Vec<Step>) {
         if self.replay.is_some() {
             self.hold(seq, payload);
+            return;
+        }
+        if std::mem::take(&mut self.reconnected)
+            && let Some(last) = self.last
+            && seq > last.wrapping_add(1)
+        {
+            tracing::info!(
+                seq,
+                last,
+                "gap across a reconnect: the engine may have restarted"
+            );
+            self.metrics.gaps.fetch_add(1, Relaxed);
+            self.metrics.missing_seqs.fetch_add(seq - last - 1, Relaxed);
+            self.reset(ResetReason::Reconnect, out);
+            self.last = None;
+            self.dup_floor = None;
+            self.begin(seq, payload, now, out);
             return;
         }
         match self.last {

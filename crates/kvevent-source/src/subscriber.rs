@@ -182,6 +182,7 @@ impl Subscriber {
                     tracing::warn!(source = %self.sources[source].label(), error = %e, "malformed replay reply skipped");
                 }
             },
+            transport::Delivery::Disconnected => state.on_disconnected(),
             transport::Delivery::ReplayDone(outcome) => {
                 let end = match outcome {
                     transport::ReplayOutcome::Complete => ReplayEnd::Complete,

@@ -34,6 +34,9 @@ pub fn binds(endpoint: &str) -> bool {
 pub struct PublisherConfig {
     /// Where to publish, e.g. `tcp://127.0.0.1:*` (binds, port picked by the OS).
     pub endpoint: String,
+    /// Bind or connect regardless of vLLM's rule ([`binds`]): `None` follows the rule. A test
+    /// restarting an engine on a known loopback port binds `tcp://127.0.0.1:PORT` this way.
+    pub bind: Option<bool>,
     /// Where to serve replays, if at all (always bound, as vLLM does).
     pub replay_endpoint: Option<String>,
     /// The topic frame.
@@ -51,6 +54,7 @@ impl PublisherConfig {
     pub fn loopback(release: Release) -> Self {
         Self {
             endpoint: "tcp://127.0.0.1:*".into(),
+            bind: None,
             replay_endpoint: Some("tcp://127.0.0.1:*".into()),
             topic: b"kv-events".to_vec(),
             buffer_steps: 10_000,
@@ -115,7 +119,7 @@ impl Publisher {
             .set_xpub_verbose(true)
             .map_err(err("configure", e))?;
         publisher.set_sndhwm(100_000).map_err(err("configure", e))?;
-        let endpoint = if binds(e) {
+        let endpoint = if config.bind.unwrap_or_else(|| binds(e)) {
             publisher.bind(e).map_err(err("bind", e))?;
             last_endpoint(&publisher, e)
         } else {

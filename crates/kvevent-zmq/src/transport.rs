@@ -1,7 +1,7 @@
 //! Source threads: SUB and replay DEALER sockets, raw frames out.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -25,6 +25,10 @@ pub enum Delivery {
     Replay(Vec<Vec<u8>>),
     /// The replay asked for is over.
     ReplayDone(ReplayOutcome),
+    /// The SUB socket lost its connection to the engine (it died, restarted, or the network
+    /// or heartbeats failed). libzmq reconnects by itself; what comes next may be from a new
+    /// engine process.
+    Disconnected,
 }
 
 /// How a replay ended.
@@ -112,6 +116,31 @@ fn sub_socket(
     Ok(socket)
 }
 
+/// Distinguishes monitor endpoints of every transport sharing a context.
+static MONITORS: AtomicUsize = AtomicUsize::new(0);
+
+/// A PAIR socket receiving the SUB socket's disconnect events.
+fn monitor_socket(
+    ctx: &zmq::Context,
+    sub: &zmq::Socket,
+    endpoint: &str,
+) -> Result<zmq::Socket, Error> {
+    let monitor = format!(
+        "inproc://kvevent-monitor-{}",
+        MONITORS.fetch_add(1, Ordering::Relaxed)
+    );
+    sub.monitor(&monitor, zmq::SocketEvent::DISCONNECTED as i32)
+        .map_err(socket_err("monitor", endpoint))?;
+    let pair = ctx
+        .socket(zmq::PAIR)
+        .map_err(socket_err("monitor", endpoint))?;
+    pair.set_linger(0)
+        .map_err(socket_err("monitor", endpoint))?;
+    pair.connect(&monitor)
+        .map_err(socket_err("monitor", endpoint))?;
+    Ok(pair)
+}
+
 fn dealer_socket(
     ctx: &zmq::Context,
     endpoint: &str,
@@ -149,16 +178,19 @@ impl Transport {
         let mut prepared = Vec::with_capacity(sources.len());
         for source in sources {
             let sub = sub_socket(ctx, source, opts)?;
+            let monitor = monitor_socket(ctx, &sub, &source.endpoint)?;
             let dealer = source
                 .replay_endpoint
                 .as_deref()
                 .map(|r| dealer_socket(ctx, r, opts))
                 .transpose()?;
-            prepared.push((sub, dealer));
+            prepared.push((sub, monitor, dealer));
         }
         let mut threads = Vec::with_capacity(sources.len());
         let mut commands = Vec::with_capacity(sources.len());
-        for (index, ((sub, dealer), source)) in prepared.into_iter().zip(sources).enumerate() {
+        for (index, ((sub, monitor, dealer), source)) in
+            prepared.into_iter().zip(sources).enumerate()
+        {
             let (cmd_tx, cmd_rx) = mpsc::sync_channel(opts.command_capacity.max(1));
             let worker = Worker {
                 index,
@@ -166,6 +198,7 @@ impl Transport {
                 source: source.clone(),
                 opts: opts.clone(),
                 sub,
+                monitor,
                 dealer,
                 commands: cmd_rx,
                 out: out.clone(),
@@ -220,6 +253,8 @@ struct Worker {
     source: Source,
     opts: SourceOptions,
     sub: zmq::Socket,
+    /// The SUB socket's disconnect events.
+    monitor: zmq::Socket,
     dealer: Option<zmq::Socket>,
     commands: Receiver<Command>,
     out: SyncSender<Frames>,
@@ -235,7 +270,7 @@ impl Worker {
             while let Ok(Command::Replay { from }) = self.commands.try_recv() {
                 self.start_replay(from);
             }
-            let (sub_ready, dealer_ready) = match self.poll() {
+            let (sub_ready, monitor_ready, dealer_ready) = match self.poll() {
                 Ok(ready) => ready,
                 Err(e) => {
                     tracing::warn!(source = %self.source.label(), error = %e, "poll failed");
@@ -243,6 +278,10 @@ impl Worker {
                     continue;
                 }
             };
+            // Before the live messages: what follows a disconnect may be a new engine process.
+            if monitor_ready {
+                self.read_monitor();
+            }
             if dealer_ready {
                 self.read_replay();
             }
@@ -257,16 +296,36 @@ impl Worker {
         tracing::debug!(source = %self.source.label(), "source thread stopped");
     }
 
-    fn poll(&self) -> Result<(bool, bool), zmq::Error> {
-        let mut items = vec![self.sub.as_poll_item(zmq::POLLIN)];
+    fn poll(&self) -> Result<(bool, bool, bool), zmq::Error> {
+        let mut items = vec![
+            self.sub.as_poll_item(zmq::POLLIN),
+            self.monitor.as_poll_item(zmq::POLLIN),
+        ];
         if let Some(d) = &self.dealer {
             items.push(d.as_poll_item(zmq::POLLIN));
         }
         zmq::poll(&mut items, ms(POLL_INTERVAL).into())?;
         Ok((
             items[0].is_readable(),
-            items.get(1).is_some_and(|i| i.is_readable()),
+            items[1].is_readable(),
+            items.get(2).is_some_and(|i| i.is_readable()),
         ))
+    }
+
+    /// Reads the monitor's events; one `Disconnected` however many arrived together.
+    fn read_monitor(&self) {
+        let mut disconnected = false;
+        while let Ok(event) = self.monitor.recv_multipart(zmq::DONTWAIT) {
+            let id = event
+                .first()
+                .and_then(|f| f.get(..2))
+                .map(|b| u16::from_le_bytes([b[0], b[1]]));
+            disconnected |= id == Some(zmq::SocketEvent::DISCONNECTED as u16);
+        }
+        if disconnected {
+            tracing::info!(source = %self.source.label(), "disconnected from the engine; libzmq reconnects");
+            self.emit(Delivery::Disconnected);
+        }
     }
 
     /// Hands frames out, waiting while the channel is full (false: stopping).

@@ -317,3 +317,50 @@ fn malformed_frames_and_payloads_are_counted_and_skipped() {
     assert_eq!(m.decode_failures[0].load(Relaxed), 1, "truncated");
     assert_eq!(m.resets(ResetReason::Corrupt), 1);
 }
+
+#[test]
+fn a_gap_across_a_reconnect_is_rebuilt_from_the_new_process() {
+    let release = Release::NEWEST_KNOWN;
+    let (ctx, first) = engine(release);
+    let endpoint = first.endpoint().to_owned();
+    let replay = first.replay_endpoint().map(str::to_owned);
+    let mut sub = subscriber(&ctx, vec![source_of(&first, true)]);
+    assert!(first.wait_for_subscribers(1, WAIT));
+    for i in 0..3 {
+        first.publish(&batch(i)).expect("publish");
+    }
+    collect(&mut sub, has("B0:2"));
+    // The engine process dies; a new one comes up on the same ports and publishes seqs 0..=5
+    // before we are back: they are only in its replay buffer.
+    first.shutdown();
+    // libzmq closes the old listeners asynchronously: retry the bind for a bounded time.
+    let deadline = Instant::now() + WAIT;
+    let second = loop {
+        let config = PublisherConfig {
+            endpoint: endpoint.clone(),
+            bind: Some(true),
+            replay_endpoint: replay.clone(),
+            ..PublisherConfig::loopback(release)
+        };
+        match Publisher::start(&ctx, config) {
+            Ok(p) => break p,
+            Err(e) if Instant::now() < deadline => {
+                let _ = e;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => panic!("second engine: {e}"),
+        }
+    };
+    for i in 10..16 {
+        second.publish_lost(payload(release, i));
+    }
+    assert!(second.wait_for_subscribers(1, WAIT));
+    second.publish(&batch(16)).expect("publish");
+    // Seq 6 is above our last (2): without the reconnect it would pass for a gap of 3..=5.
+    let seen = collect(&mut sub, has("B0:6"));
+    let want: Vec<String> = std::iter::once("R0:reconnect".to_owned())
+        .chain((0..=6).map(|i| format!("B0:{i}")))
+        .collect();
+    assert_eq!(seen, want);
+    assert_eq!(sub.metrics()[0].disconnects.load(Relaxed), 1);
+}

@@ -187,3 +187,25 @@ fn the_hold_buffer_is_bounded() {
         ["R:gap", "D6", "D7", "D8", "D9"]
     );
 }
+
+#[test]
+fn a_gap_across_a_reconnect_rebuilds_instead_of_patching() {
+    let (mut s, m) = state(true);
+    let now = Instant::now();
+    live(&mut s, 0, now);
+    live(&mut s, 1, now);
+    // A plain reconnect with no gap changes nothing.
+    s.on_disconnected();
+    assert_eq!(live(&mut s, 2, now), ["D2"]);
+    // A gap after a reconnect may be a new process that published past our seq.
+    s.on_disconnected();
+    assert_eq!(live(&mut s, 7, now), ["R:reconnect", "P0"]);
+    for seq in 0..=7 {
+        assert_eq!(replayed(&mut s, seq), [format!("D{seq}")]);
+    }
+    assert!(done(&mut s, ReplayEnd::Complete, now).is_empty());
+    assert_eq!(m.disconnects.load(Relaxed), 2);
+    assert!(!m.degraded.load(Relaxed), "rebuilt from seq 0");
+    // Without a disconnect, the same gap is patched by a replay from last + 1.
+    assert_eq!(live(&mut s, 10, now), ["P8"]);
+}

@@ -94,7 +94,7 @@ fn a_replay_hands_out_raw_replies_then_done() {
                 assert_eq!(outcome, ReplayOutcome::Complete);
                 break;
             }
-            Delivery::Live(_) => {}
+            Delivery::Live(_) | Delivery::Disconnected => {}
         }
     }
     assert_eq!(seqs, [1, 2]);
@@ -167,4 +167,25 @@ fn shutdown_is_prompt() {
     let started = Instant::now();
     transport.shutdown();
     assert!(started.elapsed() < Duration::from_secs(1));
+}
+
+#[test]
+fn losing_the_engine_is_reported_as_a_disconnect() {
+    let ctx = zmq::Context::new();
+    let engine =
+        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    let source = Source {
+        endpoint: engine.endpoint().to_owned(),
+        replay_endpoint: None,
+        topic: Vec::new(),
+        bind: false,
+        dp_rank: 0,
+    };
+    let (tx, rx) = mpsc::sync_channel(16);
+    let transport =
+        Transport::start(&ctx, &[source], &SourceOptions::default(), tx).expect("start");
+    assert!(engine.wait_for_subscribers(1, WAIT));
+    engine.shutdown();
+    assert_eq!(recv(&rx).delivery, Delivery::Disconnected);
+    transport.shutdown();
 }
