@@ -7,7 +7,7 @@ use std::time::Duration;
 use kvevent_forwarder as fwd;
 use kvevent_mapper::Mapper;
 use kvevent_proto as pb;
-use kvevent_source::{ResetReason, Subscriber, Update};
+use kvevent_source::{ResetReason, Subscriber, View};
 
 use crate::telemetry::Telemetry;
 
@@ -27,29 +27,27 @@ fn now_us() -> i64 {
 }
 
 impl EventsLoop {
-    pub(crate) fn run(mut self) {
+    pub(crate) fn run(self) {
+        let EventsLoop {
+            mut subscriber,
+            mut mappers,
+            forwarder,
+            stop,
+            telemetry,
+        } = self;
         let mut reports: Vec<pb::Report> = Vec::new();
         // The replica's server state is cleared once, at the first contact with any source.
         let mut cleared_at_start = false;
-        let several = self.mappers.len() > 1;
-        while !self.stop.load(Relaxed) {
-            let Some(update) = self.subscriber.next(Duration::from_millis(100)) else {
-                continue;
-            };
-            let source = match &update {
-                Update::Batch(b) => b.source,
-                Update::Reset { source, .. } => *source,
-            };
-            let Some(mapper) = self.mappers.get_mut(source) else {
-                continue;
-            };
-            match update {
-                Update::Batch(batch) => match batch.decode() {
-                    Ok(decoded) => mapper.map_batch(&decoded, &mut reports),
-                    // The subscriber checked it decodes: this cannot happen, but never panic.
-                    Err(e) => tracing::error!(error = %e, "a checked batch failed to decode"),
-                },
-                Update::Reset { reason, .. } => {
+        let several = mappers.len() > 1;
+        while !stop.load(Relaxed) {
+            let mapped = subscriber.next_with(Duration::from_millis(100), |view| match view {
+                View::Batch { source, batch, .. } => {
+                    let mapper = mappers.get_mut(source)?;
+                    mapper.map_batch(batch, &mut reports);
+                    Some(source)
+                }
+                View::Reset { source, reason } => {
+                    let mapper = mappers.get_mut(source)?;
                     let ts = now_us();
                     match reason {
                         ResetReason::Startup if cleared_at_start => {}
@@ -61,26 +59,26 @@ impl EventsLoop {
                         _ if several => reports.extend(mapper.evict_all(ts)),
                         _ => reports.push(mapper.reset(ts)),
                     }
+                    Some(source)
                 }
-            }
+            });
+            let Some(Some(source)) = mapped else {
+                continue;
+            };
             {
-                let mut stats = self
-                    .telemetry
-                    .mappers
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner());
-                if let Some(slot) = stats.get_mut(source) {
+                let mut stats = telemetry.mappers.lock().unwrap_or_else(|e| e.into_inner());
+                if let (Some(slot), Some(mapper)) = (stats.get_mut(source), mappers.get(source)) {
                     *slot = (mapper.stats().clone(), mapper.tracked_blocks());
                 }
             }
             for report in reports.drain(..) {
                 // Waits only for room in the forwarder's channel, never for the network.
-                if self.forwarder.blocking_submit(report).is_err() {
-                    self.telemetry.reports_after_shutdown.fetch_add(1, Relaxed);
+                if forwarder.blocking_submit(report).is_err() {
+                    telemetry.reports_after_shutdown.fetch_add(1, Relaxed);
                 }
             }
         }
-        self.subscriber.shutdown();
+        subscriber.shutdown();
         tracing::info!("engine subscription closed");
     }
 }

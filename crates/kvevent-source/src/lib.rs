@@ -11,7 +11,8 @@
 //!   truncated replay it cannot repair, a corrupt payload. Failed replays back off; live
 //!   batches keep flowing.
 //! - [`Subscriber`] — runs the transport and one state per source and yields [`Update`]s:
-//!   batches in seq order (validated by decoding once) and resets. It is the in-process API for
+//!   batches in seq order (checked to decode; a corrupt one becomes a reset) and resets, or,
+//!   through [`Subscriber::next_with`], the decoded batch itself so that it is decoded once. It is the in-process API for
 //!   a Rust router, independent of any gRPC forwarding.
 //!
 //! Every decision is counted in [`SourceMetrics`]. No tokio, tonic, hyper or prost here.
@@ -22,4 +23,4 @@ mod subscriber;
 
 pub use metrics::{DECODE_FAILURE_KINDS, SourceMetrics};
 pub use state::{ReplayEnd, ResetReason, SourceState, StateConfig, Step};
-pub use subscriber::{Batch, Config, Subscriber, Update};
+pub use subscriber::{Batch, Config, Subscriber, Update, View};

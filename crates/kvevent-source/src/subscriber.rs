@@ -47,7 +47,7 @@ pub struct Batch {
     pub source: usize,
     /// The batch's seq.
     pub seq: u64,
-    /// The msgpack payload, already checked to decode.
+    /// The msgpack payload, checked to decode before [`Subscriber::next`] hands it out.
     pub payload: Vec<u8>,
 }
 
@@ -56,6 +56,27 @@ impl Batch {
     pub fn decode(&self) -> wire::Result<wire::EventBatch<'_>> {
         wire::decode(&self.payload)
     }
+}
+
+/// What [`Subscriber::next_with`] hands over: the decoded batch, borrowed.
+#[derive(Debug)]
+pub enum View<'a> {
+    /// A batch of events.
+    Batch {
+        /// Index of the source.
+        source: usize,
+        /// The batch's seq.
+        seq: u64,
+        /// The decoded batch.
+        batch: &'a wire::EventBatch<'a>,
+    },
+    /// Everything known of `source` is stale.
+    Reset {
+        /// Index of the source.
+        source: usize,
+        /// Why.
+        reason: ResetReason,
+    },
 }
 
 /// What a consumer applies, in order.
@@ -137,8 +158,42 @@ impl Subscriber {
     }
 
     /// The next update, waiting at most `timeout`. `None` on timeout (or once the transport
-    /// is gone).
+    /// is gone). A batch is checked to decode before it is handed out (a corrupt one comes out
+    /// as a `Reset` instead); the consumer decodes it again with [`Batch::decode`]. To decode
+    /// only once, use [`Subscriber::next_with`].
     pub fn next(&mut self, timeout: Duration) -> Option<Update> {
+        Some(match self.next_raw(timeout)? {
+            Update::Batch(batch) => match self.check(&batch) {
+                Ok(_) => Update::Batch(batch),
+                Err(reason) => Update::Reset {
+                    source: batch.source,
+                    reason,
+                },
+            },
+            reset => reset,
+        })
+    }
+
+    /// Like [`Subscriber::next`], handing `f` the decoded batch: each payload is decoded once.
+    pub fn next_with<R>(&mut self, timeout: Duration, f: impl FnOnce(View<'_>) -> R) -> Option<R> {
+        Some(match self.next_raw(timeout)? {
+            Update::Batch(b) => match self.check(&b) {
+                Ok(batch) => f(View::Batch {
+                    source: b.source,
+                    seq: b.seq,
+                    batch: &batch,
+                }),
+                Err(reason) => f(View::Reset {
+                    source: b.source,
+                    reason,
+                }),
+            },
+            Update::Reset { source, reason } => f(View::Reset { source, reason }),
+        })
+    }
+
+    /// The next update in order, its payload not yet checked.
+    fn next_raw(&mut self, timeout: Duration) -> Option<Update> {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(update) = self.ready.pop_front() {
@@ -230,11 +285,19 @@ impl Subscriber {
         }
     }
 
-    /// Checks that a batch decodes before handing it on; a corrupt one resets the source
-    /// (its events are lost) and is counted by kind.
     fn deliver(&mut self, source: usize, seq: u64, payload: Vec<u8>) {
-        let metrics = &self.metrics[source];
-        match wire::decode_with(&payload, &self.limits) {
+        self.ready.push_back(Update::Batch(Batch {
+            source,
+            seq,
+            payload,
+        }));
+    }
+
+    /// Decodes a batch and counts its events; a corrupt one degrades its source, is counted by
+    /// kind, and becomes a reset (its events are lost).
+    fn check<'p>(&self, b: &'p Batch) -> Result<wire::EventBatch<'p>, ResetReason> {
+        let metrics = &self.metrics[b.source];
+        match wire::decode_with(&b.payload, &self.limits) {
             Ok(batch) => {
                 let mut cleared = false;
                 for e in &batch.events {
@@ -250,23 +313,16 @@ impl Subscriber {
                 }
                 metrics.events[3].fetch_add(batch.unknown_events as u64, Relaxed);
                 if cleared {
-                    self.states[source].mark_whole();
+                    self.states[b.source].mark_whole();
                 }
-                self.ready.push_back(Update::Batch(Batch {
-                    source,
-                    seq,
-                    payload,
-                }));
+                Ok(batch)
             }
             Err(e) => {
                 metrics.decode_failure(e.kind());
-                tracing::warn!(source = %self.sources[source].label(), seq, error = %e, "payload does not decode: its events are lost");
-                self.states[source].mark_degraded();
+                tracing::warn!(source = %self.sources[b.source].label(), seq = b.seq, error = %e, "payload does not decode: its events are lost");
+                self.states[b.source].mark_degraded();
                 metrics.reset(ResetReason::Corrupt);
-                self.ready.push_back(Update::Reset {
-                    source,
-                    reason: ResetReason::Corrupt,
-                });
+                Err(ResetReason::Corrupt)
             }
         }
     }

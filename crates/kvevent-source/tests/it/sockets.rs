@@ -364,3 +364,38 @@ fn a_gap_across_a_reconnect_is_rebuilt_from_the_new_process() {
     assert_eq!(seen, want);
     assert_eq!(sub.metrics()[0].disconnects.load(Relaxed), 1);
 }
+
+#[test]
+fn next_with_hands_over_the_decoded_batch_and_corrupt_ones_as_resets() {
+    let release = Release::NEWEST_KNOWN;
+    let (ctx, engine) = engine(release);
+    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)]);
+    assert!(engine.wait_for_subscribers(1, WAIT));
+    engine.publish(&batch(0)).expect("publish");
+    engine.publish_payload(b"\x93\xcb".to_vec());
+    engine.publish(&batch(2)).expect("publish");
+    let deadline = Instant::now() + WAIT;
+    let mut seen = Vec::new();
+    while seen.len() < 4 {
+        assert!(Instant::now() < deadline, "saw {seen:?}");
+        let view = sub.next_with(Duration::from_millis(100), |view| match view {
+            kvevent_source::View::Batch { seq, batch, .. } => {
+                let wire::Event::BlockStored(s) = &batch.events[0] else {
+                    panic!("not a store")
+                };
+                format!("B{seq}:{:?}", s.block_hashes[0])
+            }
+            kvevent_source::View::Reset { reason, .. } => format!("R:{}", reason.as_str()),
+        });
+        seen.extend(view);
+    }
+    assert_eq!(
+        seen,
+        [
+            "R:startup",
+            "B0:Int(U64(100))",
+            "R:corrupt",
+            "B2:Int(U64(102))"
+        ]
+    );
+}
