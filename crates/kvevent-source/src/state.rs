@@ -220,20 +220,26 @@ impl SourceState {
         }
         if std::mem::take(&mut self.reconnected)
             && let Some(last) = self.last
-            && seq > last.wrapping_add(1)
         {
-            tracing::info!(
-                seq,
-                last,
-                "gap across a reconnect: the engine may have restarted"
-            );
-            self.metrics.gaps.fetch_add(1, Relaxed);
-            self.metrics.missing_seqs.fetch_add(seq - last - 1, Relaxed);
-            self.reset(ResetReason::Reconnect, out);
-            self.last = None;
-            self.dup_floor = None;
-            self.begin(seq, payload, now, out);
-            return;
+            if seq > last.wrapping_add(1) {
+                tracing::info!(
+                    seq,
+                    last,
+                    "gap across a reconnect: the engine may have restarted"
+                );
+                self.metrics.gaps.fetch_add(1, Relaxed);
+                self.metrics.missing_seqs.fetch_add(seq - last - 1, Relaxed);
+                self.reset(ResetReason::Reconnect, out);
+                self.last = None;
+                self.dup_floor = None;
+                self.begin(seq, payload, now, out);
+                return;
+            }
+            if seq == last {
+                // A PUB never sends a seq twice: after a disconnect it is a new process.
+                self.restart(seq, payload, now, out);
+                return;
+            }
         }
         match self.last {
             None => {
@@ -245,12 +251,7 @@ impl SourceState {
                 if seq == last || self.dup_floor.is_some_and(|f| seq >= f) {
                     self.metrics.duplicates.fetch_add(1, Relaxed);
                 } else {
-                    tracing::info!(seq, last, "seq went backwards: engine restarted");
-                    self.metrics.restarts.fetch_add(1, Relaxed);
-                    self.reset(ResetReason::Restart, out);
-                    self.last = None;
-                    self.dup_floor = None;
-                    self.begin(seq, payload, now, out);
+                    self.restart(seq, payload, now, out);
                 }
             }
             Some(last) => {
@@ -269,6 +270,16 @@ impl SourceState {
                 }
             }
         }
+    }
+
+    /// A new engine process: forget the old one's seqs and rebuild.
+    fn restart(&mut self, seq: u64, payload: Vec<u8>, now: Instant, out: &mut Vec<Step>) {
+        tracing::info!(seq, last = ?self.last, "engine restarted");
+        self.metrics.restarts.fetch_add(1, Relaxed);
+        self.reset(ResetReason::Restart, out);
+        self.last = None;
+        self.dup_floor = None;
+        self.begin(seq, payload, now, out);
     }
 
     /// The first batch of a source (or of a new engine process), after its reset.

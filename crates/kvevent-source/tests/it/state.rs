@@ -209,3 +209,16 @@ fn a_gap_across_a_reconnect_rebuilds_instead_of_patching() {
     // Without a disconnect, the same gap is patched by a replay from last + 1.
     assert_eq!(live(&mut s, 10, now), ["P8"]);
 }
+
+#[test]
+fn the_same_seq_again_after_a_disconnect_is_a_new_process() {
+    let (mut s, m) = state(true);
+    let now = Instant::now();
+    live(&mut s, 0, now);
+    // Without a disconnect it is a duplicate...
+    assert!(live(&mut s, 0, now).is_empty());
+    // ...after one, the old process published only seq 0 and a new one starts again at 0.
+    s.on_disconnected();
+    assert_eq!(live(&mut s, 0, now), ["R:restart", "D0"]);
+    assert_eq!(m.restarts.load(Relaxed), 1);
+}
