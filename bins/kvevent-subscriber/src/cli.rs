@@ -164,6 +164,22 @@ pub(crate) struct Options {
     #[arg(long, value_name = "DURATION")]
     #[serde(skip_serializing_if = "Option::is_none")]
     replay_timeout: Option<String>,
+    /// SUB receive high-water mark, in batches; past it the engine's PUB drops (and we replay) [default: 100000] [env: KVEVENT_ENGINE_RCVHWM]
+    #[arg(long, value_name = "N")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    engine_rcvhwm: Option<i32>,
+    /// ZMTP heartbeat interval to the engine; 0: none [default: 5s] [env: KVEVENT_ENGINE_HEARTBEAT_INTERVAL]
+    #[arg(long, value_name = "DURATION")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    engine_heartbeat_interval: Option<String>,
+    /// An engine silent this long after a heartbeat is reconnected [default: 15s] [env: KVEVENT_ENGINE_HEARTBEAT_TIMEOUT]
+    #[arg(long, value_name = "DURATION")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    engine_heartbeat_timeout: Option<String>,
+    /// Longest delay between reconnection attempts to the engine [default: 5s] [env: KVEVENT_ENGINE_RECONNECT_MAX]
+    #[arg(long, value_name = "DURATION")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    engine_reconnect_max: Option<String>,
     /// Deadline of an engine metrics scrape [default: 5s] [env: KVEVENT_SCRAPE_TIMEOUT]
     #[arg(long, value_name = "DURATION")]
     #[serde(skip_serializing_if = "Option::is_none")]

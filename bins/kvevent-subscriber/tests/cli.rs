@@ -45,6 +45,8 @@ fn help_documents_every_option_with_its_default_and_env_name() {
         "--drain-timeout",
         "--key-mode",
         "--token-file",
+        "--engine-heartbeat-interval",
+        "[env: KVEVENT_ENGINE_RCVHWM]",
         "--tls-ca-file",
         "KVEVENT_CONFIG",
     ] {

@@ -169,6 +169,10 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
 
     let mut sub_config = source::Config::new(sources.clone());
     sub_config.socket.replay_idle_timeout = settings.replay_timeout.0;
+    sub_config.socket.rcvhwm = settings.engine_rcvhwm;
+    sub_config.socket.heartbeat_interval = settings.engine_heartbeat_interval.0;
+    sub_config.socket.heartbeat_timeout = settings.engine_heartbeat_timeout.0;
+    sub_config.socket.reconnect_interval_max = settings.engine_reconnect_max.0;
     let subscriber = source::Subscriber::start(ctx, sub_config)?;
     let telemetry = Arc::new(Telemetry::new(
         sources.iter().map(transport::Source::label).collect(),

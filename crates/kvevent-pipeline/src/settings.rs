@@ -214,6 +214,14 @@ pub struct Settings {
     pub max_tracked_blocks: usize,
     /// A replay with no reply for this long is over.
     pub replay_timeout: GoDuration,
+    /// SUB receive high-water mark, in batches.
+    pub engine_rcvhwm: i32,
+    /// ZMTP heartbeat interval to the engine (0: none).
+    pub engine_heartbeat_interval: GoDuration,
+    /// An engine silent this long after a heartbeat is reconnected.
+    pub engine_heartbeat_timeout: GoDuration,
+    /// Longest delay between reconnection attempts to the engine.
+    pub engine_reconnect_max: GoDuration,
     /// Deadline of a metrics scrape.
     pub scrape_timeout: GoDuration,
     /// CA bundle (PEM) to verify the server with; empty: system roots.
@@ -267,6 +275,10 @@ impl Default for Settings {
             max_backoff: GoDuration::secs(10),
             max_tracked_blocks: 1 << 20,
             replay_timeout: GoDuration::secs(3),
+            engine_rcvhwm: 100_000,
+            engine_heartbeat_interval: GoDuration::secs(5),
+            engine_heartbeat_timeout: GoDuration::secs(15),
+            engine_reconnect_max: GoDuration::secs(5),
             scrape_timeout: GoDuration::secs(5),
             tls_ca_file: String::new(),
             tls_cert_file: String::new(),
@@ -510,6 +522,12 @@ impl Settings {
             if d.0.is_zero() {
                 bad(option, "must be more than 0".into());
             }
+        }
+        if self.engine_rcvhwm < 0 {
+            bad("engine_rcvhwm", "must be 0 (no limit) or more".into());
+        }
+        if self.engine_reconnect_max.0.is_zero() {
+            bad("engine_reconnect_max", "must be more than 0".into());
         }
         if self.max_pending == 0 {
             bad("max_pending", "must be at least 1".into());
