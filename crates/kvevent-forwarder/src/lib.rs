@@ -16,7 +16,7 @@
 //!   backoff; the contract's additive semantics make a re-send harmless. Pending work is bounded
 //!   ([`Config::max_pending`], counting prefix entries and events); past it the oldest work is
 //!   dropped and counted by [`DropReason`].
-//! - **Drain.** [`Handle::shutdown`] stops intake, flushes everything within a deadline and
+//! - **Drain.** [`Forwarder::shutdown`] stops intake, flushes everything within a deadline and
 //!   returns what could not be sent ([`DrainReport`]).
 //!
 //! [`Client`] is the thin deadline-bounded gRPC client, shared with the stats path. It knows
