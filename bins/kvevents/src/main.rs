@@ -49,28 +49,7 @@ enum Command {
     /// Act as a vLLM engine: publish batches on ZMQ and serve replays, as that release does.
     ///
     /// Publishes the JSON batches given (one per file, in order), or a scripted workload.
-    Publish {
-        /// The release to speak.
-        #[arg(long, default_value = "0.33.0")]
-        release: wire::Release,
-        /// PUB endpoint (binds when it has `*`, as vLLM does; otherwise connects).
-        #[arg(long, default_value = "tcp://*:5557")]
-        endpoint: String,
-        /// Replay ROUTER endpoint; empty for none.
-        #[arg(long, default_value = "tcp://*:5558")]
-        replay_endpoint: String,
-        /// Topic frame.
-        #[arg(long, default_value = "kv-events")]
-        topic: String,
-        /// Time between batches, in milliseconds.
-        #[arg(long, default_value_t = 100)]
-        interval_ms: u64,
-        /// Stop after this many batches (0: run until interrupted).
-        #[arg(long, default_value_t = 0)]
-        count: u64,
-        /// JSON batch files to publish instead of the scripted workload.
-        files: Vec<PathBuf>,
-    },
+    Publish(PublishArgs),
     /// Print the fingerprint chain of token ids (XXH3-64, seed 1337).
     Fingerprint {
         /// Tokens per block.
@@ -87,15 +66,41 @@ enum Command {
     },
 }
 
-fn publish(
+#[derive(clap::Args)]
+struct PublishArgs {
+    /// The release to speak.
+    #[arg(long, default_value = "0.33.0")]
     release: wire::Release,
+    /// PUB endpoint (binds when it has `*`, as vLLM does; otherwise connects).
+    #[arg(long, default_value = "tcp://*:5557")]
     endpoint: String,
+    /// Replay ROUTER endpoint; empty for none.
+    #[arg(long, default_value = "tcp://*:5558")]
     replay_endpoint: String,
+    /// Topic frame.
+    #[arg(long, default_value = "kv-events")]
     topic: String,
+    /// Time between batches, in milliseconds.
+    #[arg(long, default_value_t = 100)]
     interval_ms: u64,
+    /// Stop after this many batches (0: run until interrupted).
+    #[arg(long, default_value_t = 0)]
     count: u64,
-    files: &[PathBuf],
-) -> anyhow::Result<()> {
+    /// JSON batch files to publish instead of the scripted workload.
+    files: Vec<PathBuf>,
+}
+
+fn publish(args: PublishArgs) -> anyhow::Result<()> {
+    let PublishArgs {
+        release,
+        endpoint,
+        replay_endpoint,
+        topic,
+        interval_ms,
+        count,
+        files,
+    } = args;
+    let files = files.as_slice();
     use anyhow::Context as _;
     use kvevent_zmq::publisher::{Publisher, PublisherConfig, scripted_batch};
     let texts = files
@@ -270,23 +275,7 @@ fn main() -> ExitCode {
             file,
             out,
         } => report(encode(release, lenient, &file, out.as_ref())),
-        Command::Publish {
-            release,
-            endpoint,
-            replay_endpoint,
-            topic,
-            interval_ms,
-            count,
-            files,
-        } => report(publish(
-            release,
-            endpoint,
-            replay_endpoint,
-            topic,
-            interval_ms,
-            count,
-            &files,
-        )),
+        Command::Publish(args) => report(publish(args)),
         Command::Fingerprint {
             block_size,
             parent,
