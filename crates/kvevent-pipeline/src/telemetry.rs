@@ -384,6 +384,11 @@ impl Telemetry {
                 f.dropped_events(reason),
             );
         }
+        o.sample(
+            DROPPED,
+            &[("kind", "report"), ("reason", "after_shutdown")],
+            self.reports_after_shutdown.load(Relaxed),
+        );
         o.family(QUEUE_DEPTH, "gauge", "Pending prefix entries plus events.");
         o.sample(QUEUE_DEPTH, &[], f.queue_depth.load(Relaxed));
         o.family(

@@ -256,8 +256,12 @@ impl SourceState {
             }
             Some(last) => {
                 let missing = seq - last - 1;
-                self.metrics.gaps.fetch_add(1, Relaxed);
-                self.metrics.missing_seqs.fetch_add(missing, Relaxed);
+                // While draining, this is the gap the replay was for (already counted), or one
+                // the hold buffer made (counted as buffer_overflows).
+                if !self.draining {
+                    self.metrics.gaps.fetch_add(1, Relaxed);
+                    self.metrics.missing_seqs.fetch_add(missing, Relaxed);
+                }
                 if !self.draining && self.can_replay(now) {
                     tracing::info!(from = last + 1, missing, "gap: replaying");
                     self.start_replay(last + 1, false, out);

@@ -297,11 +297,7 @@ impl Worker {
                 let seq = self.next_seq;
                 self.next_seq += 1;
                 if live {
-                    let frames = [
-                        self.config.topic.clone(),
-                        seq.to_be_bytes().to_vec(),
-                        payload.clone(),
-                    ];
+                    let frames = wire::frames::live_frames(&self.config.topic, seq, &payload);
                     if let Err(e) = self.publisher.send_multipart(frames, zmq::DONTWAIT) {
                         tracing::warn!(error = %e, seq, "fake engine: publish dropped");
                     }

@@ -104,6 +104,7 @@ async fn events_and_stats_flow_end_to_end() {
         "kvevent_stats_reports_total{outcome=\"ok\"}",
         "kvevent_source_resets_total{source=",
         "kvevent_dropped_total{kind=\"prefix\",reason=\"overflow\"} 0",
+        "kvevent_dropped_total{kind=\"report\",reason=\"after_shutdown\"} 0",
     ] {
         assert!(
             body.contains(needle),

@@ -222,3 +222,13 @@ fn the_same_seq_again_after_a_disconnect_is_a_new_process() {
     assert_eq!(live(&mut s, 0, now), ["R:restart", "D0"]);
     assert_eq!(m.restarts.load(Relaxed), 1);
 }
+
+#[test]
+fn a_gap_that_a_failed_replay_leaves_is_counted_once() {
+    let (mut s, m) = state(true);
+    let now = Instant::now();
+    live(&mut s, 0, now);
+    live(&mut s, 3, now);
+    done(&mut s, ReplayEnd::TimedOut, now);
+    assert_eq!((m.gaps.load(Relaxed), m.missing_seqs.load(Relaxed)), (1, 2));
+}
