@@ -47,7 +47,9 @@ fn map(c: &mut Criterion) {
                 bytes.clear();
                 for report in &out {
                     match report {
-                        pb::Report::Update(u) => u.encode(&mut bytes).expect("encode"),
+                        pb::Report::Update(u) | pb::Report::New(u) => {
+                            u.encode(&mut bytes).expect("encode")
+                        }
                         pb::Report::Event(e) => e.encode(&mut bytes).expect("encode"),
                     }
                 }

@@ -70,6 +70,7 @@ impl ClientConfig {
 #[derive(Clone)]
 pub struct Client {
     inner: InferenceCacheClient<Channel>,
+    address: Arc<str>,
     rpc_timeout: Duration,
     credentials: Option<Arc<dyn Credentials>>,
 }
@@ -96,6 +97,7 @@ pub fn connect(config: &ClientConfig) -> Result<Client, Error> {
     }
     Ok(Client {
         inner: InferenceCacheClient::new(endpoint.connect_lazy()),
+        address: Arc::from(config.address.as_str()),
         rpc_timeout: config.rpc_timeout,
         credentials: config.credentials.clone(),
     })
@@ -106,9 +108,15 @@ impl Client {
     pub fn from_channel(channel: Channel, rpc_timeout: Duration) -> Self {
         Self {
             inner: InferenceCacheClient::new(channel),
+            address: Arc::from("(custom channel)"),
             rpc_timeout,
             credentials: None,
         }
+    }
+
+    /// The server address, for log lines.
+    pub fn address(&self) -> &str {
+        &self.address
     }
 
     fn request<T>(&self, message: T) -> Result<Request<T>, Status> {

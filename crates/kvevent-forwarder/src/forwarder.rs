@@ -1,4 +1,26 @@
 //! The forwarding task: one owner of all pending work.
+//!
+//! Work is kept in *stages*, sent strictly one stage after the other:
+//!
+//! - a **window** collects adds and evictions for [`Config::window`]. Within it, work on one
+//!   prefix is netted as it arrives: a repeated add replaces the queued one, an eviction drops
+//!   the queued adds of its prefix (and is itself dropped when the first of them was
+//!   [`Report::New`](pb::Report::New): the server never held the prefix), so per prefix a window
+//!   holds nothing, an add, an eviction, or an eviction followed by an add. When the window is
+//!   sent, its evictions go as concurrent `PublishEvent` calls (at most
+//!   [`Config::max_in_flight`] at once, sharing the one HTTP/2 connection) together with one
+//!   `ReportCacheState` stream of the adds whose prefix has no queued eviction; the adds that
+//!   follow an eviction of their prefix go in a second stream once every eviction is
+//!   acknowledged. A failed call is retried inside its stage, so it can never be overtaken by
+//!   later work on the same prefix.
+//! - a **clear** (`ALL_CLEARED`) discards the queued, unsent work of its replica and is a stage of
+//!   its own: it waits for everything before it, and everything after waits for it. Other event
+//!   types are barriers the same way, without discarding anything.
+//!
+//! Only the front stage is ever in flight. Pending work is bounded by [`Config::max_pending`]
+//! counted over the stages *behind* the front one once that is in flight (work on the wire
+//! cannot be taken back); past the bound the oldest queued work is shed, so delivery never
+//! stops while the server keeps up at all.
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -7,27 +29,36 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
+use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 use crate::{Client, DropReason, Metrics, Retry, classify, pb};
 
+/// Most prefix entries in one `CacheStateUpdate` message (about 100–300 KB on the wire), far
+/// below the 4 MB default message limit of gRPC servers.
+pub const MAX_ENTRIES_PER_UPDATE: usize = 8192;
+
 /// How the forwarder batches, bounds and retries.
 #[derive(Debug, Clone)]
 pub struct Config {
-    /// Adds are coalesced over this window before a flush. Default 100 ms.
+    /// Adds and evictions are collected over this window before they are sent. Default 100 ms.
     pub window: Duration,
-    /// Most pending prefix entries plus events; past it the oldest work is dropped.
-    /// Default 100,000.
+    /// Most prefix entries plus events waiting behind the work in flight; past it the oldest
+    /// queued work is dropped. Default 100,000.
     pub max_pending: usize,
     /// Capacity of the input channel. Default 4,096 reports.
     pub input_capacity: usize,
+    /// Most RPCs in flight at once on the connection. Default 64.
+    pub max_in_flight: usize,
     /// First retry delay after a retryable failure; doubles up to `backoff_max`. Default 100 ms.
     pub backoff_initial: Duration,
     /// Longest retry delay. Default 10 s.
     pub backoff_max: Duration,
     /// Drain deadline used when every handle is dropped without a shutdown. Default 5 s.
     pub drain_timeout: Duration,
+    /// Least time between two log lines about drops or failing RPCs. Default 10 s.
+    pub log_interval: Duration,
 }
 
 impl Default for Config {
@@ -36,9 +67,11 @@ impl Default for Config {
             window: Duration::from_millis(100),
             max_pending: 100_000,
             input_capacity: 4096,
+            max_in_flight: 64,
             backoff_initial: Duration::from_millis(100),
             backoff_max: Duration::from_secs(10),
             drain_timeout: Duration::from_secs(5),
+            log_interval: Duration::from_secs(10),
         }
     }
 }
@@ -126,17 +159,7 @@ pub fn spawn(client: Client, config: Config) -> (Handle, Forwarder) {
     let (tx, rx) = mpsc::channel(config.input_capacity.max(1));
     let (shutdown_tx, shutdown_rx) = oneshot::channel();
     let metrics = Arc::new(Metrics::default());
-    let task = tokio::spawn(
-        Task {
-            client,
-            config,
-            metrics: metrics.clone(),
-            queue: VecDeque::new(),
-            pending: 0,
-            in_flight: false,
-        }
-        .run(rx, shutdown_rx),
-    );
+    let task = tokio::spawn(Task::new(client, config, metrics.clone()).run(rx, shutdown_rx));
     (
         Handle { tx, metrics },
         Forwarder {
@@ -148,103 +171,364 @@ pub fn spawn(client: Client, config: Config) -> (Handle, Forwarder) {
 
 fn count_drop(metrics: &Metrics, report: &pb::Report, reason: DropReason) {
     match report {
-        pb::Report::Update(u) => metrics.drop_prefixes(reason, u.prefixes.len() as u64),
+        pb::Report::Update(u) | pb::Report::New(u) => {
+            metrics.drop_prefixes(reason, u.prefixes.len() as u64)
+        }
         pb::Report::Event(_) => metrics.drop_events(reason, 1),
     }
 }
 
-/// Pending adds for one flush, merged by (group, key, tier).
+// ---------------------------------------------------------------------------------------------
+// Interning: identities and adapters are stored once, work refers to them by number.
+
+/// Values stored once and referred to by index. Emptied when the forwarder is idle.
 #[derive(Debug)]
-struct Adds {
-    /// One update per identity and adapter.
-    groups: Vec<pb::CacheStateUpdate>,
-    index: HashMap<(usize, Vec<u8>, i32), usize>,
-    entries: usize,
-    opened: Instant,
-    /// No more merging: an event is queued behind it, or it was sent at least once.
-    sealed: bool,
+struct Interner<T> {
+    values: Vec<T>,
+    index: HashMap<T, u32>,
 }
 
-#[derive(Debug)]
-enum Op {
-    Adds(Adds),
-    Event(pb::CacheEvent),
+impl<T: Clone + Eq + std::hash::Hash> Interner<T> {
+    fn new() -> Self {
+        Self {
+            values: Vec::new(),
+            index: HashMap::new(),
+        }
+    }
+
+    fn id(&mut self, value: &T) -> u32 {
+        if let Some(&id) = self.index.get(value) {
+            return id;
+        }
+        let id = self.values.len() as u32;
+        self.values.push(value.clone());
+        self.index.insert(value.clone(), id);
+        id
+    }
+
+    fn get(&self, id: u32) -> &T {
+        &self.values[id as usize]
+    }
+
+    fn clear(&mut self) {
+        self.values.clear();
+        self.index.clear();
+    }
 }
 
-impl Op {
-    fn size(&self) -> usize {
+/// Who a message is about: replica, model, tenant.
+type Scope = (String, String, String);
+/// How adds are reported: scope, hash scheme, update-level adapter.
+type Group = (u32, String, String);
+
+/// A prefix hash, inline up to 16 bytes (engine ints, fingerprints, xxhash digests).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Prefix {
+    Inline(u8, [u8; 16]),
+    Heap(Box<[u8]>),
+}
+
+impl Prefix {
+    fn new(bytes: &[u8]) -> Self {
+        if bytes.len() <= 16 {
+            let mut b = [0; 16];
+            b[..bytes.len()].copy_from_slice(bytes);
+            Self::Inline(bytes.len() as u8, b)
+        } else {
+            Self::Heap(bytes.into())
+        }
+    }
+
+    fn to_vec(&self) -> Vec<u8> {
         match self {
-            Op::Adds(a) => a.entries,
-            Op::Event(_) => 1,
+            Self::Inline(n, b) => b[..*n as usize].to_vec(),
+            Self::Heap(b) => b.to_vec(),
         }
     }
 }
 
-fn same_group(a: &pb::CacheStateUpdate, b: &pb::CacheStateUpdate) -> bool {
-    a.replica_id == b.replica_id
-        && a.model_id == b.model_id
-        && a.tenant_id == b.tenant_id
-        && a.hash_scheme == b.hash_scheme
-        && a.adapter_id == b.adapter_id
+/// What work on one prefix is keyed by: the add of one adapter conflicts with its eviction.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Key {
+    scope: u32,
+    adapter: u32,
+    prefix: Prefix,
 }
 
-type Call = Pin<Box<dyn Future<Output = Result<pb::Ack, tonic::Status>> + Send>>;
+// ---------------------------------------------------------------------------------------------
+// Windows
+
+/// The rarely used parts of a prefix entry, kept out of line.
+#[derive(Debug, Clone, PartialEq)]
+struct Extra {
+    block_hashes: Vec<Vec<u8>>,
+    block_token_counts: Vec<i32>,
+}
+
+#[derive(Debug)]
+enum Op {
+    /// Cancelled, superseded or shed.
+    Gone,
+    Add {
+        key: Key,
+        group: u32,
+        /// The entry's own `adapter_id` ("" when it leaves it to the update).
+        entry_adapter: u32,
+        tier: i32,
+        token_count: i32,
+        timestamp_us: i64,
+        /// An eviction of the prefix is queued before it: sent after the evictions.
+        after_evict: bool,
+        extra: Option<Box<Extra>>,
+    },
+    Evict {
+        key: Key,
+        timestamp_us: i64,
+    },
+}
+
+/// The queued work of one prefix in a window (sequence numbers of its ops).
+#[derive(Debug, Default)]
+struct KeyOps {
+    evict: Option<u64>,
+    /// By tier (`CacheTier` value 0–3).
+    adds: [Option<u64>; 4],
+    /// The first of the queued adds was a [`pb::Report::New`].
+    first_add_new: bool,
+}
+
+impl KeyOps {
+    fn has_adds(&self) -> bool {
+        self.adds.iter().any(Option::is_some)
+    }
+}
+
+#[derive(Debug)]
+struct Window {
+    opened: Instant,
+    /// No more work merges into it: a barrier is queued behind it, or it is in flight.
+    sealed: bool,
+    ops: VecDeque<Op>,
+    /// Sequence number of `ops[0]`.
+    first_seq: u64,
+    keys: HashMap<Key, KeyOps>,
+    /// Stats-only (or empty) updates: the latest per group.
+    stats: Vec<(u32, Option<pb::ReplicaStats>, i64)>,
+    /// Live prefix entries and evictions.
+    live: usize,
+}
+
+impl Window {
+    fn new() -> Self {
+        Self {
+            opened: Instant::now(),
+            sealed: false,
+            ops: VecDeque::new(),
+            first_seq: 0,
+            keys: HashMap::new(),
+            stats: Vec::new(),
+            live: 0,
+        }
+    }
+
+    fn op_mut(&mut self, seq: u64) -> Option<&mut Op> {
+        let i = seq.checked_sub(self.first_seq)?;
+        self.ops.get_mut(i as usize)
+    }
+
+    fn push(&mut self, op: Op) -> u64 {
+        let seq = self.first_seq + self.ops.len() as u64;
+        self.ops.push_back(op);
+        self.live += 1;
+        seq
+    }
+
+    /// Marks the op at `seq` gone; true when it was live.
+    fn cancel(&mut self, seq: u64) -> bool {
+        match self.op_mut(seq) {
+            Some(op) if !matches!(op, Op::Gone) => {
+                *op = Op::Gone;
+                self.live -= 1;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    fn entries(&self) -> (u64, u64) {
+        let mut adds = 0;
+        let mut evicts = 0;
+        for op in &self.ops {
+            match op {
+                Op::Add { .. } => adds += 1,
+                Op::Evict { .. } => evicts += 1,
+                Op::Gone => {}
+            }
+        }
+        (adds, evicts)
+    }
+}
+
+#[derive(Debug)]
+enum Stage {
+    Window(Window),
+    /// A clear or another event that orders everything around it.
+    Barrier(pb::CacheEvent),
+}
+
+impl Stage {
+    fn size(&self) -> usize {
+        match self {
+            Stage::Window(w) => w.live,
+            Stage::Barrier(_) => 1,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Flight: the front stage on the wire
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CallId {
+    /// An eviction: the op's sequence number.
+    Evict(u64),
+    /// The adds without a queued eviction of their prefix (0), or after one (1).
+    Adds(u8),
+    Barrier,
+}
+
+#[derive(Debug, Default)]
+struct Flight {
+    /// Evictions not started yet (sequence numbers), oldest first; retries go to the front.
+    evicts: VecDeque<u64>,
+    /// Calls started and not finished.
+    running: usize,
+    /// Evictions not yet settled (acknowledged, refused or given up).
+    evicts_left: usize,
+    /// Adds streams not started: [without eviction, after eviction].
+    adds_ready: [bool; 2],
+    adds_left: [bool; 2],
+    barrier_ready: bool,
+    barrier_left: bool,
+}
+
+impl Flight {
+    fn done(&self) -> bool {
+        self.running == 0
+            && self.evicts_left == 0
+            && !self.adds_left[0]
+            && !self.adds_left[1]
+            && !self.barrier_left
+    }
+}
+
+type Call = Pin<Box<dyn Future<Output = (CallId, Result<pb::Ack, tonic::Status>)> + Send>>;
+
+/// Counts drops and failures between two log lines, so overload logs once per interval.
+#[derive(Debug, Default)]
+struct LogGate {
+    last: Option<Instant>,
+    dropped_prefixes: [u64; DropReason::ALL.len()],
+    dropped_events: [u64; DropReason::ALL.len()],
+    rpc_failures: u64,
+    last_failure: Option<(tonic::Code, String)>,
+    failing: bool,
+}
 
 struct Task {
     client: Client,
     config: Config,
     metrics: Arc<Metrics>,
-    /// Work in arrival order. The front is in flight when `in_flight` is set.
-    queue: VecDeque<Op>,
-    /// Prefix entries plus events in `queue`.
+    scopes: Interner<Scope>,
+    groups: Interner<Group>,
+    adapters: Interner<String>,
+    stages: VecDeque<Stage>,
+    /// The front stage is on the wire.
+    flight: Option<Flight>,
+    /// Live work in the stages, in flight or not.
     pending: usize,
-    in_flight: bool,
+    log: LogGate,
 }
 
 impl Task {
+    fn new(client: Client, config: Config, metrics: Arc<Metrics>) -> Self {
+        Self {
+            client,
+            config,
+            metrics,
+            scopes: Interner::new(),
+            groups: Interner::new(),
+            adapters: Interner::new(),
+            stages: VecDeque::new(),
+            flight: None,
+            pending: 0,
+            log: LogGate::default(),
+        }
+    }
+
     async fn run(
         mut self,
         mut rx: mpsc::Receiver<pb::Report>,
         mut shutdown: oneshot::Receiver<Duration>,
     ) -> DrainReport {
-        let mut call: Option<Call> = None;
+        let mut calls: FuturesUnordered<Call> = FuturesUnordered::new();
         let mut retry_at: Option<Instant> = None;
         let mut backoff = self.config.backoff_initial;
         let mut drain_by: Option<Instant> = None;
         let mut input_open = true;
+        let mut batch = Vec::with_capacity(256);
         loop {
             let now = Instant::now();
-            if call.is_none() && retry_at.is_none_or(|t| now >= t) {
+            if retry_at.is_some_and(|t| now >= t) {
                 retry_at = None;
-                call = self.next_call(now, drain_by.is_some());
             }
-            if drain_by.is_some() && call.is_none() && self.queue.is_empty() {
-                break;
+            if retry_at.is_none() {
+                self.dispatch(now, drain_by.is_some(), &mut calls);
+            }
+            if self.stages.is_empty() && self.flight.is_none() {
+                if drain_by.is_some() {
+                    break;
+                }
+                // Idle: nothing refers to the interned values any more.
+                if self.scopes.values.len() > 64 {
+                    self.scopes.clear();
+                    self.groups.clear();
+                    self.adapters.clear();
+                }
             }
             if drain_by.is_some_and(|d| now >= d) {
                 break;
             }
-            let wake = [retry_at, self.flush_at(), drain_by]
+            let log_at = self.log_due();
+            let wake = [retry_at, self.flush_at(), drain_by, log_at]
                 .into_iter()
                 .flatten()
                 .min();
             tokio::select! {
-                outcome = async { call.as_mut().expect("guarded").await }, if call.is_some() => {
-                    call = None;
-                    match self.finish(outcome) {
-                        None => backoff = self.config.backoff_initial,
-                        Some(()) => {
-                            retry_at = Some(Instant::now() + backoff);
-                            backoff = (backoff * 2).min(self.config.backoff_max);
-                        }
+                Some((id, outcome)) = calls.next(), if !calls.is_empty() => {
+                    let mut failed = self.finish(id, outcome);
+                    // Settle every call that is already done before dispatching more.
+                    while let Some(Some((id, outcome))) = futures_util::FutureExt::now_or_never(calls.next()) {
+                        failed |= self.finish(id, outcome);
+                    }
+                    if failed {
+                        retry_at = Some(Instant::now() + backoff);
+                        backoff = (backoff * 2).min(self.config.backoff_max);
+                    } else if retry_at.is_none() {
+                        backoff = self.config.backoff_initial;
                     }
                 }
-                report = rx.recv(), if input_open => match report {
-                    Some(report) => self.push(report),
-                    None => {
+                n = rx.recv_many(&mut batch, 256), if input_open => {
+                    if n == 0 {
                         input_open = false;
                         drain_by.get_or_insert(Instant::now() + self.config.drain_timeout);
                         self.seal_all();
+                    } else {
+                        for report in batch.drain(..) {
+                            self.push(report);
+                        }
+                        self.enforce_bound();
+                        self.metrics.queue_depth.store(self.pending as u64, Relaxed);
                     }
                 },
                 deadline = &mut shutdown, if drain_by.is_none() => {
@@ -254,249 +538,632 @@ impl Task {
                     while let Ok(report) = rx.try_recv() {
                         self.push(report);
                     }
+                    self.enforce_bound();
                     input_open = false;
                     self.seal_all();
                     // A retry waiting on backoff goes now: the deadline bounds it.
                     retry_at = None;
                 }
-                () = sleep_until(wake), if wake.is_some() => {}
+                () = sleep_until(wake), if wake.is_some() => {
+                    self.log_now(Instant::now(), false);
+                }
             }
         }
+        drop(calls);
+        self.log_now(Instant::now(), true);
         self.leftovers()
     }
 
-    /// When the open batch at the front becomes due.
+    /// When the open window at the front becomes due.
     fn flush_at(&self) -> Option<Instant> {
-        match self.queue.front() {
-            Some(Op::Adds(a)) if !self.in_flight && !a.sealed => {
-                Some(a.opened + self.config.window)
-            }
+        if self.flight.is_some() {
+            return None;
+        }
+        match self.stages.front() {
+            Some(Stage::Window(w)) if !w.sealed => Some(w.opened + self.config.window),
             _ => None,
         }
     }
 
     fn seal_all(&mut self) {
-        for op in &mut self.queue {
-            if let Op::Adds(a) = op {
-                a.sealed = true;
+        for stage in &mut self.stages {
+            if let Stage::Window(w) = stage {
+                w.sealed = true;
             }
         }
     }
+
+    // --- intake ------------------------------------------------------------------------------
 
     fn push(&mut self, report: pb::Report) {
         match report {
-            pb::Report::Update(update) => self.merge(update),
+            pb::Report::Update(update) => self.add(update, false),
+            pb::Report::New(update) => self.add(update, true),
             pb::Report::Event(event) => {
-                if event.r#type == pb::cache_event::Type::AllCleared as i32 {
-                    self.supersede(&event.replica_id);
-                }
-                if let Some(Op::Adds(a)) = self.queue.back_mut() {
-                    a.sealed = true;
-                }
-                self.queue.push_back(Op::Event(event));
-                self.pending += 1;
-            }
-        }
-        self.enforce_bound();
-        self.metrics.queue_depth.store(self.pending as u64, Relaxed);
-    }
-
-    fn merge(&mut self, mut update: pb::CacheStateUpdate) {
-        // The front batch is sealed when sent, so an open batch is never in flight.
-        if !matches!(self.queue.back(), Some(Op::Adds(a)) if !a.sealed) {
-            self.queue.push_back(Op::Adds(Adds {
-                groups: Vec::new(),
-                index: HashMap::new(),
-                entries: 0,
-                opened: Instant::now(),
-                sealed: false,
-            }));
-        }
-        let Some(Op::Adds(adds)) = self.queue.back_mut() else {
-            return;
-        };
-        let g = match adds.groups.iter().position(|g| same_group(g, &update)) {
-            Some(g) => g,
-            None => {
-                let mut group = update.clone();
-                group.prefixes.clear();
-                group.stats = None;
-                adds.groups.push(group);
-                adds.groups.len() - 1
-            }
-        };
-        let group = &mut adds.groups[g];
-        group.timestamp_us = group.timestamp_us.max(update.timestamp_us);
-        if update.stats.is_some() {
-            group.stats = update.stats.take();
-        }
-        for entry in update.prefixes {
-            let key = (g, entry.prefix_hash.clone(), entry.tier);
-            match adds.index.get(&key) {
-                Some(&i) => {
-                    group.prefixes[i] = entry;
-                    self.metrics.coalesced.fetch_add(1, Relaxed);
-                }
-                None => {
-                    adds.index.insert(key, group.prefixes.len());
-                    group.prefixes.push(entry);
-                    adds.entries += 1;
+                let kind = event.r#type;
+                if kind == pb::cache_event::Type::PrefixEvicted as i32 {
+                    self.evict(event);
+                } else {
+                    if kind == pb::cache_event::Type::AllCleared as i32 {
+                        self.supersede(&event.replica_id);
+                    }
+                    if let Some(Stage::Window(w)) = self.stages.back_mut() {
+                        w.sealed = true;
+                    }
+                    self.stages.push_back(Stage::Barrier(event));
                     self.pending += 1;
                 }
             }
         }
     }
 
-    /// A clear for `replica` makes every queued, not in-flight add and event of it moot.
-    fn supersede(&mut self, replica: &str) {
-        let skip = usize::from(self.in_flight);
-        let mut superseded = 0;
-        let mut kept = VecDeque::with_capacity(self.queue.len());
-        for (i, mut op) in self.queue.drain(..).enumerate() {
-            if i < skip {
-                kept.push_back(op);
+    /// The open window at the back, made if needed.
+    fn open_window(&mut self) -> &mut Window {
+        if !matches!(self.stages.back(), Some(Stage::Window(w)) if !w.sealed) {
+            self.stages.push_back(Stage::Window(Window::new()));
+        }
+        match self.stages.back_mut() {
+            Some(Stage::Window(w)) => w,
+            _ => unreachable!("a window was just pushed"),
+        }
+    }
+
+    fn add(&mut self, mut update: pb::CacheStateUpdate, new: bool) {
+        let scope = self.scopes.id(&(
+            std::mem::take(&mut update.replica_id),
+            std::mem::take(&mut update.model_id),
+            std::mem::take(&mut update.tenant_id),
+        ));
+        let group = self.groups.id(&(
+            scope,
+            std::mem::take(&mut update.hash_scheme),
+            update.adapter_id.clone(),
+        ));
+        let update_adapter = self.adapters.id(&update.adapter_id);
+        let entries: Vec<(Key, u32, pb::PrefixEntry)> = update
+            .prefixes
+            .into_iter()
+            .map(|mut p| {
+                let entry_adapter = self.adapters.id(&p.adapter_id);
+                let adapter = if p.adapter_id.is_empty() {
+                    update_adapter
+                } else {
+                    entry_adapter
+                };
+                let key = Key {
+                    scope,
+                    adapter,
+                    prefix: Prefix::new(&std::mem::take(&mut p.prefix_hash)),
+                };
+                (key, entry_adapter, p)
+            })
+            .collect();
+        let ts = update.timestamp_us;
+        let w = self.open_window();
+        if entries.is_empty() {
+            match w.stats.iter_mut().find(|(g, _, _)| *g == group) {
+                Some(slot) => *slot = (group, update.stats, ts),
+                None => w.stats.push((group, update.stats, ts)),
+            }
+            return;
+        }
+        let mut added = 0;
+        let mut coalesced = 0;
+        for (key, entry_adapter, p) in entries {
+            let tier = p.tier.clamp(0, 3);
+            let extra =
+                (!p.block_hashes.is_empty() || !p.block_token_counts.is_empty()).then(|| {
+                    Box::new(Extra {
+                        block_hashes: p.block_hashes,
+                        block_token_counts: p.block_token_counts,
+                    })
+                });
+            let ko = w.keys.entry(key.clone()).or_default();
+            let after_evict = ko.evict.is_some();
+            let existing = ko.adds[tier as usize];
+            let seq = w.first_seq + w.ops.len() as u64;
+            if existing.is_none() {
+                if !ko.has_adds() {
+                    ko.first_add_new = new;
+                }
+                ko.adds[tier as usize] = Some(seq);
+            }
+            if let Some(Op::Add {
+                group: g,
+                entry_adapter: ea,
+                token_count,
+                timestamp_us,
+                extra: x,
+                ..
+            }) = existing.and_then(|seq| w.op_mut(seq))
+            {
+                *g = group;
+                *ea = entry_adapter;
+                *token_count = p.token_count;
+                *timestamp_us = ts;
+                *x = extra;
+                coalesced += 1;
                 continue;
             }
-            match &mut op {
-                Op::Event(e) if e.replica_id == replica => {
+            w.push(Op::Add {
+                key,
+                group,
+                entry_adapter,
+                tier,
+                token_count: p.token_count,
+                timestamp_us: ts,
+                after_evict,
+                extra,
+            });
+            added += 1;
+        }
+        self.pending += added;
+        self.metrics.coalesced.fetch_add(coalesced, Relaxed);
+    }
+
+    fn evict(&mut self, event: pb::CacheEvent) {
+        let scope = self
+            .scopes
+            .id(&(event.replica_id, event.model_id, event.tenant_id));
+        let adapter = self.adapters.id(&event.adapter_id);
+        let key = Key {
+            scope,
+            adapter,
+            prefix: Prefix::new(&event.prefix_hash),
+        };
+        let ts = event.timestamp_us;
+        let w = self.open_window();
+        let ko = w.keys.entry(key.clone()).or_default();
+        let adds: Vec<u64> = ko.adds.iter_mut().filter_map(Option::take).collect();
+        let earlier_evict = ko.evict.is_some();
+        let first_new = ko.first_add_new;
+        // The queued adds of the prefix are moot: it is evicted after them.
+        let mut cancelled = 0;
+        for seq in adds.iter().copied() {
+            cancelled += u64::from(w.cancel(seq));
+        }
+        let removed = cancelled as usize;
+        // The server does not hold the prefix if an eviction of it is queued already, or if
+        // the first queued add was its first report: then this eviction is moot too.
+        let moot = earlier_evict || (!adds.is_empty() && first_new);
+        if moot {
+            cancelled += 1;
+            if !earlier_evict {
+                w.keys.remove(&key);
+            }
+            self.pending -= removed;
+        } else {
+            let seq = w.push(Op::Evict {
+                key: key.clone(),
+                timestamp_us: ts,
+            });
+            if let Some(ko) = w.keys.get_mut(&key) {
+                ko.evict = Some(seq);
+            }
+            self.pending = self.pending - removed + 1;
+        }
+        self.metrics.cancelled.fetch_add(cancelled, Relaxed);
+    }
+
+    /// A clear for `replica` makes every queued, not in-flight add and event of it moot.
+    fn supersede(&mut self, replica: &str) {
+        let skip = usize::from(self.flight.is_some());
+        let scopes: Vec<u32> = (0..self.scopes.values.len() as u32)
+            .filter(|&s| self.scopes.get(s).0 == replica)
+            .collect();
+        let mut superseded = 0;
+        let groups = &self.groups;
+        let mut kept = VecDeque::with_capacity(self.stages.len());
+        for (i, mut stage) in self.stages.drain(..).enumerate() {
+            if i < skip {
+                kept.push_back(stage);
+                continue;
+            }
+            match &mut stage {
+                Stage::Barrier(e) if e.replica_id == replica => {
                     superseded += 1;
                     continue;
                 }
-                Op::Adds(a) => {
-                    let before = a.entries;
-                    a.groups.retain(|g| g.replica_id != replica);
-                    a.entries = a.groups.iter().map(|g| g.prefixes.len()).sum();
-                    superseded += before - a.entries;
-                    if a.groups.is_empty() {
+                Stage::Barrier(_) => {}
+                Stage::Window(w) => {
+                    for op in w.ops.iter_mut() {
+                        let mine = match op {
+                            Op::Add { key, .. } | Op::Evict { key, .. } => {
+                                scopes.contains(&key.scope)
+                            }
+                            Op::Gone => false,
+                        };
+                        if mine {
+                            *op = Op::Gone;
+                            w.live -= 1;
+                            superseded += 1;
+                        }
+                    }
+                    w.keys.retain(|k, _| !scopes.contains(&k.scope));
+                    w.stats
+                        .retain(|(g, _, _)| !scopes.contains(&groups.get(*g).0));
+                    if w.live == 0 && w.stats.is_empty() {
                         continue;
                     }
-                    if a.entries != before {
-                        // Group indices shifted: rebuild the merge index.
-                        a.index = a
-                            .groups
-                            .iter()
-                            .enumerate()
-                            .flat_map(|(g, u)| {
-                                u.prefixes
-                                    .iter()
-                                    .enumerate()
-                                    .map(move |(i, p)| ((g, p.prefix_hash.clone(), p.tier), i))
-                            })
-                            .collect();
-                    }
                 }
-                Op::Event(_) => {}
             }
-            kept.push_back(op);
+            kept.push_back(stage);
         }
-        self.queue = kept;
+        self.stages = kept;
         self.pending -= superseded;
         self.metrics
             .superseded_by_clear
             .fetch_add(superseded as u64, Relaxed);
     }
 
-    /// Drops the oldest work that is not in flight until the bound holds.
+    /// Sheds the oldest queued work (never what is in flight, never a barrier) until the
+    /// bound holds for what waits behind the flight.
     fn enforce_bound(&mut self) {
-        let skip = usize::from(self.in_flight);
-        while self.pending > self.config.max_pending && self.queue.len() > skip {
-            let Some(op) = self.queue.remove(skip) else {
-                break;
+        let skip = usize::from(self.flight.is_some());
+        let in_flight: usize = self.stages.iter().take(skip).map(Stage::size).sum();
+        let mut queued = self.pending - in_flight;
+        if queued <= self.config.max_pending {
+            return;
+        }
+        let mut shed = [0u64; 2];
+        for stage in self.stages.iter_mut().skip(skip) {
+            let Stage::Window(w) = stage else {
+                continue;
             };
-            self.pending -= op.size();
-            match &op {
-                Op::Adds(a) => self
-                    .metrics
-                    .drop_prefixes(DropReason::Overflow, a.entries as u64),
-                Op::Event(_) => self.metrics.drop_events(DropReason::Overflow, 1),
+            while queued > self.config.max_pending {
+                let Some(op) = w.ops.pop_front() else {
+                    break;
+                };
+                let seq = w.first_seq;
+                w.first_seq += 1;
+                let (key, is_add) = match op {
+                    Op::Gone => continue,
+                    Op::Add { key, .. } => (key, true),
+                    Op::Evict { key, .. } => (key, false),
+                };
+                w.live -= 1;
+                queued -= 1;
+                shed[usize::from(!is_add)] += 1;
+                if let Some(ko) = w.keys.get_mut(&key) {
+                    if ko.evict == Some(seq) {
+                        ko.evict = None;
+                    }
+                    for a in &mut ko.adds {
+                        if *a == Some(seq) {
+                            *a = None;
+                        }
+                    }
+                    if ko.evict.is_none() && !ko.has_adds() {
+                        w.keys.remove(&key);
+                    }
+                }
             }
-            tracing::warn!(
-                dropped = op.size(),
-                bound = self.config.max_pending,
-                "pending reports over their bound: dropped the oldest"
-            );
+            if queued <= self.config.max_pending {
+                break;
+            }
+        }
+        self.stages.retain(
+            |s| !matches!(s, Stage::Window(w) if w.live == 0 && w.stats.is_empty() && w.sealed),
+        );
+        self.pending -= (shed[0] + shed[1]) as usize;
+        self.dropped(DropReason::Overflow, shed[0], shed[1]);
+    }
+
+    // --- sending -----------------------------------------------------------------------------
+
+    /// Starts what the front stage may start now.
+    fn dispatch(&mut self, now: Instant, draining: bool, calls: &mut FuturesUnordered<Call>) {
+        if self.flight.is_none() {
+            let window = self.config.window;
+            let Some(front) = self.stages.front_mut() else {
+                return;
+            };
+            let flight = match front {
+                Stage::Window(w) => {
+                    if !(w.sealed || draining || now >= w.opened + window) {
+                        return;
+                    }
+                    w.sealed = true;
+                    // Nothing merges into it any more: the index is not needed.
+                    w.keys = HashMap::new();
+                    let mut f = Flight::default();
+                    let mut adds = [false; 2];
+                    for (i, op) in w.ops.iter().enumerate() {
+                        match op {
+                            Op::Evict { .. } => f.evicts.push_back(w.first_seq + i as u64),
+                            Op::Add { after_evict, .. } => adds[usize::from(*after_evict)] = true,
+                            Op::Gone => {}
+                        }
+                    }
+                    adds[0] |= !w.stats.is_empty();
+                    f.evicts_left = f.evicts.len();
+                    f.adds_ready = adds;
+                    f.adds_left = adds;
+                    f
+                }
+                Stage::Barrier(_) => Flight {
+                    barrier_ready: true,
+                    barrier_left: true,
+                    ..Flight::default()
+                },
+            };
+            self.flight = Some(flight);
+        }
+        let Some(flight) = self.flight.as_mut() else {
+            return;
+        };
+        let Some(stage) = self.stages.front() else {
+            return;
+        };
+        let max = self.config.max_in_flight.max(1);
+        match stage {
+            Stage::Barrier(event) => {
+                if flight.barrier_ready {
+                    flight.barrier_ready = false;
+                    flight.running += 1;
+                    let client = self.client.clone();
+                    let event = event.clone();
+                    calls.push(Box::pin(async move {
+                        (CallId::Barrier, client.publish(event).await)
+                    }));
+                }
+            }
+            Stage::Window(w) => {
+                if flight.adds_ready[0] && flight.running < max {
+                    flight.adds_ready[0] = false;
+                    flight.running += 1;
+                    let updates =
+                        build_updates(w, false, &self.scopes, &self.groups, &self.adapters);
+                    let client = self.client.clone();
+                    calls.push(Box::pin(async move {
+                        (CallId::Adds(0), client.report(updates).await)
+                    }));
+                }
+                while flight.running < max {
+                    let Some(seq) = flight.evicts.pop_front() else {
+                        break;
+                    };
+                    let i = (seq - w.first_seq) as usize;
+                    let Some(Op::Evict { key, timestamp_us }) = w.ops.get(i) else {
+                        continue;
+                    };
+                    let (replica_id, model_id, tenant_id) = self.scopes.get(key.scope).clone();
+                    let event = pb::CacheEvent {
+                        r#type: pb::cache_event::Type::PrefixEvicted as i32,
+                        replica_id,
+                        model_id,
+                        tenant_id,
+                        prefix_hash: key.prefix.to_vec(),
+                        timestamp_us: *timestamp_us,
+                        adapter_id: self.adapters.get(key.adapter).clone(),
+                    };
+                    flight.running += 1;
+                    let client = self.client.clone();
+                    calls.push(Box::pin(async move {
+                        (CallId::Evict(seq), client.publish(event).await)
+                    }));
+                }
+                if flight.adds_ready[1] && flight.evicts_left == 0 && flight.running < max {
+                    flight.adds_ready[1] = false;
+                    flight.running += 1;
+                    let updates =
+                        build_updates(w, true, &self.scopes, &self.groups, &self.adapters);
+                    let client = self.client.clone();
+                    calls.push(Box::pin(async move {
+                        (CallId::Adds(1), client.report(updates).await)
+                    }));
+                }
+            }
         }
     }
 
-    /// The RPC for the front of the queue, if it is due.
-    fn next_call(&mut self, now: Instant, draining: bool) -> Option<Call> {
-        let window = self.config.window;
-        let client = self.client.clone();
-        let call: Call = match self.queue.front_mut()? {
-            Op::Adds(a) => {
-                if !(a.sealed || draining || now >= a.opened + window) {
-                    return None;
-                }
-                a.sealed = true;
-                let updates = a.groups.clone();
-                Box::pin(async move { client.report(updates).await })
-            }
-            Op::Event(e) => {
-                let event = e.clone();
-                Box::pin(async move { client.publish(event).await })
-            }
+    /// Settles one call. True when it failed in a way worth retrying (it was put back).
+    fn finish(&mut self, id: CallId, outcome: Result<pb::Ack, tonic::Status>) -> bool {
+        let Some(flight) = self.flight.as_mut() else {
+            return false;
         };
-        self.in_flight = true;
-        Some(call)
-    }
-
-    /// Settles the front after its RPC. `Some(())` means: keep it and retry after a backoff.
-    fn finish(&mut self, outcome: Result<pb::Ack, tonic::Status>) -> Option<()> {
-        self.in_flight = false;
+        flight.running -= 1;
         let result = match outcome {
             Ok(ack) if ack.accepted => Ok(()),
             Ok(ack) => {
-                tracing::warn!(reason = %ack.reason_code, "server did not accept a report");
+                self.log.last_failure = Some((
+                    tonic::Code::Ok,
+                    format!("not accepted: {}", ack.reason_code),
+                ));
                 Err(DropReason::Rejected)
             }
             Err(status) => {
                 self.metrics.rpc_error(status.code());
+                self.log.rpc_failures += 1;
+                self.log.last_failure = Some((status.code(), status.message().to_owned()));
                 match classify(&status) {
                     Retry::Retry => {
-                        tracing::debug!(code = ?status.code(), message = status.message(), "rpc failed; will retry");
-                        return Some(());
+                        match id {
+                            CallId::Evict(seq) => flight.evicts.push_front(seq),
+                            CallId::Adds(i) => flight.adds_ready[usize::from(i)] = true,
+                            CallId::Barrier => flight.barrier_ready = true,
+                        }
+                        if !self.log.failing {
+                            self.log.failing = true;
+                            self.log_now(Instant::now(), true);
+                        }
+                        return true;
                     }
-                    Retry::GiveUp => {
-                        tracing::warn!(code = ?status.code(), message = status.message(), "rpc failed for good; dropped");
-                        Err(DropReason::GaveUp)
-                    }
+                    Retry::GiveUp => Err(DropReason::GaveUp),
                 }
             }
         };
-        let op = self.queue.pop_front()?;
-        self.pending -= op.size();
-        self.metrics.queue_depth.store(self.pending as u64, Relaxed);
-        match (result, &op) {
-            (Ok(()), Op::Adds(a)) => {
-                self.metrics.success_now();
-                self.metrics.report_calls.fetch_add(1, Relaxed);
-                self.metrics
-                    .updates_sent
-                    .fetch_add(a.groups.len() as u64, Relaxed);
-                self.metrics
-                    .prefixes_sent
-                    .fetch_add(a.entries as u64, Relaxed);
-            }
-            (Ok(()), Op::Event(e)) => {
-                self.metrics.success_now();
-                if e.r#type == pb::cache_event::Type::AllCleared as i32 {
-                    self.metrics.clears_sent.fetch_add(1, Relaxed);
-                } else {
-                    self.metrics.evictions_sent.fetch_add(1, Relaxed);
+        if result.is_ok() && self.log.failing {
+            self.log.failing = false;
+            tracing::info!("server accepting reports again");
+        }
+        let Some(stage) = self.stages.front_mut() else {
+            return false;
+        };
+        let mut settled = 0;
+        match (id, stage) {
+            (CallId::Evict(seq), Stage::Window(w)) => {
+                flight.evicts_left -= 1;
+                settled += usize::from(w.cancel(seq));
+                match result {
+                    Ok(()) => {
+                        self.metrics.success_now();
+                        self.metrics.evictions_sent.fetch_add(1, Relaxed);
+                    }
+                    Err(reason) => self.dropped(reason, 0, 1),
                 }
             }
-            (Err(reason), Op::Adds(a)) => self.metrics.drop_prefixes(reason, a.entries as u64),
-            (Err(reason), Op::Event(_)) => self.metrics.drop_events(reason, 1),
+            (CallId::Adds(i), Stage::Window(w)) => {
+                flight.adds_left[usize::from(i)] = false;
+                let after = i == 1;
+                let updates = count_updates(w, after);
+                let mut entries = 0;
+                for op in w.ops.iter_mut() {
+                    if matches!(op, Op::Add { after_evict, .. } if *after_evict == after) {
+                        *op = Op::Gone;
+                        entries += 1;
+                    }
+                }
+                w.live -= entries;
+                settled += entries;
+                if !after {
+                    w.stats.clear();
+                }
+                match result {
+                    Ok(()) => {
+                        self.metrics.success_now();
+                        self.metrics.report_calls.fetch_add(1, Relaxed);
+                        self.metrics.updates_sent.fetch_add(updates, Relaxed);
+                        self.metrics
+                            .prefixes_sent
+                            .fetch_add(entries as u64, Relaxed);
+                    }
+                    Err(reason) => self.dropped(reason, entries as u64, 0),
+                }
+            }
+            (CallId::Barrier, Stage::Barrier(e)) => {
+                flight.barrier_left = false;
+                settled += 1;
+                let clear = e.r#type == pb::cache_event::Type::AllCleared as i32;
+                match result {
+                    Ok(()) => {
+                        self.metrics.success_now();
+                        if clear {
+                            self.metrics.clears_sent.fetch_add(1, Relaxed);
+                        } else {
+                            self.metrics.evictions_sent.fetch_add(1, Relaxed);
+                        }
+                    }
+                    Err(reason) => self.dropped(reason, 0, 1),
+                }
+            }
+            _ => {}
         }
-        None
+        self.pending -= settled;
+        if self.flight.as_ref().is_some_and(Flight::done) {
+            self.flight = None;
+            self.stages.pop_front();
+        }
+        self.metrics.queue_depth.store(self.pending as u64, Relaxed);
+        false
+    }
+
+    // --- logging and leftovers ---------------------------------------------------------------
+
+    fn dropped(&mut self, reason: DropReason, prefixes: u64, events: u64) {
+        if prefixes + events == 0 {
+            return;
+        }
+        self.metrics.drop_prefixes(reason, prefixes);
+        self.metrics.drop_events(reason, events);
+        let i = DropReason::ALL
+            .iter()
+            .position(|r| *r == reason)
+            .unwrap_or_default();
+        self.log.dropped_prefixes[i] += prefixes;
+        self.log.dropped_events[i] += events;
+        if self.log.last.is_none() {
+            self.log_now(Instant::now(), true);
+        }
+    }
+
+    /// When the held-back log line is due, if there is one.
+    fn log_due(&self) -> Option<Instant> {
+        let pending = self
+            .log
+            .dropped_prefixes
+            .iter()
+            .chain(&self.log.dropped_events)
+            .any(|n| *n > 0)
+            || (self.log.failing && self.log.rpc_failures > 0);
+        match (pending, self.log.last) {
+            (true, Some(last)) => Some(last + self.config.log_interval),
+            (true, None) => Some(Instant::now()),
+            _ => None,
+        }
+    }
+
+    /// Logs what was dropped and what failed since the last line, at most once per interval
+    /// unless `force`d.
+    fn log_now(&mut self, now: Instant, force: bool) {
+        if !force
+            && self
+                .log
+                .last
+                .is_some_and(|l| now < l + self.config.log_interval)
+        {
+            return;
+        }
+        let g = &mut self.log;
+        let mut wrote = false;
+        for (i, reason) in DropReason::ALL.iter().enumerate() {
+            let (p, e) = (g.dropped_prefixes[i], g.dropped_events[i]);
+            if p + e > 0 {
+                tracing::warn!(
+                    reason = reason.as_str(),
+                    prefixes = p,
+                    events = e,
+                    pending = self.pending,
+                    bound = self.config.max_pending,
+                    "reports dropped (counted in kvevent_dropped_total; logged at most once per {:?})",
+                    self.config.log_interval
+                );
+                wrote = true;
+            }
+        }
+        g.dropped_prefixes = Default::default();
+        g.dropped_events = Default::default();
+        if g.rpc_failures > 0 && g.failing {
+            let (code, message) = g
+                .last_failure
+                .clone()
+                .unwrap_or((tonic::Code::Unknown, String::new()));
+            tracing::warn!(
+                server = %self.client.address(),
+                code = ?code,
+                message = %message,
+                failures = g.rpc_failures,
+                "rpcs to the server failing; keeping the work and retrying"
+            );
+            g.rpc_failures = 0;
+            wrote = true;
+        }
+        if wrote {
+            g.last = Some(now);
+        }
     }
 
     fn leftovers(&mut self) -> DrainReport {
         let mut report = DrainReport::default();
-        for op in self.queue.drain(..) {
-            match op {
-                Op::Adds(a) => report.unsent_prefixes += a.entries as u64,
-                Op::Event(_) => report.unsent_events += 1,
+        self.flight = None;
+        for stage in self.stages.drain(..) {
+            match stage {
+                Stage::Window(w) => {
+                    let (adds, evicts) = w.entries();
+                    report.unsent_prefixes += adds;
+                    report.unsent_events += evicts;
+                }
+                Stage::Barrier(_) => report.unsent_events += 1,
             }
         }
         self.metrics
@@ -516,6 +1183,101 @@ impl Task {
         }
         report
     }
+}
+
+/// The `CacheStateUpdate`s of a window's adds (those after an eviction of their prefix, or the
+/// others), one per (group, timestamp), at most [`MAX_ENTRIES_PER_UPDATE`] entries each, in the
+/// order their first entry arrived; the stats-only updates go with the first stream.
+fn build_updates(
+    w: &Window,
+    after: bool,
+    scopes: &Interner<Scope>,
+    groups: &Interner<Group>,
+    adapters: &Interner<String>,
+) -> Vec<pb::CacheStateUpdate> {
+    let mut out: Vec<pb::CacheStateUpdate> = Vec::new();
+    let mut open: HashMap<(u32, i64), usize> = HashMap::new();
+    let header = |group: u32, ts: i64| {
+        let (scope, scheme, adapter) = groups.get(group);
+        let (replica, model, tenant) = scopes.get(*scope);
+        pb::CacheStateUpdate {
+            replica_id: replica.clone(),
+            model_id: model.clone(),
+            tenant_id: tenant.clone(),
+            hash_scheme: scheme.clone(),
+            timestamp_us: ts,
+            adapter_id: adapter.clone(),
+            ..Default::default()
+        }
+    };
+    for op in &w.ops {
+        let Op::Add {
+            key,
+            group,
+            entry_adapter,
+            tier,
+            token_count,
+            timestamp_us,
+            after_evict,
+            extra,
+        } = op
+        else {
+            continue;
+        };
+        if *after_evict != after {
+            continue;
+        }
+        let slot = match open.get(&(*group, *timestamp_us)) {
+            Some(&i) if out[i].prefixes.len() < MAX_ENTRIES_PER_UPDATE => i,
+            _ => {
+                out.push(header(*group, *timestamp_us));
+                open.insert((*group, *timestamp_us), out.len() - 1);
+                out.len() - 1
+            }
+        };
+        let (block_hashes, block_token_counts) = match extra {
+            Some(x) => (x.block_hashes.clone(), x.block_token_counts.clone()),
+            None => (Vec::new(), Vec::new()),
+        };
+        out[slot].prefixes.push(pb::PrefixEntry {
+            prefix_hash: key.prefix.to_vec(),
+            token_count: *token_count,
+            block_hashes,
+            block_token_counts,
+            tier: *tier,
+            adapter_id: adapters.get(*entry_adapter).clone(),
+        });
+    }
+    if !after {
+        for (group, stats, ts) in &w.stats {
+            let mut u = header(*group, *ts);
+            u.stats = stats.clone();
+            out.push(u);
+        }
+    }
+    out
+}
+
+/// How many updates [`build_updates`] made, for the counters.
+fn count_updates(w: &Window, after: bool) -> u64 {
+    let mut runs: HashMap<(u32, i64), usize> = HashMap::new();
+    for op in &w.ops {
+        if let Op::Add {
+            group,
+            timestamp_us,
+            after_evict,
+            ..
+        } = op
+            && *after_evict == after
+        {
+            *runs.entry((*group, *timestamp_us)).or_default() += 1;
+        }
+    }
+    let n: usize = runs
+        .values()
+        .map(|n| n.div_ceil(MAX_ENTRIES_PER_UPDATE))
+        .sum();
+    (n + if after { 0 } else { w.stats.len() }) as u64
 }
 
 async fn sleep_until(at: Option<Instant>) {

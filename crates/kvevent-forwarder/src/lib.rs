@@ -27,7 +27,9 @@ mod forwarder;
 mod metrics;
 
 pub use client::{Client, ClientConfig, Credentials, Retry, classify, connect};
-pub use forwarder::{Closed, Config, DrainReport, Forwarder, Handle, Submit, spawn};
+pub use forwarder::{
+    Closed, Config, DrainReport, Forwarder, Handle, MAX_ENTRIES_PER_UPDATE, Submit, spawn,
+};
 pub use metrics::{DropReason, Metrics};
 
 use kvevent_proto as pb;

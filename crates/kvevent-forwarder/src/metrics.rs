@@ -56,6 +56,9 @@ pub struct Metrics {
     pub superseded_by_clear: AtomicU64,
     /// Prefix entries merged into an already pending identical entry.
     pub coalesced: AtomicU64,
+    /// Adds and evictions not sent because they cancelled out while queued (a prefix stored
+    /// and evicted again before either was sent, or evicted twice).
+    pub cancelled: AtomicU64,
     /// Failed RPCs by gRPC status code (index = `tonic::Code as usize`).
     pub rpc_errors: [AtomicU64; 17],
     /// Prefix entries and events dropped, by [`DropReason`] (index = position in `ALL`).

@@ -25,6 +25,7 @@ use kvevent_fingerprint as fingerprint;
 use kvevent_proto as pb;
 use kvevent_wire as wire;
 
+mod blocks;
 mod identity;
 mod mapper;
 

@@ -1,8 +1,8 @@
 //! The per-source mapper.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
+use crate::blocks::{BlockId, Blocks, Insert, T1, T2, Tracked};
 use crate::{
     Identity, KeyMode, Options, engine_key, fingerprint, fingerprint_key, pb, tier_of, wire,
 };
@@ -42,45 +42,29 @@ pub struct MapperStats {
     pub map_refusals: u64,
 }
 
-/// What is known of one engine block.
-#[derive(Debug, Clone)]
-struct Tracked {
-    /// The key it was reported under; `None` when it could not be keyed.
-    key: Option<Vec<u8>>,
-    /// Its prefix fingerprint (fingerprint mode).
-    prefix: Option<u64>,
-    /// Tokens covered by the prefix up to and including this block.
-    tokens: u32,
-    adapter: Arc<str>,
-    /// Bit set of the tiers holding it: 1 = T1, 2 = T2.
-    tiers: u8,
-}
-
-fn tier_bit(tier: pb::CacheTier) -> u8 {
-    if tier == pb::CacheTier::T1 { 1 } else { 2 }
-}
-
-/// Engine block hash and KV-cache group: the same hash may live in several groups.
-type BlockId = (Vec<u8>, Option<i64>);
-
 /// Maps one engine source's batches to reports. Keep one per (endpoint, DP rank).
 #[derive(Debug)]
 pub struct Mapper {
     identity: Identity,
     options: Options,
     base_adapter: Arc<str>,
-    blocks: HashMap<BlockId, Tracked>,
+    blocks: Blocks,
     stats: MapperStats,
+}
+
+fn tier_bit(tier: pb::CacheTier) -> u8 {
+    if tier == pb::CacheTier::T1 { T1 } else { T2 }
 }
 
 impl Mapper {
     /// A mapper for one source.
     pub fn new(identity: Identity, options: Options) -> Self {
+        let blocks = Blocks::new(options.max_tracked_blocks);
         Self {
             identity,
             options,
             base_adapter: Arc::from(""),
-            blocks: HashMap::new(),
+            blocks,
             stats: MapperStats::default(),
         }
     }
@@ -93,6 +77,11 @@ impl Mapper {
     /// Engine blocks currently tracked for this source.
     pub fn tracked_blocks(&self) -> usize {
         self.blocks.len()
+    }
+
+    /// Bytes held by the tracked-block map (its tables and any long digests).
+    pub fn tracked_bytes(&self) -> usize {
+        self.blocks.heap_bytes()
     }
 
     /// The identity stamped on every report.
@@ -139,6 +128,17 @@ impl Mapper {
         }
     }
 
+    /// The key a tracked block was reported under.
+    fn key_of(&self, id: BlockId<'_>, block: Tracked) -> Option<Vec<u8>> {
+        if !block.keyed() {
+            return None;
+        }
+        match self.options.key_mode {
+            KeyMode::Engine => Some(id.key()),
+            KeyMode::Fingerprint => block.prefix().map(fingerprint_key),
+        }
+    }
+
     fn stored(&mut self, e: &wire::BlockStored<'_>, ts: i64, out: &mut Vec<pb::Report>) {
         self.stats.stored_events += 1;
         if e.block_size == 0 {
@@ -150,10 +150,11 @@ impl Mapper {
             return;
         };
         let tier = tier_of(e.medium.as_ref());
-        let group = e.group_idx;
+        let group = self.blocks.group(e.group_idx);
+        let adapter_id = self.blocks.adapter_id(&adapter);
         let parent = e.parent_block_hash.as_ref().map(|p| {
-            let known = self.blocks.get(&(engine_key(p), group));
-            (known.map(|t| t.tokens), known.map(|t| t.prefix))
+            let known = group.and_then(|g| self.blocks.get(BlockId::new(p, g)));
+            (known.map(Tracked::tokens), known.map(Tracked::prefix))
         });
         let (base_tokens, parent_prefix) = match parent {
             None => (0, None),
@@ -182,49 +183,53 @@ impl Mapper {
                 }
             }
         };
-        let mut update = self.identity.update(ts);
-        update.adapter_id = adapter.to_string();
+        // First reports of a block go as `New` (the forwarder may cancel them against an
+        // eviction that finds them unsent); re-reports of tracked blocks as `Update`.
+        let mut fresh = self.identity.update(ts);
+        fresh.adapter_id = adapter.to_string();
+        let mut again = fresh.clone();
         for (i, (hash, prefix)) in e.block_hashes.iter().zip(prefixes).enumerate() {
             let tokens = base_tokens.saturating_add((i as u32 + 1).saturating_mul(e.block_size));
-            let id = engine_key(hash);
             let key = match self.options.key_mode {
-                KeyMode::Engine => Some(id.clone()),
+                KeyMode::Engine => Some(engine_key(hash)),
                 KeyMode::Fingerprint => prefix.map(fingerprint_key),
             };
-            if let Some(key) = &key {
-                update.prefixes.push(pb::PrefixEntry {
-                    prefix_hash: key.clone(),
+            let inserted = match (group, adapter_id) {
+                (Some(g), Some(a)) => self.blocks.insert(
+                    BlockId::new(hash, g),
+                    Tracked::new(key.is_some(), prefix, tokens, a, tier_bit(tier)),
+                ),
+                _ => Insert::Refused,
+            };
+            if inserted == Insert::Refused {
+                self.stats.map_refusals += 1;
+            }
+            if let Some(key) = key {
+                let entry = pb::PrefixEntry {
+                    prefix_hash: key,
                     token_count: i32::try_from(tokens).unwrap_or(i32::MAX),
                     tier: tier as i32,
                     adapter_id: adapter.to_string(),
                     ..Default::default()
-                });
+                };
+                // An untracked block may be on the server already: never `New`.
+                if inserted == Insert::New {
+                    fresh.prefixes.push(entry);
+                } else {
+                    again.prefixes.push(entry);
+                }
             }
-            self.track(
-                (id, group),
-                Tracked {
-                    key,
-                    prefix,
-                    tokens,
-                    adapter: adapter.clone(),
-                    tiers: tier_bit(tier),
-                },
-            );
         }
-        if !update.prefixes.is_empty() {
+        for (update, new) in [(fresh, true), (again, false)] {
+            if update.prefixes.is_empty() {
+                continue;
+            }
             self.stats.prefixes += update.prefixes.len() as u64;
-            out.push(pb::Report::Update(update));
-        }
-    }
-
-    fn track(&mut self, id: BlockId, mut block: Tracked) {
-        if let Some(existing) = self.blocks.get_mut(&id) {
-            block.tiers |= existing.tiers;
-            *existing = block;
-        } else if self.blocks.len() < self.options.max_tracked_blocks {
-            self.blocks.insert(id, block);
-        } else {
-            self.stats.map_refusals += 1;
+            out.push(if new {
+                pb::Report::New(update)
+            } else {
+                pb::Report::Update(update)
+            });
         }
     }
 
@@ -232,42 +237,49 @@ impl Mapper {
         self.stats.removed_events += 1;
         let tier = tier_of(e.medium.as_ref());
         let offload = self.options.engine_has_offload_tier && tier == pb::CacheTier::T1;
+        let group = self.blocks.known_group(e.group_idx);
         for hash in &e.block_hashes {
-            let id = (engine_key(hash), e.group_idx);
             // The tiers still holding the block after this removal.
-            let (key, adapter, tokens, remaining) = match self.blocks.get_mut(&id) {
-                Some(t) => {
-                    t.tiers &= !tier_bit(tier);
-                    if offload {
-                        t.tiers |= tier_bit(pb::CacheTier::T2);
+            let known = group.map(|g| BlockId::new(hash, g)).and_then(|id| {
+                let t = self.blocks.get_mut(id)?;
+                let mut tiers = t.tiers() & !tier_bit(tier);
+                if offload {
+                    tiers |= T2;
+                }
+                t.set_tiers(tiers);
+                Some((id, *t))
+            });
+            let (key, adapter, tokens, remaining) = match known {
+                Some((id, t)) => {
+                    let found = (
+                        self.key_of(id, t),
+                        self.blocks.adapter(t.adapter()).clone(),
+                        t.tokens(),
+                        t.tiers(),
+                    );
+                    if t.tiers() == 0 {
+                        self.blocks.remove(id);
                     }
-                    (t.key.clone(), t.adapter.clone(), t.tokens, t.tiers)
+                    found
                 }
                 None => {
                     self.stats.unknown_removals += 1;
                     // An engine hash is its own key; a fingerprint cannot be recovered.
                     let key = match self.options.key_mode {
-                        KeyMode::Engine => Some(id.0.clone()),
+                        KeyMode::Engine => Some(engine_key(hash)),
                         KeyMode::Fingerprint => None,
                     };
-                    let remaining = if offload {
-                        tier_bit(pb::CacheTier::T2)
-                    } else {
-                        0
-                    };
+                    let remaining = if offload { T2 } else { 0 };
                     (key, self.base_adapter.clone(), 0, remaining)
                 }
             };
-            if remaining == 0 {
-                self.blocks.remove(&id);
-            }
             let Some(key) = key else {
                 continue;
             };
             if remaining != 0 {
                 // Another tier still holds the block (an offload tier, or a store we saw on
                 // another medium): report it there instead of evicting the prefix.
-                let still = if remaining & 1 != 0 {
+                let still = if remaining & T1 != 0 {
                     pb::CacheTier::T1
                 } else {
                     pb::CacheTier::T2
@@ -311,18 +323,25 @@ impl Mapper {
     /// forgets them: a reset of one source among several of the same replica (DP ranks), where
     /// an `ALL_CLEARED` would also wipe the other ranks' prefixes.
     pub fn evict_all(&mut self, timestamp_us: i64) -> Vec<pb::Report> {
-        let mut out = Vec::with_capacity(self.blocks.len());
-        for (_, block) in self.blocks.drain() {
-            if let Some(key) = block.key {
+        let blocks = self.blocks.drain();
+        let mut out = Vec::with_capacity(blocks.len());
+        for (engine_key, block) in blocks {
+            let key = match self.options.key_mode {
+                _ if !block.keyed() => None,
+                KeyMode::Engine => Some(engine_key),
+                KeyMode::Fingerprint => block.prefix().map(fingerprint_key),
+            };
+            if let Some(key) = key {
                 self.stats.evictions += 1;
                 out.push(pb::Report::Event(self.identity.event(
                     pb::cache_event::Type::PrefixEvicted,
                     key,
-                    &block.adapter,
+                    self.blocks.adapter(block.adapter()),
                     timestamp_us,
                 )));
             }
         }
+        self.blocks.clear();
         out
     }
 }

@@ -20,8 +20,30 @@ include!(concat!(env!("OUT_DIR"), "/inferencecache.v1alpha1.rs"));
 pub enum Report {
     /// Prefixes added or refreshed (or, with no prefixes, stats only).
     Update(CacheStateUpdate),
+    /// Prefixes the server does not hold: the first report of each since the engine stored
+    /// it (since its last eviction or clear). Delivered like [`Report::Update`]; the forwarder
+    /// may drop one together with an eviction of the same prefix that finds it still unsent.
+    New(CacheStateUpdate),
     /// A removal (`PREFIX_EVICTED`) or a clear (`ALL_CLEARED`).
     Event(CacheEvent),
+}
+
+impl Report {
+    /// The update of an [`Report::Update`] or [`Report::New`].
+    pub fn as_update(&self) -> Option<&CacheStateUpdate> {
+        match self {
+            Self::Update(u) | Self::New(u) => Some(u),
+            Self::Event(_) => None,
+        }
+    }
+
+    /// The event of an [`Report::Event`].
+    pub fn as_event(&self) -> Option<&CacheEvent> {
+        match self {
+            Self::Event(e) => Some(e),
+            _ => None,
+        }
+    }
 }
 
 impl CacheTier {

@@ -47,7 +47,7 @@ fn removals_and_clears_become_events_in_order() {
             wire::Event::AllBlocksCleared,
         ],
     );
-    assert!(matches!(out[0], pb::Report::Update(_)));
+    assert!(matches!(out[0], pb::Report::New(_)));
     assert_eq!(
         events(&out),
         vec![

@@ -64,10 +64,7 @@ pub(crate) fn run(m: &mut Mapper, events: Vec<wire::Event<'static>>) -> Vec<pb::
 pub(crate) fn entries(reports: &[pb::Report]) -> Vec<(Vec<u8>, i32, i32, String)> {
     reports
         .iter()
-        .filter_map(|r| match r {
-            pb::Report::Update(u) => Some(u),
-            _ => None,
-        })
+        .filter_map(pb::Report::as_update)
         .flat_map(|u| {
             u.prefixes.iter().map(|p| {
                 (

@@ -128,7 +128,9 @@ fn every_vector_maps_as_the_contract_says() {
             assert_eq!(got_events, want_events, "{label}");
             for r in &out {
                 let (replica, scheme, ts) = match r {
-                    pb::Report::Update(u) => (&u.replica_id, &u.hash_scheme, u.timestamp_us),
+                    pb::Report::Update(u) | pb::Report::New(u) => {
+                        (&u.replica_id, &u.hash_scheme, u.timestamp_us)
+                    }
                     pb::Report::Event(e) => (&e.replica_id, &String::from("vllm"), e.timestamp_us),
                 };
                 assert_eq!(

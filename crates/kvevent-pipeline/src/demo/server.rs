@@ -42,6 +42,9 @@ struct State {
     auth: Vec<Option<String>>,
     behaviour: Option<Behaviour>,
     calls: u64,
+    /// Calls being handled now, and the most seen at once.
+    running: u64,
+    max_running: u64,
 }
 
 #[derive(Clone, Default)]
@@ -74,7 +77,13 @@ impl Shared {
             Behaviour::Refuse(code) => Err(Status::new(code, "refused by the test")),
             Behaviour::Nack => Ok(false),
             Behaviour::Delay(d) => {
+                {
+                    let mut state = self.lock();
+                    state.running += 1;
+                    state.max_running = state.max_running.max(state.running);
+                }
                 tokio::time::sleep(d).await;
+                self.lock().running -= 1;
                 Ok(true)
             }
             Behaviour::Hang => std::future::pending().await,
@@ -296,6 +305,11 @@ impl RecordingServer {
     /// Everything recorded so far, in arrival order.
     pub fn received(&self) -> Vec<Received> {
         self.shared.lock().received.clone()
+    }
+
+    /// The most calls the server held at once while delaying them ([`Behaviour::Delay`]).
+    pub fn max_concurrent_calls(&self) -> u64 {
+        self.shared.lock().max_running
     }
 
     /// Engine-side calls that reached the server (recorded or not).

@@ -63,10 +63,14 @@ async fn events_and_stats_flow_end_to_end() {
     };
     let running = start(&s, &ctx).await.expect("start");
     wait_subscribed(&engine).await;
-    for step in 0..3 {
+    for step in 0..2 {
         engine.publish(&scripted_batch(step)).expect("publish");
     }
-    // Step 0 stores 4 blocks, step 1 extends with 2 (counts 80, 96), step 2 evicts and offloads.
+    // Step 0 stores 4 blocks, step 1 extends with 2 (counts 80, 96); once they are on the
+    // server, step 2 evicts the two and offloads. (Published together, the forwarder would net
+    // the stores and evictions of one window to nothing.)
+    server.wait_for(WAIT, |r| distinct_prefixes(r) >= 6).await;
+    engine.publish(&scripted_batch(2)).expect("publish");
     server
         .wait_for(WAIT, |r| {
             r.iter().filter(|x| matches!(x, Received::Event(_))).count() >= 3

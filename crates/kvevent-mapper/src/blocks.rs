@@ -1,0 +1,327 @@
+//! The per-source block map, compact: what is known of each engine block in ≤ 64 bytes.
+//!
+//! An engine block is identified by its hash and KV-cache group. Hashes that are 8 bytes (every
+//! int hash, as its 8 bytes big-endian, and an 8-byte `bin`) key one map by `u64`; other `bin`
+//! digests (16 or 32 bytes) key a second map by their bytes, which then cost their length on
+//! top. Groups and adapters are interned (`u16`), and the reported key is never stored: in
+//! engine mode it is the hash itself, in fingerprint mode the 8-byte prefix fingerprint.
+//!
+//! Layout: key 10 bytes (`u64` + group), value 16 bytes (fingerprint, token count, adapter,
+//! flags), packed to 26 bytes an entry, plus hashbrown's control byte. Between growths the
+//! table is 7/16 to 7/8 full, so an int-hashed block costs 31–62 bytes (measured by
+//! `cargo run --release -p kvevent-benches --bin mapper-memory`).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::wire;
+
+type Hasher = foldhash::fast::RandomState;
+
+/// The tier bit of T1 in [`Tracked::tiers`]; T2 (and any offload tier) is `T2`.
+pub(crate) const T1: u8 = 1;
+pub(crate) const T2: u8 = 2;
+const KEYED: u8 = 4;
+const HAS_PREFIX: u8 = 8;
+const TIERS: u8 = T1 | T2;
+
+/// What is known of one engine block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(C, packed(2))]
+pub(crate) struct Tracked {
+    /// Its prefix fingerprint (fingerprint mode), valid with `HAS_PREFIX`.
+    prefix: u64,
+    /// Tokens covered by the prefix up to and including this block.
+    tokens: u32,
+    /// Interned adapter name.
+    adapter: u16,
+    /// Tier bits (`T1`, `T2`), `KEYED` (reported under a key), `HAS_PREFIX`.
+    flags: u8,
+}
+
+impl Tracked {
+    pub(crate) fn new(
+        keyed: bool,
+        prefix: Option<u64>,
+        tokens: u32,
+        adapter: u16,
+        tiers: u8,
+    ) -> Self {
+        let mut flags = tiers & TIERS;
+        if keyed {
+            flags |= KEYED;
+        }
+        if prefix.is_some() {
+            flags |= HAS_PREFIX;
+        }
+        Self {
+            prefix: prefix.unwrap_or(0),
+            tokens,
+            adapter,
+            flags,
+        }
+    }
+
+    pub(crate) fn keyed(self) -> bool {
+        self.flags & KEYED != 0
+    }
+
+    pub(crate) fn prefix(self) -> Option<u64> {
+        (self.flags & HAS_PREFIX != 0).then_some(self.prefix)
+    }
+
+    pub(crate) fn tokens(self) -> u32 {
+        self.tokens
+    }
+
+    pub(crate) fn adapter(self) -> u16 {
+        self.adapter
+    }
+
+    pub(crate) fn tiers(self) -> u8 {
+        self.flags & TIERS
+    }
+
+    pub(crate) fn set_tiers(&mut self, tiers: u8) {
+        self.flags = (self.flags & !TIERS) | (tiers & TIERS);
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(C, packed(2))]
+struct IntId {
+    hash: u64,
+    group: u16,
+}
+
+/// An engine block's identity, borrowed from the event.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum BlockId<'h> {
+    /// An 8-byte hash as a number (big-endian).
+    Int(u64, u16),
+    /// A digest of another length.
+    Bytes(&'h [u8], u16),
+}
+
+impl<'h> BlockId<'h> {
+    pub(crate) fn new(hash: &'h wire::BlockHash<'_>, group: u16) -> Self {
+        match hash {
+            wire::BlockHash::Int(i) => Self::Int(u64::from_be_bytes(i.to_be_bytes()), group),
+            wire::BlockHash::Bytes(b) => match <[u8; 8]>::try_from(&**b) {
+                Ok(b8) => Self::Int(u64::from_be_bytes(b8), group),
+                Err(_) => Self::Bytes(b, group),
+            },
+        }
+    }
+
+    /// The engine-mode key: the hash's bytes.
+    pub(crate) fn key(self) -> Vec<u8> {
+        match self {
+            Self::Int(h, _) => h.to_be_bytes().to_vec(),
+            Self::Bytes(b, _) => b.to_vec(),
+        }
+    }
+}
+
+/// The bytes map's key: the digest, then the group's two bytes.
+fn bytes_key(b: &[u8], group: u16) -> std::borrow::Cow<'_, [u8]> {
+    let mut key = Vec::with_capacity(b.len() + 2);
+    key.extend_from_slice(b);
+    key.extend_from_slice(&group.to_be_bytes());
+    std::borrow::Cow::Owned(key)
+}
+
+/// How an insert went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Insert {
+    /// Not tracked before.
+    New,
+    /// Already tracked: updated, tiers merged.
+    Updated,
+    /// The map is full, or too many groups or adapters: not tracked.
+    Refused,
+}
+
+/// Most distinct KV-cache groups or adapters per source (interned as `u16`).
+const MAX_INTERNED: usize = u16::MAX as usize;
+
+#[derive(Debug)]
+pub(crate) struct Blocks {
+    ints: HashMap<IntId, Tracked, Hasher>,
+    /// Keyed by the digest followed by the group's two bytes.
+    bytes: HashMap<Box<[u8]>, Tracked, Hasher>,
+    groups: Vec<Option<i64>>,
+    adapters: Vec<Arc<str>>,
+    adapter_ids: HashMap<Arc<str>, u16, Hasher>,
+    max: usize,
+}
+
+impl Blocks {
+    pub(crate) fn new(max: usize) -> Self {
+        Self {
+            ints: HashMap::default(),
+            bytes: HashMap::default(),
+            groups: Vec::new(),
+            adapters: Vec::new(),
+            adapter_ids: HashMap::default(),
+            max,
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.ints.len() + self.bytes.len()
+    }
+
+    /// The interned number of a group, or `None` when there are too many groups.
+    pub(crate) fn group(&mut self, group: Option<i64>) -> Option<u16> {
+        if let Some(i) = self.groups.iter().position(|g| *g == group) {
+            return Some(i as u16);
+        }
+        if self.groups.len() >= MAX_INTERNED {
+            return None;
+        }
+        self.groups.push(group);
+        Some((self.groups.len() - 1) as u16)
+    }
+
+    /// The interned number of a group already seen.
+    pub(crate) fn known_group(&self, group: Option<i64>) -> Option<u16> {
+        self.groups
+            .iter()
+            .position(|g| *g == group)
+            .map(|i| i as u16)
+    }
+
+    /// The interned number of an adapter, or `None` when there are too many adapters.
+    pub(crate) fn adapter_id(&mut self, name: &Arc<str>) -> Option<u16> {
+        if let Some(&id) = self.adapter_ids.get(name) {
+            return Some(id);
+        }
+        if self.adapters.len() >= MAX_INTERNED {
+            return None;
+        }
+        let id = self.adapters.len() as u16;
+        self.adapters.push(name.clone());
+        self.adapter_ids.insert(name.clone(), id);
+        Some(id)
+    }
+
+    pub(crate) fn adapter(&self, id: u16) -> &Arc<str> {
+        &self.adapters[usize::from(id)]
+    }
+
+    pub(crate) fn get(&self, id: BlockId<'_>) -> Option<Tracked> {
+        match id {
+            BlockId::Int(hash, group) => self.ints.get(&IntId { hash, group }).copied(),
+            BlockId::Bytes(b, group) => self.bytes.get(&*bytes_key(b, group)).copied(),
+        }
+    }
+
+    pub(crate) fn get_mut(&mut self, id: BlockId<'_>) -> Option<&mut Tracked> {
+        match id {
+            BlockId::Int(hash, group) => self.ints.get_mut(&IntId { hash, group }),
+            BlockId::Bytes(b, group) => self.bytes.get_mut(&*bytes_key(b, group)),
+        }
+    }
+
+    /// Tracks a block, merging tiers with what was known of it.
+    pub(crate) fn insert(&mut self, id: BlockId<'_>, mut block: Tracked) -> Insert {
+        if let Some(existing) = self.get_mut(id) {
+            block.set_tiers(block.tiers() | existing.tiers());
+            *existing = block;
+            return Insert::Updated;
+        }
+        if self.len() >= self.max {
+            return Insert::Refused;
+        }
+        match id {
+            BlockId::Int(hash, group) => {
+                self.ints.insert(IntId { hash, group }, block);
+            }
+            BlockId::Bytes(b, group) => {
+                self.bytes.insert(Box::from(&*bytes_key(b, group)), block);
+            }
+        }
+        Insert::New
+    }
+
+    pub(crate) fn remove(&mut self, id: BlockId<'_>) -> Option<Tracked> {
+        let removed = match id {
+            BlockId::Int(hash, group) => self.ints.remove(&IntId { hash, group }),
+            BlockId::Bytes(b, group) => self.bytes.remove(&*bytes_key(b, group)),
+        };
+        if self.len() == 0 {
+            self.shrink();
+        }
+        removed
+    }
+
+    /// Forgets every block; the memory goes back too.
+    pub(crate) fn clear(&mut self) {
+        self.ints = HashMap::default();
+        self.bytes = HashMap::default();
+        self.shrink();
+    }
+
+    fn shrink(&mut self) {
+        if self.ints.capacity() > 1024 {
+            self.ints.shrink_to(1024);
+        }
+        if self.bytes.capacity() > 1024 {
+            self.bytes.shrink_to(1024);
+        }
+        self.groups.clear();
+        self.adapters.clear();
+        self.adapter_ids.clear();
+    }
+
+    /// Every block, with its engine-mode key; the map is left empty.
+    pub(crate) fn drain(&mut self) -> Vec<(Vec<u8>, Tracked)> {
+        let mut out = Vec::with_capacity(self.len());
+        out.extend(
+            self.ints
+                .drain()
+                .map(|(id, t)| ({ id.hash }.to_be_bytes().to_vec(), t)),
+        );
+        out.extend(self.bytes.drain().map(|(b, t)| {
+            let mut b = b.into_vec();
+            b.truncate(b.len() - 2);
+            (b, t)
+        }));
+        out
+    }
+
+    /// Bytes the maps hold (tables and out-of-line digests), for telemetry and the bench.
+    pub(crate) fn heap_bytes(&self) -> usize {
+        let entry = std::mem::size_of::<(IntId, Tracked)>() + 1;
+        let bytes_entry = std::mem::size_of::<(Box<[u8]>, Tracked)>() + 1;
+        let digests: usize = self.bytes.keys().map(|b| b.len()).sum();
+        self.ints.capacity() * 8 / 7 * entry + self.bytes.capacity() * 8 / 7 * bytes_entry + digests
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_entry_is_26_bytes() {
+        assert_eq!(std::mem::size_of::<(IntId, Tracked)>(), 26);
+    }
+
+    #[test]
+    fn an_int_and_its_8_bytes_are_the_same_block() {
+        let int = wire::BlockHash::Int(wire::Int::U64(0x0102_0304_0506_0708));
+        let bin = wire::BlockHash::Bytes(vec![1, 2, 3, 4, 5, 6, 7, 8].into());
+        let mut b = Blocks::new(10);
+        let t = Tracked::new(true, None, 16, 0, T1);
+        assert_eq!(b.insert(BlockId::new(&int, 0), t), Insert::New);
+        assert_eq!(b.insert(BlockId::new(&bin, 0), t), Insert::Updated);
+        assert_eq!(b.len(), 1);
+        let long = wire::BlockHash::Bytes(vec![9; 32].into());
+        assert_eq!(b.insert(BlockId::new(&long, 0), t), Insert::New);
+        assert_eq!(b.get(BlockId::new(&long, 0)), Some(t));
+        assert_eq!(b.get(BlockId::new(&long, 1)), None);
+        assert_eq!(b.len(), 2);
+    }
+}
