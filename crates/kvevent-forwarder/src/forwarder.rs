@@ -287,19 +287,47 @@ enum Op {
     },
 }
 
+/// A sequence number in a window, or none (`u32::MAX`): 4 bytes instead of 16.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Slot(u32);
+
+impl Slot {
+    const NONE: Self = Self(u32::MAX);
+
+    fn of(seq: Option<u64>) -> Self {
+        seq.and_then(|s| u32::try_from(s).ok())
+            .filter(|s| *s != u32::MAX)
+            .map_or(Self::NONE, Self)
+    }
+
+    fn get(self) -> Option<u64> {
+        (self != Self::NONE).then_some(u64::from(self.0))
+    }
+
+    fn take(&mut self) -> Option<u64> {
+        std::mem::replace(self, Self::NONE).get()
+    }
+}
+
+impl Default for Slot {
+    fn default() -> Self {
+        Self::NONE
+    }
+}
+
 /// The queued work of one prefix in a window (sequence numbers of its ops).
 #[derive(Debug, Default)]
 struct KeyOps {
-    evict: Option<u64>,
+    evict: Slot,
     /// By tier (`CacheTier` value 0–3).
-    adds: [Option<u64>; 4],
+    adds: [Slot; 4],
     /// The first of the queued adds was a [`pb::Report::New`].
     first_add_new: bool,
 }
 
 impl KeyOps {
     fn has_adds(&self) -> bool {
-        self.adds.iter().any(Option::is_some)
+        self.adds.iter().any(|a| a.get().is_some())
     }
 }
 
@@ -599,7 +627,13 @@ impl Task {
 
     /// The open window at the back, made if needed.
     fn open_window(&mut self) -> &mut Window {
-        if !matches!(self.stages.back(), Some(Stage::Window(w)) if !w.sealed) {
+        // Sequence numbers are kept in 32 bits: a window that shed work for hours starts anew.
+        let open =
+            |w: &Window| !w.sealed && w.first_seq + (w.ops.len() as u64) < u64::from(u32::MAX - 1);
+        if !matches!(self.stages.back(), Some(Stage::Window(w)) if open(w)) {
+            if let Some(Stage::Window(w)) = self.stages.back_mut() {
+                w.sealed = true;
+            }
             self.stages.push_back(Stage::Window(Window::new()));
         }
         match self.stages.back_mut() {
@@ -659,14 +693,14 @@ impl Task {
                     })
                 });
             let ko = w.keys.entry(key.clone()).or_default();
-            let after_evict = ko.evict.is_some();
-            let existing = ko.adds[tier as usize];
+            let after_evict = ko.evict.get().is_some();
+            let existing = ko.adds[tier as usize].get();
             let seq = w.first_seq + w.ops.len() as u64;
             if existing.is_none() {
                 if !ko.has_adds() {
                     ko.first_add_new = new;
                 }
-                ko.adds[tier as usize] = Some(seq);
+                ko.adds[tier as usize] = Slot::of(Some(seq));
             }
             if let Some(Op::Add {
                 group: g,
@@ -714,8 +748,8 @@ impl Task {
         let ts = event.timestamp_us;
         let w = self.open_window();
         let ko = w.keys.entry(key.clone()).or_default();
-        let adds: Vec<u64> = ko.adds.iter_mut().filter_map(Option::take).collect();
-        let earlier_evict = ko.evict.is_some();
+        let adds: Vec<u64> = ko.adds.iter_mut().filter_map(Slot::take).collect();
+        let earlier_evict = ko.evict.get().is_some();
         let first_new = ko.first_add_new;
         // The queued adds of the prefix are moot: it is evicted after them.
         let mut cancelled = 0;
@@ -738,7 +772,7 @@ impl Task {
                 timestamp_us: ts,
             });
             if let Some(ko) = w.keys.get_mut(&key) {
-                ko.evict = Some(seq);
+                ko.evict = Slot::of(Some(seq));
             }
             self.pending = self.pending - removed + 1;
         }
@@ -825,15 +859,15 @@ impl Task {
                 queued -= 1;
                 shed[usize::from(!is_add)] += 1;
                 if let Some(ko) = w.keys.get_mut(&key) {
-                    if ko.evict == Some(seq) {
-                        ko.evict = None;
+                    if ko.evict.get() == Some(seq) {
+                        ko.evict = Slot::NONE;
                     }
                     for a in &mut ko.adds {
-                        if *a == Some(seq) {
-                            *a = None;
+                        if a.get() == Some(seq) {
+                            *a = Slot::NONE;
                         }
                     }
-                    if ko.evict.is_none() && !ko.has_adds() {
+                    if ko.evict.get().is_none() && !ko.has_adds() {
                         w.keys.remove(&key);
                     }
                 }

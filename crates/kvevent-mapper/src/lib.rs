@@ -58,6 +58,11 @@ pub enum KeyMode {
     Fingerprint,
 }
 
+/// The default bound of tracked blocks per source: 917,504, the most a table of 2^20 buckets
+/// holds (7/8 full), about 28 MB. One more block would double the table. It is well above the
+/// ~500k blocks of an 80 GB GPU serving an 8B model.
+pub const DEFAULT_MAX_TRACKED_BLOCKS: usize = (1 << 20) / 8 * 7;
+
 /// How events are mapped.
 #[derive(Debug, Clone)]
 pub struct Options {
@@ -78,7 +83,7 @@ impl Default for Options {
             key_mode: KeyMode::Engine,
             engine_has_offload_tier: false,
             lora_adapters: HashMap::new(),
-            max_tracked_blocks: 1 << 20,
+            max_tracked_blocks: DEFAULT_MAX_TRACKED_BLOCKS,
         }
     }
 }

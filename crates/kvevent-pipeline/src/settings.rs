@@ -273,7 +273,7 @@ impl Default for Settings {
             connect_timeout: GoDuration::secs(5),
             max_pending: 100_000,
             max_backoff: GoDuration::secs(10),
-            max_tracked_blocks: 1 << 20,
+            max_tracked_blocks: kvevent_mapper::DEFAULT_MAX_TRACKED_BLOCKS,
             replay_timeout: GoDuration::secs(3),
             engine_rcvhwm: 100_000,
             engine_heartbeat_interval: GoDuration::secs(5),
