@@ -53,7 +53,12 @@ fn main() -> ExitCode {
     };
     if let Some(cli::Command::Demo { batches }) = cli.command {
         init_tracing("text", "warn");
-        return match runtime().map(|rt| rt.block_on(pipeline::demo::run(batches))) {
+        // The demo also runs the engine stand-in, which blocks: it needs worker threads.
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build();
+        return match rt.map(|rt| rt.block_on(pipeline::demo::run(batches))) {
             Ok(Ok(_)) => ExitCode::SUCCESS,
             Ok(Err(e)) => {
                 eprintln!("demo failed: {e}");
