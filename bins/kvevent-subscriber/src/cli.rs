@@ -148,10 +148,14 @@ pub(crate) struct Options {
     #[arg(long, value_name = "DURATION")]
     #[serde(skip_serializing_if = "Option::is_none")]
     connect_timeout: Option<String>,
-    /// Most pending prefix entries plus events while the server is unreachable; beyond, the oldest are dropped [default: 100000] [env: KVEVENT_MAX_PENDING]
+    /// Most prefix entries plus events waiting behind the work in flight (a server outage, overload); beyond, the oldest are dropped and counted [default: 100000] [env: KVEVENT_MAX_PENDING]
     #[arg(long, value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]
     max_pending: Option<usize>,
+    /// Most RPCs in flight at once on the server connection (evictions go as concurrent PublishEvent calls) [default: 64] [env: KVEVENT_MAX_IN_FLIGHT]
+    #[arg(long, value_name = "N")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_in_flight: Option<usize>,
     /// Longest delay between retries to the server [default: 10s] [env: KVEVENT_MAX_BACKOFF]
     #[arg(long, value_name = "DURATION")]
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvevent_proto::inference_cache_client::InferenceCacheClient;
+use tonic::metadata::AsciiMetadataValue;
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 use tonic::{Code, Request, Status};
 
@@ -71,6 +72,8 @@ impl ClientConfig {
 pub struct Client {
     inner: InferenceCacheClient<Channel>,
     address: Arc<str>,
+    /// The last token and its header value: parsed once, not per call.
+    header: Arc<std::sync::Mutex<Option<(String, AsciiMetadataValue)>>>,
     rpc_timeout: Duration,
     credentials: Option<Arc<dyn Credentials>>,
 }
@@ -98,6 +101,7 @@ pub fn connect(config: &ClientConfig) -> Result<Client, Error> {
     Ok(Client {
         inner: InferenceCacheClient::new(endpoint.connect_lazy()),
         address: Arc::from(config.address.as_str()),
+        header: Arc::default(),
         rpc_timeout: config.rpc_timeout,
         credentials: config.credentials.clone(),
     })
@@ -109,6 +113,7 @@ impl Client {
         Self {
             inner: InferenceCacheClient::new(channel),
             address: Arc::from("(custom channel)"),
+            header: Arc::default(),
             rpc_timeout,
             credentials: None,
         }
@@ -123,9 +128,18 @@ impl Client {
         let mut request = Request::new(message);
         request.set_timeout(self.rpc_timeout);
         if let Some(token) = self.credentials.as_ref().and_then(|c| c.bearer_token()) {
-            let value = format!("Bearer {token}")
-                .parse()
-                .map_err(|_| Status::unauthenticated("bearer token is not a valid header value"))?;
+            let mut cached = self.header.lock().unwrap_or_else(|e| e.into_inner());
+            let value = match cached.as_ref() {
+                Some((t, value)) if *t == token => value.clone(),
+                _ => {
+                    let value: AsciiMetadataValue =
+                        format!("Bearer {token}").parse().map_err(|_| {
+                            Status::unauthenticated("bearer token is not a valid header value")
+                        })?;
+                    *cached = Some((token, value.clone()));
+                    value
+                }
+            };
             request.metadata_mut().insert("authorization", value);
         }
         Ok(request)

@@ -10,12 +10,16 @@ use tonic::transport::{Certificate, ClientTlsConfig, Identity};
 use crate::settings::Settings;
 
 /// Reads a bearer token from a file, again whenever the file changes (mounted secrets rotate).
-/// The token is never logged.
+/// The file is looked at most once a second, not per call. The token is never logged.
 #[derive(Debug)]
 pub struct TokenFile {
     path: PathBuf,
     cached: Mutex<Option<(Option<SystemTime>, u64, String)>>,
+    checked: Mutex<Option<std::time::Instant>>,
 }
+
+/// How long a token read from the file is used before the file is looked at again.
+const TOKEN_RECHECK: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl TokenFile {
     /// A token source reading `path`.
@@ -23,12 +27,24 @@ impl TokenFile {
         Self {
             path: path.into(),
             cached: Mutex::new(None),
+            checked: Mutex::new(None),
         }
     }
 }
 
 impl fwd::Credentials for TokenFile {
     fn bearer_token(&self) -> Option<String> {
+        {
+            let mut checked = self.checked.lock().unwrap_or_else(|e| e.into_inner());
+            let now = std::time::Instant::now();
+            if checked.is_some_and(|at| now.duration_since(at) < TOKEN_RECHECK) {
+                let cached = self.cached.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some((_, _, token)) = cached.as_ref() {
+                    return Some(token.clone());
+                }
+            }
+            *checked = Some(now);
+        }
         let meta = std::fs::metadata(&self.path).ok();
         let stamp = (
             meta.as_ref().and_then(|m| m.modified().ok()),

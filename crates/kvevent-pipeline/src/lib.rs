@@ -161,6 +161,7 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
     let fwd_config = fwd::Config {
         window: settings.window.0,
         max_pending: settings.max_pending,
+        max_in_flight: settings.max_in_flight,
         backoff_max: settings.max_backoff.0,
         drain_timeout: settings.drain_timeout.0,
         ..fwd::Config::default()

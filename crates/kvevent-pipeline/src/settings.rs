@@ -206,8 +206,11 @@ pub struct Settings {
     pub rpc_timeout: GoDuration,
     /// Deadline of a connection attempt to the server.
     pub connect_timeout: GoDuration,
-    /// Most pending prefix entries plus events while the server is unreachable.
+    /// Most prefix entries plus events waiting behind the work in flight; beyond, the oldest
+    /// queued work is dropped.
     pub max_pending: usize,
+    /// Most RPCs in flight at once on the server connection.
+    pub max_in_flight: usize,
     /// Longest delay between retries to the server.
     pub max_backoff: GoDuration,
     /// Engine blocks tracked per source (cumulative counts, fingerprint chains).
@@ -272,6 +275,7 @@ impl Default for Settings {
             rpc_timeout: GoDuration::secs(5),
             connect_timeout: GoDuration::secs(5),
             max_pending: 100_000,
+            max_in_flight: 64,
             max_backoff: GoDuration::secs(10),
             max_tracked_blocks: kvevent_mapper::DEFAULT_MAX_TRACKED_BLOCKS,
             replay_timeout: GoDuration::secs(3),
@@ -531,6 +535,9 @@ impl Settings {
         }
         if self.max_pending == 0 {
             bad("max_pending", "must be at least 1".into());
+        }
+        if self.max_in_flight == 0 || self.max_in_flight > 1024 {
+            bad("max_in_flight", "must be 1 to 1024".into());
         }
         if self.tls_cert_file.is_empty() != self.tls_key_file.is_empty() {
             bad(

@@ -82,6 +82,8 @@ pub mod names {
     pub const QUEUE_DEPTH: &str = "kvevent_queue_depth";
     /// Prefix entries merged into a pending identical one.
     pub const COALESCED: &str = "kvevent_coalesced_prefixes_total";
+    /// Adds and evictions of one prefix that cancelled out while queued.
+    pub const CANCELLED: &str = "kvevent_cancelled_total";
     /// Pending work discarded by a later clear.
     pub const SUPERSEDED: &str = "kvevent_superseded_by_clear_total";
     /// Unix time of the last successful report.
@@ -397,6 +399,12 @@ impl Telemetry {
             "Prefix entries merged into a pending identical one.",
         );
         o.sample(COALESCED, &[], f.coalesced.load(Relaxed));
+        o.family(
+            CANCELLED,
+            "counter",
+            "Adds and evictions not sent: a prefix stored and evicted again before either was sent.",
+        );
+        o.sample(CANCELLED, &[], f.cancelled.load(Relaxed));
         o.family(
             SUPERSEDED,
             "counter",

@@ -515,3 +515,57 @@ async fn random_streams_reach_the_same_state_through_concurrent_calls_retries_an
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overload_sheds_the_oldest_and_delivery_keeps_going() {
+    // The server takes 100 ms a call and at most 3,000 entries may wait: about 30k entries/s
+    // get through. 40k/s are offered for a second.
+    let server = RecordingServer::start().await;
+    server.set_behaviour(Behaviour::Delay(Duration::from_millis(100)));
+    let cfg = fwd::Config {
+        max_pending: 3_000,
+        ..config(10)
+    };
+    let (h, f) = fwd::spawn(client(&server, 5000), cfg);
+    let mut offered = 0u64;
+    for round in 0..40u32 {
+        let prefixes = (0..1_000u32)
+            .map(|i| pb::PrefixEntry {
+                prefix_hash: (round * 1_000 + i).to_be_bytes().to_vec(),
+                token_count: 16,
+                tier: pb::CacheTier::T1 as i32,
+                ..Default::default()
+            })
+            .collect::<Vec<_>>();
+        offered += prefixes.len() as u64;
+        h.submit(pb::Report::New(pb::CacheStateUpdate {
+            replica_id: "r1".into(),
+            model_id: "m".into(),
+            hash_scheme: "vllm".into(),
+            prefixes,
+            ..Default::default()
+        }))
+        .await
+        .expect("open");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(f.shutdown(WAIT).await, fwd::DrainReport::default());
+    let m = h.metrics();
+    let sent = m.prefixes_sent.load(std::sync::atomic::Ordering::Relaxed);
+    let shed = m.dropped_prefixes(DropReason::Overflow);
+    assert_eq!(sent + shed, offered, "every entry delivered or counted");
+    assert_eq!(distinct_prefixes(&server.received()) as u64, sent);
+    assert!(shed > 0, "the offered rate was above what gets through");
+    assert!(
+        sent * 2 > offered,
+        "most still arrives: {sent} of {offered}"
+    );
+    // The newest work is what survives: the last round arrived whole.
+    let last: std::collections::BTreeSet<Vec<u8>> = server
+        .prefixes()
+        .into_iter()
+        .map(|p| p.prefix_hash)
+        .filter(|k| u32::from_be_bytes([k[0], k[1], k[2], k[3]]) >= 39_000)
+        .collect();
+    assert_eq!(last.len(), 1_000);
+}

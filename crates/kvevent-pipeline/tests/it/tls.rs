@@ -150,6 +150,8 @@ async fn the_bearer_token_is_sent_and_rotates_with_its_file() {
     // The mounted secret rotates (a new file, as Kubernetes swaps it).
     std::fs::write(format!("{token}.new"), "secret-2-longer\n").expect("write");
     std::fs::rename(format!("{token}.new"), &token).expect("rename");
+    // The file is looked at again at most once a second.
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
     engine.publish(&scripted_batch(2)).expect("publish");
     server.wait_for(WAIT, |r| r.len() >= 4).await;
     assert_eq!(
