@@ -23,6 +23,9 @@
 //! stops while the server keeps up at all.
 
 use std::collections::{HashMap, VecDeque};
+
+/// The maps of the hot path hash with foldhash (keys are engine hashes and short ids).
+type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -185,14 +188,14 @@ fn count_drop(metrics: &Metrics, report: &pb::Report, reason: DropReason) {
 #[derive(Debug)]
 struct Interner<T> {
     values: Vec<T>,
-    index: HashMap<T, u32>,
+    index: Map<T, u32>,
 }
 
 impl<T: Clone + Eq + std::hash::Hash> Interner<T> {
     fn new() -> Self {
         Self {
             values: Vec::new(),
-            index: HashMap::new(),
+            index: Map::default(),
         }
     }
 
@@ -339,7 +342,7 @@ struct Window {
     ops: VecDeque<Op>,
     /// Sequence number of `ops[0]`.
     first_seq: u64,
-    keys: HashMap<Key, KeyOps>,
+    keys: Map<Key, KeyOps>,
     /// Stats-only (or empty) updates: the latest per group.
     stats: Vec<(u32, Option<pb::ReplicaStats>, i64)>,
     /// Live prefix entries and evictions.
@@ -353,7 +356,7 @@ impl Window {
             sealed: false,
             ops: VecDeque::new(),
             first_seq: 0,
-            keys: HashMap::new(),
+            keys: Map::default(),
             stats: Vec::new(),
             live: 0,
         }
@@ -899,7 +902,7 @@ impl Task {
                     }
                     w.sealed = true;
                     // Nothing merges into it any more: the index is not needed.
-                    w.keys = HashMap::new();
+                    w.keys = Map::default();
                     let mut f = Flight::default();
                     let mut adds = [false; 2];
                     for (i, op) in w.ops.iter().enumerate() {
@@ -1230,7 +1233,7 @@ fn build_updates(
     adapters: &Interner<String>,
 ) -> Vec<pb::CacheStateUpdate> {
     let mut out: Vec<pb::CacheStateUpdate> = Vec::new();
-    let mut open: HashMap<(u32, i64), usize> = HashMap::new();
+    let mut open: Map<(u32, i64), usize> = Map::default();
     let header = |group: u32, ts: i64| {
         let (scope, scheme, adapter) = groups.get(group);
         let (replica, model, tenant) = scopes.get(*scope);
@@ -1294,7 +1297,7 @@ fn build_updates(
 
 /// How many updates [`build_updates`] made, for the counters.
 fn count_updates(w: &Window, after: bool) -> u64 {
-    let mut runs: HashMap<(u32, i64), usize> = HashMap::new();
+    let mut runs: Map<(u32, i64), usize> = Map::default();
     for op in &w.ops {
         if let Op::Add {
             group,
