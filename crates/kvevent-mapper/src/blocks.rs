@@ -1,14 +1,16 @@
 //! The per-source block map, compact: what is known of each engine block in ≤ 64 bytes.
 //!
-//! An engine block is identified by its hash and KV-cache group. Hashes that are 8 bytes (every
-//! int hash, as its 8 bytes big-endian, and an 8-byte `bin`) key one map by `u64`; other `bin`
-//! digests (16 or 32 bytes) key a second map by their bytes, which then cost their length on
-//! top. Groups and adapters are interned (`u16`), and the reported key is never stored: in
-//! engine mode it is the hash itself, in fingerprint mode the 8-byte prefix fingerprint.
+//! An engine block is identified by its hash and KV-cache group. Hashes of 8 bytes (every int
+//! hash, as its 8 bytes big-endian, and an 8-byte `bin`), 16 bytes and 32 bytes each key a map
+//! of fixed-size keys, so a digest costs just its length on top; other lengths (none seen in
+//! practice) key a fourth map by boxed bytes. Groups and adapters are interned (`u16`), and
+//! the reported key is never stored: in engine mode it is the hash itself, in fingerprint mode
+//! the 8-byte prefix fingerprint.
 //!
-//! Layout: key 10 bytes (`u64` + group), value 16 bytes (fingerprint, token count, adapter,
-//! flags), packed to 26 bytes an entry, plus hashbrown's control byte. Between growths the
-//! table is 7/16 to 7/8 full, so an int-hashed block costs 31–62 bytes (measured by
+//! Layout: key 10 bytes (8-byte hash + group), value 16 bytes (fingerprint, token count,
+//! adapter, flags), packed to 26 bytes an entry, plus hashbrown's control byte. Between
+//! growths a table is 7/16 to 7/8 full, so an int-hashed block costs 31–62 bytes: 31 at the
+//! default cap, which fills a 2^20-bucket table exactly (measured by
 //! `cargo run --release -p kvevent-benches --bin mapper-memory`).
 
 use std::collections::HashMap;
@@ -87,48 +89,62 @@ impl Tracked {
     }
 }
 
+/// A hash of `N` bytes and its interned group: 8 + 2, 16 + 2 or 32 + 2 bytes, unpadded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(C, packed(2))]
-struct IntId {
-    hash: u64,
+struct Fixed<const N: usize> {
+    hash: [u8; N],
     group: u16,
 }
 
 /// An engine block's identity, borrowed from the event.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum BlockId<'h> {
-    /// An 8-byte hash as a number (big-endian).
-    Int(u64, u16),
+    /// An 8-byte hash (every int, big-endian, and an 8-byte `bin`).
+    H8([u8; 8], u16),
+    /// A 16-byte digest (xxhash-128).
+    H16([u8; 16], u16),
+    /// A 32-byte digest (sha256).
+    H32([u8; 32], u16),
     /// A digest of another length.
-    Bytes(&'h [u8], u16),
+    Other(&'h [u8], u16),
 }
 
 impl<'h> BlockId<'h> {
     pub(crate) fn new(hash: &'h wire::BlockHash<'_>, group: u16) -> Self {
         match hash {
-            wire::BlockHash::Int(i) => Self::Int(u64::from_be_bytes(i.to_be_bytes()), group),
-            wire::BlockHash::Bytes(b) => match <[u8; 8]>::try_from(&**b) {
-                Ok(b8) => Self::Int(u64::from_be_bytes(b8), group),
-                Err(_) => Self::Bytes(b, group),
-            },
+            wire::BlockHash::Int(i) => Self::H8(i.to_be_bytes(), group),
+            wire::BlockHash::Bytes(b) => {
+                if let Ok(h) = <[u8; 8]>::try_from(&**b) {
+                    Self::H8(h, group)
+                } else if let Ok(h) = <[u8; 16]>::try_from(&**b) {
+                    Self::H16(h, group)
+                } else if let Ok(h) = <[u8; 32]>::try_from(&**b) {
+                    Self::H32(h, group)
+                } else {
+                    Self::Other(b, group)
+                }
+            }
         }
     }
 
     /// The engine-mode key: the hash's bytes.
     pub(crate) fn key(self) -> Vec<u8> {
         match self {
-            Self::Int(h, _) => h.to_be_bytes().to_vec(),
-            Self::Bytes(b, _) => b.to_vec(),
+            Self::H8(h, _) => h.to_vec(),
+            Self::H16(h, _) => h.to_vec(),
+            Self::H32(h, _) => h.to_vec(),
+            Self::Other(b, _) => b.to_vec(),
         }
     }
 }
 
-/// The bytes map's key: the digest, then the group's two bytes.
-fn bytes_key(b: &[u8], group: u16) -> std::borrow::Cow<'_, [u8]> {
+/// The key of a digest of another length: the digest, then the group's two bytes.
+fn other_key(b: &[u8], group: u16) -> Vec<u8> {
     let mut key = Vec::with_capacity(b.len() + 2);
     key.extend_from_slice(b);
     key.extend_from_slice(&group.to_be_bytes());
-    std::borrow::Cow::Owned(key)
+    key
 }
 
 /// How an insert went.
@@ -145,11 +161,41 @@ pub(crate) enum Insert {
 /// Most distinct KV-cache groups or adapters per source (interned as `u16`).
 const MAX_INTERNED: usize = u16::MAX as usize;
 
+/// Runs `$body` with `$map` the map that holds `$id` and `$key` its key there.
+macro_rules! with_map {
+    ($blocks:expr, $id:expr, |$map:ident, $key:ident| $body:expr) => {
+        match $id {
+            BlockId::H8(hash, group) => {
+                let $map = &mut $blocks.h8;
+                let $key = Fixed { hash, group };
+                $body
+            }
+            BlockId::H16(hash, group) => {
+                let $map = &mut $blocks.h16;
+                let $key = Fixed { hash, group };
+                $body
+            }
+            BlockId::H32(hash, group) => {
+                let $map = &mut $blocks.h32;
+                let $key = Fixed { hash, group };
+                $body
+            }
+            BlockId::Other(b, group) => {
+                let $map = &mut $blocks.other;
+                let $key: Box<[u8]> = other_key(b, group).into();
+                $body
+            }
+        }
+    };
+}
+
 #[derive(Debug)]
 pub(crate) struct Blocks {
-    ints: HashMap<IntId, Tracked, Hasher>,
+    h8: HashMap<Fixed<8>, Tracked, Hasher>,
+    h16: HashMap<Fixed<16>, Tracked, Hasher>,
+    h32: HashMap<Fixed<32>, Tracked, Hasher>,
     /// Keyed by the digest followed by the group's two bytes.
-    bytes: HashMap<Box<[u8]>, Tracked, Hasher>,
+    other: HashMap<Box<[u8]>, Tracked, Hasher>,
     groups: Vec<Option<i64>>,
     adapters: Vec<Arc<str>>,
     adapter_ids: HashMap<Arc<str>, u16, Hasher>,
@@ -159,8 +205,10 @@ pub(crate) struct Blocks {
 impl Blocks {
     pub(crate) fn new(max: usize) -> Self {
         Self {
-            ints: HashMap::default(),
-            bytes: HashMap::default(),
+            h8: HashMap::default(),
+            h16: HashMap::default(),
+            h32: HashMap::default(),
+            other: HashMap::default(),
             groups: Vec::new(),
             adapters: Vec::new(),
             adapter_ids: HashMap::default(),
@@ -169,13 +217,13 @@ impl Blocks {
     }
 
     pub(crate) fn len(&self) -> usize {
-        self.ints.len() + self.bytes.len()
+        self.h8.len() + self.h16.len() + self.h32.len() + self.other.len()
     }
 
     /// The interned number of a group, or `None` when there are too many groups.
     pub(crate) fn group(&mut self, group: Option<i64>) -> Option<u16> {
-        if let Some(i) = self.groups.iter().position(|g| *g == group) {
-            return Some(i as u16);
+        if let Some(i) = self.known_group(group) {
+            return Some(i);
         }
         if self.groups.len() >= MAX_INTERNED {
             return None;
@@ -210,18 +258,12 @@ impl Blocks {
         &self.adapters[usize::from(id)]
     }
 
-    pub(crate) fn get(&self, id: BlockId<'_>) -> Option<Tracked> {
-        match id {
-            BlockId::Int(hash, group) => self.ints.get(&IntId { hash, group }).copied(),
-            BlockId::Bytes(b, group) => self.bytes.get(&*bytes_key(b, group)).copied(),
-        }
+    pub(crate) fn get(&mut self, id: BlockId<'_>) -> Option<Tracked> {
+        self.get_mut(id).map(|t| *t)
     }
 
     pub(crate) fn get_mut(&mut self, id: BlockId<'_>) -> Option<&mut Tracked> {
-        match id {
-            BlockId::Int(hash, group) => self.ints.get_mut(&IntId { hash, group }),
-            BlockId::Bytes(b, group) => self.bytes.get_mut(&*bytes_key(b, group)),
-        }
+        with_map!(self, id, |map, key| map.get_mut(&key))
     }
 
     /// Tracks a block, merging tiers with what was known of it.
@@ -234,22 +276,12 @@ impl Blocks {
         if self.len() >= self.max {
             return Insert::Refused;
         }
-        match id {
-            BlockId::Int(hash, group) => {
-                self.ints.insert(IntId { hash, group }, block);
-            }
-            BlockId::Bytes(b, group) => {
-                self.bytes.insert(Box::from(&*bytes_key(b, group)), block);
-            }
-        }
+        with_map!(self, id, |map, key| map.insert(key, block));
         Insert::New
     }
 
     pub(crate) fn remove(&mut self, id: BlockId<'_>) -> Option<Tracked> {
-        let removed = match id {
-            BlockId::Int(hash, group) => self.ints.remove(&IntId { hash, group }),
-            BlockId::Bytes(b, group) => self.bytes.remove(&*bytes_key(b, group)),
-        };
+        let removed = with_map!(self, id, |map, key| map.remove(&key));
         if self.len() == 0 {
             self.shrink();
         }
@@ -258,18 +290,18 @@ impl Blocks {
 
     /// Forgets every block; the memory goes back too.
     pub(crate) fn clear(&mut self) {
-        self.ints = HashMap::default();
-        self.bytes = HashMap::default();
+        self.h8 = HashMap::default();
+        self.h16 = HashMap::default();
+        self.h32 = HashMap::default();
+        self.other = HashMap::default();
         self.shrink();
     }
 
     fn shrink(&mut self) {
-        if self.ints.capacity() > 1024 {
-            self.ints.shrink_to(1024);
-        }
-        if self.bytes.capacity() > 1024 {
-            self.bytes.shrink_to(1024);
-        }
+        self.h8.shrink_to(1024);
+        self.h16.shrink_to(1024);
+        self.h32.shrink_to(1024);
+        self.other.shrink_to(1024);
         self.groups.clear();
         self.adapters.clear();
         self.adapter_ids.clear();
@@ -278,12 +310,10 @@ impl Blocks {
     /// Every block, with its engine-mode key; the map is left empty.
     pub(crate) fn drain(&mut self) -> Vec<(Vec<u8>, Tracked)> {
         let mut out = Vec::with_capacity(self.len());
-        out.extend(
-            self.ints
-                .drain()
-                .map(|(id, t)| ({ id.hash }.to_be_bytes().to_vec(), t)),
-        );
-        out.extend(self.bytes.drain().map(|(b, t)| {
+        out.extend(self.h8.drain().map(|(id, t)| ({ id.hash }.to_vec(), t)));
+        out.extend(self.h16.drain().map(|(id, t)| ({ id.hash }.to_vec(), t)));
+        out.extend(self.h32.drain().map(|(id, t)| ({ id.hash }.to_vec(), t)));
+        out.extend(self.other.drain().map(|(b, t)| {
             let mut b = b.into_vec();
             b.truncate(b.len() - 2);
             (b, t)
@@ -293,10 +323,12 @@ impl Blocks {
 
     /// Bytes the maps hold (tables and out-of-line digests), for telemetry and the bench.
     pub(crate) fn heap_bytes(&self) -> usize {
-        let entry = std::mem::size_of::<(IntId, Tracked)>() + 1;
-        let bytes_entry = std::mem::size_of::<(Box<[u8]>, Tracked)>() + 1;
-        let digests: usize = self.bytes.keys().map(|b| b.len()).sum();
-        self.ints.capacity() * 8 / 7 * entry + self.bytes.capacity() * 8 / 7 * bytes_entry + digests
+        fn table<K, V, S>(m: &HashMap<K, V, S>) -> usize {
+            // hashbrown keeps capacity at 7/8 of its buckets; one control byte a bucket.
+            m.capacity() * 8 / 7 * (std::mem::size_of::<(K, V)>() + 1)
+        }
+        let digests: usize = self.other.keys().map(|b| b.len()).sum();
+        table(&self.h8) + table(&self.h16) + table(&self.h32) + table(&self.other) + digests
     }
 }
 
@@ -305,8 +337,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn an_entry_is_26_bytes() {
-        assert_eq!(std::mem::size_of::<(IntId, Tracked)>(), 26);
+    fn entries_are_unpadded() {
+        assert_eq!(std::mem::size_of::<(Fixed<8>, Tracked)>(), 26);
+        assert_eq!(std::mem::size_of::<(Fixed<16>, Tracked)>(), 34);
+        assert_eq!(std::mem::size_of::<(Fixed<32>, Tracked)>(), 50);
     }
 
     #[test]

@@ -196,3 +196,35 @@ fn a_block_still_held_by_another_medium_is_re_reported_not_evicted() {
     assert_eq!(events(&out), vec![(EVICTED, be(1), "".into())]);
     assert_eq!(m.tracked_blocks(), 0);
 }
+
+/// The keys of the reports of one kind: `New` or `Update`.
+fn keys_of(out: &[pb::Report], new: bool) -> Vec<Vec<u8>> {
+    out.iter()
+        .filter_map(|r| match (r, new) {
+            (pb::Report::New(u), true) | (pb::Report::Update(u), false) => Some(u),
+            _ => None,
+        })
+        .flat_map(|u| u.prefixes.iter().map(|p| p.prefix_hash.clone()))
+        .collect()
+}
+
+#[test]
+fn first_reports_are_new_and_re_reports_or_untracked_blocks_are_not() {
+    let options = Options {
+        max_tracked_blocks: 3,
+        ..Options::default()
+    };
+    let mut m = mapper(options);
+    let key = |h: u64| h.to_be_bytes().to_vec();
+    let out = run(&mut m, vec![stored(&[1, 2], None, tokens(0..8), 4)]);
+    assert_eq!(keys_of(&out, true), [key(1), key(2)]);
+    // Stored again (0.26+ re-announces), plus one new block and one over the cap: the server
+    // may hold the re-announced ones, and nothing tracks the refused one.
+    let out = run(&mut m, vec![stored(&[1, 2, 3, 4], None, tokens(0..16), 4)]);
+    assert_eq!(keys_of(&out, true), [key(3)]);
+    assert_eq!(keys_of(&out, false), [key(1), key(2), key(4)]);
+    // Evicted, then stored again: new again.
+    run(&mut m, vec![removed(&[3], "GPU")]);
+    let out = run(&mut m, vec![stored(&[3], Some(2), tokens(0..4), 4)]);
+    assert_eq!(keys_of(&out, true), [key(3)]);
+}

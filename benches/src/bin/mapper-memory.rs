@@ -1,0 +1,104 @@
+//! Memory per tracked block in the mapper: feeds N stored blocks (block size 16, token ids
+//! present, chained 8 to an event) to one `Mapper` and prints the growth of the resident set
+//! per block, and what the map itself says it holds, in both key modes and for 32-byte digests.
+//!
+//! `cargo run --release -p kvevent-benches --bin mapper-memory [-- N]` (default 917,504, the
+//! default `--max-tracked-blocks`).
+
+use kvevent_mapper::{Identity, KeyMode, Mapper, Options};
+use kvevent_wire as wire;
+
+fn rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+fn hash(i: u64, digest: bool) -> wire::BlockHash<'static> {
+    if digest {
+        let mut d = [0u8; 32];
+        d[..8].copy_from_slice(&i.wrapping_mul(0x9E37_79B9_7F4A_7C15).to_be_bytes());
+        d[24..].copy_from_slice(&i.to_be_bytes());
+        wire::BlockHash::Bytes(d.to_vec().into())
+    } else {
+        wire::BlockHash::Int(wire::Int::U64(i.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
+    }
+}
+
+fn measure(n: u64, mode: KeyMode, digest: bool) -> (f64, f64) {
+    let identity = Identity::new("r", "m", "", "vllm").expect("identity");
+    let options = Options {
+        key_mode: mode,
+        max_tracked_blocks: n as usize,
+        ..Options::default()
+    };
+    let before = rss_bytes();
+    let mut mapper = Mapper::new(identity, options);
+    let mut out = Vec::new();
+    let per_event = 8u64;
+    let mut i = 0;
+    while i < n {
+        let k = per_event.min(n - i);
+        let event = wire::Event::BlockStored(wire::BlockStored {
+            block_hashes: (i..i + k).map(|j| hash(j, digest)).collect(),
+            parent_block_hash: (i % 64 != 0).then(|| hash(i - 1, digest)),
+            token_ids: wire::TokenIds::from((0..k as u32 * 16).collect::<Vec<u32>>()),
+            block_size: 16,
+            medium: Some("GPU".into()),
+            ..Default::default()
+        });
+        let batch = wire::EventBatch {
+            ts: 1.0,
+            events: vec![event],
+            data_parallel_rank: None,
+            unknown_events: 0,
+        };
+        mapper.map_batch(&batch, &mut out);
+        out.clear();
+        i += k;
+    }
+    let grown = rss_bytes().saturating_sub(before);
+    assert_eq!(mapper.tracked_blocks() as u64, n);
+    (
+        grown as f64 / n as f64,
+        mapper.tracked_bytes() as f64 / n as f64,
+    )
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let n: u64 = args
+        .get(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(kvevent_mapper::DEFAULT_MAX_TRACKED_BLOCKS as u64);
+    // One configuration per process, so no run reuses memory another one freed.
+    if let (Some(mode), Some(hashes)) = (args.get(2), args.get(3)) {
+        let mode = if mode == "fingerprint" {
+            KeyMode::Fingerprint
+        } else {
+            KeyMode::Engine
+        };
+        let (rss, own) = measure(n, mode, hashes == "bin32");
+        println!("{rss:.1} {own:.1}");
+        return;
+    }
+    let exe = std::env::current_exe().expect("own path");
+    println!("tracked blocks: {n}");
+    println!("| hashes | key mode | RSS growth per block | map's own count per block |");
+    println!("|---|---|---|---|");
+    for (hashes, label) in [("int", "int (u64)"), ("bin32", "32-byte bin")] {
+        for mode in ["engine", "fingerprint"] {
+            let out = std::process::Command::new(&exe)
+                .args([&n.to_string(), mode, hashes])
+                .output()
+                .expect("run a measurement");
+            let text = String::from_utf8_lossy(&out.stdout);
+            let mut f = text.split_whitespace();
+            let (rss, own) = (f.next().unwrap_or("?"), f.next().unwrap_or("?"));
+            println!("| {label} | {mode} | {rss} B | {own} B |");
+        }
+    }
+}
