@@ -84,7 +84,7 @@ pub(crate) struct Options {
     #[arg(long, value_name = "MODE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     key_mode: Option<String>,
-    /// Coalescing window of adds [default: 100ms] [env: KVEVENT_WINDOW]
+    /// Window over which adds and evictions are collected, netted and sent [default: 100ms] [env: KVEVENT_WINDOW]
     #[arg(long, value_name = "DURATION")]
     #[serde(skip_serializing_if = "Option::is_none")]
     window: Option<String>,

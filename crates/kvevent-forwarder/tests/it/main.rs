@@ -569,3 +569,35 @@ async fn overload_sheds_the_oldest_and_delivery_keeps_going() {
         .collect();
     assert_eq!(last.len(), 1_000);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_call_is_never_overtaken_by_later_work_on_its_prefix() {
+    let server = RecordingServer::start().await;
+    server.set_behaviour(Behaviour::Refuse(tonic::Code::Unavailable));
+    let (h, f) = fwd::spawn(client(&server, 2000), config(20));
+    // Window 1: the add of 1 goes out and fails, again and again.
+    submit(&h, new_adds(&[1]));
+    server.wait_for_calls(2, WAIT).await;
+    // Later windows queue its eviction and a new add while it is being retried.
+    submit(&h, evict(1));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    submit(&h, new_adds(&[1, 2]));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    server.set_behaviour(Behaviour::Accept);
+    server
+        .wait_for(WAIT, |r| distinct_prefixes(r) >= 2 && r.len() >= 4)
+        .await;
+    // What the server saw of prefix 1, in order: the retried add, its eviction, the new add.
+    let of_1: Vec<&str> = server
+        .received()
+        .iter()
+        .filter_map(|r| match r {
+            Received::Update(u) if u.prefixes.iter().any(|p| p.prefix_hash == [1]) => Some("add"),
+            Received::Event(e) if e.prefix_hash == [1] => Some("evict"),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(of_1, ["add", "evict", "add"], "{:?}", trace(&server));
+    assert!(h.metrics().rpc_errors(tonic::Code::Unavailable) >= 2);
+    assert_eq!(f.shutdown(WAIT).await, fwd::DrainReport::default());
+}
