@@ -14,7 +14,10 @@ use serde::Serialize;
     version,
     about = "Sidecar next to a vLLM replica: reports its KV-cache events and stats to the InferenceCache server.",
     long_about = "Sidecar next to a vLLM replica: subscribes to the engine's KV-cache events (with replay of missed batches), maps them onto the InferenceCache contract and reports them to the server; scrapes the engine's /metrics for replica stats.\n\nEvery option can also be set in the --config TOML file (same name with underscores) or as an environment variable KVEVENT_<NAME>. Precedence, lowest first: defaults, file, environment, flags. Durations are written Go's way (50ms, 10s, 1m30s). Go-style single-dash flags (-replica-id=x) are accepted.",
-    args_conflicts_with_subcommands = true
+    args_conflicts_with_subcommands = true,
+    // Go's flag package takes a flag given twice, the last one winning; manifests that append
+    // override args rely on it.
+    args_override_self = true
 )]
 pub(crate) struct Cli {
     #[command(subcommand)]
@@ -232,7 +235,12 @@ pub(crate) fn go_style(args: impl IntoIterator<Item = String>) -> Vec<String> {
             continue;
         }
         let single = arg.starts_with('-') && !arg.starts_with("--") && arg.len() > 2;
-        let name = arg[1..].split('=').next().unwrap_or_default();
+        // `arg` starts with the one-byte '-' here, so byte 1 is a character boundary.
+        let name = if single {
+            arg[1..].split('=').next().unwrap_or_default()
+        } else {
+            ""
+        };
         if single && longs.iter().any(|l| l == name) {
             out.push(format!("-{arg}"));
         } else {
@@ -240,4 +248,66 @@ pub(crate) fn go_style(args: impl IntoIterator<Item = String>) -> Vec<String> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+    use proptest::prelude::*;
+
+    use super::{Cli, go_style};
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        let argv = std::iter::once("kvevent-subscriber")
+            .chain(args.iter().copied())
+            .map(str::to_owned);
+        Cli::try_parse_from(go_style(argv))
+    }
+
+    #[test]
+    fn an_empty_value_is_a_value() {
+        let cli = parse(&["--engine-metrics-url", "", "-replica-id", ""]).expect("parses");
+        assert_eq!(cli.options.engine_metrics_url.as_deref(), Some(""));
+        assert!(
+            parse(&[""]).is_err(),
+            "an empty positional is an error, not a panic"
+        );
+    }
+
+    #[test]
+    fn a_flag_given_twice_takes_the_last_value() {
+        let cli = parse(&[
+            "--window=50ms",
+            "-window",
+            "2s",
+            "--dp-size",
+            "2",
+            "--dp-size=3",
+        ])
+        .expect("parses");
+        assert_eq!(cli.options.window.as_deref(), Some("2s"));
+        assert_eq!(cli.options.dp_size, Some(3));
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+        /// No argument vector makes the command line panic: each is parsed or refused.
+        #[test]
+        fn no_argv_panics(args in proptest::collection::vec(
+            prop_oneof![
+                Just(String::new()),
+                Just("-".to_owned()),
+                Just("--".to_owned()),
+                Just("-window".to_owned()),
+                Just("--engine-metrics-url".to_owned()),
+                Just("-replica-id=".to_owned()),
+                "-{1,2}[a-z-]{0,20}(=.{0,8})?",
+                ".{0,12}",
+            ],
+            0..8,
+        )) {
+            let argv = std::iter::once("kvevent-subscriber".to_owned()).chain(args);
+            let _ = Cli::try_parse_from(go_style(argv));
+        }
+    }
 }

@@ -78,6 +78,9 @@ fn main() -> ExitCode {
         }
     };
     init_tracing(&settings.log_format, &settings.log_level);
+    for adjustment in &settings.adjustments {
+        tracing::warn!("{adjustment}");
+    }
     let rt = match runtime() {
         Ok(rt) => rt,
         Err(e) => {

@@ -56,13 +56,13 @@ fn help_documents_every_option_with_its_default_and_env_name() {
 
 #[test]
 fn bad_configuration_exits_64_naming_every_problem() {
-    let out = run(&["-window=0", "--dp-size", "0", "--cache-tier=warm"]);
+    let out = run(&["-rpc-timeout=0", "--dp-size", "0", "--cache-tier=warm"]);
     assert_eq!(out.status.code(), Some(64));
     let err = String::from_utf8_lossy(&out.stderr);
     for needle in [
         "--replica-id (KVEVENT_REPLICA_ID): is required",
         "--model-id (KVEVENT_MODEL_ID): is required",
-        "--window (KVEVENT_WINDOW): must be more than 0",
+        "--rpc-timeout (KVEVENT_RPC_TIMEOUT): must be more than 0",
         "--dp-size (KVEVENT_DP_SIZE)",
         "--cache-tier (KVEVENT_CACHE_TIER)",
     ] {

@@ -166,8 +166,13 @@ pub struct Settings {
     /// Key mode: `engine` (engine block hashes) or `fingerprint` (content fingerprints).
     #[serde(deserialize_with = "lenient_string")]
     pub key_mode: String,
-    /// Coalescing window of adds.
+    /// Window over which adds and evictions are collected, netted and sent. `0` means the
+    /// default, as in the Go sidecar (with a warning, see [`Settings::adjustments`]).
     pub window: GoDuration,
+    /// Changes [`Settings::load`] made to the configuration given, to be logged once logging is
+    /// set up (a zero `--window` becomes the default). Not an option.
+    #[serde(skip)]
+    pub adjustments: Vec<String>,
     /// The engine's Prometheus endpoint; empty: no stats.
     #[serde(deserialize_with = "lenient_string")]
     pub engine_metrics_url: String,
@@ -259,6 +264,7 @@ impl Default for Settings {
             hash_scheme: "vllm".into(),
             key_mode: "engine".into(),
             window: GoDuration::ms(100),
+            adjustments: Vec::new(),
             engine_metrics_url: "http://127.0.0.1:8000/metrics".into(),
             stats_interval: GoDuration::secs(10),
             engine_cache_size_bytes: 0,
@@ -351,7 +357,7 @@ impl Settings {
                     .filter(move |k| known.iter().any(|o| k.as_str().eq_ignore_ascii_case(o))),
             )
             .merge(Serialized::defaults(overrides));
-        let settings: Settings = figment.extract().map_err(|e| {
+        let mut settings: Settings = figment.extract().map_err(|e| {
             ConfigError(
                 e.into_iter()
                     .map(|e| Problem {
@@ -361,6 +367,14 @@ impl Settings {
                     .collect(),
             )
         })?;
+        if settings.window.0.is_zero() {
+            // The Go sidecar clamps a zero window to its default; manifests that set it exist.
+            settings.window = Settings::default().window;
+            settings.adjustments.push(format!(
+                "--window 0 is not a window: using the default {} (as the Go sidecar does)",
+                settings.window
+            ));
+        }
         settings.validate()?;
         Ok(settings)
     }

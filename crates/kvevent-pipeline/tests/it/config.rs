@@ -67,7 +67,7 @@ fn every_problem_is_reported_at_once_with_flag_and_env_names() {
         let err = Settings::load(
             None,
             flags(&[
-                ("window", "0"),
+                ("rpc_timeout", "0"),
                 ("server", "not an address"),
                 ("key_mode", "magic"),
                 ("lora_adapter_names", "x=y"),
@@ -79,7 +79,7 @@ fn every_problem_is_reported_at_once_with_flag_and_env_names() {
         for needle in [
             "--replica-id (KVEVENT_REPLICA_ID): is required",
             "--model-id (KVEVENT_MODEL_ID): is required",
-            "--window (KVEVENT_WINDOW): must be more than 0",
+            "--rpc-timeout (KVEVENT_RPC_TIMEOUT): must be more than 0",
             "--server (KVEVENT_SERVER)",
             "--key-mode (KVEVENT_KEY_MODE)",
             "--lora-adapter-names (KVEVENT_LORA_ADAPTER_NAMES)",
@@ -174,6 +174,28 @@ fn dp_ranks_whose_offset_ports_collide_are_refused() {
             ("replay_endpoint", "tcp://10.0.0.1:5657"),
         ]);
         Settings::load(None, flags(&spaced)).expect("spaced apart");
+        Ok(())
+    });
+}
+
+#[test]
+fn a_zero_window_is_the_default_with_a_warning_as_in_the_go_sidecar() {
+    Jail::expect_with(|_jail| {
+        let s = Settings::load(
+            None,
+            flags(&[("window", "0"), ("replica_id", "r"), ("model_id", "m")]),
+        )
+        .expect("valid");
+        assert_eq!(s.window.0, Duration::from_millis(100));
+        assert_eq!(s.adjustments.len(), 1);
+        assert!(
+            s.adjustments[0].contains("--window 0"),
+            "{:?}",
+            s.adjustments
+        );
+        let s =
+            Settings::load(None, flags(&[("replica_id", "r"), ("model_id", "m")])).expect("valid");
+        assert!(s.adjustments.is_empty());
         Ok(())
     });
 }

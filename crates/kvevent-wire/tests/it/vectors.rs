@@ -98,3 +98,20 @@ fn encoding_a_field_the_release_lacks_is_an_error() {
     let err = encode(&batch, "0.24.0".parse().expect("release")).expect_err("locality");
     assert_eq!(err.to_string(), "vLLM 0.24.0 has no field `locality`");
 }
+
+#[test]
+fn json_timestamps_are_read_to_the_exact_float() {
+    // Each of these is read 1 ulp off by serde_json's default (not correctly rounded) parser.
+    for ts in [
+        "1711006055.9184287",
+        "1700099488.8444285",
+        "1710280103.1124287",
+        "1710642516.6375713",
+    ] {
+        let text = format!(r#"{{"ts": {ts}, "events": [], "data_parallel_rank": null}}"#);
+        let json: serde_json::Value = serde_json::from_str(&text).expect("json");
+        let batch = kvevent_wire::json::from_json(&json).expect("batch");
+        let want: f64 = ts.parse().expect("std parses correctly rounded");
+        assert_eq!(batch.ts.to_bits(), want.to_bits(), "{ts}");
+    }
+}
