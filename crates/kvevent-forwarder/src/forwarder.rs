@@ -685,7 +685,7 @@ impl Task {
             }
             return;
         }
-        let mut added = 0;
+        let mut added: usize = 0;
         let mut coalesced = 0;
         for (key, entry_adapter, p) in entries {
             let tier = p.tier.clamp(0, 3);
@@ -699,29 +699,17 @@ impl Task {
             let ko = w.keys.entry(key.clone()).or_default();
             let after_evict = ko.evict.get().is_some();
             let existing = ko.adds[tier as usize].get();
-            let seq = w.first_seq + w.ops.len() as u64;
-            if existing.is_none() {
-                if !ko.has_adds() {
-                    ko.first_add_new = new;
-                }
-                ko.adds[tier as usize] = Slot::of(Some(seq));
+            if existing.is_none() && !ko.has_adds() {
+                ko.first_add_new = new;
             }
-            if let Some(Op::Add {
-                group: g,
-                entry_adapter: ea,
-                token_count,
-                timestamp_us,
-                extra: x,
-                ..
-            }) = existing.and_then(|seq| w.op_mut(seq))
-            {
-                *g = group;
-                *ea = entry_adapter;
-                *token_count = p.token_count;
-                *timestamp_us = ts;
-                *x = extra;
+            let seq = w.first_seq + w.ops.len() as u64;
+            ko.adds[tier as usize] = Slot::of(Some(seq));
+            // A repeated add replaces the queued one and moves to the back, so adds of one
+            // prefix at several tiers keep their order (the last tier reported wins).
+            if existing.is_some_and(|old| w.cancel(old)) {
                 coalesced += 1;
-                continue;
+            } else {
+                added += 1;
             }
             w.push(Op::Add {
                 key,
@@ -733,7 +721,6 @@ impl Task {
                 after_evict,
                 extra,
             });
-            added += 1;
         }
         self.pending += added;
         self.metrics.coalesced.fetch_add(coalesced, Relaxed);

@@ -40,6 +40,8 @@ pub struct MapperStats {
     pub unkeyable_blocks: u64,
     /// Blocks not tracked because the per-source map was full.
     pub map_refusals: u64,
+    /// Block hashes that were an empty `bin`: not a key, skipped.
+    pub empty_hashes: u64,
 }
 
 /// Maps one engine source's batches to reports. Keep one per (endpoint, DP rank).
@@ -184,12 +186,18 @@ impl Mapper {
             }
         };
         // First reports of a block go as `New` (the forwarder may cancel them against an
-        // eviction that finds them unsent); re-reports of tracked blocks as `Update`.
+        // eviction that finds them unsent); re-reports of tracked blocks as `Update`. Every entry
+        // carries its adapter; the update-level `adapter_id` (the server's default for entries
+        // without one) stays empty, as the Go sidecar sends it.
         let mut fresh = self.identity.update(ts);
-        fresh.adapter_id = adapter.to_string();
         let mut again = fresh.clone();
         for (i, (hash, prefix)) in e.block_hashes.iter().zip(prefixes).enumerate() {
             let tokens = base_tokens.saturating_add((i as u32 + 1).saturating_mul(e.block_size));
+            if is_empty_hash(hash) {
+                // Not a key: never forwarded as an empty `prefix_hash`, never tracked.
+                self.stats.empty_hashes += 1;
+                continue;
+            }
             let key = match self.options.key_mode {
                 KeyMode::Engine => Some(engine_key(hash)),
                 KeyMode::Fingerprint => prefix.map(fingerprint_key),
@@ -212,8 +220,9 @@ impl Mapper {
                     adapter_id: adapter.to_string(),
                     ..Default::default()
                 };
-                // An untracked block may be on the server already: never `New`.
-                if inserted == Insert::New {
+                // An untracked block may be on the server already: never `New`. With an offload
+                // tier, a block the map forgot may still be on the server at T2.
+                if inserted == Insert::New && !self.options.engine_has_offload_tier {
                     fresh.prefixes.push(entry);
                 } else {
                     again.prefixes.push(entry);
@@ -239,6 +248,10 @@ impl Mapper {
         let offload = self.options.engine_has_offload_tier && tier == pb::CacheTier::T1;
         let group = self.blocks.known_group(e.group_idx);
         for hash in &e.block_hashes {
+            if is_empty_hash(hash) {
+                self.stats.empty_hashes += 1;
+                continue;
+            }
             // The tiers still holding the block after this removal.
             let known = group.map(|g| BlockId::new(hash, g)).and_then(|id| {
                 let t = self.blocks.get_mut(id)?;
@@ -257,7 +270,9 @@ impl Mapper {
                         t.tokens(),
                         t.tiers(),
                     );
-                    if t.tiers() == 0 {
+                    // With an offload tier the map forgets a block leaving the GPU (it is
+                    // re-reported at T2): the map never grows with the offload tier's contents.
+                    if t.tiers() == 0 || offload {
                         self.blocks.remove(id);
                     }
                     found
@@ -287,7 +302,6 @@ impl Mapper {
                 self.stats.offload_rereports += 1;
                 self.stats.prefixes += 1;
                 let mut update = self.identity.update(ts);
-                update.adapter_id = adapter.to_string();
                 update.prefixes.push(pb::PrefixEntry {
                     prefix_hash: key,
                     token_count: i32::try_from(tokens).unwrap_or(i32::MAX),
@@ -307,6 +321,11 @@ impl Mapper {
             }
         }
     }
+}
+
+/// An empty `bin` hash: no key can be made of it.
+fn is_empty_hash(hash: &wire::BlockHash<'_>) -> bool {
+    matches!(hash, wire::BlockHash::Bytes(b) if b.is_empty())
 }
 
 /// The batch time in microseconds (`ts` × 1e6); 0 ("server now") when not a finite time.

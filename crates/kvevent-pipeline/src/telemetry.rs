@@ -319,6 +319,7 @@ impl Telemetry {
                     ("unknown_removal", s.unknown_removals),
                     ("unkeyable_block", s.unkeyable_blocks),
                     ("map_full", s.map_refusals),
+                    ("empty_hash", s.empty_hashes),
                 ] {
                     o.sample(MAPPER_SKIPPED, &[("source", label), ("reason", reason)], v);
                 }

@@ -601,3 +601,43 @@ async fn a_retried_call_is_never_overtaken_by_later_work_on_its_prefix() {
     assert!(h.metrics().rpc_errors(tonic::Code::Unavailable) >= 2);
     assert_eq!(f.shutdown(WAIT).await, fwd::DrainReport::default());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reports_of_one_prefix_at_several_tiers_keep_their_order_and_timestamps() {
+    let server = RecordingServer::start().await;
+    let (h, f) = fwd::spawn(client(&server, 2000), config(50));
+    let at = |tier: pb::CacheTier, ts: i64| match update(&[7], tier) {
+        pb::Report::Update(mut u) => {
+            u.timestamp_us = ts;
+            pb::Report::Update(u)
+        }
+        other => other,
+    };
+    // Offloaded (T2) at 10, stored on the GPU again (T1) at 20, offloaded again at 30.
+    submit(&h, at(pb::CacheTier::T2, 10));
+    submit(&h, at(pb::CacheTier::T1, 20));
+    submit(&h, at(pb::CacheTier::T2, 30));
+    assert_eq!(f.shutdown(WAIT).await, fwd::DrainReport::default());
+    let sent: Vec<(i64, i32)> = server
+        .received()
+        .iter()
+        .filter_map(|r| match r {
+            Received::Update(u) => Some(
+                u.prefixes
+                    .iter()
+                    .map(|p| (u.timestamp_us, p.tier))
+                    .collect::<Vec<_>>(),
+            ),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    // Each report keeps its own batch time; the last one the server applies is the T2 at 30.
+    assert_eq!(
+        sent,
+        [
+            (20, pb::CacheTier::T1 as i32),
+            (30, pb::CacheTier::T2 as i32)
+        ]
+    );
+}

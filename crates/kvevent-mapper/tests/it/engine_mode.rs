@@ -139,10 +139,60 @@ fn offload_tier_turns_gpu_removals_into_t2_reports() {
     let out = run(&mut m, vec![removed(&[2], "GPU")]);
     assert_eq!(entries(&out), vec![(be(2), 8, T2, "".into())]);
     assert!(events(&out).is_empty());
+    // The map forgets a block that left the GPU: it never grows with the offload tier.
+    assert_eq!(m.tracked_blocks(), 1);
     // A removal from the offload tier itself is a real eviction.
     let out = run(&mut m, vec![removed(&[2], "CPU")]);
     assert_eq!(events(&out), vec![(EVICTED, be(2), "".into())]);
     assert_eq!(m.stats().offload_rereports, 1);
+}
+
+#[test]
+fn with_an_offload_tier_a_block_stored_again_is_re_reported_at_t1_never_as_new() {
+    let options = Options {
+        engine_has_offload_tier: true,
+        ..Options::default()
+    };
+    let mut m = mapper(options);
+    let batch = |ts: f64, events| wire::EventBatch {
+        ts,
+        events,
+        data_parallel_rank: None,
+        unknown_events: 0,
+    };
+    let mut out = Vec::new();
+    m.map_batch(
+        &batch(1.0, vec![stored(&[1], None, tokens(0..4), 4)]),
+        &mut out,
+    );
+    m.map_batch(&batch(2.0, vec![removed(&[1], "GPU")]), &mut out);
+    m.map_batch(
+        &batch(3.0, vec![stored(&[1], None, tokens(0..4), 4)]),
+        &mut out,
+    );
+    let seen: Vec<(i64, i32, bool)> = out
+        .iter()
+        .filter_map(|r| match r {
+            pb::Report::New(u) => Some((u, true)),
+            pb::Report::Update(u) => Some((u, false)),
+            pb::Report::Event(_) => None,
+        })
+        .flat_map(|(u, new)| {
+            u.prefixes
+                .iter()
+                .map(move |p| (u.timestamp_us, p.tier, new))
+        })
+        .collect();
+    // Each in an update of its own, with its batch's time: T1, T2 at the removal's time, T1.
+    // The server may hold a forgotten block at T2, so no report here is `New`.
+    assert_eq!(
+        seen,
+        [
+            (1_000_000, T1, false),
+            (2_000_000, T2, false),
+            (3_000_000, T1, false)
+        ]
+    );
 }
 
 #[test]
@@ -227,4 +277,36 @@ fn first_reports_are_new_and_re_reports_or_untracked_blocks_are_not() {
     run(&mut m, vec![removed(&[3], "GPU")]);
     let out = run(&mut m, vec![stored(&[3], Some(2), tokens(0..4), 4)]);
     assert_eq!(keys_of(&out, true), [key(3)]);
+}
+
+#[test]
+fn entries_carry_their_adapter_and_the_update_level_adapter_stays_empty() {
+    let mut m = mapper(Options::default());
+    let mut event = stored(&[1], None, tokens(0..4), 4);
+    if let wire::Event::BlockStored(s) = &mut event {
+        s.lora_name = Some(Cow::Borrowed("chat"));
+    }
+    let out = run(&mut m, vec![event]);
+    let update = out[0].as_update().expect("an update");
+    assert_eq!(update.adapter_id, "");
+    assert_eq!(update.prefixes[0].adapter_id, "chat");
+}
+
+#[test]
+fn an_empty_bytes_hash_is_not_a_key() {
+    let mut m = mapper(Options::default());
+    let mut event = stored(&[1, 2], None, tokens(0..8), 4);
+    if let wire::Event::BlockStored(s) = &mut event {
+        s.block_hashes[0] = wire::BlockHash::Bytes(Cow::Borrowed(&[]));
+    }
+    let out = run(&mut m, vec![event]);
+    assert_eq!(entries(&out), vec![(be(2), 8, T1, "".into())]);
+    let mut gone = removed(&[], "GPU");
+    if let wire::Event::BlockRemoved(r) = &mut gone {
+        r.block_hashes
+            .push(wire::BlockHash::Bytes(Cow::Borrowed(&[])));
+    }
+    assert!(run(&mut m, vec![gone]).is_empty());
+    assert_eq!(m.stats().empty_hashes, 2);
+    assert_eq!(m.tracked_blocks(), 1);
 }
