@@ -83,7 +83,7 @@ pub(crate) struct Options {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     hash_scheme: Option<String>,
-    /// Prefix keys: engine (engine block hashes) or fingerprint (content fingerprints of token ids) [default: engine] [env: KVEVENT_KEY_MODE]
+    /// Prefix keys: fingerprint (content fingerprints of token ids, what the inference-cache server matches LookupRoute token_ids against, as the Go sidecar sends) or engine (the engine's block hashes, for gateways that send those) [default: fingerprint] [env: KVEVENT_KEY_MODE]
     #[arg(long, value_name = "MODE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     key_mode: Option<String>,

@@ -103,6 +103,8 @@ async fn end_to_end_with_go_style_flags_and_a_sigterm_drain_that_loses_nothing()
             engine.replay_endpoint().expect("replay"),
             &format!("--server=http://{}", server.addr()),
             "-replica-id=replica-7",
+            // The assertions below name engine block hashes.
+            "-key-mode=engine",
             "--model-id",
             "llama",
             // Long enough that only the drain can send the adds.

@@ -262,7 +262,7 @@ impl Default for Settings {
             model_id: String::new(),
             tenant_id: String::new(),
             hash_scheme: "vllm".into(),
-            key_mode: "engine".into(),
+            key_mode: "fingerprint".into(),
             window: GoDuration::ms(100),
             adjustments: Vec::new(),
             engine_metrics_url: "http://127.0.0.1:8000/metrics".into(),

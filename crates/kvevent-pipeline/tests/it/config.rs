@@ -199,3 +199,13 @@ fn a_zero_window_is_the_default_with_a_warning_as_in_the_go_sidecar() {
         Ok(())
     });
 }
+
+#[test]
+fn keys_are_fingerprints_by_default_as_the_go_sidecar_sends_them() {
+    Jail::expect_with(|_jail| {
+        let s =
+            Settings::load(None, flags(&[("replica_id", "r"), ("model_id", "m")])).expect("valid");
+        assert_eq!(s.key_mode, "fingerprint");
+        Ok(())
+    });
+}

@@ -257,6 +257,8 @@ async fn a_dp_rank_restart_evicts_only_that_rank() {
         engine_endpoint: "inproc://dp-test".into(),
         replay_endpoint: "inproc://dp-test-replay".into(),
         dp_size: 2,
+        // The assertions name engine block hashes.
+        key_mode: "engine".into(),
         ..settings(&engines[0], &server)
     };
     let running = start(&s, &ctx).await.expect("start");

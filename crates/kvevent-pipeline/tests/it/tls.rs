@@ -152,8 +152,9 @@ async fn the_bearer_token_is_sent_and_rotates_with_its_file() {
     std::fs::rename(format!("{token}.new"), &token).expect("rename");
     // The file is looked at again at most once a second.
     tokio::time::sleep(Duration::from_millis(1_100)).await;
+    let calls = server.calls();
     engine.publish(&scripted_batch(2)).expect("publish");
-    server.wait_for(WAIT, |r| r.len() >= 4).await;
+    server.wait_for_calls(calls + 1, WAIT).await;
     assert_eq!(
         server.auth_headers().last().cloned().flatten().as_deref(),
         Some("Bearer secret-2-longer")
