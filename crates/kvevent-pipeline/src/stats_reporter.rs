@@ -43,6 +43,7 @@ impl StatsReporter {
             let stats = match self.scraper.scrape().await {
                 Ok(stats) => {
                     self.telemetry.scrape("ok");
+                    self.count_gaps(&stats);
                     stats
                 }
                 Err(e) => {
@@ -78,6 +79,30 @@ impl StatsReporter {
                     self.telemetry.stats_report("rpc_error");
                 }
             }
+        }
+    }
+}
+
+impl StatsReporter {
+    /// Counts what the scrape lacked; says so once per series (the stat is reported as 0).
+    fn count_gaps(&self, stats: &kvevent_scrape::Stats) {
+        self.telemetry
+            .scrape_non_finite
+            .fetch_add(stats.non_finite, Relaxed);
+        let mut absent = self
+            .telemetry
+            .scrape_absent
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        for series in &stats.absent {
+            let n = absent.entry(series).or_default();
+            if *n == 0 {
+                tracing::warn!(
+                    series,
+                    "engine metrics lack this series: its stat is reported as 0 (unknown)"
+                );
+            }
+            *n += 1;
         }
     }
 }

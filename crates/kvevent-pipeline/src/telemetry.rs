@@ -24,6 +24,10 @@ pub struct Telemetry {
     pub scrapes: Mutex<BTreeMap<&'static str, u64>>,
     /// Stats reports by outcome (`ok`, `rejected`, `rpc_error`).
     pub stats_reports: Mutex<BTreeMap<&'static str, u64>>,
+    /// Scrapes that lacked a series the stats use (reported as 0), by series.
+    pub scrape_absent: Mutex<BTreeMap<&'static str, u64>>,
+    /// Samples skipped because they were NaN or ±Inf.
+    pub scrape_non_finite: AtomicU64,
     /// Unix time (ms) of the last stats report the server accepted.
     pub stats_last_success_unix_ms: AtomicU64,
     /// The engine sockets are open and their threads running.
@@ -90,6 +94,10 @@ pub mod names {
     pub const LAST_SUCCESS: &str = "kvevent_last_success_timestamp_seconds";
     /// Engine metrics scrapes by outcome.
     pub const SCRAPES: &str = "kvevent_scrapes_total";
+    /// Scrapes that lacked a series the stats use, by series.
+    pub const SCRAPE_ABSENT: &str = "kvevent_scrape_series_absent_total";
+    /// Scraped samples skipped for being NaN or ±Inf.
+    pub const SCRAPE_NON_FINITE: &str = "kvevent_scrape_non_finite_samples_total";
     /// Stats reports by outcome.
     pub const STATS_REPORTS: &str = "kvevent_stats_reports_total";
 }
@@ -140,6 +148,8 @@ impl Telemetry {
             forwarder,
             scrapes: Mutex::new(BTreeMap::new()),
             stats_reports: Mutex::new(BTreeMap::new()),
+            scrape_absent: Mutex::new(BTreeMap::new()),
+            scrape_non_finite: AtomicU64::new(0),
             stats_last_success_unix_ms: AtomicU64::new(0),
             subscribed: AtomicBool::new(false),
             reports_after_shutdown: AtomicU64::new(0),
@@ -426,6 +436,20 @@ impl Telemetry {
         for (outcome, v) in lock(&self.scrapes).iter() {
             o.sample(SCRAPES, &[("outcome", outcome)], v);
         }
+        o.family(
+            SCRAPE_ABSENT,
+            "counter",
+            "Scrapes that lacked a series the stats use (reported as 0, unknown), by series.",
+        );
+        for (series, v) in lock(&self.scrape_absent).iter() {
+            o.sample(SCRAPE_ABSENT, &[("series", series)], v);
+        }
+        o.family(
+            SCRAPE_NON_FINITE,
+            "counter",
+            "Scraped samples skipped because they were NaN or +-Inf.",
+        );
+        o.sample(SCRAPE_NON_FINITE, &[], self.scrape_non_finite.load(Relaxed));
         o.family(STATS_REPORTS, "counter", "Stats reports, by outcome.");
         for (outcome, v) in lock(&self.stats_reports).iter() {
             o.sample(STATS_REPORTS, &[("outcome", outcome)], v);

@@ -4,9 +4,11 @@
 //!   escaping, NaN and ±Inf, timestamps, `# EOF`, counters with or without `_total`, names
 //!   written with `_` for `:`).
 //! - [`stats`]: engine profiles (vLLM current and legacy names, SGLang; detected or set), the
-//!   `model_name` filter, aggregation over DP engines (sums for counters and request gauges,
-//!   mean for usage), hit rate and offload-tier deltas between scrapes, pressure. Absent
-//!   series are an error, never a fabricated zero.
+//!   `model_name` filter, SGLang's `priority` breakdowns left out of their totals, aggregation
+//!   over DP engines (sums for counters and request gauges, mean for usage), the hit rate
+//!   between scrapes, offload-tier counters as running totals, pressure. NaN and ±Inf samples
+//!   are skipped and counted. A series the engine lacks is reported as 0 ("unknown") and named
+//!   in [`Stats::absent`]; only an exposition with none of the profile's series fails.
 //! - [`Fetcher`]: one HTTP GET (hyper), bounded in time and body size, gzip handled.
 //! - [`Scraper`]: the three together, keeping the previous scrape for deltas.
 //!

@@ -106,6 +106,7 @@ async fn events_and_stats_flow_end_to_end() {
         "kvevent_prefixes_sent_total ",
         "kvevent_scrapes_total{outcome=\"ok\"}",
         "kvevent_stats_reports_total{outcome=\"ok\"}",
+        "kvevent_scrape_non_finite_samples_total 0",
         "kvevent_source_resets_total{source=",
         "kvevent_dropped_total{kind=\"prefix\",reason=\"overflow\"} 0",
         "kvevent_dropped_total{kind=\"report\",reason=\"after_shutdown\"} 0",

@@ -86,7 +86,10 @@ fn the_model_filter_keeps_one_model() {
         ..config()
     };
     let r = read("vllm-multimodel.txt", &cfg).expect("read");
-    assert_eq!((r.running, r.waiting, r.usage), (2.0, 0.0, 0.2));
+    assert_eq!(
+        (r.running, r.waiting, r.usage),
+        (Some(2.0), Some(0.0), Some(0.2))
+    );
     assert_eq!((r.hits, r.queries), (Some(10.0), Some(40.0)));
     let cfg = StatsConfig {
         model_name: Some("absent".into()),
@@ -95,15 +98,15 @@ fn the_model_filter_keeps_one_model() {
     let err = read("vllm-multimodel.txt", &cfg).expect_err("no such model");
     assert_eq!(
         err.to_string(),
-        "series `vllm:num_requests_running` of profile vllm is absent for model_name=absent"
+        "none of the series of profile vllm is present for model_name=absent"
     );
 }
 
 #[test]
 fn dp_engines_are_summed_and_usage_averaged() {
     let r = read("vllm-dp2.txt", &config()).expect("read");
-    assert_eq!((r.running, r.waiting), (10.0, 4.0));
-    assert!((r.usage - 0.4).abs() < 1e-9);
+    assert_eq!((r.running, r.waiting), (Some(10.0), Some(4.0)));
+    assert!((r.usage.expect("usage") - 0.4).abs() < 1e-9);
     assert_eq!((r.hits, r.queries), (Some(1000.0), Some(4000.0)));
 }
 
@@ -111,7 +114,7 @@ fn dp_engines_are_summed_and_usage_averaged() {
 fn openmetrics_names_with_underscores_are_read() {
     let r = read("vllm-openmetrics.txt", &config()).expect("read");
     assert_eq!(r.profile, Some(Profile::Vllm));
-    assert_eq!((r.running, r.usage), (1.0, 0.1));
+    assert_eq!((r.running, r.usage), (Some(1.0), Some(0.1)));
     assert_eq!((r.hits, r.queries), (Some(5.0), Some(10.0)));
 }
 
@@ -121,20 +124,19 @@ fn the_legacy_profile_and_the_cache_tier_choice() {
     assert_eq!(r.profile, Some(Profile::VllmLegacy));
     assert_eq!(
         (r.usage, r.hits, r.queries),
-        (0.61, Some(800.0), Some(1000.0))
+        (Some(0.61), Some(800.0), Some(1000.0))
     );
-    // A fixed tier whose gauge is absent is an error, not a zero.
+    // A pinned tier whose gauge is absent reads as unknown, named; the load still counts.
     let cfg = StatsConfig {
         cache_tier: CacheTier::Kv,
         ..config()
     };
-    assert!(matches!(
-        read("vllm-0.10-legacy.txt", &cfg),
-        Err(StatsError::Missing {
-            series: "vllm:kv_cache_usage_perc",
-            ..
-        })
-    ));
+    let r = read("vllm-0.10-legacy.txt", &cfg).expect("the load gauges are there");
+    assert_eq!(r.usage, None);
+    assert_eq!(r.absent, ["vllm:kv_cache_usage_perc"]);
+    let s = Deltas::default().next(r, &cfg);
+    assert_eq!(s.cache_memory_bytes, 0);
+    assert!(s.pressure > 0.0);
 }
 
 #[test]
@@ -142,7 +144,7 @@ fn auto_prefers_a_non_zero_gauge_and_sglang_is_read_directly() {
     let text = "vllm:num_requests_running 1\nvllm:num_requests_waiting 0\n\
                 vllm:kv_cache_usage_perc 0\nvllm:gpu_cache_usage_perc 0.3\n";
     let r = stats::read(&text::parse(text).expect("parse"), &config()).expect("read");
-    assert_eq!(r.usage, 0.3);
+    assert_eq!(r.usage, Some(0.3));
     let sglang = "sglang:num_running_reqs{model_name=\"m\"} 4\nsglang:num_queue_reqs{model_name=\"m\"} 2\n\
                   sglang:token_usage{model_name=\"m\"} 0.5\nsglang:cache_hit_rate{model_name=\"m\"} 0.25\n";
     let cfg = config();
@@ -154,7 +156,7 @@ fn auto_prefers_a_non_zero_gauge_and_sglang_is_read_directly() {
 }
 
 #[test]
-fn offload_tier_counters_become_deltas() {
+fn offload_tier_counters_are_sent_as_running_totals() {
     let cfg = config();
     let tick = |hits: u32, queries: u32| {
         let text = format!(
@@ -164,9 +166,86 @@ fn offload_tier_counters_become_deltas() {
         stats::read(&text::parse(&text).expect("parse"), &cfg).expect("read")
     };
     let mut deltas = Deltas::default();
-    assert_eq!(deltas.next(tick(10, 100), &cfg).t2_hit_tokens, 0);
+    let s = deltas.next(tick(10, 100), &cfg);
+    assert_eq!((s.t2_hit_tokens, s.t2_query_tokens), (10, 100));
     let s = deltas.next(tick(25, 160), &cfg);
-    assert_eq!((s.t2_hit_tokens, s.t2_query_tokens), (15, 60));
+    assert_eq!((s.t2_hit_tokens, s.t2_query_tokens), (25, 160));
+    // The engine restarted: its counters start again, a new total, never negative.
+    let s = deltas.next(tick(3, 7), &cfg);
+    assert_eq!((s.t2_hit_tokens, s.t2_query_tokens), (3, 7));
+}
+
+fn parse_read(text: &str, cfg: &StatsConfig) -> Result<stats::Reading, StatsError> {
+    stats::read(&text::parse(text).expect("parse"), cfg)
+}
+
+#[test]
+fn non_finite_samples_are_skipped_counted_and_never_reach_the_stats() {
+    let cfg = config();
+    // Rank 1's gauges are NaN / +Inf: the aggregate uses rank 0's.
+    let text = "vllm:num_requests_running{engine=\"0\"} 2\nvllm:num_requests_running{engine=\"1\"} NaN\n\
+                vllm:num_requests_waiting{engine=\"0\"} 1\nvllm:num_requests_waiting{engine=\"1\"} +Inf\n\
+                vllm:kv_cache_usage_perc{engine=\"0\"} 0.5\nvllm:kv_cache_usage_perc{engine=\"1\"} NaN\n";
+    let r = parse_read(text, &cfg).expect("read");
+    assert_eq!(
+        (r.running, r.waiting, r.usage),
+        (Some(2.0), Some(1.0), Some(0.5))
+    );
+    assert_eq!(r.non_finite, 3);
+    // A stat with no finite input is unknown: 0, never NaN.
+    let text = "vllm:num_requests_running NaN\nvllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc NaN\n";
+    let r = parse_read(text, &cfg).expect("read");
+    assert_eq!(
+        r.absent,
+        ["vllm:num_requests_running", "vllm:kv_cache_usage_perc"]
+    );
+    let s = Deltas::default().next(r, &cfg);
+    assert!(s.pressure.is_finite() && s.hit_rate.is_finite());
+    assert_eq!((s.pressure, s.cache_memory_bytes), (0.0, 0));
+}
+
+#[test]
+fn an_endpoint_with_only_the_load_gauges_gives_stats() {
+    let cfg = config();
+    let r = parse_read(
+        "vllm:num_requests_running 3\nvllm:num_requests_waiting 1\n",
+        &cfg,
+    )
+    .expect("the load gauges are enough");
+    assert_eq!(r.profile, Some(Profile::Vllm));
+    assert_eq!(r.absent, ["vllm:kv_cache_usage_perc"]);
+    let s = Deltas::default().next(r, &cfg);
+    assert!((s.pressure - 0.4).abs() < 1e-6);
+    assert_eq!(s.cache_memory_bytes, 0);
+    // A profile pinned to an engine whose series are all absent is a failed scrape.
+    let sglang = StatsConfig {
+        profile: Some(Profile::Sglang),
+        ..config()
+    };
+    assert!(matches!(
+        parse_read("vllm:num_requests_running 3\n", &sglang),
+        Err(StatsError::NoSeries { .. })
+    ));
+}
+
+#[test]
+fn sglang_priority_breakdowns_are_not_added_to_their_total() {
+    let cfg = config();
+    let text = "sglang:num_running_reqs{dp_rank=\"0\",priority=\"\"} 6\n\
+                sglang:num_running_reqs{dp_rank=\"0\",priority=\"0\"} 4\n\
+                sglang:num_running_reqs{dp_rank=\"0\",priority=\"1\"} 2\n\
+                sglang:num_running_reqs{dp_rank=\"1\"} 3\n\
+                sglang:num_queue_reqs{dp_rank=\"0\"} 1\nsglang:num_queue_reqs{dp_rank=\"1\"} 1\n\
+                sglang:token_usage{dp_rank=\"0\"} 0.2\nsglang:token_usage{dp_rank=\"1\"} 0.4\n";
+    let r = parse_read(text, &cfg).expect("read");
+    // Ranks add up (6 + 3), the breakdown is not counted again; usage is the mean.
+    assert_eq!((r.running, r.waiting), (Some(9.0), Some(2.0)));
+    assert!((r.usage.expect("usage") - 0.3).abs() < 1e-9);
+    // Only a breakdown: it is the total.
+    let text =
+        "sglang:num_running_reqs{priority=\"0\"} 4\nsglang:num_running_reqs{priority=\"1\"} 2\n";
+    let r = parse_read(text, &cfg).expect("read");
+    assert_eq!(r.running, Some(6.0));
 }
 
 #[test]
