@@ -123,6 +123,10 @@ pub(crate) struct Options {
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
     #[serde(skip_serializing_if = "Option::is_none")]
     ignore_block_removed: Option<bool>,
+    /// Hybrid models: report blocks of every KV-cache group, not only full-attention ones (sliding-window, chunked-local and mamba groups are not reusable prefixes on their own) [default: false] [env: KVEVENT_ALL_KV_GROUPS]
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    all_kv_groups: Option<bool>,
     /// Adapter names for LoRA ids, for engines without lora_name: 1=a,2=b [default: ""] [env: KVEVENT_LORA_ADAPTER_NAMES]
     #[arg(long, value_name = "MAP")]
     #[serde(skip_serializing_if = "Option::is_none")]

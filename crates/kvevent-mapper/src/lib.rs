@@ -75,6 +75,10 @@ pub struct Options {
     pub lora_adapters: HashMap<i64, Arc<str>>,
     /// Most engine blocks tracked per source; inserts beyond are refused and counted.
     pub max_tracked_blocks: usize,
+    /// Report blocks of every KV-cache group of a hybrid model. By default only full-attention
+    /// groups are (`kv_cache_spec_kind` `full_attention`, `mla_attention`, or none given): a
+    /// sliding-window, chunked-local or mamba group's block is not a reusable prefix on its own.
+    pub all_kv_groups: bool,
 }
 
 impl Default for Options {
@@ -84,8 +88,15 @@ impl Default for Options {
             engine_has_offload_tier: false,
             lora_adapters: HashMap::new(),
             max_tracked_blocks: DEFAULT_MAX_TRACKED_BLOCKS,
+            all_kv_groups: false,
         }
     }
+}
+
+/// Whether blocks of a KV-cache group of this kind are reusable prefixes: full attention
+/// (`full_attention`, `mla_attention`) or no kind given (not a hybrid model, or before 0.22).
+pub fn is_prefix_group(kind: Option<&str>) -> bool {
+    matches!(kind, None | Some("full_attention" | "mla_attention"))
 }
 
 /// The tier a medium maps to: GPU (or no medium, before 0.10.2) → T1, anything else → T2.

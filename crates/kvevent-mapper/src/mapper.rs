@@ -42,6 +42,9 @@ pub struct MapperStats {
     pub map_refusals: u64,
     /// Block hashes that were an empty `bin`: not a key, skipped.
     pub empty_hashes: u64,
+    /// Blocks of hybrid-model groups that are not full attention, by `kv_cache_spec_kind`:
+    /// not reported (unless `Options::all_kv_groups`).
+    pub non_prefix_groups: std::collections::BTreeMap<String, u64>,
 }
 
 /// Maps one engine source's batches to reports. Keep one per (endpoint, DP rank).
@@ -52,6 +55,8 @@ pub struct Mapper {
     base_adapter: Arc<str>,
     blocks: Blocks,
     stats: MapperStats,
+    /// KV-cache groups seen with a kind that is not a reusable prefix.
+    skipped_groups: Vec<Option<i64>>,
 }
 
 fn tier_bit(tier: pb::CacheTier) -> u8 {
@@ -68,6 +73,7 @@ impl Mapper {
             base_adapter: Arc::from(""),
             blocks,
             stats: MapperStats::default(),
+            skipped_groups: Vec::new(),
         }
     }
 
@@ -145,6 +151,22 @@ impl Mapper {
         self.stats.stored_events += 1;
         if e.block_size == 0 {
             self.stats.placeholder_stores += 1;
+            return;
+        }
+        let kind = e.kv_cache_spec_kind.as_deref();
+        if !self.options.all_kv_groups && !crate::is_prefix_group(kind) {
+            *self
+                .stats
+                .non_prefix_groups
+                .entry(kind.unwrap_or_default().to_owned())
+                .or_default() += e.block_hashes.len() as u64;
+            // Its removals carry only the group: remember which groups are not reported.
+            if e.group_idx.is_some()
+                && !self.skipped_groups.contains(&e.group_idx)
+                && self.skipped_groups.len() < 1024
+            {
+                self.skipped_groups.push(e.group_idx);
+            }
             return;
         }
         let Some(adapter) = self.adapter(e) else {
@@ -244,6 +266,10 @@ impl Mapper {
 
     fn removed(&mut self, e: &wire::BlockRemoved<'_>, ts: i64, out: &mut Vec<pb::Report>) {
         self.stats.removed_events += 1;
+        if e.group_idx.is_some() && self.skipped_groups.contains(&e.group_idx) {
+            // A group whose blocks are not reported (see `stored`): nothing to evict.
+            return;
+        }
         let tier = tier_of(e.medium.as_ref());
         let offload = self.options.engine_has_offload_tier && tier == pb::CacheTier::T1;
         let group = self.blocks.known_group(e.group_idx);

@@ -136,6 +136,7 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
             mapper::KeyMode::Engine
         },
         engine_has_offload_tier: settings.ignore_block_removed,
+        all_kv_groups: settings.all_kv_groups,
         lora_adapters: mapper::parse_lora_adapters(&settings.lora_adapter_names)?,
         max_tracked_blocks: settings.max_tracked_blocks,
     };

@@ -193,6 +193,8 @@ pub struct Settings {
     pub engine_profile: String,
     /// The engine has an offload tier: GPU removals are re-reported at T2.
     pub ignore_block_removed: bool,
+    /// Report blocks of every KV-cache group of a hybrid model, not only full-attention ones.
+    pub all_kv_groups: bool,
     /// Adapter names for LoRA ids: `1=a,2=b`.
     #[serde(deserialize_with = "lenient_string")]
     pub lora_adapter_names: String,
@@ -273,6 +275,7 @@ impl Default for Settings {
             engine_model_name: String::new(),
             engine_profile: "auto".into(),
             ignore_block_removed: false,
+            all_kv_groups: false,
             lora_adapter_names: String::new(),
             metrics_address: "0.0.0.0:9095".into(),
             drain_timeout: GoDuration::secs(5),

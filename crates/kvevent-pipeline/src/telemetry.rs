@@ -86,6 +86,8 @@ pub mod names {
     pub const QUEUE_DEPTH: &str = "kvevent_queue_depth";
     /// Prefix entries merged into a pending identical one.
     pub const COALESCED: &str = "kvevent_coalesced_prefixes_total";
+    /// Blocks of non-full-attention KV-cache groups, by kind.
+    pub const NON_PREFIX_BLOCKS: &str = "kvevent_mapper_non_prefix_blocks_total";
     /// Adds and evictions of one prefix that cancelled out while queued.
     pub const CANCELLED: &str = "kvevent_cancelled_total";
     /// Pending work discarded by a later clear.
@@ -332,6 +334,16 @@ impl Telemetry {
                     ("empty_hash", s.empty_hashes),
                 ] {
                     o.sample(MAPPER_SKIPPED, &[("source", label), ("reason", reason)], v);
+                }
+            }
+            o.family(
+                NON_PREFIX_BLOCKS,
+                "counter",
+                "Blocks of hybrid-model KV-cache groups that are not full attention, not reported, by kind.",
+            );
+            for (label, (s, _)) in self.sources.iter().zip(mappers.iter()) {
+                for (kind, v) in &s.non_prefix_groups {
+                    o.sample(NON_PREFIX_BLOCKS, &[("source", label), ("kind", kind)], v);
                 }
             }
             o.family(TRACKED, "gauge", "Engine blocks tracked by the mapper.");

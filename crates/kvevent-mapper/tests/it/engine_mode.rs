@@ -310,3 +310,48 @@ fn an_empty_bytes_hash_is_not_a_key() {
     assert_eq!(m.stats().empty_hashes, 2);
     assert_eq!(m.tracked_blocks(), 1);
 }
+
+#[test]
+fn hybrid_models_report_full_attention_groups_only_unless_asked() {
+    let in_group = |hash: u64, group: i64, kind: &'static str| {
+        let mut e = stored(&[hash], None, tokens(0..4), 4);
+        if let wire::Event::BlockStored(s) = &mut e {
+            s.group_idx = Some(group);
+            s.kv_cache_spec_kind = Some(Cow::Borrowed(kind));
+        }
+        e
+    };
+    let removed_from = |hash: u64, group: i64| {
+        let mut e = removed(&[hash], "GPU");
+        if let wire::Event::BlockRemoved(r) = &mut e {
+            r.group_idx = Some(group);
+        }
+        e
+    };
+    let mut m = mapper(Options::default());
+    let out = run(
+        &mut m,
+        vec![
+            in_group(1, 0, "full_attention"),
+            in_group(2, 1, "sliding_window"),
+            in_group(3, 2, "mamba"),
+            in_group(4, 3, "mla_attention"),
+            stored(&[5], None, tokens(0..4), 4),
+        ],
+    );
+    let keys: Vec<Vec<u8>> = entries(&out).into_iter().map(|e| e.0).collect();
+    assert_eq!(keys, [be(1), be(4), be(5)]);
+    assert_eq!(m.stats().non_prefix_groups.get("sliding_window"), Some(&1));
+    assert_eq!(m.stats().non_prefix_groups.get("mamba"), Some(&1));
+    // Removals from a group that is not reported evict nothing; the others still do.
+    let out = run(&mut m, vec![removed_from(2, 1), removed_from(1, 0)]);
+    assert_eq!(events(&out), vec![(EVICTED, be(1), "".into())]);
+    assert_eq!(m.stats().unknown_removals, 0);
+
+    let mut all = mapper(Options {
+        all_kv_groups: true,
+        ..Options::default()
+    });
+    let out = run(&mut all, vec![in_group(2, 1, "sliding_window")]);
+    assert_eq!(entries(&out).len(), 1);
+}
