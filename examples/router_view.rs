@@ -41,7 +41,7 @@ impl View {
                                 held.remove(&*h.to_bytes());
                             }
                         }
-                        wire::Event::AllBlocksCleared => held.clear(),
+                        wire::Event::AllBlocksCleared(_) => held.clear(),
                     }
                 }
             }

@@ -15,7 +15,7 @@ fn blocks_in(batch: &wire::EventBatch<'_>) -> u64 {
         .map(|e| match e {
             wire::Event::BlockStored(s) => s.block_hashes.len() as u64,
             wire::Event::BlockRemoved(r) => r.block_hashes.len() as u64,
-            wire::Event::AllBlocksCleared => 1,
+            wire::Event::AllBlocksCleared(_) => 1,
         })
         .sum()
 }

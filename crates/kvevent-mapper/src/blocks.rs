@@ -307,6 +307,35 @@ impl Blocks {
         self.adapter_ids.clear();
     }
 
+    /// The blocks (hash bytes, interned group) held at `tier` (a tier bit).
+    pub(crate) fn ids_in_tier(&self, tier: u8) -> Vec<(Vec<u8>, u16)> {
+        let held = |t: &Tracked| t.tiers() & tier != 0;
+        let mut out = Vec::new();
+        out.extend(
+            self.h8
+                .iter()
+                .filter(|(_, t)| held(t))
+                .map(|(id, _)| ({ id.hash }.to_vec(), { id.group })),
+        );
+        out.extend(
+            self.h16
+                .iter()
+                .filter(|(_, t)| held(t))
+                .map(|(id, _)| ({ id.hash }.to_vec(), { id.group })),
+        );
+        out.extend(
+            self.h32
+                .iter()
+                .filter(|(_, t)| held(t))
+                .map(|(id, _)| ({ id.hash }.to_vec(), { id.group })),
+        );
+        out.extend(self.other.iter().filter(|(_, t)| held(t)).map(|(b, _)| {
+            let (hash, group) = b.split_at(b.len() - 2);
+            (hash.to_vec(), u16::from_be_bytes([group[0], group[1]]))
+        }));
+        out
+    }
+
     /// Every block, with its engine-mode key; the map is left empty.
     pub(crate) fn drain(&mut self) -> Vec<(Vec<u8>, Tracked)> {
         let mut out = Vec::with_capacity(self.len());

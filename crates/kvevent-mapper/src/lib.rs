@@ -8,6 +8,7 @@
 //! | BlockStored | one `CacheStateUpdate`, one `PrefixEntry` per block (cumulative `token_count`, tier from the medium) |
 //! | BlockRemoved | one `PREFIX_EVICTED` per hash, or a T2 re-report when the engine has an offload tier |
 //! | AllBlocksCleared, [`Mapper::reset`] | one `ALL_CLEARED` |
+//! | AllBlocksCleared with a medium (one tier cleared) | what a removal of each block held there gives: `PREFIX_EVICTED`, or a re-report at the tier still holding it; the other tier's prefixes stay |
 //!
 //! The key of a prefix depends on the [`KeyMode`]: the engine's block hash (an int as 8 bytes
 //! big-endian, bytes as they are) or the content fingerprint of its token ids

@@ -106,9 +106,14 @@ impl Mapper {
             match event {
                 wire::Event::BlockStored(e) => self.stored(e, ts, out),
                 wire::Event::BlockRemoved(e) => self.removed(e, ts, out),
-                wire::Event::AllBlocksCleared => {
+                wire::Event::AllBlocksCleared(c) => {
                     self.stats.cleared_events += 1;
-                    out.push(self.reset(ts));
+                    match &c.medium {
+                        // A clear of the whole cache.
+                        None => out.push(self.reset(ts)),
+                        // A clear of one tier: the other tier's prefixes stay.
+                        Some(medium) => self.clear_tier(tier_of(Some(medium)), ts, out),
+                    }
                 }
             }
         }
@@ -271,80 +276,103 @@ impl Mapper {
             return;
         }
         let tier = tier_of(e.medium.as_ref());
-        let offload = self.options.engine_has_offload_tier && tier == pb::CacheTier::T1;
         let group = self.blocks.known_group(e.group_idx);
         for hash in &e.block_hashes {
             if is_empty_hash(hash) {
                 self.stats.empty_hashes += 1;
                 continue;
             }
-            // The tiers still holding the block after this removal.
-            let known = group.map(|g| BlockId::new(hash, g)).and_then(|id| {
-                let t = self.blocks.get_mut(id)?;
-                let mut tiers = t.tiers() & !tier_bit(tier);
-                if offload {
-                    tiers |= T2;
-                }
-                t.set_tiers(tiers);
-                Some((id, *t))
-            });
-            let (key, adapter, tokens, remaining) = match known {
-                Some((id, t)) => {
-                    let found = (
-                        self.key_of(id, t),
-                        self.blocks.adapter(t.adapter()).clone(),
-                        t.tokens(),
-                        t.tiers(),
-                    );
-                    // With an offload tier the map forgets a block leaving the GPU (it is
-                    // re-reported at T2): the map never grows with the offload tier's contents.
-                    if t.tiers() == 0 || offload {
-                        self.blocks.remove(id);
-                    }
-                    found
-                }
-                None => {
-                    self.stats.unknown_removals += 1;
-                    // An engine hash is its own key; a fingerprint cannot be recovered.
-                    let key = match self.options.key_mode {
-                        KeyMode::Engine => Some(engine_key(hash)),
-                        KeyMode::Fingerprint => None,
-                    };
-                    let remaining = if offload { T2 } else { 0 };
-                    (key, self.base_adapter.clone(), 0, remaining)
-                }
-            };
-            let Some(key) = key else {
-                continue;
-            };
-            if remaining != 0 {
-                // Another tier still holds the block (an offload tier, or a store we saw on
-                // another medium): report it there instead of evicting the prefix.
-                let still = if remaining & T1 != 0 {
-                    pb::CacheTier::T1
-                } else {
-                    pb::CacheTier::T2
-                };
-                self.stats.offload_rereports += 1;
-                self.stats.prefixes += 1;
-                let mut update = self.identity.update(ts);
-                update.prefixes.push(pb::PrefixEntry {
-                    prefix_hash: key,
-                    token_count: i32::try_from(tokens).unwrap_or(i32::MAX),
-                    tier: still as i32,
-                    adapter_id: adapter.to_string(),
-                    ..Default::default()
-                });
-                out.push(pb::Report::Update(update));
-            } else {
-                self.stats.evictions += 1;
-                out.push(pb::Report::Event(self.identity.event(
-                    pb::cache_event::Type::PrefixEvicted,
-                    key,
-                    &adapter,
-                    ts,
-                )));
+            self.remove_one(hash, group, tier, ts, out);
+        }
+    }
+
+    /// A clear of one tier (`AllBlocksCleared` with a medium): every block held there is
+    /// removed from it, as if the engine had sent a removal for each. The other tier's
+    /// prefixes stay.
+    fn clear_tier(&mut self, tier: pb::CacheTier, ts: i64, out: &mut Vec<pb::Report>) {
+        for (hash, group) in self.blocks.ids_in_tier(tier_bit(tier)) {
+            let hash = wire::BlockHash::Bytes(std::borrow::Cow::Owned(hash));
+            self.remove_one(&hash, Some(group), tier, ts, out);
+        }
+    }
+
+    /// The engine no longer holds `hash` (of interned `group`) at `tier`: evict the prefix, or
+    /// re-report it at the tier still holding it.
+    fn remove_one(
+        &mut self,
+        hash: &wire::BlockHash<'_>,
+        group: Option<u16>,
+        tier: pb::CacheTier,
+        ts: i64,
+        out: &mut Vec<pb::Report>,
+    ) {
+        let offload = self.options.engine_has_offload_tier && tier == pb::CacheTier::T1;
+        // The tiers still holding the block after this removal.
+        let known = group.map(|g| BlockId::new(hash, g)).and_then(|id| {
+            let t = self.blocks.get_mut(id)?;
+            let mut tiers = t.tiers() & !tier_bit(tier);
+            if offload {
+                tiers |= T2;
             }
+            t.set_tiers(tiers);
+            Some((id, *t))
+        });
+        let (key, adapter, tokens, remaining) = match known {
+            Some((id, t)) => {
+                let found = (
+                    self.key_of(id, t),
+                    self.blocks.adapter(t.adapter()).clone(),
+                    t.tokens(),
+                    t.tiers(),
+                );
+                // With an offload tier the map forgets a block leaving the GPU (it is
+                // re-reported at T2): the map never grows with the offload tier's contents.
+                if t.tiers() == 0 || offload {
+                    self.blocks.remove(id);
+                }
+                found
+            }
+            None => {
+                self.stats.unknown_removals += 1;
+                // An engine hash is its own key; a fingerprint cannot be recovered.
+                let key = match self.options.key_mode {
+                    KeyMode::Engine => Some(engine_key(hash)),
+                    KeyMode::Fingerprint => None,
+                };
+                let remaining = if offload { T2 } else { 0 };
+                (key, self.base_adapter.clone(), 0, remaining)
+            }
+        };
+        let Some(key) = key else {
+            return;
+        };
+        if remaining != 0 {
+            // Another tier still holds the block (an offload tier, or a store we saw on
+            // another medium): report it there instead of evicting the prefix.
+            let still = if remaining & T1 != 0 {
+                pb::CacheTier::T1
+            } else {
+                pb::CacheTier::T2
+            };
+            self.stats.offload_rereports += 1;
+            self.stats.prefixes += 1;
+            let mut update = self.identity.update(ts);
+            update.prefixes.push(pb::PrefixEntry {
+                prefix_hash: key,
+                token_count: i32::try_from(tokens).unwrap_or(i32::MAX),
+                tier: still as i32,
+                adapter_id: adapter.to_string(),
+                ..Default::default()
+            });
+            out.push(pb::Report::Update(update));
+        } else {
+            self.stats.evictions += 1;
+            out.push(pb::Report::Event(self.identity.event(
+                pb::cache_event::Type::PrefixEvicted,
+                key,
+                &adapter,
+                ts,
+            )));
         }
     }
 }

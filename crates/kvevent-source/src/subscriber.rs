@@ -304,8 +304,9 @@ impl Subscriber {
                     let i = match e {
                         wire::Event::BlockStored(_) => 0,
                         wire::Event::BlockRemoved(_) => 1,
-                        wire::Event::AllBlocksCleared => {
-                            cleared = true;
+                        wire::Event::AllBlocksCleared(c) => {
+                            // Only a clear of everything makes the state known again.
+                            cleared |= c.medium.is_none();
                             2
                         }
                     };

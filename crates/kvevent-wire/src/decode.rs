@@ -4,7 +4,8 @@ use std::borrow::Cow;
 
 use crate::error::{ErrorKind, Result};
 use crate::model::{
-    BlockHash, BlockRemoved, BlockStored, Event, EventBatch, Medium, TokenIds, Value,
+    AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event, EventBatch, Medium, TokenIds,
+    Value,
 };
 use crate::msgpack::Reader;
 
@@ -45,7 +46,7 @@ impl Default for Limits {
 /// let payload = b"\x92\xcb\x3f\xf8\0\0\0\0\0\0\x91\x91\xb0AllBlocksCleared";
 /// let batch = kvevent_wire::decode(payload)?;
 /// assert_eq!(batch.ts, 1.5);
-/// assert_eq!(batch.events, vec![kvevent_wire::Event::AllBlocksCleared]);
+/// assert_eq!(batch.events, vec![kvevent_wire::Event::AllBlocksCleared(Default::default())]);
 /// assert_eq!(batch.data_parallel_rank, None);
 /// # Ok::<(), kvevent_wire::Error>(())
 /// ```
@@ -179,7 +180,14 @@ impl<'a> Decoder<'a, '_> {
                 }
                 (Some(Event::BlockRemoved(e)), read)
             }
-            "AllBlocksCleared" => (Some(Event::AllBlocksCleared), 1),
+            "AllBlocksCleared" => {
+                // Index 1, when present: the tier cleared (Dynamo's shape).
+                let mut e = AllBlocksCleared::default();
+                if n >= 2 {
+                    e.medium = self.r.opt_str()?.map(Medium::from);
+                }
+                (Some(Event::AllBlocksCleared(e)), n.min(2))
+            }
             _ => (None, 1),
         };
         for _ in read..n {
@@ -244,16 +252,24 @@ impl<'a> Decoder<'a, '_> {
                 missing(self, start, hashes, "block_hashes")?;
                 Some(Event::BlockRemoved(e))
             }
+            "AllBlocksCleared" => {
+                let mut e = AllBlocksCleared::default();
+                for _ in 0..n {
+                    let key = self.r.str()?;
+                    if key == "medium" {
+                        e.medium = self.r.opt_str()?.map(Medium::from);
+                    } else {
+                        self.r.skip(self.limits.max_depth)?;
+                    }
+                }
+                Some(Event::AllBlocksCleared(e))
+            }
             _ => {
                 for _ in 0..n {
                     self.r.skip(self.limits.max_depth)?;
                     self.r.skip(self.limits.max_depth)?;
                 }
-                if tag == "AllBlocksCleared" {
-                    Some(Event::AllBlocksCleared)
-                } else {
-                    None
-                }
+                None
             }
         };
         Ok(event)

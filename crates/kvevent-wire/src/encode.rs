@@ -16,7 +16,11 @@ use crate::release::{REMOVED_FIRST_DEFAULTED, Release, STORED_FIRST_DEFAULTED};
 ///
 /// ```
 /// use kvevent_wire::{Event, EventBatch, Release};
-/// let batch = EventBatch { ts: 1.5, events: vec![Event::AllBlocksCleared], ..Default::default() };
+/// let batch = EventBatch {
+///     ts: 1.5,
+///     events: vec![Event::AllBlocksCleared(Default::default())],
+///     ..Default::default()
+/// };
 /// let bytes = kvevent_wire::encode(&batch, "0.9.0".parse()?)?;
 /// assert_eq!(bytes, b"\x92\xcb\x3f\xf8\0\0\0\0\0\0\x91\x91\xb0AllBlocksCleared");
 /// assert_eq!(kvevent_wire::decode(&bytes)?, batch);
@@ -68,7 +72,12 @@ impl EventBatch<'_> {
                         }
                     }
                 }
-                Event::AllBlocksCleared => {}
+                Event::AllBlocksCleared(e) => {
+                    // No vLLM release writes a medium on a clear.
+                    if e.medium.take().is_some() {
+                        dropped += 1;
+                    }
+                }
             }
         }
         dropped
@@ -105,7 +114,12 @@ impl Encoder<'_> {
             match event {
                 Event::BlockStored(e) => self.stored(e)?,
                 Event::BlockRemoved(e) => self.removed(e)?,
-                Event::AllBlocksCleared => self.tagged_header("AllBlocksCleared", 0, 0),
+                Event::AllBlocksCleared(e) => {
+                    if e.medium.is_some() {
+                        return Err(self.not_in_release("medium"));
+                    }
+                    self.tagged_header("AllBlocksCleared", 0, 0)
+                }
             }
         }
         if self.release.has_dp_rank() {

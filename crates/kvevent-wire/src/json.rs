@@ -10,7 +10,8 @@ use serde_json::{Map, Number, Value as Json, json};
 use crate::decode::{REMOVED_FIELDS, STORED_FIELDS};
 use crate::error::{Error, ErrorKind, Result};
 use crate::model::{
-    BlockHash, BlockRemoved, BlockStored, Event, EventBatch, Int, Medium, TokenIds, Value,
+    AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event, EventBatch, Int, Medium,
+    TokenIds, Value,
 };
 
 /// The normalized JSON value of a batch.
@@ -69,7 +70,12 @@ fn event_json(event: &Event<'_>) -> Json {
             m.insert("locality".into(), str_json(&e.locality));
             m.insert("ownership".into(), str_json(&e.ownership));
         }
-        Event::AllBlocksCleared => {}
+        Event::AllBlocksCleared(e) => {
+            // Only when set: no vLLM release has the field (its JSON has `type` alone).
+            if let Some(medium) = &e.medium {
+                m.insert("medium".into(), medium_json(Some(medium)));
+            }
+        }
     }
     Json::Object(m)
 }
@@ -250,8 +256,10 @@ fn event_from(v: &Json) -> Result<Event<'_>> {
             }))
         }
         "AllBlocksCleared" => {
-            known_keys(obj, &["type"], "AllBlocksCleared")?;
-            Ok(Event::AllBlocksCleared)
+            known_keys(obj, &["type", "medium"], "AllBlocksCleared")?;
+            Ok(Event::AllBlocksCleared(AllBlocksCleared {
+                medium: opt(obj, "medium", |j| j.as_str().map(Medium::from))?,
+            }))
         }
         other => Err(bad(format!("unknown event type `{other}`"))),
     }

@@ -51,7 +51,7 @@ pub use decode::{Limits, decode, decode_with};
 pub use encode::{encode, encode_into};
 pub use error::{Error, ErrorKind, Result};
 pub use model::{
-    BlockHash, BlockRemoved, BlockStored, Event, EventBatch, Int, Medium, MediumKind, TokenIds,
-    TokenIter, Value,
+    AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event, EventBatch, Int, Medium,
+    MediumKind, TokenIds, TokenIter, Value,
 };
 pub use release::Release;

@@ -325,6 +325,14 @@ pub struct BlockRemoved<'a> {
     pub ownership: Option<Cow<'a, str>>,
 }
 
+/// The engine's prefix cache was cleared.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AllBlocksCleared<'a> {
+    /// The tier cleared, when only one was (a shape Dynamo's wire types accept and engines are
+    /// moving to; vLLM up to 0.33 never sends it). `None`: everything was cleared.
+    pub medium: Option<Medium<'a>>,
+}
+
 /// One KV-cache event.
 #[derive(Debug, Clone, PartialEq)]
 #[allow(
@@ -336,8 +344,8 @@ pub enum Event<'a> {
     BlockStored(BlockStored<'a>),
     /// `BlockRemoved`
     BlockRemoved(BlockRemoved<'a>),
-    /// `AllBlocksCleared`: the engine reset its prefix cache.
-    AllBlocksCleared,
+    /// `AllBlocksCleared`: the engine reset its prefix cache (or, with a medium, one tier).
+    AllBlocksCleared(AllBlocksCleared<'a>),
 }
 
 impl Event<'_> {
@@ -346,7 +354,7 @@ impl Event<'_> {
         match self {
             Self::BlockStored(_) => "BlockStored",
             Self::BlockRemoved(_) => "BlockRemoved",
-            Self::AllBlocksCleared => "AllBlocksCleared",
+            Self::AllBlocksCleared(_) => "AllBlocksCleared",
         }
     }
 }

@@ -399,7 +399,7 @@ pub fn scripted_batch(step: u64) -> wire::EventBatch<'static> {
             ..Default::default()
         })],
         // Memory pressure: the previous prompt's tail leaves the GPU, its head goes to CPU.
-        _ if step % 50 == 47 => vec![Event::AllBlocksCleared],
+        _ if step % 50 == 47 => vec![Event::AllBlocksCleared(Default::default())],
         _ => {
             let old = prompt.saturating_sub(1);
             vec![

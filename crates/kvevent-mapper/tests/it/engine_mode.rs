@@ -32,7 +32,10 @@ fn token_counts_continue_across_events_through_a_known_parent() {
     let after = run(&mut m, vec![stored(&[4], Some(2), tokens(0..16), 16)]);
     assert_eq!(entries(&after)[0].1, 16);
     // A clear empties it.
-    run(&mut m, vec![wire::Event::AllBlocksCleared]);
+    run(
+        &mut m,
+        vec![wire::Event::AllBlocksCleared(Default::default())],
+    );
     assert_eq!(m.tracked_blocks(), 0);
 }
 
@@ -44,7 +47,7 @@ fn removals_and_clears_become_events_in_order() {
         vec![
             stored(&[1], None, tokens(0..16), 16),
             removed(&[1, 5], "GPU"),
-            wire::Event::AllBlocksCleared,
+            wire::Event::AllBlocksCleared(Default::default()),
         ],
     );
     assert!(matches!(out[0], pb::Report::New(_)));
@@ -354,4 +357,37 @@ fn hybrid_models_report_full_attention_groups_only_unless_asked() {
     });
     let out = run(&mut all, vec![in_group(2, 1, "sliding_window")]);
     assert_eq!(entries(&out).len(), 1);
+}
+
+#[test]
+fn a_clear_of_the_offload_tier_keeps_the_gpu_prefixes() {
+    let mut m = mapper(Options::default());
+    let mut cpu = stored(&[2], None, tokens(0..4), 4);
+    if let wire::Event::BlockStored(s) = &mut cpu {
+        s.medium = Some(wire::Medium(Cow::Borrowed("CPU")));
+    }
+    // 1 on the GPU, 2 on the CPU, 3 on both.
+    run(&mut m, vec![stored(&[1, 3], None, tokens(0..8), 4), cpu]);
+    let mut both = stored(&[3], Some(1), tokens(0..4), 4);
+    if let wire::Event::BlockStored(s) = &mut both {
+        s.medium = Some(wire::Medium(Cow::Borrowed("CPU")));
+    }
+    run(&mut m, vec![both]);
+    let clear = |medium: &'static str| {
+        wire::Event::AllBlocksCleared(wire::AllBlocksCleared {
+            medium: Some(wire::Medium(Cow::Borrowed(medium))),
+        })
+    };
+    let out = run(&mut m, vec![clear("cpu")]);
+    // 2 is gone; 3 is re-reported where it still is; 1 is untouched; no ALL_CLEARED.
+    assert_eq!(events(&out), vec![(EVICTED, be(2), "".into())]);
+    assert_eq!(entries(&out), vec![(be(3), 8, T1, "".into())]);
+    assert_eq!(m.tracked_blocks(), 2);
+    // Without a medium a clear is still a clear of everything.
+    let out = run(
+        &mut m,
+        vec![wire::Event::AllBlocksCleared(Default::default())],
+    );
+    assert_eq!(events(&out), vec![(CLEARED, Vec::new(), "".into())]);
+    assert_eq!(m.tracked_blocks(), 0);
 }

@@ -38,7 +38,10 @@ fn unknown_tags_are_skipped_and_counted() {
     cleared.extend(s("AllBlocksCleared"));
     let payload = batch(&[future, positional, cleared], &[0xc0]);
     let got = decode(&payload).expect("decode");
-    assert_eq!(got.events, vec![Event::AllBlocksCleared]);
+    assert_eq!(
+        got.events,
+        vec![Event::AllBlocksCleared(Default::default())]
+    );
     assert_eq!(got.unknown_events, 2);
     assert_eq!(got.data_parallel_rank, Some(1));
 }
@@ -133,4 +136,56 @@ fn errors_name_the_kind_and_offset() {
         decode(&batch(&[big_token], &[])).expect_err("token").kind(),
         &ErrorKind::IntOutOfRange { field: "token_ids" }
     );
+}
+
+#[test]
+fn a_clear_of_one_tier_is_decoded_in_both_encodings() {
+    use kvevent_wire::{AllBlocksCleared, Medium, Release, encode};
+    // Positional: [ts, [["AllBlocksCleared", "CPU"], ["AllBlocksCleared"]], 0]
+    let mut positional = vec![0x93, 0xcb];
+    positional.extend(1.5f64.to_be_bytes());
+    positional.extend([0x92, 0x92, 0xb0]);
+    positional.extend(b"AllBlocksCleared");
+    positional.extend([0xa3]);
+    positional.extend(b"CPU");
+    positional.extend([0x91, 0xb0]);
+    positional.extend(b"AllBlocksCleared");
+    positional.push(0x00);
+    let got = kvevent_wire::decode(&positional).expect("positional");
+    let cpu = Event::AllBlocksCleared(AllBlocksCleared {
+        medium: Some(Medium::from("CPU")),
+    });
+    assert_eq!(
+        got.events,
+        vec![cpu.clone(), Event::AllBlocksCleared(Default::default())]
+    );
+    // Tagged map: [ts, [{"type": "AllBlocksCleared", "medium": "CPU"}], 0]
+    let mut map = vec![0x93, 0xcb];
+    map.extend(1.5f64.to_be_bytes());
+    map.extend([0x91, 0x82, 0xa4]);
+    map.extend(b"type");
+    map.push(0xb0);
+    map.extend(b"AllBlocksCleared");
+    map.push(0xa6);
+    map.extend(b"medium");
+    map.push(0xa3);
+    map.extend(b"CPU");
+    map.push(0x00);
+    let got = kvevent_wire::decode(&map).expect("map");
+    assert_eq!(got.events, vec![cpu.clone()]);
+    // JSON both ways, the field only when set.
+    let json = kvevent_wire::json::to_json(&got);
+    assert_eq!(json["events"][0]["medium"], "CPU");
+    assert_eq!(
+        kvevent_wire::json::from_json(&json)
+            .expect("from json")
+            .events,
+        got.events
+    );
+    // No vLLM release writes it: an error, unless the field is dropped on purpose.
+    let release = Release::new(0, 33, 0);
+    assert!(encode(&got, release).is_err());
+    let mut lenient = got.clone();
+    assert_eq!(lenient.retain_fields_of(release), 1);
+    assert!(encode(&lenient, release).is_ok());
 }
