@@ -47,6 +47,18 @@ pub(crate) struct Options {
     #[arg(long, value_name = "ENDPOINT")]
     #[serde(skip_serializing_if = "Option::is_none")]
     engine_endpoint: Option<String>,
+    /// vLLM 0.31+ endpoint listing, e.g. http://127.0.0.1:8000/kv_event_sources: every DP rank's PUB and replay endpoints are read from it (replacing --engine-endpoint, --replay-endpoint and --dp-size), and read again when a rank's connection is lost for good [default: ""] [env: KVEVENT_ENGINE_DISCOVERY_URL]
+    #[arg(long, value_name = "URL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    engine_discovery_url: Option<String>,
+    /// How long to wait at start for the discovery listing to answer [default: 5m] [env: KVEVENT_ENGINE_DISCOVERY_TIMEOUT]
+    #[arg(long, value_name = "DURATION")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    engine_discovery_timeout: Option<String>,
+    /// With discovery: a rank disconnected with no batch this long is lost for good and the listing is read again; if it names other endpoints the sidecar drains and exits 75 to start again on them [default: 30s] [env: KVEVENT_ENGINE_DISCOVERY_RECHECK]
+    #[arg(long, value_name = "DURATION")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    engine_discovery_recheck: Option<String>,
     /// Bind the SUB socket; for engines whose endpoint has no wildcard (they connect) [default: false] [env: KVEVENT_ENGINE_BIND]
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -14,6 +14,8 @@ use kvevent_pipeline::{self as pipeline, Settings};
 const EXIT_CONFIG: u8 = 64;
 /// The pipeline could not start (EX_UNAVAILABLE).
 const EXIT_START: u8 = 69;
+/// The discovered engine endpoints changed: drained, start again (EX_TEMPFAIL).
+const EXIT_TEMPFAIL: u8 = 75;
 /// A second signal: stop now.
 const EXIT_INTERRUPTED: i32 = 130;
 
@@ -93,7 +95,7 @@ fn main() -> ExitCode {
 
 async fn run(settings: Settings) -> ExitCode {
     let ctx = zmq::Context::new();
-    let running = match pipeline::start(&settings, &ctx).await {
+    let mut running = match pipeline::start(&settings, &ctx).await {
         Ok(r) => r,
         Err(e) => {
             let mut chain = e.to_string();
@@ -106,8 +108,16 @@ async fn run(settings: Settings) -> ExitCode {
             return ExitCode::from(EXIT_START);
         }
     };
-    let signal = wait_for_signal().await;
-    tracing::info!(signal, drain_timeout = ?settings.drain_timeout.0, "stopping: draining pending reports");
+    let mut exit = ExitCode::SUCCESS;
+    tokio::select! {
+        signal = wait_for_signal() => {
+            tracing::info!(signal, drain_timeout = ?settings.drain_timeout.0, "stopping: draining pending reports");
+        }
+        what = running.layout_changed() => {
+            tracing::warn!(change = %what, drain_timeout = ?settings.drain_timeout.0, "stopping to start again on the new endpoint layout: draining pending reports, then exit {EXIT_TEMPFAIL}");
+            exit = ExitCode::from(EXIT_TEMPFAIL);
+        }
+    }
     tokio::spawn(async {
         let second = wait_for_signal().await;
         tracing::warn!(signal = second, "second signal: exiting now");
@@ -125,7 +135,7 @@ async fn run(settings: Settings) -> ExitCode {
     }
     // Sockets close with linger 0; give the log a moment to flush.
     tokio::time::sleep(Duration::from_millis(10)).await;
-    ExitCode::SUCCESS
+    exit
 }
 
 async fn wait_for_signal() -> &'static str {

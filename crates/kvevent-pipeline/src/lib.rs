@@ -17,6 +17,7 @@
 
 pub mod credentials;
 pub mod demo;
+pub mod discovery;
 mod events;
 mod http_server;
 pub mod settings;
@@ -61,6 +62,9 @@ pub enum StartError {
     /// The events thread could not be started.
     #[error("spawn events thread")]
     Spawn(#[source] std::io::Error),
+    /// The engine's endpoints could not be discovered.
+    #[error("engine endpoint discovery")]
+    Discovery(#[from] discovery::DiscoveryError),
 }
 
 /// The running pipeline.
@@ -72,6 +76,9 @@ pub struct Running {
     stats: Option<tokio::task::JoinHandle<()>>,
     http: Option<(SocketAddr, tokio::task::JoinHandle<()>)>,
     telemetry: Arc<Telemetry>,
+    /// Set (with what changed) when the discovered endpoint layout changed.
+    layout: tokio::sync::watch::Receiver<Option<String>>,
+    watcher: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for Running {
@@ -141,13 +148,23 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         max_tracked_blocks: settings.max_tracked_blocks,
     };
     let client = fwd::connect(&client_config(settings)?)?;
-    let sources = transport::dp_sources(
-        &settings.engine_endpoint,
-        (!settings.replay_endpoint.is_empty()).then_some(settings.replay_endpoint.as_str()),
-        settings.dp_size,
-        settings.topic.as_bytes(),
-        settings.engine_bind,
-    )?;
+    let sources = if settings.engine_discovery_url.is_empty() {
+        transport::dp_sources(
+            &settings.engine_endpoint,
+            (!settings.replay_endpoint.is_empty()).then_some(settings.replay_endpoint.as_str()),
+            settings.dp_size,
+            settings.topic.as_bytes(),
+            settings.engine_bind,
+        )?
+    } else {
+        discovery::discover_patiently(
+            &settings.engine_discovery_url,
+            settings.scrape_timeout.0,
+            settings.engine_discovery_timeout.0,
+            settings.topic.as_bytes(),
+        )
+        .await?
+    };
     let scraper = if settings.engine_metrics_url.is_empty() || settings.stats_interval.0.is_zero() {
         None
     } else {
@@ -215,6 +232,20 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         .spawn(move || events.run())
         .map_err(StartError::Spawn)?;
 
+    let (layout_tx, layout) = tokio::sync::watch::channel(None);
+    let watcher = (!settings.engine_discovery_url.is_empty()).then(|| {
+        tokio::spawn(
+            discovery::Watcher {
+                lost_for_good: settings.engine_discovery_recheck.0,
+                url: settings.engine_discovery_url.clone(),
+                timeout: settings.scrape_timeout.0,
+                topic: settings.topic.as_bytes().to_vec(),
+                current: sources.clone(),
+                metrics: telemetry.source_metrics.clone(),
+            }
+            .run(layout_tx),
+        )
+    });
     let (stop_stats, stop_rx) = tokio::sync::watch::channel(false);
     let stats = scraper.map(|scraper| {
         tokio::spawn(
@@ -242,6 +273,8 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         stats,
         http,
         telemetry,
+        layout,
+        watcher,
     })
 }
 
@@ -256,6 +289,21 @@ impl Running {
         &self.telemetry
     }
 
+    /// Resolves when the engine's discovered endpoint layout changed (a rank's connection was
+    /// lost for good and the listing now names other endpoints), with what changed. The
+    /// subscription cannot follow in place: drain and start again. Never resolves without
+    /// discovery.
+    pub async fn layout_changed(&mut self) -> String {
+        loop {
+            if let Some(what) = self.layout.borrow_and_update().clone() {
+                return what;
+            }
+            if self.layout.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+
     /// Stops taking events, flushes what is pending within `drain`, stops the stats loop and
     /// the HTTP endpoint. Returns what could not be sent.
     pub async fn shutdown(mut self, drain: Duration) -> fwd::DrainReport {
@@ -267,6 +315,9 @@ impl Running {
         let _ = self.stop_stats.send(true);
         if let Some(stats) = self.stats.take() {
             let _ = tokio::time::timeout(Duration::from_secs(1), stats).await;
+        }
+        if let Some(watcher) = self.watcher.take() {
+            watcher.abort();
         }
         let report = self.forwarder.shutdown(drain).await;
         if let Some((_, task)) = self.http.take() {

@@ -138,6 +138,15 @@ pub struct Settings {
     /// The engine's KV-event PUB endpoint.
     #[serde(deserialize_with = "lenient_string")]
     pub engine_endpoint: String,
+    /// vLLM 0.31+'s endpoint listing (`http://host:8000/kv_event_sources`); when set, the
+    /// ranks' PUB and replay endpoints come from it instead of `engine_endpoint`,
+    /// `replay_endpoint` and `dp_size`.
+    #[serde(deserialize_with = "lenient_string")]
+    pub engine_discovery_url: String,
+    /// How long to wait at start for the discovery listing to answer.
+    pub engine_discovery_timeout: GoDuration,
+    /// A rank disconnected with no batch this long is lost for good: the listing is read again.
+    pub engine_discovery_recheck: GoDuration,
     /// Bind the SUB socket instead of connecting (for engines with a non-wildcard endpoint).
     pub engine_bind: bool,
     /// The engine's replay ROUTER endpoint; empty: no replay.
@@ -255,6 +264,9 @@ impl Default for Settings {
     fn default() -> Self {
         Self {
             engine_endpoint: "tcp://127.0.0.1:5557".into(),
+            engine_discovery_url: String::new(),
+            engine_discovery_timeout: GoDuration::secs(300),
+            engine_discovery_recheck: GoDuration::secs(30),
             engine_bind: false,
             replay_endpoint: String::new(),
             topic: "kv-events".into(),
@@ -518,6 +530,21 @@ impl Settings {
                 );
             }
         }
+        if !self.engine_discovery_url.is_empty() {
+            let ok = self
+                .engine_discovery_url
+                .parse::<http::Uri>()
+                .is_ok_and(|u| u.scheme_str() == Some("http") && u.host().is_some());
+            if !ok {
+                bad(
+                    "engine_discovery_url",
+                    format!(
+                        "`{}` is not an http:// URL (e.g. http://127.0.0.1:8000/kv_event_sources)",
+                        self.engine_discovery_url
+                    ),
+                );
+            }
+        }
         if !self.metrics_address.is_empty()
             && self
                 .metrics_address
@@ -534,6 +561,8 @@ impl Settings {
         }
         for (option, d) in [
             ("window", self.window),
+            ("engine_discovery_timeout", self.engine_discovery_timeout),
+            ("engine_discovery_recheck", self.engine_discovery_recheck),
             ("rpc_timeout", self.rpc_timeout),
             ("connect_timeout", self.connect_timeout),
             ("max_backoff", self.max_backoff),

@@ -1,0 +1,341 @@
+//! vLLM's endpoint discovery (0.31+): `GET /kv_event_sources` on the engine's HTTP port lists
+//! each DP rank's KV-event endpoints as a JSON array,
+//! `[{"data_parallel_rank": 0, "endpoint": "tcp://*:5557", "replay_endpoint": null, "topic": ""}]`.
+//!
+//! An endpoint written as the engine bound it (a wildcard host: `*`, `0.0.0.0`, `[::]`) means
+//! the host the discovery URL names. A layout where one rank's PUB endpoint is another's (or its
+//! own) replay endpoint is refused: the ranks' port offsets collide.
+
+use std::time::{Duration, Instant};
+
+use kvevent_scrape::Fetcher;
+use kvevent_zmq as transport;
+use serde::Deserialize;
+
+/// Largest listing read.
+const MAX_BODY: usize = 1 << 20;
+/// Pause between attempts while the engine is not up.
+const RETRY_EVERY: Duration = Duration::from_secs(2);
+/// Least time between two log lines about a discovery that keeps failing.
+const LOG_EVERY: Duration = Duration::from_secs(30);
+
+/// Why the endpoints could not be discovered.
+#[derive(Debug, thiserror::Error)]
+pub enum DiscoveryError {
+    /// The URL is not an `http://` URL.
+    #[error("`{url}` is not an http:// URL")]
+    Url {
+        /// The URL as given.
+        url: String,
+        /// Why.
+        #[source]
+        source: kvevent_scrape::FetchError,
+    },
+    /// The listing could not be fetched (the engine is not up, or older than 0.31: 404).
+    #[error("GET {url}")]
+    Fetch {
+        /// The URL.
+        url: String,
+        /// Why.
+        #[source]
+        source: kvevent_scrape::FetchError,
+    },
+    /// The listing is not a usable layout.
+    #[error("{url}: {problem}")]
+    Layout {
+        /// The URL.
+        url: String,
+        /// What is wrong with it.
+        problem: String,
+    },
+}
+
+#[derive(Debug, Clone, Deserialize)]
+struct Listed {
+    data_parallel_rank: u32,
+    endpoint: String,
+    #[serde(default)]
+    replay_endpoint: Option<String>,
+    #[serde(default)]
+    topic: Option<String>,
+}
+
+/// The host of an `http://host:port/...` URL.
+fn url_host(url: &str) -> Option<String> {
+    let uri: http::Uri = url.parse().ok()?;
+    uri.host().map(str::to_owned)
+}
+
+/// `tcp://*:5557` → `tcp://{host}:5557`; other endpoints as they are.
+fn resolve(endpoint: &str, host: &str) -> String {
+    let Some(rest) = endpoint.strip_prefix("tcp://") else {
+        return endpoint.to_owned();
+    };
+    let Some((h, port)) = rest.rsplit_once(':') else {
+        return endpoint.to_owned();
+    };
+    if matches!(h, "*" | "0.0.0.0" | "[::]" | "::" | "") {
+        let host = if host.contains(':') && !host.starts_with('[') {
+            format!("[{host}]")
+        } else {
+            host.to_owned()
+        };
+        format!("tcp://{host}:{port}")
+    } else {
+        endpoint.to_owned()
+    }
+}
+
+/// The sources a listing names, in rank order. `topic` is used where the listing gives none.
+pub fn parse(
+    body: &[u8],
+    url: &str,
+    topic: &[u8],
+) -> Result<Vec<transport::Source>, DiscoveryError> {
+    let layout = |problem: String| DiscoveryError::Layout {
+        url: url.to_owned(),
+        problem,
+    };
+    let mut listed: Vec<Listed> = serde_json::from_slice(body).map_err(|e| {
+        layout(format!(
+            "not a JSON array of {{data_parallel_rank, endpoint, replay_endpoint, topic}}: {e}"
+        ))
+    })?;
+    if listed.is_empty() {
+        return Err(layout(
+            "lists no rank (is the engine started with --kv-events-config?)".into(),
+        ));
+    }
+    listed.sort_by_key(|l| l.data_parallel_rank);
+    if let Some(w) = listed
+        .windows(2)
+        .find(|w| w[0].data_parallel_rank == w[1].data_parallel_rank)
+    {
+        return Err(layout(format!(
+            "rank {} is listed twice",
+            w[0].data_parallel_rank
+        )));
+    }
+    let host = url_host(url).unwrap_or_else(|| "127.0.0.1".into());
+    let sources: Vec<transport::Source> = listed
+        .iter()
+        .map(|l| transport::Source {
+            endpoint: resolve(&l.endpoint, &host),
+            replay_endpoint: l
+                .replay_endpoint
+                .as_deref()
+                .filter(|r| !r.is_empty())
+                .map(|r| resolve(r, &host)),
+            topic: l
+                .topic
+                .as_ref()
+                .map_or_else(|| topic.to_vec(), |t| t.as_bytes().to_vec()),
+            bind: false,
+            dp_rank: l.data_parallel_rank,
+        })
+        .collect();
+    for s in &sources {
+        if let Some(other) = sources
+            .iter()
+            .find(|o| o.replay_endpoint.as_deref() == Some(s.endpoint.as_str()))
+        {
+            return Err(layout(format!(
+                "rank {}'s PUB endpoint {} is rank {}'s replay endpoint: space the base ports \
+                 of endpoint and replay_endpoint apart by more than the number of ranks",
+                s.dp_rank, s.endpoint, other.dp_rank
+            )));
+        }
+    }
+    Ok(sources)
+}
+
+/// One attempt: GET the listing and parse it.
+pub async fn discover(
+    url: &str,
+    timeout: Duration,
+    topic: &[u8],
+) -> Result<Vec<transport::Source>, DiscoveryError> {
+    let fetcher = Fetcher::new(url, timeout, MAX_BODY).map_err(|source| DiscoveryError::Url {
+        url: url.to_owned(),
+        source,
+    })?;
+    let body = fetcher
+        .fetch()
+        .await
+        .map_err(|source| DiscoveryError::Fetch {
+            url: url.to_owned(),
+            source,
+        })?;
+    parse(body.as_bytes(), url, topic)
+}
+
+/// Discovers, retrying while the engine is not up (a fetch fails) until `patience` has passed.
+/// A listing that answers but is not a usable layout fails at once: retrying cannot fix it.
+pub async fn discover_patiently(
+    url: &str,
+    timeout: Duration,
+    patience: Duration,
+    topic: &[u8],
+) -> Result<Vec<transport::Source>, DiscoveryError> {
+    let started = Instant::now();
+    let mut logged: Option<Instant> = None;
+    let mut attempts = 0u32;
+    loop {
+        attempts += 1;
+        match discover(url, timeout, topic).await {
+            Ok(sources) => {
+                let endpoints: Vec<String> = sources.iter().map(transport::Source::label).collect();
+                tracing::info!(url, ranks = sources.len(), endpoints = ?endpoints, "discovered the engine's KV-event endpoints");
+                return Ok(sources);
+            }
+            Err(e @ DiscoveryError::Fetch { .. }) if started.elapsed() < patience => {
+                if logged.is_none_or(|at| at.elapsed() >= LOG_EVERY) {
+                    tracing::warn!(
+                        url,
+                        attempts,
+                        error = %crate::stats_reporter::error_chain(&e),
+                        "engine endpoint discovery not answering yet (engine starting, or older than vLLM 0.31?); retrying every {RETRY_EVERY:?} for up to {patience:?}"
+                    );
+                    logged = Some(Instant::now());
+                }
+                tokio::time::sleep(RETRY_EVERY).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Reads the listing again when a rank's connection is lost for good: disconnected and no
+/// batch for `lost_for_good`. When the listing names other endpoints it says so on the
+/// channel; when it names the same ones, libzmq keeps reconnecting.
+pub(crate) struct Watcher {
+    pub(crate) lost_for_good: Duration,
+    pub(crate) url: String,
+    pub(crate) timeout: Duration,
+    pub(crate) topic: Vec<u8>,
+    pub(crate) current: Vec<transport::Source>,
+    pub(crate) metrics: Vec<std::sync::Arc<kvevent_source::SourceMetrics>>,
+}
+
+impl Watcher {
+    pub(crate) async fn run(self, changed: tokio::sync::watch::Sender<Option<String>>) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let read = |m: &kvevent_source::SourceMetrics| {
+            (m.disconnects.load(Relaxed), m.batches.load(Relaxed))
+        };
+        let mut seen: Vec<(u64, u64)> = self.metrics.iter().map(|m| read(m)).collect();
+        // Per source: since when it has been disconnected with no batch, and the batch count then.
+        let mut lost: Vec<Option<(Instant, u64)>> = vec![None; self.metrics.len()];
+        let every =
+            (self.lost_for_good / 4).clamp(Duration::from_millis(100), Duration::from_secs(5));
+        loop {
+            tokio::time::sleep(every).await;
+            let mut recheck = false;
+            for (i, m) in self.metrics.iter().enumerate() {
+                let (disconnects, batches) = read(m);
+                if disconnects > seen[i].0 && lost[i].is_none() {
+                    lost[i] = Some((Instant::now(), batches));
+                }
+                if let Some((since, at)) = lost[i] {
+                    if batches > at {
+                        lost[i] = None;
+                    } else if since.elapsed() >= self.lost_for_good {
+                        recheck = true;
+                    }
+                }
+                seen[i] = (disconnects, batches);
+            }
+            if !recheck {
+                continue;
+            }
+            match discover(&self.url, self.timeout, &self.topic).await {
+                Ok(now) if now != self.current => {
+                    let what = format!(
+                        "engine endpoints changed: {:?} -> {:?}",
+                        self.current
+                            .iter()
+                            .map(transport::Source::label)
+                            .collect::<Vec<_>>(),
+                        now.iter().map(transport::Source::label).collect::<Vec<_>>()
+                    );
+                    tracing::warn!(url = %self.url, "{what}");
+                    let _ = changed.send(Some(what));
+                    return;
+                }
+                Ok(_) => {
+                    tracing::info!(url = %self.url, "a rank's connection is lost, but the engine still lists the same endpoints: reconnecting");
+                    lost.iter_mut().for_each(|l| *l = None);
+                }
+                Err(e) => {
+                    tracing::warn!(url = %self.url, error = %crate::stats_reporter::error_chain(&e), "a rank's connection is lost and the endpoint listing does not answer; reading it again later");
+                    lost.iter_mut()
+                        .for_each(|l| *l = l.map(|(_, at)| (Instant::now(), at)));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const URL: &str = "http://10.1.2.3:8000/kv_event_sources";
+
+    #[test]
+    fn wildcard_hosts_become_the_discovery_host_and_ranks_are_ordered() {
+        let body = br#"[
+            {"data_parallel_rank": 1, "endpoint": "tcp://*:5558", "replay_endpoint": "tcp://0.0.0.0:5601", "topic": "kv"},
+            {"data_parallel_rank": 0, "endpoint": "tcp://10.9.9.9:5557", "replay_endpoint": null, "topic": ""}
+        ]"#;
+        let s = parse(body, URL, b"default").expect("layout");
+        assert_eq!(s.len(), 2);
+        assert_eq!(
+            (s[0].dp_rank, s[0].endpoint.as_str()),
+            (0, "tcp://10.9.9.9:5557")
+        );
+        assert_eq!(
+            (s[0].replay_endpoint.as_deref(), s[0].topic.as_slice()),
+            (None, &b""[..])
+        );
+        assert_eq!(
+            (s[1].dp_rank, s[1].endpoint.as_str()),
+            (1, "tcp://10.1.2.3:5558")
+        );
+        assert_eq!(s[1].replay_endpoint.as_deref(), Some("tcp://10.1.2.3:5601"));
+        assert_eq!(s[1].topic, b"kv");
+    }
+
+    #[test]
+    fn colliding_or_unusable_layouts_are_refused() {
+        let collide = br#"[
+            {"data_parallel_rank": 0, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"},
+            {"data_parallel_rank": 1, "endpoint": "tcp://*:5558", "replay_endpoint": "tcp://*:5559"}
+        ]"#;
+        let e = parse(collide, URL, b"").expect_err("collision").to_string();
+        assert!(
+            e.contains("rank 1's PUB endpoint tcp://10.1.2.3:5558 is rank 0's replay"),
+            "{e}"
+        );
+        for bad in [
+            &b"[]"[..],
+            b"{}",
+            b"not json",
+            br#"[{"endpoint": "tcp://*:1"}]"#,
+        ] {
+            assert!(
+                parse(bad, URL, b"").is_err(),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        let twice = br#"[{"data_parallel_rank": 0, "endpoint": "tcp://*:1"},
+                         {"data_parallel_rank": 0, "endpoint": "tcp://*:2"}]"#;
+        assert!(
+            parse(twice, URL, b"")
+                .expect_err("twice")
+                .to_string()
+                .contains("twice")
+        );
+    }
+}
