@@ -103,6 +103,10 @@ pub struct Subscriber {
     limits: wire::Limits,
     ready: VecDeque<Update>,
     steps: Vec<Step>,
+    /// For sources added later.
+    state_config: StateConfig,
+    /// By source index: removed, its frames are ignored.
+    removed: Vec<bool>,
 }
 
 impl std::fmt::Debug for Subscriber {
@@ -140,11 +144,56 @@ impl Subscriber {
             frames: rx,
             states,
             metrics,
+            removed: vec![false; config.sources.len()],
             sources: config.sources,
             limits: config.limits,
             ready: VecDeque::new(),
             steps: Vec::new(),
+            state_config: config.state,
         })
+    }
+
+    /// Subscribes to one more source while the others run (a pod came up). Its index, returned,
+    /// is never reused; its first update is a `Startup` reset, then its replay and batches.
+    pub fn add_source(&mut self, source: transport::Source) -> Result<usize, transport::Error> {
+        let Some(transport) = self.transport.as_mut() else {
+            return Err(transport::Error::Stopped);
+        };
+        let index = transport.add(&source)?;
+        let metrics = Arc::new(SourceMetrics::default());
+        let state = StateConfig {
+            has_replay: source.replay_endpoint.is_some(),
+            ..self.state_config.clone()
+        };
+        self.states.push(SourceState::new(state, metrics.clone()));
+        self.metrics.push(metrics);
+        self.sources.push(source);
+        self.removed.push(false);
+        debug_assert_eq!(self.sources.len(), index + 1);
+        Ok(index)
+    }
+
+    /// Stops following source `index` (a pod went away): its thread ends and its sockets close,
+    /// the others are not touched, and no update of it is handed out any more (a consumer
+    /// forgets what it held). False when there is no such source.
+    pub fn remove_source(&mut self, index: usize) -> bool {
+        if self.removed.get(index).is_none_or(|r| *r) {
+            return false;
+        }
+        self.removed[index] = true;
+        if let Some(t) = self.transport.as_mut() {
+            t.remove(index);
+        }
+        self.ready.retain(|u| match u {
+            Update::Batch(b) => b.source != index,
+            Update::Reset { source, .. } => *source != index,
+        });
+        true
+    }
+
+    /// Sources followed now (added and not removed).
+    pub fn active_sources(&self) -> usize {
+        self.removed.iter().filter(|r| !**r).count()
     }
 
     /// The sources, in index order.
@@ -209,6 +258,9 @@ impl Subscriber {
 
     fn handle(&mut self, incoming: transport::Frames) {
         let source = incoming.source;
+        if self.removed.get(source).is_none_or(|r| *r) {
+            return;
+        }
         let Some(state) = self.states.get_mut(source) else {
             return;
         };

@@ -51,4 +51,7 @@ pub enum Error {
     /// A thread could not be started.
     #[error("spawn thread")]
     Spawn(#[source] std::io::Error),
+    /// The transport has shut down: no source can be added.
+    #[error("the transport has shut down")]
+    Stopped,
 }

@@ -55,17 +55,33 @@ enum Command {
     Replay { from: u64 },
 }
 
-/// The running source threads.
+/// The running source threads. Sources can be added and removed while it runs; a source's
+/// index is never reused.
 pub struct Transport {
+    ctx: zmq::Context,
+    opts: SourceOptions,
+    out: SyncSender<Frames>,
+    /// Stops every thread.
     stop: Arc<AtomicBool>,
-    threads: Vec<JoinHandle<()>>,
-    commands: Vec<SyncSender<Command>>,
+    /// By source index; `None` once removed.
+    slots: Vec<Option<Slot>>,
 }
+
+/// One source's thread.
+struct Slot {
+    /// Stops this thread alone.
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<()>,
+    commands: SyncSender<Command>,
+}
+
+/// A source's sockets, made before its thread starts.
+type Sockets = (zmq::Socket, zmq::Socket, Option<zmq::Socket>);
 
 impl std::fmt::Debug for Transport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Transport")
-            .field("sources", &self.threads.len())
+            .field("sources", &self.slots.iter().flatten().count())
             .finish()
     }
 }
@@ -174,58 +190,95 @@ impl Transport {
         opts: &SourceOptions,
         out: SyncSender<Frames>,
     ) -> Result<Self, Error> {
-        let stop = Arc::new(AtomicBool::new(false));
-        let mut prepared = Vec::with_capacity(sources.len());
-        for source in sources {
-            let sub = sub_socket(ctx, source, opts)?;
-            let monitor = monitor_socket(ctx, &sub, &source.endpoint)?;
-            let dealer = source
-                .replay_endpoint
-                .as_deref()
-                .map(|r| dealer_socket(ctx, r, opts))
-                .transpose()?;
-            prepared.push((sub, monitor, dealer));
+        let mut transport = Self {
+            ctx: ctx.clone(),
+            opts: opts.clone(),
+            out,
+            stop: Arc::new(AtomicBool::new(false)),
+            slots: Vec::with_capacity(sources.len()),
+        };
+        let prepared = sources
+            .iter()
+            .map(|s| transport.sockets(s))
+            .collect::<Result<Vec<_>, _>>()?;
+        for (sockets, source) in prepared.into_iter().zip(sources) {
+            transport.spawn(source, sockets)?;
         }
-        let mut threads = Vec::with_capacity(sources.len());
-        let mut commands = Vec::with_capacity(sources.len());
-        for (index, ((sub, monitor, dealer), source)) in
-            prepared.into_iter().zip(sources).enumerate()
-        {
-            let (cmd_tx, cmd_rx) = mpsc::sync_channel(opts.command_capacity.max(1));
-            let worker = Worker {
-                index,
-                ctx: ctx.clone(),
-                source: source.clone(),
-                opts: opts.clone(),
-                sub,
-                monitor,
-                dealer,
-                commands: cmd_rx,
-                out: out.clone(),
-                stop: stop.clone(),
-                replay_deadline: None,
-            };
-            let handle = std::thread::Builder::new()
-                .name(format!("kvevent-src-{index}"))
-                .spawn(move || worker.run())
-                .map_err(Error::Spawn)?;
-            threads.push(handle);
-            commands.push(cmd_tx);
-        }
-        Ok(Self {
-            stop,
-            threads,
-            commands,
-        })
+        Ok(transport)
+    }
+
+    fn sockets(&self, source: &Source) -> Result<Sockets, Error> {
+        let sub = sub_socket(&self.ctx, source, &self.opts)?;
+        let monitor = monitor_socket(&self.ctx, &sub, &source.endpoint)?;
+        let dealer = source
+            .replay_endpoint
+            .as_deref()
+            .map(|r| dealer_socket(&self.ctx, r, &self.opts))
+            .transpose()?;
+        Ok((sub, monitor, dealer))
+    }
+
+    fn spawn(&mut self, source: &Source, (sub, monitor, dealer): Sockets) -> Result<usize, Error> {
+        let index = self.slots.len();
+        let (cmd_tx, cmd_rx) = mpsc::sync_channel(self.opts.command_capacity.max(1));
+        let own = Arc::new(AtomicBool::new(false));
+        let worker = Worker {
+            index,
+            ctx: self.ctx.clone(),
+            source: source.clone(),
+            opts: self.opts.clone(),
+            sub,
+            monitor,
+            dealer,
+            commands: cmd_rx,
+            out: self.out.clone(),
+            stop: self.stop.clone(),
+            own_stop: own.clone(),
+            replay_deadline: None,
+        };
+        let thread = std::thread::Builder::new()
+            .name(format!("kvevent-src-{index}"))
+            .spawn(move || worker.run())
+            .map_err(Error::Spawn)?;
+        self.slots.push(Some(Slot {
+            stop: own,
+            thread,
+            commands: cmd_tx,
+        }));
+        Ok(index)
+    }
+
+    /// Starts one more source while the others run; returns its index (never reused).
+    pub fn add(&mut self, source: &Source) -> Result<usize, Error> {
+        let sockets = self.sockets(source)?;
+        self.spawn(source, sockets)
+    }
+
+    /// Stops source `index` and closes its sockets (its thread ends within ~50 ms); the others
+    /// are not touched. Frames it sent before are still in the channel. False when there is no
+    /// such running source.
+    pub fn remove(&mut self, index: usize) -> bool {
+        let Some(slot) = self.slots.get_mut(index).and_then(Option::take) else {
+            return false;
+        };
+        slot.stop.store(true, Ordering::SeqCst);
+        let _ = slot.thread.join();
+        true
+    }
+
+    /// Sources running now.
+    pub fn running(&self) -> usize {
+        self.slots.iter().flatten().count()
     }
 
     /// Asks source `source` to replay every buffered batch from `from`. The frames come as
     /// [`Delivery::Replay`], then one [`Delivery::ReplayDone`]. Returns false when the source
     /// has no replay endpoint or has stopped.
     pub fn request_replay(&self, source: usize, from: u64) -> bool {
-        self.commands
+        self.slots
             .get(source)
-            .is_some_and(|c| c.try_send(Command::Replay { from }).is_ok())
+            .and_then(Option::as_ref)
+            .is_some_and(|s| s.commands.try_send(Command::Replay { from }).is_ok())
     }
 
     /// Stops every source thread and waits for them (each notices within ~50 ms).
@@ -235,8 +288,8 @@ impl Transport {
 
     fn stop_and_join(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
-        for t in self.threads.drain(..) {
-            let _ = t.join();
+        for slot in self.slots.iter_mut().filter_map(Option::take) {
+            let _ = slot.thread.join();
         }
     }
 }
@@ -258,15 +311,22 @@ struct Worker {
     dealer: Option<zmq::Socket>,
     commands: Receiver<Command>,
     out: SyncSender<Frames>,
+    /// Stops every source.
     stop: Arc<AtomicBool>,
+    /// Stops this source alone (it was removed).
+    own_stop: Arc<AtomicBool>,
     /// Set while a replay is running: when it is over if nothing more arrives.
     replay_deadline: Option<Instant>,
 }
 
 impl Worker {
+    fn stopped(&self) -> bool {
+        self.stop.load(Ordering::Relaxed) || self.own_stop.load(Ordering::Relaxed)
+    }
+
     fn run(mut self) {
         tracing::debug!(source = %self.source.label(), "source thread started");
-        while !self.stop.load(Ordering::Relaxed) {
+        while !self.stopped() {
             while let Ok(Command::Replay { from }) = self.commands.try_recv() {
                 self.start_replay(from);
             }
@@ -338,7 +398,7 @@ impl Worker {
             match self.out.try_send(frames) {
                 Ok(()) => return true,
                 Err(TrySendError::Full(back)) => {
-                    if self.stop.load(Ordering::Relaxed) {
+                    if self.stopped() {
                         return false;
                     }
                     frames = back;

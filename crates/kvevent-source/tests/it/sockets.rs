@@ -399,3 +399,86 @@ fn next_with_hands_over_the_decoded_batch_and_corrupt_ones_as_resets() {
         ]
     );
 }
+
+/// Threads of this process whose name starts with `prefix`.
+fn threads_named(prefix: &str) -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .filter(|t| {
+                    std::fs::read_to_string(t.path().join("comm"))
+                        .is_ok_and(|c| c.starts_with(prefix))
+                })
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+#[test]
+fn sources_come_and_go_at_run_time_without_disturbing_the_others() {
+    let release = Release::NEWEST_KNOWN;
+    let ctx = zmq::Context::new();
+    let engines: Vec<Publisher> = (0..3)
+        .map(|_| Publisher::start(&ctx, PublisherConfig::loopback(release)).expect("engine"))
+        .collect();
+    let mut sub = subscriber(&ctx, vec![source_of(&engines[0], true)]);
+    assert!(engines[0].wait_for_subscribers(1, WAIT));
+    engines[0].publish(&batch(0)).expect("publish");
+    collect(&mut sub, has("B0:0"));
+    // Two pods come up.
+    let b = sub.add_source(source_of(&engines[1], true)).expect("add");
+    let c = sub.add_source(source_of(&engines[2], true)).expect("add");
+    assert_eq!((b, c, sub.active_sources()), (1, 2, 3));
+    for e in &engines[1..] {
+        assert!(e.wait_for_subscribers(1, WAIT));
+    }
+    engines[1].publish(&batch(0)).expect("publish");
+    engines[2].publish(&batch(0)).expect("publish");
+    engines[0].publish(&batch(1)).expect("publish");
+    let seen = collect(&mut sub, |s| {
+        has("B1:0")(s) && has("B2:0")(s) && has("B0:1")(s)
+    });
+    assert!(seen.contains(&"R1:startup".to_owned()) && seen.contains(&"R2:startup".to_owned()));
+    // One goes away: its thread and sockets go, the others keep flowing.
+    let before = threads_named("kvevent-src-");
+    assert!(sub.remove_source(1));
+    assert!(!sub.remove_source(1), "removed once");
+    assert_eq!(threads_named("kvevent-src-"), before - 1);
+    assert_eq!(sub.active_sources(), 2);
+    engines[1].publish(&batch(1)).expect("publish");
+    engines[2].publish(&batch(1)).expect("publish");
+    engines[0].publish(&batch(2)).expect("publish");
+    let seen = collect(&mut sub, |s| has("B2:1")(s) && has("B0:2")(s));
+    assert!(
+        !seen
+            .iter()
+            .any(|x| x.starts_with("B1:") || x.starts_with("R1:")),
+        "{seen:?}"
+    );
+    sub.shutdown();
+}
+
+#[test]
+fn two_hundred_sources_in_one_process() {
+    let release = Release::NEWEST_KNOWN;
+    let (ctx, engine) = engine(release);
+    // Every source follows the same engine: 200 SUB sockets and threads in this process.
+    let mut sub = subscriber(&ctx, Vec::new());
+    for _ in 0..200 {
+        sub.add_source(source_of(&engine, false)).expect("add");
+    }
+    assert!(engine.wait_for_subscribers(200, WAIT));
+    engine.publish(&batch(0)).expect("publish");
+    let seen = collect(&mut sub, |s| {
+        s.iter()
+            .filter(|x| x.ends_with(":0") && x.starts_with('B'))
+            .count()
+            == 200
+    });
+    assert_eq!(seen.iter().filter(|x| x.starts_with('B')).count(), 200);
+    for i in (0..200).step_by(2) {
+        assert!(sub.remove_source(i));
+    }
+    assert_eq!(sub.active_sources(), 100);
+    sub.shutdown();
+}
