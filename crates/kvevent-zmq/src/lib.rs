@@ -5,7 +5,12 @@
 //!   configured with a non-wildcard endpoint ([`Source::bind`]) — and, when the engine has a
 //!   replay endpoint, a DEALER speaking vLLM's ROUTER replay protocol. Each source runs on its
 //!   own named std thread and hands out raw frames with its index over a bounded channel
-//!   ([`Frames`]); it never decodes payloads.
+//!   ([`Frames`]); it never decodes payloads. Sources are added and removed while the others
+//!   run ([`Transport::add`], [`Transport::remove`]). A thread sleeps in `poll` until its
+//!   sockets or its doorbell (a Unix socket pair, rung for commands and stops) wake it, so an
+//!   idle source costs about one wakeup a second: 256 idle sources used 2.4 % of a core and
+//!   79 kB each (`fleet-idle` probe). TCP sources beyond 200 a context get contexts of their own
+//!   (a libzmq context holds 1,023 sockets).
 //! - [`dp_endpoint`] applies vLLM's data-parallel port-offset rule.
 //! - [`publisher::Publisher`] is the other side: a publisher that behaves as vLLM's does (PUB
 //!   `[topic, seq, payload]`, a bounded ROUTER replay buffer, either reply format, restarts,

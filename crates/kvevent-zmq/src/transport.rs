@@ -1,5 +1,8 @@
 //! Source threads: SUB and replay DEALER sockets, raw frames out.
 
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
@@ -11,8 +14,16 @@ use kvevent_wire::frames::{self, ReplayReply};
 use crate::options::ms;
 use crate::{Error, Source, SourceOptions};
 
-/// How long a source thread waits in `poll` before it looks at its commands and the stop flag.
-const POLL_INTERVAL: Duration = Duration::from_millis(50);
+/// Longest a source thread waits in `poll`. Commands and stops ring the thread's doorbell, so
+/// this only bounds how long a lost doorbell could go unnoticed: an idle source wakes once a
+/// second, which keeps hundreds of idle sources cheap.
+const POLL_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Most sources whose sockets share one libzmq context. A context holds at most 1,023 sockets
+/// (`ZMQ_MAX_SOCKETS`, which the `zmq` crate cannot raise) and a source uses up to four (SUB,
+/// the monitor's two PAIRs, the replay DEALER): further TCP sources get contexts of their own,
+/// each with its own I/O thread. `inproc://` sources must share the caller's context.
+const SOURCES_PER_CONTEXT: usize = 200;
 /// Most messages read from one socket before the thread looks at the other one.
 const BURST: usize = 256;
 
@@ -58,7 +69,9 @@ enum Command {
 /// The running source threads. Sources can be added and removed while it runs; a source's
 /// index is never reused.
 pub struct Transport {
-    ctx: zmq::Context,
+    /// The caller's context first, then the ones made for more TCP sources, with how many
+    /// running sources each holds.
+    contexts: Vec<(zmq::Context, usize)>,
     opts: SourceOptions,
     out: SyncSender<Frames>,
     /// Stops every thread.
@@ -73,6 +86,17 @@ struct Slot {
     stop: Arc<AtomicBool>,
     thread: JoinHandle<()>,
     commands: SyncSender<Command>,
+    /// Wakes the thread from its `poll` (a command or a stop is waiting).
+    doorbell: UnixStream,
+    /// Index in `Transport::contexts` of the context holding its sockets.
+    context: usize,
+}
+
+impl Slot {
+    fn ring(&self) {
+        // A full doorbell already rings: nothing is lost by a failed write.
+        let _ = (&self.doorbell).write(&[1]);
+    }
 }
 
 /// A source's sockets, made before its thread starts.
@@ -191,7 +215,7 @@ impl Transport {
         out: SyncSender<Frames>,
     ) -> Result<Self, Error> {
         let mut transport = Self {
-            ctx: ctx.clone(),
+            contexts: vec![(ctx.clone(), 0)],
             opts: opts.clone(),
             out,
             stop: Arc::new(AtomicBool::new(false)),
@@ -201,30 +225,63 @@ impl Transport {
             .iter()
             .map(|s| transport.sockets(s))
             .collect::<Result<Vec<_>, _>>()?;
-        for (sockets, source) in prepared.into_iter().zip(sources) {
-            transport.spawn(source, sockets)?;
+        for ((sockets, context), source) in prepared.into_iter().zip(sources) {
+            transport.spawn(source, sockets, context)?;
         }
         Ok(transport)
     }
 
-    fn sockets(&self, source: &Source) -> Result<Sockets, Error> {
-        let sub = sub_socket(&self.ctx, source, &self.opts)?;
-        let monitor = monitor_socket(&self.ctx, &sub, &source.endpoint)?;
+    /// The context for one more source: the caller's for `inproc://` (they must share it),
+    /// else the first with room, else a new one.
+    fn context_for(&mut self, source: &Source) -> usize {
+        if source.endpoint.starts_with("inproc://")
+            || source
+                .replay_endpoint
+                .as_deref()
+                .is_some_and(|r| r.starts_with("inproc://"))
+        {
+            return 0;
+        }
+        if let Some(i) = self
+            .contexts
+            .iter()
+            .position(|(_, n)| *n < SOURCES_PER_CONTEXT)
+        {
+            return i;
+        }
+        self.contexts.push((zmq::Context::new(), 0));
+        self.contexts.len() - 1
+    }
+
+    fn sockets(&mut self, source: &Source) -> Result<(Sockets, usize), Error> {
+        let c = self.context_for(source);
+        let ctx = &self.contexts[c].0;
+        let sub = sub_socket(ctx, source, &self.opts)?;
+        let monitor = monitor_socket(ctx, &sub, &source.endpoint)?;
         let dealer = source
             .replay_endpoint
             .as_deref()
-            .map(|r| dealer_socket(&self.ctx, r, &self.opts))
+            .map(|r| dealer_socket(ctx, r, &self.opts))
             .transpose()?;
-        Ok((sub, monitor, dealer))
+        self.contexts[c].1 += 1;
+        Ok(((sub, monitor, dealer), c))
     }
 
-    fn spawn(&mut self, source: &Source, (sub, monitor, dealer): Sockets) -> Result<usize, Error> {
+    fn spawn(
+        &mut self,
+        source: &Source,
+        (sub, monitor, dealer): Sockets,
+        context: usize,
+    ) -> Result<usize, Error> {
         let index = self.slots.len();
+        let (doorbell, bell_rx) = UnixStream::pair().map_err(Error::Spawn)?;
+        bell_rx.set_nonblocking(true).map_err(Error::Spawn)?;
+        doorbell.set_nonblocking(true).map_err(Error::Spawn)?;
         let (cmd_tx, cmd_rx) = mpsc::sync_channel(self.opts.command_capacity.max(1));
         let own = Arc::new(AtomicBool::new(false));
         let worker = Worker {
             index,
-            ctx: self.ctx.clone(),
+            ctx: self.contexts[context].0.clone(),
             source: source.clone(),
             opts: self.opts.clone(),
             sub,
@@ -234,6 +291,7 @@ impl Transport {
             out: self.out.clone(),
             stop: self.stop.clone(),
             own_stop: own.clone(),
+            doorbell: bell_rx,
             replay_deadline: None,
         };
         let thread = std::thread::Builder::new()
@@ -244,17 +302,19 @@ impl Transport {
             stop: own,
             thread,
             commands: cmd_tx,
+            doorbell,
+            context,
         }));
         Ok(index)
     }
 
     /// Starts one more source while the others run; returns its index (never reused).
     pub fn add(&mut self, source: &Source) -> Result<usize, Error> {
-        let sockets = self.sockets(source)?;
-        self.spawn(source, sockets)
+        let (sockets, context) = self.sockets(source)?;
+        self.spawn(source, sockets, context)
     }
 
-    /// Stops source `index` and closes its sockets (its thread ends within ~50 ms); the others
+    /// Stops source `index` and closes its sockets (its doorbell wakes its thread at once); the others
     /// are not touched. Frames it sent before are still in the channel. False when there is no
     /// such running source.
     pub fn remove(&mut self, index: usize) -> bool {
@@ -262,7 +322,9 @@ impl Transport {
             return false;
         };
         slot.stop.store(true, Ordering::SeqCst);
+        slot.ring();
         let _ = slot.thread.join();
+        self.contexts[slot.context].1 -= 1;
         true
     }
 
@@ -278,16 +340,23 @@ impl Transport {
         self.slots
             .get(source)
             .and_then(Option::as_ref)
-            .is_some_and(|s| s.commands.try_send(Command::Replay { from }).is_ok())
+            .is_some_and(|s| {
+                let sent = s.commands.try_send(Command::Replay { from }).is_ok();
+                s.ring();
+                sent
+            })
     }
 
-    /// Stops every source thread and waits for them (each notices within ~50 ms).
+    /// Stops every source thread and waits for them (their doorbells wake them at once).
     pub fn shutdown(mut self) {
         self.stop_and_join();
     }
 
     fn stop_and_join(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
+        for slot in self.slots.iter().flatten() {
+            slot.ring();
+        }
         for slot in self.slots.iter_mut().filter_map(Option::take) {
             let _ = slot.thread.join();
         }
@@ -315,6 +384,8 @@ struct Worker {
     stop: Arc<AtomicBool>,
     /// Stops this source alone (it was removed).
     own_stop: Arc<AtomicBool>,
+    /// Rung when a command or a stop is waiting.
+    doorbell: UnixStream,
     /// Set while a replay is running: when it is over if nothing more arrives.
     replay_deadline: Option<Instant>,
 }
@@ -360,15 +431,25 @@ impl Worker {
         let mut items = vec![
             self.sub.as_poll_item(zmq::POLLIN),
             self.monitor.as_poll_item(zmq::POLLIN),
+            zmq::PollItem::from_fd(self.doorbell.as_raw_fd(), zmq::POLLIN),
         ];
         if let Some(d) = &self.dealer {
             items.push(d.as_poll_item(zmq::POLLIN));
         }
-        zmq::poll(&mut items, ms(POLL_INTERVAL).into())?;
+        // Wake for a running replay's idle deadline too.
+        let wait = self.replay_deadline.map_or(POLL_INTERVAL, |d| {
+            d.saturating_duration_since(Instant::now())
+                .min(POLL_INTERVAL)
+        });
+        zmq::poll(&mut items, ms(wait).max(1).into())?;
+        if items[2].is_readable() {
+            let mut rung = [0u8; 64];
+            while (&self.doorbell).read(&mut rung).is_ok_and(|n| n > 0) {}
+        }
         Ok((
             items[0].is_readable(),
             items[1].is_readable(),
-            items.get(2).is_some_and(|i| i.is_readable()),
+            items.get(3).is_some_and(|i| i.is_readable()),
         ))
     }
 
