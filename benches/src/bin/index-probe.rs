@@ -1,0 +1,227 @@
+//! The prefix index on a synthetic fleet trace: apply rate (one writer), score latency of
+//! 1,024-token prompts (fingerprint chain included), bytes per resident (block, replica) pair,
+//! and memory across a churn run.
+//!
+//! The trace, reproducible from a seed: 16 shared system prompts of 16 blocks (popularity
+//! skewed); per replica, conversations that extend their own prefix by 2–8 blocks a turn; per
+//! replica an LRU of `capacity` blocks evicting the least recently stored. Block size 16,
+//! fingerprint keys (the index's default).
+//!
+//! `cargo run --release -p kvevent-benches --bin index-probe [-- REPLICAS... ]` (default 64 256
+//! 1024), `--capacity N` blocks per replica (default 4,096), `--seed S`.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use kvevent_index::{Config, Index, Query, QueryKeys};
+use kvevent_wire as wire;
+
+const BLOCK: usize = 16;
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+/// One replica's engine: conversations, an LRU of blocks, engine hashes.
+struct Replica {
+    /// Conversations: their tokens so far and the engine hash of their last block.
+    conversations: Vec<(Vec<u32>, Option<u64>)>,
+    /// Stored blocks, least recent first (engine hashes).
+    lru: VecDeque<u64>,
+    next_hash: u64,
+}
+
+struct Trace {
+    rng: Rng,
+    system: Vec<Vec<u32>>,
+    capacity: usize,
+}
+
+impl Trace {
+    /// The events of one step of `r`: a turn of a conversation (new or continued), stores and
+    /// the evictions the LRU makes.
+    fn step(&mut self, r: &mut Replica, id: u64) -> Vec<wire::Event<'static>> {
+        let mut events = Vec::new();
+        let c = if r.conversations.len() < 8 || self.rng.below(4) == 0 {
+            // A new conversation on a system prompt (skewed: low numbers are popular).
+            let s = (self.rng.below(16) * self.rng.below(16) / 16) as usize;
+            r.conversations.push((self.system[s].clone(), None));
+            if r.conversations.len() > 64 {
+                r.conversations.remove(0);
+            }
+            r.conversations.len() - 1
+        } else {
+            self.rng.below(r.conversations.len() as u64) as usize
+        };
+        let (tokens, last) = &mut r.conversations[c];
+        let new_blocks = if last.is_none() {
+            tokens.len() / BLOCK
+        } else {
+            2 + self.rng.below(7) as usize
+        };
+        let start = if last.is_none() { 0 } else { tokens.len() };
+        if last.is_some() {
+            for _ in 0..new_blocks * BLOCK {
+                tokens.push(self.rng.below(128_000) as u32);
+            }
+        }
+        let hashes: Vec<u64> = (0..new_blocks)
+            .map(|_| {
+                r.next_hash += 1;
+                (id << 40) | r.next_hash
+            })
+            .collect();
+        events.push(wire::Event::BlockStored(wire::BlockStored {
+            block_hashes: hashes
+                .iter()
+                .map(|h| wire::BlockHash::Int(wire::Int::U64(*h)))
+                .collect(),
+            parent_block_hash: last.map(|p| wire::BlockHash::Int(wire::Int::U64(p))),
+            token_ids: wire::TokenIds::from(tokens[start..start + new_blocks * BLOCK].to_vec()),
+            block_size: BLOCK as u32,
+            medium: Some(wire::Medium("GPU".into())),
+            ..Default::default()
+        }));
+        *last = hashes.last().copied();
+        r.lru.extend(&hashes);
+        while r.lru.len() > self.capacity {
+            let Some(h) = r.lru.pop_front() else { break };
+            events.push(wire::Event::BlockRemoved(wire::BlockRemoved {
+                block_hashes: vec![wire::BlockHash::Int(wire::Int::U64(h))],
+                medium: Some(wire::Medium("GPU".into())),
+                ..Default::default()
+            }));
+        }
+        events
+    }
+}
+
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+fn run(replicas: usize, capacity: usize, seed: u64) {
+    let mut rng = Rng(seed | 1);
+    let system: Vec<Vec<u32>> = (0..16)
+        .map(|_| (0..16 * BLOCK).map(|_| rng.below(128_000) as u32).collect())
+        .collect();
+    let mut trace = Trace {
+        rng,
+        system,
+        capacity,
+    };
+    let index = Index::new(Config::default());
+    let sources: Vec<_> = (0..replicas)
+        .map(|i| index.add_source(&format!("replica-{i}")))
+        .collect();
+    let mut state: Vec<Replica> = (0..replicas)
+        .map(|_| Replica {
+            conversations: Vec::new(),
+            lru: VecDeque::new(),
+            next_hash: 0,
+        })
+        .collect();
+    // Fill: until every replica's LRU is full, then the same again (evictions ≈ stores).
+    let mut applied_blocks = 0u64;
+    let mut apply_secs = 0.0;
+    let mut fill = |rounds: usize, state: &mut Vec<Replica>, trace: &mut Trace| {
+        for _ in 0..rounds {
+            for (i, r) in state.iter_mut().enumerate() {
+                let events = trace.step(r, i as u64);
+                applied_blocks += events
+                    .iter()
+                    .map(|e| match e {
+                        wire::Event::BlockStored(s) => s.block_hashes.len() as u64,
+                        _ => 1,
+                    })
+                    .sum::<u64>();
+                let batch = wire::EventBatch {
+                    ts: 1.0,
+                    events,
+                    data_parallel_rank: None,
+                    unknown_events: 0,
+                };
+                let t = Instant::now();
+                index.apply(sources[i], &batch);
+                apply_secs += t.elapsed().as_secs_f64();
+            }
+        }
+    };
+    let rounds = capacity / 4;
+    fill(rounds, &mut state, &mut trace);
+    let stats = index.stats();
+    let pairs = stats.pairs.max(1);
+    // Score: 1,024-token prompts made of a system prompt and a conversation's own tokens.
+    let mut lat = Vec::new();
+    let mut matched = 0u64;
+    for q in 0..5_000 {
+        let r = &state[q % replicas];
+        let Some((tokens, _)) = r.conversations.get(q % r.conversations.len().max(1)) else {
+            continue;
+        };
+        let mut prompt = tokens.clone();
+        prompt.resize(1024, 7);
+        let t = Instant::now();
+        let scores = index.score(&Query {
+            adapter: "",
+            keys: QueryKeys::Tokens {
+                ids: &prompt,
+                block_size: BLOCK,
+            },
+        });
+        lat.push(t.elapsed().as_secs_f64() * 1e6);
+        matched += scores.first().map_or(0, |s| u64::from(s.matched_blocks));
+    }
+    // Churn: ten times the capacity stored and evicted again.
+    let before = index.stats();
+    fill(rounds * 10, &mut state, &mut trace);
+    let after = index.stats();
+    println!(
+        "| {replicas} | {:.2} M/s | {:.1} / {:.1} µs | {:.3} | {:.1} B | {:.1} → {:.1} MB ({:+.1} %) | {:.1} |",
+        applied_blocks as f64 / apply_secs / 1e6,
+        percentile(&mut lat, 0.5),
+        percentile(&mut lat, 0.99),
+        pairs as f64 / 1e6,
+        stats.bytes as f64 / pairs as f64,
+        before.bytes as f64 / 1048576.0,
+        after.bytes as f64 / 1048576.0,
+        100.0 * (after.bytes as f64 / before.bytes.max(1) as f64 - 1.0),
+        matched as f64 / lat.len().max(1) as f64,
+    );
+}
+
+fn main() {
+    let mut replicas = Vec::new();
+    let mut capacity = 4_096;
+    let mut seed = 42;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--capacity" => capacity = args.next().and_then(|v| v.parse().ok()).unwrap_or(capacity),
+            "--seed" => seed = args.next().and_then(|v| v.parse().ok()).unwrap_or(seed),
+            n => replicas.extend(n.parse::<usize>().ok()),
+        }
+    }
+    if replicas.is_empty() {
+        replicas = vec![64, 256, 1024];
+    }
+    println!("capacity {capacity} blocks per replica, seed {seed}");
+    println!(
+        "| replicas | apply (block events/s, one writer) | score p50 / p99 (1,024 tokens) | resident pairs (M) | index bytes per pair | index bytes before → after 10× churn | blocks matched per query |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for r in replicas {
+        run(r, capacity, seed);
+    }
+}

@@ -1,0 +1,523 @@
+//! An in-process prefix index for routers: which replica already holds the longest prefix of a
+//! request.
+//!
+//! Fed by decoded batches and resets per source (a replica's engine, or one DP rank of it),
+//! through a [`kvevent_mapper::Mapper`] per source, so the keys follow the mapper's rules:
+//! content fingerprints of the token ids or engine block hashes ([`KeyMode`]), cumulative token
+//! counts, LoRA adapter partitions, tiers from the medium, the hybrid-model rule. [`Index::score`]
+//! answers, per replica, how many blocks and tokens of the query are present from block 0 on,
+//! at which tier, and whether the replica's state is known to be complete ([`Score::fresh`]).
+//!
+//! - **Layout.** One map, (prefix key, adapter) → (token count, holders); a holder is a source,
+//!   its reset epoch and the tier, kept sorted by source so scoring intersects holder lists
+//!   block by block (one lookup per query block, whatever the number of replicas).
+//! - **Resets** of one source are O(1): its epoch moves on and older holders no longer count
+//!   (they are dropped when next touched). Removing a replica resets its sources.
+//! - **Byte budget.** Entries live in two generations; when the young one reaches half the
+//!   budget, the old one is dropped (counted in [`IndexStats::evicted_keys`]) and the young one
+//!   becomes old: an entry neither stored nor scored during a whole generation goes first.
+//!   Memory stays within the budget however many blocks churn through.
+//! - **Concurrency.** One `RwLock`: any number of threads score while one applies events.
+//!
+//! Pure: no IO, no async runtime. Keys longer than 8 bytes (engine mode with `bin` digests) are
+//! folded to their first 8 bytes, uniformly random in practice.
+
+use std::collections::HashMap;
+use std::sync::{PoisonError, RwLock};
+
+use kvevent_mapper::{self as mapper, Identity, Mapper};
+use kvevent_proto as pb;
+use kvevent_wire as wire;
+
+pub use mapper::KeyMode;
+
+type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
+/// A source's handle, from [`Index::add_source`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SourceId(u32);
+
+/// Where a matched prefix is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Tier {
+    /// In the engine's GPU memory.
+    T1,
+    /// In an offload tier the engine can reload from.
+    T2,
+}
+
+/// How the index is bounded.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Most bytes the entries may take (estimated from their layout). Default 1 GiB.
+    pub byte_budget: usize,
+    /// How sources map events to keys (key mode, adapters, offload tier, hybrid models).
+    pub mapping: mapper::Options,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            byte_budget: 1 << 30,
+            mapping: mapper::Options {
+                key_mode: KeyMode::Fingerprint,
+                ..mapper::Options::default()
+            },
+        }
+    }
+}
+
+/// What a query asks about.
+#[derive(Debug, Clone)]
+pub enum QueryKeys<'a> {
+    /// Token ids, chained into fingerprints with this block size (fingerprint key mode).
+    Tokens {
+        /// The prompt's token ids.
+        ids: &'a [u32],
+        /// The model's block size.
+        block_size: usize,
+    },
+    /// Prefix keys as the index stores them, block 0 first.
+    Keys(&'a [u64]),
+}
+
+/// One request: its adapter ("" for the base model) and its blocks.
+#[derive(Debug, Clone)]
+pub struct Query<'a> {
+    /// The LoRA adapter's name, "" for the base model.
+    pub adapter: &'a str,
+    /// The request's blocks.
+    pub keys: QueryKeys<'a>,
+}
+
+/// One replica's match, as `LookupRouteResponse.replica_scores` means it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Score {
+    /// The replica's name.
+    pub replica: String,
+    /// Blocks of the query present from block 0 on (on one of the replica's sources).
+    pub matched_blocks: u32,
+    /// Tokens those blocks cover (the last matched block's cumulative count).
+    pub matched_tokens: u32,
+    /// T2 when any matched block is only in the offload tier.
+    pub tier: Tier,
+    /// False while one of the replica's sources is degraded (replaying, a gap not repaired,
+    /// just restarted): the router may fail open.
+    pub fresh: bool,
+}
+
+/// Counters and sizes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct IndexStats {
+    /// Keys in the index (both generations).
+    pub keys: usize,
+    /// (key, source) pairs, stale ones included until touched.
+    pub pairs: usize,
+    /// Estimated bytes of the entries.
+    pub bytes: usize,
+    /// Keys dropped by the byte budget.
+    pub evicted_keys: u64,
+    /// Block events applied.
+    pub applied: u64,
+}
+
+/// A source holding a key: packed to 8 bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Holder {
+    source: u32,
+    epoch: u16,
+    tier: u8,
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    tokens: u32,
+    /// Sorted by source.
+    holders: Vec<Holder>,
+}
+
+/// Bytes an entry is estimated to take: the table slot (key, entry, control byte, at the
+/// table's 7/8 load) and the holders' heap block.
+fn entry_bytes(holders: usize) -> usize {
+    let slot = std::mem::size_of::<((u64, u32), Entry)>() + 1;
+    slot * 8 / 7 + holders.next_power_of_two().max(4) * std::mem::size_of::<Holder>() + 16
+}
+
+#[derive(Debug)]
+struct Source {
+    replica: u32,
+    mapper: Mapper,
+    epoch: u16,
+    live: bool,
+    fresh: bool,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    replicas: Vec<String>,
+    replica_ids: Map<String, u32>,
+    sources: Vec<Source>,
+    adapters: Map<String, u32>,
+    young: Map<(u64, u32), Entry>,
+    old: Map<(u64, u32), Entry>,
+    young_bytes: usize,
+    old_bytes: usize,
+    stats: IndexStats,
+    reports: Vec<pb::Report>,
+}
+
+/// The prefix index. Share it (`Arc<Index>`) between the thread applying events and the
+/// threads scoring.
+#[derive(Debug)]
+pub struct Index {
+    config: Config,
+    inner: RwLock<Inner>,
+}
+
+fn key_of(prefix_hash: &[u8]) -> u64 {
+    let mut b = [0u8; 8];
+    let n = prefix_hash.len().min(8);
+    b[..n].copy_from_slice(&prefix_hash[..n]);
+    u64::from_be_bytes(b)
+}
+
+impl Index {
+    /// An empty index.
+    pub fn new(config: Config) -> Self {
+        Self {
+            config,
+            inner: RwLock::new(Inner::default()),
+        }
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Inner> {
+        self.inner.write().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Inner> {
+        self.inner.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Starts following a source of `replica` (its engine, or one DP rank of it).
+    pub fn add_source(&self, replica: &str) -> SourceId {
+        let mut inner = self.write();
+        let replica_id = match inner.replica_ids.get(replica) {
+            Some(&id) => id,
+            None => {
+                let id = inner.replicas.len() as u32;
+                inner.replicas.push(replica.to_owned());
+                inner.replica_ids.insert(replica.to_owned(), id);
+                id
+            }
+        };
+        let identity = Identity::new(replica, "index", "", "index")
+            .unwrap_or_else(|_| Identity::new("replica", "index", "", "index").expect("valid"));
+        let id = SourceId(inner.sources.len() as u32);
+        inner.sources.push(Source {
+            replica: replica_id,
+            mapper: Mapper::new(identity, self.config.mapping.clone()),
+            epoch: 0,
+            live: true,
+            fresh: true,
+        });
+        id
+    }
+
+    /// Applies one decoded batch of `source`, in seq order.
+    pub fn apply(&self, source: SourceId, batch: &wire::EventBatch<'_>) {
+        let mut inner = self.write();
+        let inner = &mut *inner;
+        let Some(s) = inner.sources.get_mut(source.0 as usize) else {
+            return;
+        };
+        if !s.live {
+            return;
+        }
+        let mut reports = std::mem::take(&mut inner.reports);
+        s.mapper.map_batch(batch, &mut reports);
+        for report in reports.drain(..) {
+            inner.apply_report(source.0, report, self.config.byte_budget);
+        }
+        inner.reports = reports;
+    }
+
+    /// Everything known of `source` is stale (an engine restart, a gap that could not be
+    /// repaired): its entries stop counting, the other sources' stay.
+    pub fn reset(&self, source: SourceId) {
+        let mut inner = self.write();
+        if let Some(s) = inner.sources.get_mut(source.0 as usize) {
+            s.mapper.reset(0);
+            s.epoch = s.epoch.wrapping_add(1);
+            if s.epoch == 0 {
+                // The epoch wrapped: drop this source's holders for real.
+                let n = source.0;
+                inner.drop_holders(|h| h.source == n);
+            }
+        }
+    }
+
+    /// Marks `source` as known incomplete (`false`: replaying, a gap not repaired) or complete.
+    pub fn set_fresh(&self, source: SourceId, fresh: bool) {
+        if let Some(s) = self.write().sources.get_mut(source.0 as usize) {
+            s.fresh = fresh;
+        }
+    }
+
+    /// Stops following every source of `replica` and forgets its entries.
+    pub fn remove_replica(&self, replica: &str) {
+        let mut inner = self.write();
+        let Some(&id) = inner.replica_ids.get(replica) else {
+            return;
+        };
+        let mut gone = Vec::new();
+        for (i, s) in inner.sources.iter_mut().enumerate() {
+            if s.replica == id && s.live {
+                s.live = false;
+                s.mapper.reset(0);
+                gone.push(i as u32);
+            }
+        }
+        inner.drop_holders(|h| gone.contains(&h.source));
+    }
+
+    /// Sizes and counters.
+    pub fn stats(&self) -> IndexStats {
+        let inner = self.read();
+        let mut stats = inner.stats.clone();
+        stats.keys = inner.young.len() + inner.old.len();
+        stats.pairs = inner
+            .young
+            .values()
+            .chain(inner.old.values())
+            .map(|e| e.holders.len())
+            .sum();
+        stats.bytes = inner.young_bytes + inner.old_bytes;
+        stats
+    }
+
+    /// Per replica holding at least block 0 of the query: its longest match from block 0 on,
+    /// best first (most tokens, then T1 before T2, then name).
+    pub fn score(&self, query: &Query<'_>) -> Vec<Score> {
+        let keys: Vec<u64> = match &query.keys {
+            QueryKeys::Keys(k) => k.to_vec(),
+            QueryKeys::Tokens { ids, block_size } => {
+                if *block_size == 0 {
+                    return Vec::new();
+                }
+                let whole = ids.len() / block_size * block_size;
+                kvevent_fingerprint::chain(&ids[..whole], *block_size, None)
+                    .into_iter()
+                    .map(|b| b.prefix)
+                    .collect()
+            }
+        };
+        let inner = self.read();
+        inner.score(&keys, query.adapter)
+    }
+}
+
+impl Inner {
+    fn adapter(&mut self, name: &str) -> u32 {
+        if let Some(&id) = self.adapters.get(name) {
+            return id;
+        }
+        let id = self.adapters.len() as u32;
+        self.adapters.insert(name.to_owned(), id);
+        id
+    }
+
+    fn holder_valid(&self, h: &Holder) -> bool {
+        self.sources
+            .get(h.source as usize)
+            .is_some_and(|s| s.live && s.epoch == h.epoch)
+    }
+
+    fn apply_report(&mut self, source: u32, report: pb::Report, budget: usize) {
+        match report {
+            pb::Report::Update(u) | pb::Report::New(u) => {
+                for p in u.prefixes {
+                    let adapter = if p.adapter_id.is_empty() {
+                        u.adapter_id.as_str()
+                    } else {
+                        p.adapter_id.as_str()
+                    };
+                    let key = (key_of(&p.prefix_hash), self.adapter(adapter));
+                    let tier = u8::from(p.tier != pb::CacheTier::T1 as i32);
+                    self.store(key, source, tier, p.token_count.max(0) as u32, budget);
+                }
+            }
+            pb::Report::Event(e) if e.r#type == pb::cache_event::Type::PrefixEvicted as i32 => {
+                let key = (key_of(&e.prefix_hash), self.adapter(&e.adapter_id));
+                self.stats.applied += 1;
+                for (map, bytes) in [
+                    (&mut self.young, &mut self.young_bytes),
+                    (&mut self.old, &mut self.old_bytes),
+                ] {
+                    if let Some(entry) = map.get_mut(&key) {
+                        let before = entry_bytes(entry.holders.len());
+                        entry.holders.retain(|h| h.source != source);
+                        if entry.holders.is_empty() {
+                            map.remove(&key);
+                            *bytes = bytes.saturating_sub(before);
+                        } else {
+                            *bytes =
+                                (*bytes + entry_bytes(entry.holders.len())).saturating_sub(before);
+                        }
+                    }
+                }
+            }
+            // ALL_CLEARED from the source's mapper: its entries stop counting.
+            pb::Report::Event(_) => {
+                if let Some(s) = self.sources.get_mut(source as usize) {
+                    s.epoch = s.epoch.wrapping_add(1);
+                }
+            }
+        }
+    }
+
+    fn store(&mut self, key: (u64, u32), source: u32, tier: u8, tokens: u32, budget: usize) {
+        self.stats.applied += 1;
+        let epoch = self.sources[source as usize].epoch;
+        // An entry stored again moves to the young generation.
+        let mut entry = match self.young.remove(&key) {
+            Some(e) => {
+                self.young_bytes = self
+                    .young_bytes
+                    .saturating_sub(entry_bytes(e.holders.len()));
+                e
+            }
+            None => match self.old.remove(&key) {
+                Some(e) => {
+                    self.old_bytes = self.old_bytes.saturating_sub(entry_bytes(e.holders.len()));
+                    e
+                }
+                None => Entry {
+                    tokens,
+                    holders: Vec::new(),
+                },
+            },
+        };
+        entry.tokens = tokens;
+        let sources = &self.sources;
+        entry.holders.retain(|h| {
+            sources
+                .get(h.source as usize)
+                .is_some_and(|s| s.live && s.epoch == h.epoch)
+        });
+        let holder = Holder {
+            source,
+            epoch,
+            tier,
+        };
+        match entry.holders.binary_search_by_key(&source, |h| h.source) {
+            Ok(i) => entry.holders[i] = holder,
+            Err(i) => entry.holders.insert(i, holder),
+        }
+        self.young_bytes += entry_bytes(entry.holders.len());
+        self.young.insert(key, entry);
+        if self.young_bytes >= budget / 2 {
+            // The old generation goes; the young one becomes old.
+            self.stats.evicted_keys += self.old.len() as u64;
+            self.old = std::mem::take(&mut self.young);
+            self.old_bytes = std::mem::take(&mut self.young_bytes);
+        }
+    }
+
+    fn drop_holders(&mut self, gone: impl Fn(&Holder) -> bool) {
+        for (map, bytes) in [
+            (&mut self.young, &mut self.young_bytes),
+            (&mut self.old, &mut self.old_bytes),
+        ] {
+            map.retain(|_, e| {
+                e.holders.retain(|h| !gone(h));
+                !e.holders.is_empty()
+            });
+            *bytes = map.values().map(|e| entry_bytes(e.holders.len())).sum();
+        }
+    }
+
+    fn lookup(&self, key: &(u64, u32)) -> Option<&Entry> {
+        self.young.get(key).or_else(|| self.old.get(key))
+    }
+
+    fn score(&self, keys: &[u64], adapter: &str) -> Vec<Score> {
+        let Some(&adapter) = self.adapters.get(adapter) else {
+            return Vec::new();
+        };
+        // Sources still matching: (source, blocks matched, tokens, worst tier), sorted.
+        let mut alive: Vec<(u32, u32, u32, u8)> = Vec::new();
+        let mut done: Vec<(u32, u32, u32, u8)> = Vec::new();
+        for (i, k) in keys.iter().enumerate() {
+            let Some(entry) = self.lookup(&(*k, adapter)) else {
+                break;
+            };
+            let holders = entry.holders.iter().filter(|h| self.holder_valid(h));
+            if i == 0 {
+                alive = holders
+                    .map(|h| (h.source, 1, entry.tokens, h.tier))
+                    .collect();
+                continue;
+            }
+            // Merge the two sorted lists: who holds block i too goes on.
+            let mut next = Vec::with_capacity(alive.len());
+            let mut hs = holders.peekable();
+            for a in alive.drain(..) {
+                while hs.peek().is_some_and(|h| h.source < a.0) {
+                    hs.next();
+                }
+                match hs.peek() {
+                    Some(h) if h.source == a.0 => {
+                        next.push((a.0, a.1 + 1, entry.tokens, a.3.max(h.tier)))
+                    }
+                    _ => done.push(a),
+                }
+            }
+            alive = next;
+            if alive.is_empty() {
+                break;
+            }
+        }
+        done.extend(alive);
+        // Per replica, its best source.
+        let mut best: Map<u32, Score> = Map::default();
+        for (source, blocks, tokens, tier) in done {
+            let s = &self.sources[source as usize];
+            let replica = s.replica;
+            let fresh = self
+                .sources
+                .iter()
+                .filter(|o| o.replica == replica && o.live)
+                .all(|o| o.fresh);
+            let score = Score {
+                replica: self.replicas[replica as usize].clone(),
+                matched_blocks: blocks,
+                matched_tokens: tokens,
+                tier: if tier == 0 { Tier::T1 } else { Tier::T2 },
+                fresh,
+            };
+            best.entry(replica)
+                .and_modify(|b| {
+                    let key = |s: &Score| {
+                        (
+                            s.matched_blocks,
+                            s.matched_tokens,
+                            std::cmp::Reverse(s.tier),
+                        )
+                    };
+                    if key(&score) > key(b) {
+                        *b = score.clone();
+                    }
+                })
+                .or_insert(score);
+        }
+        let mut out: Vec<Score> = best.into_values().collect();
+        out.sort_by(|a, b| {
+            b.matched_tokens
+                .cmp(&a.matched_tokens)
+                .then(b.matched_blocks.cmp(&a.matched_blocks))
+                .then(a.tier.cmp(&b.tier))
+                .then(a.replica.cmp(&b.replica))
+        });
+        out
+    }
+}

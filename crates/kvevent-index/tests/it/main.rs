@@ -1,0 +1,255 @@
+//! The index against a naive model, and its bounds.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use kvevent_index::{Config, Index, KeyMode, Query, QueryKeys, Tier};
+use kvevent_mapper as mapper;
+use kvevent_wire as wire;
+use proptest::prelude::*;
+
+fn engine_keys() -> Config {
+    Config {
+        mapping: mapper::Options {
+            key_mode: KeyMode::Engine,
+            ..mapper::Options::default()
+        },
+        ..Config::default()
+    }
+}
+
+fn hash(h: u64) -> wire::BlockHash<'static> {
+    wire::BlockHash::Int(wire::Int::U64(h))
+}
+
+fn batch(events: Vec<wire::Event<'static>>) -> wire::EventBatch<'static> {
+    wire::EventBatch {
+        ts: 1.0,
+        events,
+        data_parallel_rank: None,
+        unknown_events: 0,
+    }
+}
+
+fn stored(hashes: &[u64], medium: &'static str) -> wire::Event<'static> {
+    wire::Event::BlockStored(wire::BlockStored {
+        block_hashes: hashes.iter().copied().map(hash).collect(),
+        token_ids: wire::TokenIds::from(vec![0u32; hashes.len() * 4]),
+        block_size: 4,
+        medium: Some(wire::Medium(medium.into())),
+        ..Default::default()
+    })
+}
+
+fn removed(h: u64) -> wire::Event<'static> {
+    wire::Event::BlockRemoved(wire::BlockRemoved {
+        block_hashes: vec![hash(h)],
+        medium: Some(wire::Medium("GPU".into())),
+        ..Default::default()
+    })
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Store { source: usize, first: u64, len: u64 },
+    Remove { source: usize, h: u64 },
+    Reset { source: usize },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (0..6usize, 0..12u64, 1..6u64).prop_map(|(source, first, len)| Op::Store { source, first, len }),
+        3 => (0..6usize, 0..16u64).prop_map(|(source, h)| Op::Remove { source, h }),
+        1 => (0..6usize).prop_map(|source| Op::Reset { source }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+    /// Six sources (two ranks of three replicas), random stores, removals and resets: every
+    /// score equals the naive model's (per source a set of held blocks).
+    #[test]
+    fn scores_match_a_naive_model(ops in proptest::collection::vec(op(), 1..80)) {
+        let index = Index::new(engine_keys());
+        let replicas = ["a", "b", "c"];
+        let sources: Vec<_> = (0..6).map(|i| index.add_source(replicas[i / 2])).collect();
+        let mut model: Vec<BTreeSet<u64>> = vec![BTreeSet::new(); 6];
+        for op in &ops {
+            match *op {
+                Op::Store { source, first, len } => {
+                    let hashes: Vec<u64> = (first..first + len).collect();
+                    index.apply(sources[source], &batch(vec![stored(&hashes, "GPU")]));
+                    model[source].extend(hashes);
+                }
+                Op::Remove { source, h } => {
+                    index.apply(sources[source], &batch(vec![removed(h)]));
+                    model[source].remove(&h);
+                }
+                Op::Reset { source } => {
+                    index.reset(sources[source]);
+                    model[source].clear();
+                }
+            }
+        }
+        for start in 0..12u64 {
+            let query: Vec<u64> = (start..start + 8).collect();
+            let got: BTreeMap<String, u32> = index
+                .score(&Query { adapter: "", keys: QueryKeys::Keys(&query) })
+                .into_iter()
+                .map(|s| (s.replica, s.matched_blocks))
+                .collect();
+            let mut want = BTreeMap::new();
+            for (i, held) in model.iter().enumerate() {
+                let n = query.iter().take_while(|k| held.contains(k)).count() as u32;
+                if n > 0 {
+                    let best = want.entry(replicas[i / 2].to_owned()).or_insert(0);
+                    *best = (*best).max(n);
+                }
+            }
+            prop_assert_eq!(got, want, "query from {}", start);
+        }
+    }
+}
+
+#[test]
+fn a_token_query_is_chained_into_fingerprints_and_tiers_and_freshness_are_reported() {
+    let index = Index::new(Config::default());
+    let a = index.add_source("a");
+    let b = index.add_source("b");
+    let tokens: Vec<u32> = (0..64).collect();
+    let event = |n: usize, medium: &'static str| {
+        wire::Event::BlockStored(wire::BlockStored {
+            block_hashes: (0..n as u64).map(|h| hash(h + 100)).collect(),
+            token_ids: wire::TokenIds::from(tokens[..n * 16].to_vec()),
+            block_size: 16,
+            medium: Some(wire::Medium(medium.into())),
+            ..Default::default()
+        })
+    };
+    index.apply(a, &batch(vec![event(4, "GPU")]));
+    index.apply(b, &batch(vec![event(2, "CPU")]));
+    index.set_fresh(b, false);
+    let scores = index.score(&Query {
+        adapter: "",
+        keys: QueryKeys::Tokens {
+            ids: &tokens[..50],
+            block_size: 16,
+        },
+    });
+    assert_eq!(scores.len(), 2);
+    assert_eq!(
+        (
+            scores[0].replica.as_str(),
+            scores[0].matched_blocks,
+            scores[0].matched_tokens
+        ),
+        ("a", 3, 48)
+    );
+    assert_eq!((scores[0].tier, scores[0].fresh), (Tier::T1, true));
+    assert_eq!(
+        (
+            scores[1].replica.as_str(),
+            scores[1].matched_blocks,
+            scores[1].matched_tokens
+        ),
+        ("b", 2, 32)
+    );
+    assert_eq!((scores[1].tier, scores[1].fresh), (Tier::T2, false));
+    // Another adapter is another partition.
+    assert!(
+        index
+            .score(&Query {
+                adapter: "sql-lora",
+                keys: QueryKeys::Tokens {
+                    ids: &tokens,
+                    block_size: 16
+                }
+            })
+            .is_empty()
+    );
+    // Removing a replica removes all of its entries.
+    index.remove_replica("a");
+    let scores = index.score(&Query {
+        adapter: "",
+        keys: QueryKeys::Tokens {
+            ids: &tokens,
+            block_size: 16,
+        },
+    });
+    assert_eq!(
+        scores
+            .iter()
+            .map(|s| s.replica.as_str())
+            .collect::<Vec<_>>(),
+        ["b"]
+    );
+}
+
+#[test]
+fn a_block_whose_parent_was_never_seen_still_enters() {
+    let index = Index::new(engine_keys());
+    let a = index.add_source("a");
+    let mut e = stored(&[7, 8], "GPU");
+    if let wire::Event::BlockStored(s) = &mut e {
+        s.parent_block_hash = Some(hash(6));
+    }
+    index.apply(a, &batch(vec![e]));
+    let scores = index.score(&Query {
+        adapter: "",
+        keys: QueryKeys::Keys(&[7, 8]),
+    });
+    assert_eq!(scores[0].matched_blocks, 2);
+}
+
+#[test]
+fn memory_stays_within_the_budget_under_churn() {
+    let budget = 4 << 20;
+    let index = Index::new(Config {
+        byte_budget: budget,
+        ..engine_keys()
+    });
+    let a = index.add_source("a");
+    for round in 0..200u64 {
+        let hashes: Vec<u64> = (round * 1_000..round * 1_000 + 1_000).collect();
+        index.apply(a, &batch(vec![stored(&hashes, "GPU")]));
+        assert!(
+            index.stats().bytes <= budget,
+            "round {round}: {:?}",
+            index.stats()
+        );
+    }
+    let stats = index.stats();
+    assert!(stats.evicted_keys > 0, "{stats:?}");
+    // The newest blocks are still there.
+    let scores = index.score(&Query {
+        adapter: "",
+        keys: QueryKeys::Keys(&[199_000, 199_001]),
+    });
+    assert_eq!(scores[0].matched_blocks, 2);
+}
+
+#[test]
+fn scoring_from_many_threads_while_events_are_applied() {
+    let index = std::sync::Arc::new(Index::new(engine_keys()));
+    let a = index.add_source("a");
+    index.apply(a, &batch(vec![stored(&[1, 2, 3], "GPU")]));
+    let readers: Vec<_> = (0..4)
+        .map(|_| {
+            let index = index.clone();
+            std::thread::spawn(move || {
+                for _ in 0..2_000 {
+                    let s = index.score(&Query {
+                        adapter: "",
+                        keys: QueryKeys::Keys(&[1, 2, 3]),
+                    });
+                    assert!(s[0].matched_blocks >= 3);
+                }
+            })
+        })
+        .collect();
+    for i in 0..2_000u64 {
+        index.apply(a, &batch(vec![stored(&[10 + i], "GPU")]));
+    }
+    for r in readers {
+        r.join().expect("reader");
+    }
+}
