@@ -34,6 +34,8 @@ impl Rng {
 
 /// One replica's engine: conversations, an LRU of blocks, engine hashes.
 struct Replica {
+    /// System prompts resident now (their blocks are cached: a new conversation reuses them).
+    resident_system: std::collections::HashSet<usize>,
     /// Conversations: their tokens so far and the engine hash of their last block.
     conversations: Vec<(Vec<u32>, Option<u64>)>,
     /// Stored blocks, least recent first (engine hashes).
@@ -53,9 +55,27 @@ impl Trace {
     fn step(&mut self, r: &mut Replica, id: u64) -> Vec<wire::Event<'static>> {
         let mut events = Vec::new();
         let c = if r.conversations.len() < 8 || self.rng.below(4) == 0 {
-            // A new conversation on a system prompt (skewed: low numbers are popular).
+            // A new conversation on a system prompt (skewed: low numbers are popular). The
+            // prompt's blocks have the same engine hashes every time (prefix caching): stored
+            // when not resident, reused (nothing stored) when they are.
             let s = (self.rng.below(16) * self.rng.below(16) / 16) as usize;
-            r.conversations.push((self.system[s].clone(), None));
+            let system_hash = |b: u64| (id << 40) | (1 << 39) | ((s as u64) << 8) | b;
+            if r.resident_system.insert(s) {
+                let hashes: Vec<u64> = (0..16).map(system_hash).collect();
+                events.push(wire::Event::BlockStored(wire::BlockStored {
+                    block_hashes: hashes
+                        .iter()
+                        .map(|h| wire::BlockHash::Int(wire::Int::U64(*h)))
+                        .collect(),
+                    token_ids: wire::TokenIds::from(self.system[s].clone()),
+                    block_size: BLOCK as u32,
+                    medium: Some(wire::Medium("GPU".into())),
+                    ..Default::default()
+                }));
+                r.lru.extend(&hashes);
+            }
+            r.conversations
+                .push((self.system[s].clone(), Some(system_hash(15))));
             if r.conversations.len() > 64 {
                 r.conversations.remove(0);
             }
@@ -63,17 +83,12 @@ impl Trace {
         } else {
             self.rng.below(r.conversations.len() as u64) as usize
         };
+        // A turn: 2–8 new blocks extending the conversation's own prefix.
         let (tokens, last) = &mut r.conversations[c];
-        let new_blocks = if last.is_none() {
-            tokens.len() / BLOCK
-        } else {
-            2 + self.rng.below(7) as usize
-        };
-        let start = if last.is_none() { 0 } else { tokens.len() };
-        if last.is_some() {
-            for _ in 0..new_blocks * BLOCK {
-                tokens.push(self.rng.below(128_000) as u32);
-            }
+        let start = tokens.len();
+        let new_blocks = 2 + self.rng.below(7) as usize;
+        for _ in 0..new_blocks * BLOCK {
+            tokens.push(self.rng.below(128_000) as u32);
         }
         let hashes: Vec<u64> = (0..new_blocks)
             .map(|_| {
@@ -96,6 +111,10 @@ impl Trace {
         r.lru.extend(&hashes);
         while r.lru.len() > self.capacity {
             let Some(h) = r.lru.pop_front() else { break };
+            if h & (1 << 39) != 0 {
+                // A system prompt block left: the prompt is no longer resident whole.
+                r.resident_system.remove(&(((h >> 8) & 0xff) as usize));
+            }
             events.push(wire::Event::BlockRemoved(wire::BlockRemoved {
                 block_hashes: vec![wire::BlockHash::Int(wire::Int::U64(h))],
                 medium: Some(wire::Medium("GPU".into())),
@@ -127,6 +146,7 @@ fn run(replicas: usize, capacity: usize, seed: u64) {
         .collect();
     let mut state: Vec<Replica> = (0..replicas)
         .map(|_| Replica {
+            resident_system: std::collections::HashSet::new(),
             conversations: Vec::new(),
             lru: VecDeque::new(),
             next_hash: 0,

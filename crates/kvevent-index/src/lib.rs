@@ -23,7 +23,7 @@
 //! folded to their first 8 bytes, uniformly random in practice.
 
 use std::collections::HashMap;
-use std::sync::{PoisonError, RwLock};
+use std::sync::{Arc, PoisonError, RwLock};
 
 use kvevent_mapper::{self as mapper, Identity, Mapper};
 use kvevent_proto as pb;
@@ -94,7 +94,7 @@ pub struct Query<'a> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Score {
     /// The replica's name.
-    pub replica: String,
+    pub replica: Arc<str>,
     /// Blocks of the query present from block 0 on (on one of the replica's sources).
     pub matched_blocks: u32,
     /// Tokens those blocks cover (the last matched block's cumulative count).
@@ -129,18 +129,79 @@ struct Holder {
     tier: u8,
 }
 
+/// The sources holding a key, sorted by source; one is kept inline (no heap block).
+#[derive(Debug, Clone)]
+enum Holders {
+    One(Holder),
+    Many(Vec<Holder>),
+}
+
+impl Holders {
+    fn as_slice(&self) -> &[Holder] {
+        match self {
+            Self::One(h) => std::slice::from_ref(h),
+            Self::Many(v) => v,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.as_slice().len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.as_slice().is_empty()
+    }
+
+    fn retain(&mut self, keep: impl Fn(&Holder) -> bool) {
+        match self {
+            Self::One(h) if !keep(h) => *self = Self::Many(Vec::new()),
+            Self::One(_) => {}
+            Self::Many(v) => {
+                v.retain(|h| keep(h));
+                if let [only] = v.as_slice() {
+                    *self = Self::One(*only);
+                }
+            }
+        }
+    }
+
+    /// Adds `holder`, replacing the same source's.
+    fn upsert(&mut self, holder: Holder) {
+        let mut v = match std::mem::replace(self, Self::Many(Vec::new())) {
+            Self::One(h) if h.source == holder.source => {
+                *self = Self::One(holder);
+                return;
+            }
+            Self::One(h) => vec![h],
+            Self::Many(v) if v.is_empty() => {
+                *self = Self::One(holder);
+                return;
+            }
+            Self::Many(v) => v,
+        };
+        match v.binary_search_by_key(&holder.source, |h| h.source) {
+            Ok(i) => v[i] = holder,
+            Err(i) => v.insert(i, holder),
+        }
+        *self = Self::Many(v);
+    }
+}
+
 #[derive(Debug, Clone)]
 struct Entry {
     tokens: u32,
-    /// Sorted by source.
-    holders: Vec<Holder>,
+    holders: Holders,
 }
 
 /// Bytes an entry is estimated to take: the table slot (key, entry, control byte, at the
-/// table's 7/8 load) and the holders' heap block.
+/// table's 7/8 load) and, past one holder, the holders' heap block.
 fn entry_bytes(holders: usize) -> usize {
-    let slot = std::mem::size_of::<((u64, u32), Entry)>() + 1;
-    slot * 8 / 7 + holders.next_power_of_two().max(4) * std::mem::size_of::<Holder>() + 16
+    let slot = (std::mem::size_of::<((u64, u32), Entry)>() + 1) * 8 / 7;
+    if holders <= 1 {
+        slot
+    } else {
+        slot + holders.next_power_of_two() * std::mem::size_of::<Holder>() + 16
+    }
 }
 
 #[derive(Debug)]
@@ -154,7 +215,7 @@ struct Source {
 
 #[derive(Debug, Default)]
 struct Inner {
-    replicas: Vec<String>,
+    replicas: Vec<Arc<str>>,
     replica_ids: Map<String, u32>,
     sources: Vec<Source>,
     adapters: Map<String, u32>,
@@ -205,7 +266,7 @@ impl Index {
             Some(&id) => id,
             None => {
                 let id = inner.replicas.len() as u32;
-                inner.replicas.push(replica.to_owned());
+                inner.replicas.push(Arc::from(replica));
                 inner.replica_ids.insert(replica.to_owned(), id);
                 id
             }
@@ -393,7 +454,7 @@ impl Inner {
                 }
                 None => Entry {
                     tokens,
-                    holders: Vec::new(),
+                    holders: Holders::Many(Vec::new()),
                 },
             },
         };
@@ -409,10 +470,7 @@ impl Inner {
             epoch,
             tier,
         };
-        match entry.holders.binary_search_by_key(&source, |h| h.source) {
-            Ok(i) => entry.holders[i] = holder,
-            Err(i) => entry.holders.insert(i, holder),
-        }
+        entry.holders.upsert(holder);
         self.young_bytes += entry_bytes(entry.holders.len());
         self.young.insert(key, entry);
         if self.young_bytes >= budget / 2 {
@@ -444,30 +502,33 @@ impl Inner {
         let Some(&adapter) = self.adapters.get(adapter) else {
             return Vec::new();
         };
-        // Sources still matching: (source, blocks matched, tokens, worst tier), sorted.
-        let mut alive: Vec<(u32, u32, u32, u8)> = Vec::new();
-        let mut done: Vec<(u32, u32, u32, u8)> = Vec::new();
+        // Sources still matching: (source, epoch, blocks matched, tokens, worst tier), sorted
+        // by source. Validity is checked at block 0; later blocks need the same epoch.
+        let mut alive: Vec<(u32, u16, u32, u32, u8)> = Vec::new();
+        let mut done: Vec<(u32, u16, u32, u32, u8)> = Vec::new();
         for (i, k) in keys.iter().enumerate() {
             let Some(entry) = self.lookup(&(*k, adapter)) else {
                 break;
             };
-            let holders = entry.holders.iter().filter(|h| self.holder_valid(h));
+            let holders = entry.holders.as_slice();
             if i == 0 {
                 alive = holders
-                    .map(|h| (h.source, 1, entry.tokens, h.tier))
+                    .iter()
+                    .filter(|h| self.holder_valid(h))
+                    .map(|h| (h.source, h.epoch, 1, entry.tokens, h.tier))
                     .collect();
                 continue;
             }
             // Merge the two sorted lists: who holds block i too goes on.
             let mut next = Vec::with_capacity(alive.len());
-            let mut hs = holders.peekable();
+            let mut j = 0;
             for a in alive.drain(..) {
-                while hs.peek().is_some_and(|h| h.source < a.0) {
-                    hs.next();
+                while holders.get(j).is_some_and(|h| h.source < a.0) {
+                    j += 1;
                 }
-                match hs.peek() {
-                    Some(h) if h.source == a.0 => {
-                        next.push((a.0, a.1 + 1, entry.tokens, a.3.max(h.tier)))
+                match holders.get(j) {
+                    Some(h) if h.source == a.0 && h.epoch == a.1 => {
+                        next.push((a.0, a.1, a.2 + 1, entry.tokens, a.4.max(h.tier)))
                     }
                     _ => done.push(a),
                 }
@@ -478,39 +539,35 @@ impl Inner {
             }
         }
         done.extend(alive);
-        // Per replica, its best source.
-        let mut best: Map<u32, Score> = Map::default();
-        for (source, blocks, tokens, tier) in done {
-            let s = &self.sources[source as usize];
-            let replica = s.replica;
-            let fresh = self
-                .sources
-                .iter()
-                .filter(|o| o.replica == replica && o.live)
-                .all(|o| o.fresh);
-            let score = Score {
-                replica: self.replicas[replica as usize].clone(),
-                matched_blocks: blocks,
-                matched_tokens: tokens,
-                tier: if tier == 0 { Tier::T1 } else { Tier::T2 },
-                fresh,
-            };
-            best.entry(replica)
-                .and_modify(|b| {
-                    let key = |s: &Score| {
-                        (
-                            s.matched_blocks,
-                            s.matched_tokens,
-                            std::cmp::Reverse(s.tier),
-                        )
-                    };
-                    if key(&score) > key(b) {
-                        *b = score.clone();
-                    }
-                })
-                .or_insert(score);
+        // Per replica, its best source; a replica is fresh when all its sources are.
+        let mut fresh = vec![true; self.replicas.len()];
+        for s in self.sources.iter().filter(|s| s.live && !s.fresh) {
+            fresh[s.replica as usize] = false;
         }
-        let mut out: Vec<Score> = best.into_values().collect();
+        let mut best: Vec<Option<(u32, u32, u8)>> = vec![None; self.replicas.len()];
+        for (source, _, blocks, tokens, tier) in done {
+            let replica = self.sources[source as usize].replica as usize;
+            let candidate = (blocks, tokens, tier);
+            let better = |b: &(u32, u32, u8)| {
+                (blocks, tokens, std::cmp::Reverse(tier)) > (b.0, b.1, std::cmp::Reverse(b.2))
+            };
+            if best[replica].as_ref().is_none_or(better) {
+                best[replica] = Some(candidate);
+            }
+        }
+        let mut out: Vec<Score> = best
+            .into_iter()
+            .enumerate()
+            .filter_map(|(replica, b)| {
+                b.map(|(blocks, tokens, tier)| Score {
+                    replica: self.replicas[replica].clone(),
+                    matched_blocks: blocks,
+                    matched_tokens: tokens,
+                    tier: if tier == 0 { Tier::T1 } else { Tier::T2 },
+                    fresh: fresh[replica],
+                })
+            })
+            .collect();
         out.sort_by(|a, b| {
             b.matched_tokens
                 .cmp(&a.matched_tokens)

@@ -95,7 +95,7 @@ proptest! {
             let got: BTreeMap<String, u32> = index
                 .score(&Query { adapter: "", keys: QueryKeys::Keys(&query) })
                 .into_iter()
-                .map(|s| (s.replica, s.matched_blocks))
+                .map(|s| (s.replica.to_string(), s.matched_blocks))
                 .collect();
             let mut want = BTreeMap::new();
             for (i, held) in model.iter().enumerate() {
@@ -138,7 +138,7 @@ fn a_token_query_is_chained_into_fingerprints_and_tiers_and_freshness_are_report
     assert_eq!(scores.len(), 2);
     assert_eq!(
         (
-            scores[0].replica.as_str(),
+            &*scores[0].replica,
             scores[0].matched_blocks,
             scores[0].matched_tokens
         ),
@@ -147,7 +147,7 @@ fn a_token_query_is_chained_into_fingerprints_and_tiers_and_freshness_are_report
     assert_eq!((scores[0].tier, scores[0].fresh), (Tier::T1, true));
     assert_eq!(
         (
-            scores[1].replica.as_str(),
+            &*scores[1].replica,
             scores[1].matched_blocks,
             scores[1].matched_tokens
         ),
@@ -176,10 +176,7 @@ fn a_token_query_is_chained_into_fingerprints_and_tiers_and_freshness_are_report
         },
     });
     assert_eq!(
-        scores
-            .iter()
-            .map(|s| s.replica.as_str())
-            .collect::<Vec<_>>(),
+        scores.iter().map(|s| &*s.replica).collect::<Vec<_>>(),
         ["b"]
     );
 }
