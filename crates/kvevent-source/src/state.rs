@@ -127,6 +127,8 @@ pub struct SourceState {
     backoff_until: Option<Instant>,
     /// The connection to the engine dropped since the last batch.
     reconnected: bool,
+    /// The startup reset was emitted (by [`SourceState::on_start`]).
+    started: bool,
     metrics: Arc<SourceMetrics>,
 }
 
@@ -143,8 +145,21 @@ impl SourceState {
             failures: 0,
             backoff_until: None,
             reconnected: false,
+            started: false,
             metrics,
         }
+    }
+
+    /// The source was just opened. With a replay endpoint, what the engine already published
+    /// is asked for at once: a subscriber joining an idle engine learns its blocks without
+    /// waiting for the engine's next batch. Without one, the first live batch starts it.
+    pub fn on_start(&mut self, now: Instant, out: &mut Vec<Step>) {
+        if self.started || self.last.is_some() || self.replay.is_some() || !self.can_replay(now) {
+            return;
+        }
+        self.started = true;
+        self.reset(ResetReason::Startup, out);
+        self.start_replay(0, true, out);
     }
 
     /// The last seq delivered.
@@ -243,7 +258,9 @@ impl SourceState {
         }
         match self.last {
             None => {
-                self.reset(ResetReason::Startup, out);
+                if !std::mem::replace(&mut self.started, true) {
+                    self.reset(ResetReason::Startup, out);
+                }
                 self.begin(seq, payload, now, out);
             }
             Some(last) if seq == last.wrapping_add(1) => self.deliver(seq, payload, out),

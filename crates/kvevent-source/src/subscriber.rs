@@ -139,7 +139,7 @@ impl Subscriber {
                 SourceState::new(state, m.clone())
             })
             .collect();
-        Ok(Self {
+        let mut subscriber = Self {
             transport: Some(transport),
             frames: rx,
             states,
@@ -150,7 +150,19 @@ impl Subscriber {
             ready: VecDeque::new(),
             steps: Vec::new(),
             state_config: config.state,
-        })
+        };
+        for source in 0..subscriber.states.len() {
+            subscriber.start_source(source);
+        }
+        Ok(subscriber)
+    }
+
+    /// Bootstraps a new source from its engine's replay buffer at once.
+    fn start_source(&mut self, source: usize) {
+        let mut steps = std::mem::take(&mut self.steps);
+        self.states[source].on_start(Instant::now(), &mut steps);
+        self.steps = steps;
+        self.apply_steps(source);
     }
 
     /// Subscribes to one more source while the others run (a pod came up). Its index, returned,
@@ -170,6 +182,7 @@ impl Subscriber {
         self.sources.push(source);
         self.removed.push(false);
         debug_assert_eq!(self.sources.len(), index + 1);
+        self.start_source(index);
         Ok(index)
     }
 

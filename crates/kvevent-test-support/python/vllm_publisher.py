@@ -77,6 +77,23 @@ def main():
     poller = zmq.Poller()
     poller.register(router, zmq.POLLIN)
     end = (2**64 - 1).to_bytes(8, "big")
+
+    def serve_replay():
+        frames = router.recv_multipart()
+        if len(frames) != 3 or frames[1] != b"":
+            return
+        start = int.from_bytes(frames[2], "big")
+        for s, p in buffer:
+            if int.from_bytes(s, "big") >= start:
+                if release >= (0, 26, 0):
+                    router.send_multipart([frames[0], b"", topic, s, p])
+                else:
+                    router.send_multipart([frames[0], b"", s, p])
+        if release >= (0, 26, 0):
+            router.send_multipart([frames[0], b"", b"", end, b""])
+        else:
+            router.send_multipart([frames[0], b"", end, b""])
+
     for i in range(a.count):
         if stop.is_set():
             break
@@ -94,21 +111,11 @@ def main():
         deadline = time.monotonic() + a.interval
         while (left := deadline - time.monotonic()) > 0:
             if poller.poll(int(left * 1000) + 1):
-                frames = router.recv_multipart()
-                if len(frames) != 3 or frames[1] != b"":
-                    continue
-                start = int.from_bytes(frames[2], "big")
-                for s, p in buffer:
-                    if int.from_bytes(s, "big") >= start:
-                        if release >= (0, 26, 0):
-                            router.send_multipart([frames[0], b"", topic, s, p])
-                        else:
-                            router.send_multipart([frames[0], b"", s, p])
-                if release >= (0, 26, 0):
-                    router.send_multipart([frames[0], b"", b"", end, b""])
-                else:
-                    router.send_multipart([frames[0], b"", end, b""])
-    stop.wait(30)
+                serve_replay()
+    # Like an engine that stays up: replays are still answered until stdin closes.
+    while not stop.is_set():
+        if poller.poll(100):
+            serve_replay()
 
 
 if __name__ == "__main__":

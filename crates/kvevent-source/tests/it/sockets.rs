@@ -200,15 +200,30 @@ fn a_lost_end_marker_times_out_and_live_batches_go_on() {
     let engine = Publisher::start(&ctx, config).expect("publisher");
     let mut sub = subscriber(&ctx, vec![source_of(&engine, true)]);
     assert!(engine.wait_for_subscribers(1, WAIT));
+    // The bootstrap replay asked for at start never ends either: its idle timeout closes it,
+    // and the replay backoff (100 ms here) passes before the engine publishes.
+    let m = sub.metrics()[0].clone();
+    let deadline = Instant::now() + WAIT;
+    let mut startup = false;
+    while m.replays_timed_out.load(Relaxed) == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the startup replay did not time out"
+        );
+        if let Some(Update::Reset { reason, .. }) = sub.next(Duration::from_millis(50)) {
+            startup |= reason.as_str() == "startup";
+        }
+    }
+    assert!(startup, "the source was reset at start");
+    std::thread::sleep(Duration::from_millis(200));
     engine.publish(&batch(0)).expect("publish");
     engine.publish_lost(payload(release, 1));
     engine.publish(&batch(2)).expect("publish");
     let seen = collect(&mut sub, has("B0:2"));
-    // The replay delivered 1 and 2, then never ended: the idle timeout closes it.
-    assert_eq!(seen, ["R0:startup", "B0:0", "B0:1", "B0:2"]);
-    let m = sub.metrics()[0].clone();
+    // The gap replay delivered 1 and 2, then never ended: the idle timeout closes it.
+    assert_eq!(seen, ["B0:0", "B0:1", "B0:2"]);
     let deadline = Instant::now() + WAIT;
-    while m.replays_timed_out.load(Relaxed) == 0 {
+    while m.replays_timed_out.load(Relaxed) < 2 {
         assert!(Instant::now() < deadline, "no timeout counted");
         sub.next(Duration::from_millis(50));
     }
@@ -482,4 +497,21 @@ fn three_hundred_sources_in_one_process() {
     }
     assert_eq!(sub.active_sources(), 150);
     sub.shutdown();
+}
+
+#[test]
+fn a_subscriber_joining_an_idle_engine_learns_what_it_published() {
+    let release = Release::NEWEST_KNOWN;
+    let (ctx, engine) = engine(release);
+    // Published before anyone listened, and nothing after: only the replay buffer has them.
+    for i in 0..3 {
+        engine.publish_lost(payload(release, i));
+    }
+    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)]);
+    let seen = collect(&mut sub, has("B0:2"));
+    assert_eq!(seen, ["R0:startup", "B0:0", "B0:1", "B0:2"]);
+    assert!(
+        !sub.metrics()[0].degraded.load(Relaxed),
+        "complete from seq 0"
+    );
 }
