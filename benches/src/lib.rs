@@ -41,3 +41,31 @@ pub fn vector_payloads() -> std::io::Result<Vec<(String, Vec<u8>)>> {
     out.sort();
     Ok(out)
 }
+
+/// Readings from `/proc` for the probes: CPU time and memory of a process or thread.
+pub mod procfs {
+    /// utime + stime, in seconds, of the process or thread whose `stat` file is `stat_path`
+    /// (`/proc/self/stat`, `/proc/thread-self/stat`, `/proc/PID/stat`); 0 when unreadable.
+    pub fn cpu_seconds(stat_path: &str) -> f64 {
+        let stat = std::fs::read_to_string(stat_path).unwrap_or_default();
+        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else {
+            return 0.0;
+        };
+        // After the command: the state (index 0), then utime at 11 and stime at 12, in ticks
+        // of USER_HZ (100 on Linux).
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        fields.get(11..13).map_or(0.0, |f| {
+            f.iter().filter_map(|v| v.parse::<f64>().ok()).sum()
+        }) / 100.0
+    }
+
+    /// A `kB` field of a `status` file (`VmRSS:`, `VmHWM:`), in kB; 0 when absent.
+    pub fn status_kb(status_path: &str, field: &str) -> f64 {
+        std::fs::read_to_string(status_path)
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| l.strip_prefix(field))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+    }
+}

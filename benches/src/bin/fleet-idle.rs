@@ -9,25 +9,6 @@ use kvevent_source::{Config, Subscriber};
 use kvevent_zmq as transport;
 use kvevent_zmq::publisher::{Publisher, PublisherConfig};
 
-fn proc_self(field: &str) -> f64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix(field))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
-fn cpu_seconds() -> f64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    let rest = stat.rfind(')').map_or("", |i| &stat[i + 2..]);
-    let f: Vec<f64> = rest
-        .split_whitespace()
-        .filter_map(|v| v.parse().ok())
-        .collect();
-    f.get(10..12).map_or(0.0, |t| t.iter().sum::<f64>() / 100.0)
-}
-
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
     let n: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(256);
@@ -40,7 +21,7 @@ fn main() -> anyhow::Result<()> {
             ..PublisherConfig::loopback(kvevent_wire::Release::new(0, 33, 0))
         },
     )?;
-    let rss0 = proc_self("VmRSS:");
+    let rss0 = kvevent_benches::procfs::status_kb("/proc/self/status", "VmRSS:");
     let mut sub = Subscriber::start(&ctx, Config::new(Vec::new()))?;
     for _ in 0..n {
         sub.add_source(transport::Source {
@@ -55,17 +36,17 @@ fn main() -> anyhow::Result<()> {
         engine.wait_for_subscribers(n, Duration::from_secs(30)),
         "sources did not subscribe"
     );
-    let cpu0 = cpu_seconds();
+    let cpu0 = kvevent_benches::procfs::cpu_seconds("/proc/self/stat");
     let started = Instant::now();
     while started.elapsed().as_secs_f64() < secs {
         let _ = sub.next(Duration::from_millis(100));
     }
-    let cpu = cpu_seconds() - cpu0;
+    let cpu = kvevent_benches::procfs::cpu_seconds("/proc/self/stat") - cpu0;
     println!(
         "{n} idle sources: {:.2} % of a core, {:.1} MB resident for the sources ({:.0} kB each)",
         100.0 * cpu / started.elapsed().as_secs_f64(),
-        (proc_self("VmRSS:") - rss0) / 1024.0,
-        (proc_self("VmRSS:") - rss0) / n as f64
+        (kvevent_benches::procfs::status_kb("/proc/self/status", "VmRSS:") - rss0) / 1024.0,
+        (kvevent_benches::procfs::status_kb("/proc/self/status", "VmRSS:") - rss0) / n as f64
     );
     sub.shutdown();
     engine.shutdown();

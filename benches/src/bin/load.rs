@@ -111,34 +111,10 @@ fn parse_args() -> anyhow::Result<Args> {
 // ---------------------------------------------------------------------------------------------
 // /proc readings
 
-fn ticks_per_second() -> f64 {
-    100.0 // USER_HZ on Linux
-}
-
-/// utime + stime of a process or thread, in seconds.
-fn cpu_seconds(stat_path: &str) -> f64 {
-    let Ok(stat) = std::fs::read_to_string(stat_path) else {
-        return 0.0;
-    };
-    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else {
-        return 0.0;
-    };
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // Fields after the command: state is index 0, utime 11, stime 12.
-    let ticks: f64 = fields
-        .get(11..13)
-        .map(|f| f.iter().filter_map(|v| v.parse::<f64>().ok()).sum())
-        .unwrap_or(0.0);
-    ticks / ticks_per_second()
-}
+use kvevent_benches::procfs::cpu_seconds;
 
 fn peak_rss_mb(pid: u32) -> f64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-        .map_or(0.0, |kb| kb / 1024.0)
+    kvevent_benches::procfs::status_kb(&format!("/proc/{pid}/status"), "VmHWM:") / 1024.0
 }
 
 /// CPU seconds of this process's threads whose name starts with one of `prefixes`.

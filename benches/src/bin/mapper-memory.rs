@@ -9,12 +9,7 @@ use kvevent_mapper::{Identity, KeyMode, Mapper, Options};
 use kvevent_wire as wire;
 
 fn rss_bytes() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map_or(0, |kb| kb * 1024)
+    (kvevent_benches::procfs::status_kb("/proc/self/status", "VmRSS:") * 1024.0) as u64
 }
 
 fn hash(i: u64, digest: bool) -> wire::BlockHash<'static> {

@@ -11,18 +11,6 @@ use kvevent_forwarder as fwd;
 use kvevent_pipeline::demo::RecordingServer;
 use kvevent_proto as pb;
 
-/// utime + stime of the calling thread, in seconds.
-fn thread_cpu() -> f64 {
-    let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap_or_default();
-    let rest = stat.rfind(')').map_or("", |i| &stat[i + 2..]);
-    let f: Vec<f64> = rest
-        .split_whitespace()
-        .filter_map(|v| v.parse().ok())
-        .collect();
-    // state is not a number: utime and stime are the 12th and 13th fields after it.
-    f.get(10..12).map_or(0.0, |t| t.iter().sum::<f64>() / 100.0)
-}
-
 fn evict(i: u64) -> pb::CacheEvent {
     pb::CacheEvent {
         r#type: pb::cache_event::Type::PrefixEvicted as i32,
@@ -56,7 +44,7 @@ fn main() -> anyhow::Result<()> {
                 client.publish(evict(u64::MAX)).await?;
 
                 // The bare client, 256 calls at once.
-                let t0 = thread_cpu();
+                let t0 = kvevent_benches::procfs::cpu_seconds("/proc/thread-self/stat");
                 let wall = Instant::now();
                 let mut running = FuturesUnordered::new();
                 for i in 0..calls {
@@ -67,12 +55,14 @@ fn main() -> anyhow::Result<()> {
                     running.push(async move { c.publish(evict(i)).await });
                 }
                 while running.next().await.is_some() {}
-                let bare = (thread_cpu() - t0) / calls as f64 * 1e6;
+                let bare = (kvevent_benches::procfs::cpu_seconds("/proc/thread-self/stat") - t0)
+                    / calls as f64
+                    * 1e6;
                 let bare_wall = wall.elapsed().as_secs_f64();
 
                 // The forwarder, fed 1,000 evictions every 10 ms (a busy engine's steps).
                 let (h, f) = fwd::spawn(client, fwd::Config::default());
-                let t0 = thread_cpu();
+                let t0 = kvevent_benches::procfs::cpu_seconds("/proc/thread-self/stat");
                 for i in 0..calls {
                     h.submit(pb::Report::Event(evict(calls + i))).await?;
                     if i % 1_000 == 999 {
@@ -81,7 +71,10 @@ fn main() -> anyhow::Result<()> {
                 }
                 let left = f.shutdown(Duration::from_secs(120)).await;
                 anyhow::ensure!(left == fwd::DrainReport::default(), "unsent: {left:?}");
-                let forwarded = (thread_cpu() - t0) / calls as f64 * 1e6;
+                let forwarded = (kvevent_benches::procfs::cpu_seconds("/proc/thread-self/stat")
+                    - t0)
+                    / calls as f64
+                    * 1e6;
                 Ok((bare, bare_wall, forwarded))
             })
         },
