@@ -139,6 +139,10 @@ pub(crate) struct Options {
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
     #[serde(skip_serializing_if = "Option::is_none")]
     all_kv_groups: Option<bool>,
+    /// Every resident block is re-reported at least once per this interval, spread evenly, so the server's TTL (30m by default) never expires a prefix the engine still holds; a restarted server gets our state back within one interval (0: off) [default: 10m] [env: KVEVENT_REFRESH_INTERVAL]
+    #[arg(long, value_name = "DURATION")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    refresh_interval: Option<String>,
     /// Adapter names for LoRA ids, for engines without lora_name: 1=a,2=b [default: ""] [env: KVEVENT_LORA_ADAPTER_NAMES]
     #[arg(long, value_name = "MAP")]
     #[serde(skip_serializing_if = "Option::is_none")]

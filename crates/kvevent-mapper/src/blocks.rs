@@ -139,6 +139,27 @@ impl<'h> BlockId<'h> {
     }
 }
 
+/// A block's identity, owned: 16 bytes for an 8-byte hash.
+#[derive(Debug, Clone)]
+pub(crate) enum OwnedId {
+    H8([u8; 8], u16),
+    Other(Box<[u8]>, u16),
+}
+
+impl OwnedId {
+    /// The identity to look the block up with.
+    pub(crate) fn id(&self) -> BlockId<'_> {
+        match self {
+            Self::H8(h, g) => BlockId::H8(*h, *g),
+            Self::Other(b, g) => match (<[u8; 16]>::try_from(&**b), <[u8; 32]>::try_from(&**b)) {
+                (Ok(h), _) => BlockId::H16(h, *g),
+                (_, Ok(h)) => BlockId::H32(h, *g),
+                _ => BlockId::Other(b, *g),
+            },
+        }
+    }
+}
+
 /// The key of a digest of another length: the digest, then the group's two bytes.
 fn other_key(b: &[u8], group: u16) -> Vec<u8> {
     let mut key = Vec::with_capacity(b.len() + 2);
@@ -305,6 +326,25 @@ impl Blocks {
         self.groups.clear();
         self.adapters.clear();
         self.adapter_ids.clear();
+    }
+
+    /// Every tracked block's identity, owned (a refresh cycle walks it while the map changes).
+    pub(crate) fn snapshot(&self) -> Vec<OwnedId> {
+        let mut out = Vec::with_capacity(self.len());
+        out.extend(self.h8.keys().map(|id| OwnedId::H8(id.hash, id.group)));
+        out.extend(self.h16.keys().map(|id| {
+            let hash = id.hash;
+            OwnedId::Other(Box::from(&hash[..]), id.group)
+        }));
+        out.extend(self.h32.keys().map(|id| {
+            let hash = id.hash;
+            OwnedId::Other(Box::from(&hash[..]), id.group)
+        }));
+        out.extend(self.other.keys().map(|b| {
+            let (hash, group) = b.split_at(b.len() - 2);
+            OwnedId::Other(Box::from(hash), u16::from_be_bytes([group[0], group[1]]))
+        }));
+        out
     }
 
     /// The blocks (hash bytes, interned group) held at `tier` (a tier bit).

@@ -2,7 +2,9 @@
 
 use std::sync::Arc;
 
-use crate::blocks::{BlockId, Blocks, Insert, T1, T2, Tracked};
+use std::time::{Duration, Instant};
+
+use crate::blocks::{BlockId, Blocks, Insert, OwnedId, T1, T2, Tracked};
 use crate::{
     Identity, KeyMode, Options, engine_key, fingerprint, fingerprint_key, pb, tier_of, wire,
 };
@@ -42,6 +44,9 @@ pub struct MapperStats {
     pub map_refusals: u64,
     /// Block hashes that were an empty `bin`: not a key, skipped.
     pub empty_hashes: u64,
+    /// Prefix entries re-reported by [`Mapper::refresh`] (resident blocks, so the server's TTL
+    /// never expires them).
+    pub refreshed: u64,
     /// Blocks of hybrid-model groups that are not full attention, by `kv_cache_spec_kind`:
     /// not reported (unless `Options::all_kv_groups`).
     pub non_prefix_groups: std::collections::BTreeMap<String, u64>,
@@ -57,6 +62,16 @@ pub struct Mapper {
     stats: MapperStats,
     /// KV-cache groups seen with a kind that is not a reusable prefix.
     skipped_groups: Vec<Option<i64>>,
+    /// The refresh cycle under way.
+    refresh: Option<RefreshCycle>,
+}
+
+/// One pass of [`Mapper::refresh`] over the blocks tracked when it began.
+#[derive(Debug)]
+struct RefreshCycle {
+    ids: Vec<OwnedId>,
+    next: usize,
+    started: Instant,
 }
 
 fn tier_bit(tier: pb::CacheTier) -> u8 {
@@ -74,6 +89,7 @@ impl Mapper {
             blocks,
             stats: MapperStats::default(),
             skipped_groups: Vec::new(),
+            refresh: None,
         }
     }
 
@@ -123,12 +139,86 @@ impl Mapper {
     /// engine clear, an engine restart, or state that became stale.
     pub fn reset(&mut self, timestamp_us: i64) -> pb::Report {
         self.blocks.clear();
+        self.refresh = None;
         pb::Report::Event(self.identity.event(
             pb::cache_event::Type::AllCleared,
             Vec::new(),
             "",
             timestamp_us,
         ))
+    }
+
+    /// Re-reports resident blocks so that each is reported at least once per `interval`: the
+    /// server expires entries nobody re-reported within its TTL, and an engine announces a
+    /// block only when it stores it (a hot shared prefix can stay resident for hours). Call it
+    /// often (every tick): it appends the share of the current cycle due by `now`, spread
+    /// evenly, as one `Update` (never `New`). A cycle walks the blocks tracked when it began;
+    /// blocks gone since are skipped, blocks stored since were just reported. Returns how many
+    /// entries it appended. `interval` 0 does nothing.
+    pub fn refresh(
+        &mut self,
+        now: Instant,
+        interval: Duration,
+        timestamp_us: i64,
+        out: &mut Vec<pb::Report>,
+    ) -> usize {
+        if interval.is_zero() {
+            return 0;
+        }
+        let over = self
+            .refresh
+            .as_ref()
+            .is_none_or(|c| c.next >= c.ids.len() && now >= c.started + interval);
+        if over {
+            self.refresh = Some(RefreshCycle {
+                ids: self.blocks.snapshot(),
+                next: 0,
+                started: now,
+            });
+        }
+        let Some(cycle) = self.refresh.as_mut() else {
+            return 0;
+        };
+        let share =
+            now.saturating_duration_since(cycle.started).as_secs_f64() / interval.as_secs_f64();
+        let due = ((cycle.ids.len() as f64 * share).ceil() as usize).min(cycle.ids.len());
+        if due <= cycle.next {
+            return 0;
+        }
+        let ids = std::mem::take(&mut cycle.ids);
+        let from = cycle.next;
+        cycle.next = due;
+        let mut update = self.identity.update(timestamp_us);
+        for owned in &ids[from..due] {
+            let id = owned.id();
+            let Some(t) = self.blocks.get(id) else {
+                continue;
+            };
+            let Some(key) = self.key_of(id, t) else {
+                continue;
+            };
+            let tier = if t.tiers() & T1 != 0 {
+                pb::CacheTier::T1
+            } else {
+                pb::CacheTier::T2
+            };
+            update.prefixes.push(pb::PrefixEntry {
+                prefix_hash: key,
+                token_count: i32::try_from(t.tokens()).unwrap_or(i32::MAX),
+                tier: tier as i32,
+                adapter_id: self.blocks.adapter(t.adapter()).to_string(),
+                ..Default::default()
+            });
+        }
+        if let Some(cycle) = self.refresh.as_mut() {
+            cycle.ids = ids;
+        }
+        let n = update.prefixes.len();
+        if n > 0 {
+            self.stats.refreshed += n as u64;
+            out.push(pb::Report::Update(update));
+        }
+        n
     }
 
     /// The adapter a store belongs to: its `lora_name`, else the configured name of its

@@ -16,6 +16,8 @@ pub(crate) struct EventsLoop {
     /// One mapper per source.
     pub(crate) mappers: Vec<Mapper>,
     pub(crate) forwarder: fwd::Handle,
+    /// Resident blocks are re-reported once per this interval (0: off).
+    pub(crate) refresh_interval: Duration,
     pub(crate) stop: Arc<AtomicBool>,
     pub(crate) telemetry: Arc<Telemetry>,
 }
@@ -32,6 +34,7 @@ impl EventsLoop {
             mut subscriber,
             mut mappers,
             forwarder,
+            refresh_interval,
             stop,
             telemetry,
         } = self;
@@ -62,13 +65,25 @@ impl EventsLoop {
                     Some(source)
                 }
             });
-            let Some(Some(source)) = mapped else {
-                continue;
+            // The share of the refresh cycle due by now, after the batch (never before an
+            // eviction it follows: the mapper refreshes only blocks it still tracks).
+            let now = std::time::Instant::now();
+            let mut refreshed = false;
+            for mapper in &mut mappers {
+                refreshed |= mapper.refresh(now, refresh_interval, now_us(), &mut reports) > 0;
+            }
+            let touched: Vec<usize> = match mapped {
+                Some(Some(source)) if !refreshed => vec![source],
+                _ if refreshed => (0..mappers.len()).collect(),
+                _ => Vec::new(),
             };
-            {
+            if !touched.is_empty() {
                 let mut stats = telemetry.mappers.lock().unwrap_or_else(|e| e.into_inner());
-                if let (Some(slot), Some(mapper)) = (stats.get_mut(source), mappers.get(source)) {
-                    *slot = (mapper.stats().clone(), mapper.tracked_blocks());
+                for source in touched {
+                    if let (Some(slot), Some(mapper)) = (stats.get_mut(source), mappers.get(source))
+                    {
+                        *slot = (mapper.stats().clone(), mapper.tracked_blocks());
+                    }
                 }
             }
             for report in reports.drain(..) {

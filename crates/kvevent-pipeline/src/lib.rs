@@ -224,6 +224,7 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
             .map(|_| mapper::Mapper::new(identity.clone(), options.clone()))
             .collect(),
         forwarder: handle,
+        refresh_interval: settings.refresh_interval.0,
         stop: stop_events.clone(),
         telemetry: telemetry.clone(),
     };

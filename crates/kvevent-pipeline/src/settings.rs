@@ -204,6 +204,9 @@ pub struct Settings {
     pub ignore_block_removed: bool,
     /// Report blocks of every KV-cache group of a hybrid model, not only full-attention ones.
     pub all_kv_groups: bool,
+    /// Every resident block is re-reported at least once per this interval, spread evenly, so
+    /// the server's TTL never expires it (0: off).
+    pub refresh_interval: GoDuration,
     /// Adapter names for LoRA ids: `1=a,2=b`.
     #[serde(deserialize_with = "lenient_string")]
     pub lora_adapter_names: String,
@@ -288,6 +291,7 @@ impl Default for Settings {
             engine_profile: "auto".into(),
             ignore_block_removed: false,
             all_kv_groups: false,
+            refresh_interval: GoDuration::secs(600),
             lora_adapter_names: String::new(),
             metrics_address: "0.0.0.0:9095".into(),
             drain_timeout: GoDuration::secs(5),

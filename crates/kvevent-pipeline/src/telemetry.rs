@@ -86,6 +86,8 @@ pub mod names {
     pub const QUEUE_DEPTH: &str = "kvevent_queue_depth";
     /// Prefix entries merged into a pending identical one.
     pub const COALESCED: &str = "kvevent_coalesced_prefixes_total";
+    /// Prefix entries re-reported by the refresh.
+    pub const REFRESHED: &str = "kvevent_refreshed_prefixes_total";
     /// Blocks of non-full-attention KV-cache groups, by kind.
     pub const NON_PREFIX_BLOCKS: &str = "kvevent_mapper_non_prefix_blocks_total";
     /// Adds and evictions of one prefix that cancelled out while queued.
@@ -345,6 +347,14 @@ impl Telemetry {
                 for (kind, v) in &s.non_prefix_groups {
                     o.sample(NON_PREFIX_BLOCKS, &[("source", label), ("kind", kind)], v);
                 }
+            }
+            o.family(
+                REFRESHED,
+                "counter",
+                "Prefix entries re-reported so the server's TTL never expires a resident block.",
+            );
+            for (label, (s, _)) in self.sources.iter().zip(mappers.iter()) {
+                o.sample(REFRESHED, &[("source", label)], s.refreshed);
             }
             o.family(TRACKED, "gauge", "Engine blocks tracked by the mapper.");
             for (label, (_, tracked)) in self.sources.iter().zip(mappers.iter()) {

@@ -391,3 +391,49 @@ fn a_clear_of_the_offload_tier_keeps_the_gpu_prefixes() {
     assert_eq!(events(&out), vec![(CLEARED, Vec::new(), "".into())]);
     assert_eq!(m.tracked_blocks(), 0);
 }
+
+#[test]
+fn refresh_re_reports_every_resident_block_once_per_interval_spread_evenly() {
+    use std::time::{Duration, Instant};
+    let mut m = mapper(Options::default());
+    let hashes: Vec<u64> = (1..=100).collect();
+    run(&mut m, vec![stored(&hashes, None, tokens(0..400), 4)]);
+    let interval = Duration::from_secs(10);
+    let t0 = Instant::now();
+    let mut out = Vec::new();
+    // A cycle starts: nothing is due yet.
+    assert_eq!(m.refresh(t0, interval, 7, &mut out), 0);
+    // A tenth of the interval: a tenth of the blocks, as an Update stamped with the time given.
+    assert_eq!(
+        m.refresh(t0 + Duration::from_secs(1), interval, 7, &mut out),
+        10
+    );
+    assert!(matches!(&out[0], pb::Report::Update(u) if u.timestamp_us == 7));
+    // A block evicted meanwhile is skipped.
+    run(&mut m, vec![removed(&[50], "GPU")]);
+    let mut refreshed = 10;
+    for s in 2..=10 {
+        refreshed += m.refresh(t0 + Duration::from_secs(s), interval, 7, &mut out);
+    }
+    assert_eq!(refreshed, 99, "each resident block once");
+    let keys: std::collections::BTreeSet<Vec<u8>> =
+        entries(&out).into_iter().map(|e| e.0).collect();
+    assert_eq!(keys.len(), 99);
+    assert!(!keys.contains(&be(50)));
+    assert_eq!(m.stats().refreshed, 99);
+    // The next interval refreshes them again.
+    let mut again = Vec::new();
+    assert_eq!(
+        m.refresh(t0 + Duration::from_secs(10), interval, 7, &mut again),
+        0
+    );
+    assert_eq!(
+        m.refresh(t0 + Duration::from_secs(20), interval, 7, &mut again),
+        99
+    );
+    // Off: nothing.
+    assert_eq!(
+        m.refresh(t0 + Duration::from_secs(30), Duration::ZERO, 7, &mut again),
+        0
+    );
+}

@@ -303,3 +303,42 @@ async fn a_dp_rank_restart_evicts_only_that_rank() {
     );
     running.shutdown(Duration::from_secs(5)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resident_blocks_are_refreshed_within_the_interval() {
+    let server = RecordingServer::start().await;
+    let ctx = zmq::Context::new();
+    let engine =
+        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    let s = Settings {
+        refresh_interval: GoDuration::ms(500),
+        ..settings(&engine, &server)
+    };
+    let running = start(&s, &ctx).await.expect("start");
+    wait_subscribed(&engine).await;
+    engine.publish(&scripted_batch(0)).expect("publish");
+    // Stored once by the engine, the 4 blocks reach the server again and again: each resident
+    // block at least once per 500 ms, with no new event.
+    server
+        .wait_for(WAIT, |r| {
+            r.iter()
+                .filter_map(|x| match x {
+                    Received::Update(u) => Some(u.prefixes.len()),
+                    Received::Event(_) => None,
+                })
+                .sum::<usize>()
+                >= 12
+        })
+        .await;
+    assert_eq!(distinct_prefixes(&server.received()), 4);
+    let addr = running.metrics_addr().expect("metrics address");
+    let (_, body) = http_get(addr, "/metrics").await;
+    let refreshed: f64 = body
+        .lines()
+        .find(|l| l.starts_with("kvevent_refreshed_prefixes_total{"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .expect("refreshed counter");
+    assert!(refreshed >= 8.0, "{refreshed}");
+    running.shutdown(Duration::from_secs(2)).await;
+}
