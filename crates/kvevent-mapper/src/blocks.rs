@@ -139,11 +139,32 @@ impl<'h> BlockId<'h> {
     }
 }
 
-/// A block's identity, owned: 16 bytes for an 8-byte hash.
+/// A block's identity, owned.
 #[derive(Debug, Clone)]
 pub(crate) enum OwnedId {
     H8([u8; 8], u16),
     Other(Box<[u8]>, u16),
+}
+
+/// The identities of the blocks tracked at one moment.
+#[derive(Debug, Default)]
+pub(crate) struct Snapshot {
+    h8: Vec<([u8; 8], u16)>,
+    other: Vec<OwnedId>,
+}
+
+impl Snapshot {
+    pub(crate) fn len(&self) -> usize {
+        self.h8.len() + self.other.len()
+    }
+
+    /// The `i`th identity (8-byte hashes first).
+    pub(crate) fn get(&self, i: usize) -> Option<OwnedId> {
+        match self.h8.get(i) {
+            Some((h, g)) => Some(OwnedId::H8(*h, *g)),
+            None => self.other.get(i - self.h8.len()).cloned(),
+        }
+    }
 }
 
 impl OwnedId {
@@ -328,10 +349,11 @@ impl Blocks {
         self.adapter_ids.clear();
     }
 
-    /// Every tracked block's identity, owned (a refresh cycle walks it while the map changes).
-    pub(crate) fn snapshot(&self) -> Vec<OwnedId> {
-        let mut out = Vec::with_capacity(self.len());
-        out.extend(self.h8.keys().map(|id| OwnedId::H8(id.hash, id.group)));
+    /// Every tracked block's identity, owned (a refresh cycle walks it while the map changes):
+    /// 8-byte hashes packed in 10 bytes each, others boxed.
+    pub(crate) fn snapshot(&self) -> Snapshot {
+        let h8 = self.h8.keys().map(|id| (id.hash, id.group)).collect();
+        let mut out = Vec::new();
         out.extend(self.h16.keys().map(|id| {
             let hash = id.hash;
             OwnedId::Other(Box::from(&hash[..]), id.group)
@@ -344,7 +366,7 @@ impl Blocks {
             let (hash, group) = b.split_at(b.len() - 2);
             OwnedId::Other(Box::from(hash), u16::from_be_bytes([group[0], group[1]]))
         }));
-        out
+        Snapshot { h8, other: out }
     }
 
     /// The blocks (hash bytes, interned group) held at `tier` (a tier bit).

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use std::time::{Duration, Instant};
 
-use crate::blocks::{BlockId, Blocks, Insert, OwnedId, T1, T2, Tracked};
+use crate::blocks::{BlockId, Blocks, Insert, Snapshot, T1, T2, Tracked};
 use crate::{
     Identity, KeyMode, Options, engine_key, fingerprint, fingerprint_key, pb, tier_of, wire,
 };
@@ -69,7 +69,7 @@ pub struct Mapper {
 /// One pass of [`Mapper::refresh`] over the blocks tracked when it began.
 #[derive(Debug)]
 struct RefreshCycle {
-    ids: Vec<OwnedId>,
+    ids: Snapshot,
     next: usize,
     started: Instant,
 }
@@ -189,7 +189,7 @@ impl Mapper {
         let from = cycle.next;
         cycle.next = due;
         let mut update = self.identity.update(timestamp_us);
-        for owned in &ids[from..due] {
+        for owned in (from..due).filter_map(|i| ids.get(i)) {
             let id = owned.id();
             let Some(t) = self.blocks.get(id) else {
                 continue;
