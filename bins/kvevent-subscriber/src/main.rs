@@ -22,8 +22,10 @@ const EXIT_INTERRUPTED: i32 = 130;
 fn init_tracing(format: &str, level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_new(level)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Colours only for a person at a terminal, never into a log file or collector.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     if format == "json" {
         builder.json().init();

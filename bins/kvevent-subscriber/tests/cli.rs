@@ -212,3 +212,23 @@ fn the_demo_runs_the_real_pipeline_and_exits_0() {
         );
     }
 }
+
+#[test]
+fn a_start_failure_exits_69_with_a_plain_text_log_line() {
+    // The metrics port is taken: the pipeline cannot start.
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = busy.local_addr().expect("addr").port();
+    let out = run(&[
+        "--replica-id=r",
+        "--model-id=m",
+        "--stats-interval=0",
+        &format!("--metrics-address=127.0.0.1:{port}"),
+    ]);
+    assert_eq!(out.status.code(), Some(69));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cannot start"), "{err}");
+    assert!(
+        !err.contains('\u{1b}'),
+        "no colour codes when stderr is not a terminal: {err:?}"
+    );
+}

@@ -513,6 +513,9 @@ impl Settings {
                 ),
             );
         }
+        if let Err(why) = check_log_filter(&self.log_level) {
+            bad("log_level", why);
+        }
         if !matches!(self.log_format.as_str(), "text" | "json") {
             bad(
                 "log_format",
@@ -619,4 +622,26 @@ impl Settings {
             || !self.tls_cert_file.is_empty()
             || !self.tls_server_name.is_empty()
     }
+}
+
+/// A log level (`trace` … `error`, `off`) or filter directives `target=level`, comma-separated.
+/// A bare word that is not a level would be read as a target and silence every log line.
+fn check_log_filter(filter: &str) -> Result<(), String> {
+    const LEVELS: [&str; 6] = ["trace", "debug", "info", "warn", "error", "off"];
+    let is_level = |l: &str| LEVELS.iter().any(|v| v.eq_ignore_ascii_case(l.trim()));
+    if filter.trim().is_empty() {
+        return Err("is empty: give a level (trace, debug, info, warn, error, off)".into());
+    }
+    for directive in filter.split(',') {
+        let ok = match directive.rsplit_once('=') {
+            Some((target, level)) => !target.trim().is_empty() && is_level(level),
+            None => is_level(directive),
+        };
+        if !ok {
+            return Err(format!(
+                "`{directive}` is neither a level (trace, debug, info, warn, error, off) nor target=level"
+            ));
+        }
+    }
+    Ok(())
 }

@@ -270,6 +270,13 @@ impl Telemetry {
         );
         per_source(
             &mut o,
+            DISCONNECTS,
+            "counter",
+            "Connection drops to the engine (libzmq reconnects by itself).",
+            &|m| m.disconnects.load(Relaxed),
+        );
+        per_source(
+            &mut o,
             DUPLICATES,
             "counter",
             "Duplicate batches dropped.",

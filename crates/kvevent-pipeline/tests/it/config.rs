@@ -209,3 +209,28 @@ fn keys_are_fingerprints_by_default_as_the_go_sidecar_sends_them() {
         Ok(())
     });
 }
+
+#[test]
+fn a_log_level_that_would_silence_everything_is_a_configuration_error() {
+    Jail::expect_with(|_jail| {
+        for bad in ["verbose", "kvevent=loud", ""] {
+            let err = Settings::load(
+                None,
+                flags(&[("replica_id", "r"), ("model_id", "m"), ("log_level", bad)]),
+            )
+            .expect_err(bad);
+            assert!(
+                err.to_string().contains("--log-level (KVEVENT_LOG_LEVEL)"),
+                "{err}"
+            );
+        }
+        for good in ["debug", "WARN", "info,kvevent_forwarder=debug", "off"] {
+            Settings::load(
+                None,
+                flags(&[("replica_id", "r"), ("model_id", "m"), ("log_level", good)]),
+            )
+            .expect(good);
+        }
+        Ok(())
+    });
+}

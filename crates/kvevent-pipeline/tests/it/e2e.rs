@@ -342,3 +342,57 @@ async fn resident_blocks_are_refreshed_within_the_interval() {
     assert!(refreshed >= 8.0, "{refreshed}");
     running.shutdown(Duration::from_secs(2)).await;
 }
+
+/// Metric names in the README's metrics reference (first column, split at commas).
+fn readme_metrics() -> std::collections::BTreeSet<String> {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md"))
+        .expect("README");
+    let section = readme
+        .split("### Metrics reference")
+        .nth(1)
+        .and_then(|s| s.split("\n#").next())
+        .expect("a metrics reference section");
+    section
+        .lines()
+        .filter(|l| l.starts_with("| `kvevent_"))
+        .flat_map(|l| {
+            l.split('|')
+                .nth(1)
+                .unwrap_or_default()
+                .split(',')
+                .map(|m| m.trim().trim_matches('`').to_owned())
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_metric_the_readme_lists_is_exported_and_every_exported_one_is_listed() {
+    let server = RecordingServer::start().await;
+    let ctx = zmq::Context::new();
+    let engine =
+        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    let running = start(&settings(&engine, &server), &ctx)
+        .await
+        .expect("start");
+    let addr = running.metrics_addr().expect("metrics address");
+    let (_, body) = http_get(addr, "/metrics").await;
+    let exported: std::collections::BTreeSet<String> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split_whitespace().next())
+        .map(str::to_owned)
+        .collect();
+    let listed = readme_metrics();
+    let missing: Vec<_> = listed.difference(&exported).collect();
+    let unlisted: Vec<_> = exported.difference(&listed).collect();
+    assert!(
+        missing.is_empty(),
+        "listed in the README, not exported: {missing:?}"
+    );
+    assert!(
+        unlisted.is_empty(),
+        "exported, not in the README: {unlisted:?}"
+    );
+    running.shutdown(Duration::from_secs(2)).await;
+}
