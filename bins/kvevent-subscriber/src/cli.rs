@@ -8,10 +8,19 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand};
 use serde::Serialize;
 
+/// `--version`: the version, the commit it was built from, the vLLM releases it decodes.
+const LONG_VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("KVEVENT_GIT_COMMIT"),
+    ")\nvLLM KV-event wire: releases 0.9.0 to 0.33.0 decoded and encoded as each writes it; newer ones decoded (unknown fields and event types skipped and counted)",
+);
+
 #[derive(Debug, Parser)]
 #[command(
     name = "kvevent-subscriber",
     version,
+    long_version = LONG_VERSION,
     about = "Sidecar next to a vLLM replica: reports its KV-cache events and stats to the InferenceCache server.",
     long_about = "Sidecar next to a vLLM replica: subscribes to the engine's KV-cache events (with replay of missed batches), maps them onto the InferenceCache contract and reports them to the server; scrapes the engine's /metrics for replica stats.\n\nEvery option can also be set in the --config TOML file (same name with underscores) or as an environment variable KVEVENT_<NAME>. Precedence, lowest first: defaults, file, environment, flags. Durations are written Go's way (50ms, 10s, 1m30s). Go-style single-dash flags (-replica-id=x) are accepted.",
     args_conflicts_with_subcommands = true,

@@ -232,3 +232,18 @@ fn a_start_failure_exits_69_with_a_plain_text_log_line() {
         "no colour codes when stderr is not a terminal: {err:?}"
     );
 }
+
+#[test]
+fn version_names_the_commit_and_the_vllm_releases() {
+    let out = run(&["--version"]);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains(env!("CARGO_PKG_VERSION")), "{text}");
+    assert!(text.contains("(commit "), "{text}");
+    let releases = format!(
+        "releases {} to {}",
+        kvevent_wire::Release::OLDEST,
+        kvevent_wire::Release::NEWEST_KNOWN
+    );
+    assert!(text.contains(&releases), "{text} lacks {releases}");
+}
