@@ -376,16 +376,33 @@ impl Settings {
                     .filter(move |k| known.iter().any(|o| k.as_str().eq_ignore_ascii_case(o))),
             )
             .merge(Serialized::defaults(overrides));
-        let mut settings: Settings = figment.extract().map_err(|e| {
-            ConfigError(
-                e.into_iter()
-                    .map(|e| Problem {
-                        option: e.path.last().cloned().unwrap_or_else(|| "config".into()),
-                        message: e.kind.to_string(),
-                    })
-                    .collect(),
-            )
-        })?;
+        // Deserialization stops at the first bad value: note it, put the default in its place
+        // and go on, so every bad value is reported at once (with the checks below).
+        let mut figment = figment;
+        let mut problems = Vec::new();
+        let defaults = Figment::from(Serialized::defaults(Settings::default()));
+        let mut settings: Settings = loop {
+            match figment.extract::<Settings>() {
+                Ok(s) => break s,
+                Err(e) => {
+                    let mut fixed = false;
+                    for e in e {
+                        let option = e.path.last().cloned().unwrap_or_else(|| "config".into());
+                        problems.push(Problem {
+                            option: option.clone(),
+                            message: e.kind.to_string(),
+                        });
+                        if let Ok(default) = defaults.find_value(&option) {
+                            figment = figment.merge(Serialized::default(&option, default));
+                            fixed = true;
+                        }
+                    }
+                    if !fixed || problems.len() > 256 {
+                        return Err(ConfigError(problems));
+                    }
+                }
+            }
+        };
         if settings.window.0.is_zero() {
             // The Go sidecar clamps a zero window to its default; manifests that set it exist.
             settings.window = Settings::default().window;
@@ -394,7 +411,12 @@ impl Settings {
                 settings.window
             ));
         }
-        settings.validate()?;
+        if let Err(ConfigError(more)) = settings.validate() {
+            problems.extend(more);
+        }
+        if !problems.is_empty() {
+            return Err(ConfigError(problems));
+        }
         Ok(settings)
     }
 

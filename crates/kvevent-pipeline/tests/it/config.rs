@@ -234,3 +234,30 @@ fn a_log_level_that_would_silence_everything_is_a_configuration_error() {
         Ok(())
     });
 }
+
+#[test]
+fn every_bad_value_is_reported_at_once_not_only_the_first() {
+    Jail::expect_with(|_jail| {
+        let err = Settings::load(
+            None,
+            flags(&[
+                ("window", "5x"),
+                ("drain_timeout", "1y"),
+                ("key_mode", "foo"),
+            ]),
+        )
+        .expect_err("invalid");
+        let text = err.to_string();
+        for needle in [
+            "--window (KVEVENT_WINDOW): `5x` is not a duration",
+            "--drain-timeout (KVEVENT_DRAIN_TIMEOUT): `1y` is not a duration",
+            "--key-mode (KVEVENT_KEY_MODE)",
+            "--replica-id (KVEVENT_REPLICA_ID): is required",
+            "--model-id (KVEVENT_MODEL_ID): is required",
+        ] {
+            assert!(text.contains(needle), "missing {needle:?} in:\n{text}");
+        }
+        assert_eq!(err.0.len(), 5, "{text}");
+        Ok(())
+    });
+}
