@@ -226,7 +226,10 @@ fn a_start_failure_exits_69_with_a_plain_text_log_line() {
     ]);
     assert_eq!(out.status.code(), Some(69));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("cannot start"), "{err}");
+    assert!(
+        err.contains("cannot start") && err.contains("--metrics-address"),
+        "{err}"
+    );
     assert!(
         !err.contains('\u{1b}'),
         "no colour codes when stderr is not a terminal: {err:?}"

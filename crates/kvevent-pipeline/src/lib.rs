@@ -57,7 +57,7 @@ pub enum StartError {
     #[error("engine metrics")]
     Scrape(#[from] kvevent_scrape::FetchError),
     /// Our HTTP endpoint could not be bound.
-    #[error("bind metrics address {0}")]
+    #[error("bind --metrics-address {0}")]
     MetricsAddress(String, #[source] std::io::Error),
     /// The events thread could not be started.
     #[error("spawn events thread")]
@@ -203,8 +203,11 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
     let http = if settings.metrics_address.is_empty() {
         None
     } else {
-        let addr: SocketAddr = settings.metrics_address.parse().map_err(|e| {
-            StartError::MetricsAddress(settings.metrics_address.clone(), std::io::Error::other(e))
+        let addr: SocketAddr = settings.metrics_socket_addr().ok_or_else(|| {
+            StartError::MetricsAddress(
+                settings.metrics_address.clone(),
+                std::io::Error::other("not host:port"),
+            )
         })?;
         let readiness = http_server::Readiness {
             max_silence: (settings.stats_interval.0 * 3).max(Duration::from_secs(30)),

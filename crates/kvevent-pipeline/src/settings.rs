@@ -420,6 +420,22 @@ impl Settings {
         Ok(settings)
     }
 
+    /// Where `/metrics` listens: `host:port` with an IP address, or Go's listen-address forms
+    /// `:port` (every address) and `localhost:port`. `None` when off or not an address.
+    pub fn metrics_socket_addr(&self) -> Option<std::net::SocketAddr> {
+        let a = self.metrics_address.trim();
+        if a.is_empty() {
+            return None;
+        }
+        if let Some(port) = a.strip_prefix(':') {
+            return port.parse::<u16>().ok().map(|p| ([0, 0, 0, 0], p).into());
+        }
+        if let Some(port) = a.strip_prefix("localhost:") {
+            return port.parse::<u16>().ok().map(|p| ([127, 0, 0, 1], p).into());
+        }
+        a.parse().ok()
+    }
+
     /// Checks every option; reports every problem at once.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let mut problems = Vec::new();
@@ -574,16 +590,11 @@ impl Settings {
                 );
             }
         }
-        if !self.metrics_address.is_empty()
-            && self
-                .metrics_address
-                .parse::<std::net::SocketAddr>()
-                .is_err()
-        {
+        if !self.metrics_address.is_empty() && self.metrics_socket_addr().is_none() {
             bad(
                 "metrics_address",
                 format!(
-                    "`{}` is not host:port (an IP address and a port)",
+                    "`{}` is not host:port (an IP address or localhost, and a port; `:9095` listens on every address)",
                     self.metrics_address
                 ),
             );

@@ -261,3 +261,25 @@ fn every_bad_value_is_reported_at_once_not_only_the_first() {
         Ok(())
     });
 }
+
+#[test]
+fn the_metrics_address_takes_go_listen_address_forms() {
+    let with = |a: &str| Settings {
+        metrics_address: a.into(),
+        ..Settings::default()
+    };
+    assert_eq!(
+        with(":9095").metrics_socket_addr(),
+        Some("0.0.0.0:9095".parse().expect("addr"))
+    );
+    assert_eq!(
+        with("localhost:9095").metrics_socket_addr(),
+        Some("127.0.0.1:9095".parse().expect("addr"))
+    );
+    assert_eq!(
+        with("10.0.0.1:1").metrics_socket_addr(),
+        Some("10.0.0.1:1".parse().expect("addr"))
+    );
+    assert_eq!(with("nohost:x").metrics_socket_addr(), None);
+    assert_eq!(with("").metrics_socket_addr(), None);
+}
