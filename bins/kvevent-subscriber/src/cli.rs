@@ -152,6 +152,10 @@ pub(crate) struct Options {
     #[arg(long, value_name = "DURATION")]
     #[serde(skip_serializing_if = "Option::is_none")]
     refresh_interval: Option<String>,
+    /// A source that sent no batch this long after the start is reported: a warning naming its endpoint and the usual causes, and /readyz says so while no source has sent anything [default: 1m] [env: KVEVENT_ENGINE_SILENCE_GRACE]
+    #[arg(long, value_name = "DURATION")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    engine_silence_grace: Option<String>,
     /// Adapter names for LoRA ids, for engines without lora_name: 1=a,2=b [default: ""] [env: KVEVENT_LORA_ADAPTER_NAMES]
     #[arg(long, value_name = "MAP")]
     #[serde(skip_serializing_if = "Option::is_none")]

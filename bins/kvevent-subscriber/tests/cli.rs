@@ -250,3 +250,45 @@ fn version_names_the_commit_and_the_vllm_releases() {
     );
     assert!(text.contains(&releases), "{text} lacks {releases}");
 }
+
+#[test]
+fn a_silent_engine_source_is_named_in_a_warning() {
+    // Nothing publishes on this port: a wrong --engine-endpoint, or vLLM without
+    // --kv-events-config.
+    let nothing = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let endpoint = format!(
+        "tcp://127.0.0.1:{}",
+        nothing.local_addr().expect("addr").port()
+    );
+    drop(nothing);
+    let mut child = Command::new(BIN)
+        .args([
+            &format!("--engine-endpoint={endpoint}"),
+            "--replica-id=r",
+            "--model-id=m",
+            "--stats-interval=0",
+            "--metrics-address=",
+            "--engine-silence-grace=200ms",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    std::thread::sleep(Duration::from_millis(1_000));
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let out = child.wait_with_output().expect("wait");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("no KV events from this engine source yet"),
+        "{err}"
+    );
+    assert!(err.contains(&endpoint), "names the endpoint: {err}");
+    assert_eq!(
+        err.matches("no KV events from this engine source yet")
+            .count(),
+        1,
+        "once: {err}"
+    );
+}

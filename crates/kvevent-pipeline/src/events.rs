@@ -18,6 +18,8 @@ pub(crate) struct EventsLoop {
     pub(crate) forwarder: fwd::Handle,
     /// Resident blocks are re-reported once per this interval (0: off).
     pub(crate) refresh_interval: Duration,
+    /// A source silent this long is warned about, once per silence.
+    pub(crate) silence_grace: Duration,
     pub(crate) stop: Arc<AtomicBool>,
     pub(crate) telemetry: Arc<Telemetry>,
 }
@@ -35,6 +37,7 @@ impl EventsLoop {
             mut mappers,
             forwarder,
             refresh_interval,
+            silence_grace,
             stop,
             telemetry,
         } = self;
@@ -42,9 +45,14 @@ impl EventsLoop {
         // The replica's server state is cleared once, at the first contact with any source.
         let mut cleared_at_start = false;
         let several = mappers.len() > 1;
+        let mut warned = vec![false; mappers.len()];
+        let labels: Vec<String> = subscriber.sources().iter().map(|s| s.label()).collect();
         while !stop.load(Relaxed) {
             let mapped = subscriber.next_with(Duration::from_millis(100), |view| match view {
                 View::Batch { source, batch, .. } => {
+                    if let Some(last) = telemetry.last_batch_unix_ms.get(source) {
+                        last.store(crate::telemetry::unix_ms(), Relaxed);
+                    }
                     let mapper = mappers.get_mut(source)?;
                     mapper.map_batch(batch, &mut reports);
                     Some(source)
@@ -65,6 +73,25 @@ impl EventsLoop {
                     Some(source)
                 }
             });
+            // A source that never sent anything within the grace is most likely misconfigured
+            // (an idle engine that did send stays quiet, and that is fine): say so once.
+            for (source, warned) in warned.iter_mut().enumerate() {
+                let never = telemetry.last_batch_unix_ms[source].load(Relaxed) == 0;
+                let silent =
+                    never && telemetry.silence_seconds(source) >= silence_grace.as_secs_f64();
+                if silent && !*warned {
+                    tracing::warn!(
+                        source = %labels[source],
+                        silent_for = ?silence_grace,
+                        "no KV events from this engine source yet: is vLLM started with --kv-events-config (publisher zmq), and does --engine-endpoint name its PUB socket (host, port, DP rank)?"
+                    );
+                    *warned = true;
+                }
+                if !never && *warned {
+                    tracing::info!(source = %labels[source], "KV events arriving");
+                    *warned = false;
+                }
+            }
             // The share of the refresh cycle due by now, after the batch (never before an
             // eviction it follows: the mapper refreshes only blocks it still tracks).
             let now = std::time::Instant::now();

@@ -18,6 +18,8 @@ use crate::telemetry::Telemetry;
 pub(crate) struct Readiness {
     /// The last accepted report must be at most this old.
     pub(crate) max_silence: Duration,
+    /// With no batch from any source for this long since the start, say so.
+    pub(crate) silence_grace: Duration,
 }
 
 fn now_ms() -> u64 {
@@ -48,6 +50,19 @@ fn route(path: &str, telemetry: &Telemetry, readiness: Readiness) -> hyper::Resp
             let last = telemetry.last_success_unix_ms();
             let recent = last > 0
                 && now_ms().saturating_sub(last) <= readiness.max_silence.as_millis() as u64;
+            let engine_silent = !telemetry.any_batch()
+                && now_ms().saturating_sub(telemetry.started_unix_ms)
+                    >= readiness.silence_grace.as_millis() as u64;
+            if subscribed && engine_silent {
+                return respond(
+                    503,
+                    "text/plain",
+                    format!(
+                        "not ready: no KV events from any engine source since the start ({}s): is vLLM started with --kv-events-config, and does --engine-endpoint name its PUB socket?\n",
+                        now_ms().saturating_sub(telemetry.started_unix_ms) / 1000
+                    ),
+                );
+            }
             match (subscribed, recent) {
                 (true, true) => respond(200, "text/plain", "ready\n".into()),
                 (false, _) => respond(

@@ -210,6 +210,7 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
             )
         })?;
         let readiness = http_server::Readiness {
+            silence_grace: settings.engine_silence_grace.0,
             max_silence: (settings.stats_interval.0 * 3).max(Duration::from_secs(30)),
         };
         let served = http_server::serve(addr, telemetry.clone(), readiness)
@@ -228,6 +229,7 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
             .collect(),
         forwarder: handle,
         refresh_interval: settings.refresh_interval.0,
+        silence_grace: settings.engine_silence_grace.0,
         stop: stop_events.clone(),
         telemetry: telemetry.clone(),
     };

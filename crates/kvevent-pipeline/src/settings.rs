@@ -204,6 +204,9 @@ pub struct Settings {
     pub ignore_block_removed: bool,
     /// Report blocks of every KV-cache group of a hybrid model, not only full-attention ones.
     pub all_kv_groups: bool,
+    /// A source that sent no batch this long after the start is reported (a warning naming it;
+    /// `/readyz` says so while no source has sent anything).
+    pub engine_silence_grace: GoDuration,
     /// Every resident block is re-reported at least once per this interval, spread evenly, so
     /// the server's TTL never expires it (0: off).
     pub refresh_interval: GoDuration,
@@ -292,6 +295,7 @@ impl Default for Settings {
             ignore_block_removed: false,
             all_kv_groups: false,
             refresh_interval: GoDuration::secs(600),
+            engine_silence_grace: GoDuration::secs(60),
             lora_adapter_names: String::new(),
             metrics_address: "0.0.0.0:9095".into(),
             drain_timeout: GoDuration::secs(5),
@@ -603,6 +607,7 @@ impl Settings {
             ("window", self.window),
             ("engine_discovery_timeout", self.engine_discovery_timeout),
             ("engine_discovery_recheck", self.engine_discovery_recheck),
+            ("engine_silence_grace", self.engine_silence_grace),
             ("rpc_timeout", self.rpc_timeout),
             ("connect_timeout", self.connect_timeout),
             ("max_backoff", self.max_backoff),

@@ -34,6 +34,10 @@ pub struct Telemetry {
     pub subscribed: AtomicBool,
     /// Reports not handed to the forwarder because it had shut down.
     pub reports_after_shutdown: AtomicU64,
+    /// Per source: Unix ms of its last batch (0: none yet).
+    pub last_batch_unix_ms: Vec<AtomicU64>,
+    /// Unix ms the pipeline started.
+    pub started_unix_ms: u64,
 }
 
 /// Metric names, one scheme: `kvevent_<what>_<unit>_total`.
@@ -54,6 +58,8 @@ pub mod names {
     pub const REPLAYS: &str = "kvevent_replays_total";
     /// Engine restarts (seq regressions), by source.
     pub const RESTARTS: &str = "kvevent_engine_restarts_total";
+    /// Seconds since a source's last batch (since the start when none came), by source.
+    pub const SILENCE: &str = "kvevent_source_last_batch_age_seconds";
     /// Connection drops to the engine, by source.
     pub const DISCONNECTS: &str = "kvevent_engine_disconnects_total";
     /// Duplicate batches dropped, by source.
@@ -157,7 +163,28 @@ impl Telemetry {
             stats_last_success_unix_ms: AtomicU64::new(0),
             subscribed: AtomicBool::new(false),
             reports_after_shutdown: AtomicU64::new(0),
+            last_batch_unix_ms: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            started_unix_ms: unix_ms(),
         }
+    }
+
+    /// Seconds since `source`'s last batch, or since the start when it sent none.
+    pub fn silence_seconds(&self, source: usize) -> f64 {
+        let last = self
+            .last_batch_unix_ms
+            .get(source)
+            .map_or(0, |l| l.load(Relaxed));
+        let since = if last == 0 {
+            self.started_unix_ms
+        } else {
+            last
+        };
+        unix_ms().saturating_sub(since) as f64 / 1000.0
+    }
+
+    /// True once any source delivered a batch.
+    pub fn any_batch(&self) -> bool {
+        self.last_batch_unix_ms.iter().any(|l| l.load(Relaxed) > 0)
     }
 
     /// Counts one scrape outcome.
@@ -268,6 +295,18 @@ impl Telemetry {
             "Engine restarts detected (sequence regressions).",
             &|m| m.restarts.load(Relaxed),
         );
+        o.family(
+            SILENCE,
+            "gauge",
+            "Seconds since the source's last batch (since the start when none came).",
+        );
+        for (i, label) in self.sources.iter().enumerate() {
+            o.sample(
+                SILENCE,
+                &[("source", label)],
+                format!("{:.3}", self.silence_seconds(i)),
+            );
+        }
         per_source(
             &mut o,
             DISCONNECTS,
@@ -485,4 +524,11 @@ impl Telemetry {
         }
         o.0
     }
+}
+
+/// Now, in Unix milliseconds.
+pub(crate) fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }

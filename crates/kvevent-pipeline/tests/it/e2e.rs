@@ -396,3 +396,36 @@ async fn every_metric_the_readme_lists_is_exported_and_every_exported_one_is_lis
     );
     running.shutdown(Duration::from_secs(2)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_engine_makes_readyz_say_why_until_it_sends() {
+    let server = RecordingServer::start().await;
+    let ctx = zmq::Context::new();
+    let engine =
+        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    let s = Settings {
+        engine_silence_grace: GoDuration::ms(300),
+        stats_interval: GoDuration::ms(0),
+        ..settings(&engine, &server)
+    };
+    let running = start(&s, &ctx).await.expect("start");
+    let addr = running.metrics_addr().expect("metrics address");
+    wait_subscribed(&engine).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (status, body) = http_get(addr, "/readyz").await;
+    assert_eq!(status, 503);
+    assert!(
+        body.contains("no KV events from any engine source"),
+        "{body}"
+    );
+    let (_, metrics) = http_get(addr, "/metrics").await;
+    assert!(
+        metrics.contains("kvevent_source_last_batch_age_seconds{source="),
+        "{metrics}"
+    );
+    engine.publish(&scripted_batch(0)).expect("publish");
+    server.wait_for(WAIT, |r| distinct_prefixes(r) >= 4).await;
+    let (status, body) = http_get(addr, "/readyz").await;
+    assert_eq!((status, body.as_str()), (200, "ready\n"));
+    running.shutdown(Duration::from_secs(2)).await;
+}
