@@ -261,7 +261,7 @@ fn a_silent_engine_source_is_named_in_a_warning() {
         nothing.local_addr().expect("addr").port()
     );
     drop(nothing);
-    let mut child = Command::new(BIN)
+    let child = Command::new(BIN)
         .args([
             &format!("--engine-endpoint={endpoint}"),
             "--replica-id=r",
