@@ -1,21 +1,10 @@
-//! Shared helpers for the benchmarks: where the shared vectors are, loaded once.
+//! Shared helpers for the benchmarks: where the test vectors are, and `/proc` readings.
 
 use std::path::{Path, PathBuf};
 
-/// `shared/` beside the checkout (or `KVEVENT_SHARED_DIR`).
+/// The repository's `testdata/` (copies of the shared vectors; see its README).
 pub fn shared_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("KVEVENT_SHARED_DIR") {
-        return PathBuf::from(dir);
-    }
-    let mut dir = Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf();
-    loop {
-        if dir.join("shared/vectors").is_dir() {
-            return dir.join("shared");
-        }
-        if !dir.pop() {
-            return PathBuf::from("../shared");
-        }
-    }
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata")
 }
 
 /// Every vector payload as `(release/case, bytes)`, sorted by name.

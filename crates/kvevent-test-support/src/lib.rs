@@ -17,19 +17,8 @@ pub use kvevent_pipeline::demo::{Behaviour, Received, RecordingServer, distinct_
 pub use kvevent_zmq::publisher::{Publisher, PublisherConfig};
 pub use python::{PythonPublisher, python};
 
-/// `shared/` beside the checkout (or `KVEVENT_SHARED_DIR`).
+/// The repository's `testdata/` (vectors, metrics fixtures, golden fingerprints; see its
+/// README for where each comes from).
 pub fn shared_dir() -> std::path::PathBuf {
-    if let Some(dir) = std::env::var_os("KVEVENT_SHARED_DIR") {
-        return dir.into();
-    }
-    let mut dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    loop {
-        if dir.join("shared/vectors").is_dir() {
-            return dir.join("shared");
-        }
-        assert!(
-            dir.pop(),
-            "no shared/ above the crate: set KVEVENT_SHARED_DIR"
-        );
-    }
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata")
 }

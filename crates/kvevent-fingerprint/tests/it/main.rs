@@ -3,17 +3,8 @@
 use std::path::PathBuf;
 
 fn golden() -> serde_json::Value {
-    let mut dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let path = loop {
-        let p = dir.join("shared/fingerprint/golden.json");
-        if p.is_file() {
-            break p;
-        }
-        assert!(
-            dir.pop(),
-            "no shared/fingerprint/golden.json above the crate"
-        );
-    };
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../testdata/fingerprint/golden.json");
     serde_json::from_slice(&std::fs::read(path).expect("read")).expect("json")
 }
 

@@ -6,14 +6,10 @@ use kvevent_scrape::stats::{self, Deltas};
 use kvevent_scrape::{CacheTier, Profile, StatsConfig, StatsError, text};
 
 pub(crate) fn fixture(name: &str) -> String {
-    let mut dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    loop {
-        let p = dir.join("shared/fixtures/metrics").join(name);
-        if p.is_file() {
-            return std::fs::read_to_string(p).expect("read");
-        }
-        assert!(dir.pop(), "no shared/fixtures/metrics/{name}");
-    }
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../testdata/fixtures/metrics")
+        .join(name);
+    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
 
 fn config() -> StatsConfig {

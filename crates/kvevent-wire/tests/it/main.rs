@@ -6,22 +6,9 @@ mod vectors;
 
 use std::path::{Path, PathBuf};
 
-/// `shared/` beside the checkout (or `KVEVENT_SHARED_DIR`).
+/// The repository's `testdata/` (see its README: copies of the shared reference data).
 pub(crate) fn shared_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("KVEVENT_SHARED_DIR") {
-        return PathBuf::from(dir);
-    }
-    let mut dir = Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf();
-    loop {
-        let candidate = dir.join("shared");
-        if candidate.join("vectors").is_dir() {
-            return candidate;
-        }
-        assert!(
-            dir.pop(),
-            "no shared/vectors above the crate: set KVEVENT_SHARED_DIR"
-        );
-    }
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata")
 }
 
 /// Every `(release, case, payload, expected json)` under `shared/vectors`, sorted.

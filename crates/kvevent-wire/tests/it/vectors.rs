@@ -115,3 +115,48 @@ fn json_timestamps_are_read_to_the_exact_float() {
         assert_eq!(batch.ts.to_bits(), want.to_bits(), "{ts}");
     }
 }
+
+/// Every file under `dir`, relative to it, sorted.
+fn files_under(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).expect("read dir").flatten() {
+            let p = entry.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if let Ok(rel) = p.strip_prefix(dir) {
+                out.push(rel.to_path_buf());
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn testdata_equals_the_shared_copy() {
+    // Only the shared data beside this checkout, never one found further up.
+    let shared = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared");
+    if !shared.join("vectors").is_dir() {
+        eprintln!("no ../shared beside the checkout: testdata is all there is");
+        return;
+    }
+    let testdata = crate::shared_dir();
+    for (here, there) in [
+        ("vectors", "vectors"),
+        ("fixtures/metrics", "fixtures/metrics"),
+        ("fingerprint", "fingerprint"),
+    ] {
+        let (a, b) = (testdata.join(here), shared.join(there));
+        assert_eq!(files_under(&a), files_under(&b), "{here}: the same files");
+        for f in files_under(&a) {
+            assert!(
+                std::fs::read(a.join(&f)).expect("ours")
+                    == std::fs::read(b.join(&f)).expect("theirs"),
+                "testdata/{here}/{} differs from shared/{there}: refresh it (testdata/README.md)",
+                f.display()
+            );
+        }
+    }
+}
