@@ -26,13 +26,7 @@ fn read(name: &str, config: &StatsConfig) -> Result<stats::Reading, StatsError> 
 
 #[test]
 fn every_fixture_parses_and_reads() {
-    let dir = {
-        let mut dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-        while !dir.join("shared/fixtures/metrics").is_dir() {
-            assert!(dir.pop());
-        }
-        dir.join("shared/fixtures/metrics")
-    };
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../testdata/fixtures/metrics");
     let mut n = 0;
     for entry in std::fs::read_dir(dir).expect("dir") {
         let path = entry.expect("entry").path();
