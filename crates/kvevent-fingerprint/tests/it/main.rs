@@ -1,4 +1,4 @@
-//! Every golden case of `shared/fingerprint/golden.json`.
+//! Every golden case of `testdata/fingerprint/golden.json` (a copy of the shared one).
 
 use std::path::PathBuf;
 

@@ -11,7 +11,7 @@ pub(crate) fn shared_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata")
 }
 
-/// Every `(release, case, payload, expected json)` under `shared/vectors`, sorted.
+/// Every `(release, case, payload, expected json)` under `testdata/vectors`, sorted.
 pub(crate) fn vectors() -> Vec<(String, String, Vec<u8>, serde_json::Value)> {
     let root = shared_dir().join("vectors");
     let mut out = Vec::new();
