@@ -292,3 +292,11 @@ fn a_silent_engine_source_is_named_in_a_warning() {
         "once: {err}"
     );
 }
+
+#[test]
+fn a_mistyped_flag_gets_a_suggestion() {
+    let out = run(&["--replica-idd=r", "--model-id=m"]);
+    assert_eq!(out.status.code(), Some(64));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--replica-id"), "suggests the flag meant: {err}");
+}
