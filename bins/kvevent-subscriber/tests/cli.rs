@@ -298,5 +298,8 @@ fn a_mistyped_flag_gets_a_suggestion() {
     let out = run(&["--replica-idd=r", "--model-id=m"]);
     assert_eq!(out.status.code(), Some(64));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("--replica-id"), "suggests the flag meant: {err}");
+    assert!(
+        err.contains("--replica-id"),
+        "suggests the flag meant: {err}"
+    );
 }
