@@ -440,6 +440,8 @@ struct Flight {
     /// Adds streams not started: [without eviction, after eviction].
     adds_ready: [bool; 2],
     adds_left: [bool; 2],
+    /// Updates the adds streams carry, counted when they are built.
+    updates: [u64; 2],
     barrier_ready: bool,
     barrier_left: bool,
 }
@@ -939,6 +941,7 @@ impl Task {
                     flight.running += 1;
                     let updates =
                         build_updates(w, false, &self.scopes, &self.groups, &self.adapters);
+                    flight.updates[0] = updates.len() as u64;
                     let client = self.client.clone();
                     calls.push(Box::pin(async move {
                         (CallId::Adds(0), client.report(updates).await)
@@ -973,6 +976,7 @@ impl Task {
                     flight.running += 1;
                     let updates =
                         build_updates(w, true, &self.scopes, &self.groups, &self.adapters);
+                    flight.updates[1] = updates.len() as u64;
                     let client = self.client.clone();
                     calls.push(Box::pin(async move {
                         (CallId::Adds(1), client.report(updates).await)
@@ -1041,7 +1045,7 @@ impl Task {
             (CallId::Adds(i), Stage::Window(w)) => {
                 flight.adds_left[usize::from(i)] = false;
                 let after = i == 1;
-                let updates = count_updates(w, after);
+                let updates = flight.updates[usize::from(i)];
                 let mut entries = 0;
                 for op in w.ops.iter_mut() {
                     if matches!(op, Op::Add { after_evict, .. } if *after_evict == after) {
@@ -1281,28 +1285,6 @@ fn build_updates(
         }
     }
     out
-}
-
-/// How many updates [`build_updates`] made, for the counters.
-fn count_updates(w: &Window, after: bool) -> u64 {
-    let mut runs: Map<(u32, i64), usize> = Map::default();
-    for op in &w.ops {
-        if let Op::Add {
-            group,
-            timestamp_us,
-            after_evict,
-            ..
-        } = op
-            && *after_evict == after
-        {
-            *runs.entry((*group, *timestamp_us)).or_default() += 1;
-        }
-    }
-    let n: usize = runs
-        .values()
-        .map(|n| n.div_ceil(MAX_ENTRIES_PER_UPDATE))
-        .sum();
-    (n + if after { 0 } else { w.stats.len() }) as u64
 }
 
 async fn sleep_until(at: Option<Instant>) {

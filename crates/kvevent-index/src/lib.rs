@@ -271,8 +271,8 @@ impl Index {
                 id
             }
         };
-        let identity = Identity::new(replica, "index", "", "index")
-            .unwrap_or_else(|_| Identity::new("replica", "index", "", "index").expect("valid"));
+        // The mapper's identity is stamped on reports the index reads only keys from.
+        let identity = Identity::new("index", "index", "", "index").expect("a valid identity");
         let id = SourceId(inner.sources.len() as u32);
         inner.sources.push(Source {
             replica: replica_id,

@@ -16,6 +16,10 @@
 //! (key, cumulative token count, adapter, tiers), which continues counts and chains across
 //! events, resolves removals to the key they were reported under, and is emptied by clears.
 //!
+//! The first report of a block goes as [`Report::New`](pb::Report::New) (the server cannot hold
+//! it yet), a re-report as `Report::Update`; [`Mapper::refresh`] re-reports every resident block
+//! once per interval, spread evenly, so the server's TTL never expires what the engine holds.
+//!
 //! Pure: no IO, no async runtime, no gRPC (only the prost messages). What the mapper drops or
 //! cannot key is counted in [`MapperStats`], never guessed.
 

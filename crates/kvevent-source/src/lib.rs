@@ -5,15 +5,17 @@
 //! frames of [`kvevent_zmq`] into a trustworthy stream per source (endpoint and DP rank):
 //!
 //! - [`SourceState`] — a pure state machine: tracks the last seq, drops duplicates, replays
-//!   from 0 on a late join and from `last + 1` on a gap (holding live batches meanwhile and
+//!   from 0 at start (with a replay endpoint) or on a late join and from `last + 1` on a gap (holding live batches meanwhile and
 //!   applying them after), and answers with a [`ResetReason`] whenever what is known became
 //!   stale: first contact, engine restart (then rebuilds from the replay buffer), a gap or a
 //!   truncated replay it cannot repair, a corrupt payload. Failed replays back off; live
 //!   batches keep flowing.
 //! - [`Subscriber`] — runs the transport and one state per source and yields [`Update`]s:
 //!   batches in seq order (checked to decode; a corrupt one becomes a reset) and resets, or,
-//!   through [`Subscriber::next_with`], the decoded batch itself so that it is decoded once. It is the in-process API for
-//!   a Rust router, independent of any gRPC forwarding.
+//!   through [`Subscriber::next_with`], the decoded batch itself so that it is decoded once.
+//!   Sources are added and removed while the others run ([`Subscriber::add_source`],
+//!   [`Subscriber::remove_source`]). It is the in-process API for a Rust router, independent of
+//!   any gRPC forwarding.
 //!
 //! Every decision is counted in [`SourceMetrics`]. No tokio, tonic, hyper or prost here.
 
