@@ -87,6 +87,21 @@ impl Tracked {
     pub(crate) fn set_tiers(&mut self, tiers: u8) {
         self.flags = (self.flags & !TIERS) | (tiers & TIERS);
     }
+
+    /// Its fields as saved: prefix, tokens, adapter, flags.
+    pub(crate) fn raw(self) -> (u64, u32, u16, u8) {
+        (self.prefix, self.tokens, self.adapter, self.flags)
+    }
+
+    /// Back from [`Tracked::raw`].
+    pub(crate) fn from_raw(prefix: u64, tokens: u32, adapter: u16, flags: u8) -> Self {
+        Self {
+            prefix,
+            tokens,
+            adapter,
+            flags,
+        }
+    }
 }
 
 /// A hash of `N` bytes and its interned group: 8 + 2, 16 + 2 or 32 + 2 bytes, unpadded.
@@ -410,6 +425,74 @@ impl Blocks {
             (b, t)
         }));
         out
+    }
+
+    /// The interned groups and adapters, in interned order.
+    pub(crate) fn interned(&self) -> (&[Option<i64>], &[Arc<str>]) {
+        (&self.groups, &self.adapters)
+    }
+
+    /// Sets the interned groups and adapters of an empty map (a restore). False when they
+    /// repeat or are too many.
+    pub(crate) fn set_interned(
+        &mut self,
+        groups: Vec<Option<i64>>,
+        adapters: Vec<Arc<str>>,
+    ) -> bool {
+        if self.len() != 0 || groups.len() > MAX_INTERNED || adapters.len() > MAX_INTERNED {
+            return false;
+        }
+        let ids: HashMap<Arc<str>, u16, Hasher> = adapters
+            .iter()
+            .enumerate()
+            .map(|(i, a)| (a.clone(), i as u16))
+            .collect();
+        let distinct_groups = groups
+            .iter()
+            .enumerate()
+            .all(|(i, g)| !groups[..i].contains(g));
+        if ids.len() != adapters.len() || !distinct_groups {
+            return false;
+        }
+        self.groups = groups;
+        self.adapters = adapters;
+        self.adapter_ids = ids;
+        true
+    }
+
+    /// Room for `n` more blocks of 8-byte hashes.
+    pub(crate) fn reserve(&mut self, n: usize) {
+        self.h8.reserve(n.min(self.max));
+    }
+
+    /// Calls `f` with every block's hash bytes, interned group and what is known of it.
+    pub(crate) fn for_each(&self, mut f: impl FnMut(&[u8], u16, Tracked)) {
+        for (id, t) in &self.h8 {
+            f(&{ id.hash }, id.group, *t);
+        }
+        for (id, t) in &self.h16 {
+            f(&{ id.hash }, id.group, *t);
+        }
+        for (id, t) in &self.h32 {
+            f(&{ id.hash }, id.group, *t);
+        }
+        for (b, t) in &self.other {
+            let (hash, group) = b.split_at(b.len() - 2);
+            f(hash, u16::from_be_bytes([group[0], group[1]]), *t);
+        }
+    }
+
+    /// Tracks a saved block. False when it refers to a group or adapter not interned, repeats
+    /// a block, or the map is full.
+    pub(crate) fn restore_one(&mut self, hash: &[u8], group: u16, block: Tracked) -> bool {
+        if usize::from(group) >= self.groups.len()
+            || usize::from(block.adapter()) >= self.adapters.len()
+        {
+            return false;
+        }
+        let hash = wire::BlockHash::Bytes(std::borrow::Cow::Borrowed(hash));
+        let id = BlockId::new(&hash, group);
+        self.get_mut(id).is_none() && self.insert(id, block) == Insert::New
     }
 
     /// Bytes the maps hold (tables and out-of-line digests), for telemetry and the bench.

@@ -31,9 +31,11 @@ use kvevent_proto as pb;
 use kvevent_wire as wire;
 
 mod blocks;
+mod checkpoint;
 mod identity;
 mod mapper;
 
+pub use checkpoint::{FORMAT as CHECKPOINT_FORMAT, RestoreError};
 pub use identity::{Identity, parse_lora_adapters};
 pub use mapper::{Mapper, MapperStats, timestamp_us};
 

@@ -55,13 +55,13 @@ pub struct MapperStats {
 /// Maps one engine source's batches to reports. Keep one per (endpoint, DP rank).
 #[derive(Debug)]
 pub struct Mapper {
-    identity: Identity,
-    options: Options,
+    pub(crate) identity: Identity,
+    pub(crate) options: Options,
     base_adapter: Arc<str>,
-    blocks: Blocks,
+    pub(crate) blocks: Blocks,
     stats: MapperStats,
     /// KV-cache groups seen with a kind that is not a reusable prefix.
-    skipped_groups: Vec<Option<i64>>,
+    pub(crate) skipped_groups: Vec<Option<i64>>,
     /// The refresh cycle under way.
     refresh: Option<RefreshCycle>,
 }

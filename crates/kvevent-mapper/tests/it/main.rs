@@ -1,5 +1,6 @@
 //! The mapper against the shared vectors and hand-built event sequences.
 
+mod checkpoint;
 mod engine_mode;
 mod fingerprint_mode;
 mod vectors;
