@@ -17,12 +17,12 @@ fn options(key_mode: KeyMode) -> Options {
 
 /// Everything the mapper would report of its blocks, order-free: a full refresh, then an
 /// eviction of each. Two mappers with the same state give the same.
-fn observable(
-    m: &mut Mapper,
-) -> (
+type Observable = (
     Vec<(Vec<u8>, i32, i32, String)>,
     Vec<(i32, Vec<u8>, String)>,
-) {
+);
+
+fn observable(m: &mut Mapper) -> Observable {
     let mut out = Vec::new();
     let t0 = Instant::now();
     m.refresh(t0, Duration::from_secs(1), 1, &mut out);
