@@ -152,6 +152,14 @@ pub(crate) struct Options {
     #[arg(long, value_name = "DURATION")]
     #[serde(skip_serializing_if = "Option::is_none")]
     refresh_interval: Option<String>,
+    /// Save the per-source state here (tracked blocks, last seq; periodically and at shutdown, atomically) and resume from it at start: a restarted sidecar keeps every block the engine still holds instead of clearing the replica and rebuilding from the engine's replay buffer. A file of another replica, model or layout, corrupt, or older than the engine's buffer is discarded with a warning. Put it on a volume that outlives the container (an emptyDir) [env: KVEVENT_STATE_FILE]
+    #[arg(long, value_name = "PATH")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    state_file: Option<String>,
+    /// How often the state file is written (0: only at shutdown) [default: 30s] [env: KVEVENT_STATE_INTERVAL]
+    #[arg(long, value_name = "DURATION")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    state_interval: Option<String>,
     /// A source that sent no batch this long after the start is reported: a warning naming its endpoint and the usual causes, and /readyz says so while no source has sent anything [default: 1m] [env: KVEVENT_ENGINE_SILENCE_GRACE]
     #[arg(long, value_name = "DURATION")]
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -9,6 +9,7 @@ use kvevent_mapper::Mapper;
 use kvevent_proto as pb;
 use kvevent_source::{ResetReason, Subscriber, View};
 
+use crate::state_file;
 use crate::telemetry::Telemetry;
 
 pub(crate) struct EventsLoop {
@@ -22,6 +23,92 @@ pub(crate) struct EventsLoop {
     pub(crate) silence_grace: Duration,
     pub(crate) stop: Arc<AtomicBool>,
     pub(crate) telemetry: Arc<Telemetry>,
+    /// Saves the state file, when there is one.
+    pub(crate) saver: Option<Saver>,
+    /// The mappers were restored from a state file: the replica is not cleared at start.
+    pub(crate) restored: bool,
+}
+
+/// Writes the state file: images are made on the events thread (a copy of the mappers'
+/// tables, milliseconds for 500k blocks) and written by a thread of its own, so a slow disk
+/// never holds up the events.
+pub(crate) struct Saver {
+    pub(crate) path: std::path::PathBuf,
+    /// 0: only at shutdown.
+    pub(crate) interval: Duration,
+    /// The header's identity part (times and sources are filled per write).
+    pub(crate) header: state_file::Header,
+}
+
+/// The last batch applied to each mapper: (seq, payload digest).
+type Applied = Vec<Option<(u64, u64)>>;
+
+impl Saver {
+    fn image(
+        &self,
+        mappers: &[Mapper],
+        applied: &Applied,
+        subscriber: &Subscriber,
+        at_shutdown: bool,
+    ) -> Vec<u8> {
+        let mut header = self.header.clone();
+        header.written_unix_ms = crate::telemetry::unix_ms();
+        header.at_shutdown = at_shutdown;
+        header.sources = subscriber
+            .sources()
+            .iter()
+            .zip(subscriber.metrics())
+            .zip(mappers.iter().zip(applied))
+            .map(
+                |((source, metrics), (mapper, applied))| state_file::SourceHeader {
+                    label: source.label(),
+                    last_seq: applied.map(|a| a.0),
+                    digest: applied.map_or(0, |a| a.1),
+                    degraded: metrics.degraded.load(Relaxed),
+                    blocks: mapper.tracked_blocks() as u64,
+                },
+            )
+            .collect();
+        state_file::encode(&header, mappers)
+    }
+
+    /// Starts the writer thread; images sent to it are written in turn.
+    fn spawn_writer(
+        &self,
+        telemetry: Arc<Telemetry>,
+    ) -> std::io::Result<(
+        std::sync::mpsc::SyncSender<(Vec<u8>, std::time::Instant)>,
+        std::thread::JoinHandle<()>,
+    )> {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<(Vec<u8>, std::time::Instant)>(1);
+        let path = self.path.clone();
+        let thread = std::thread::Builder::new()
+            .name("kvevent-state".into())
+            .spawn(move || {
+                let mut failing = false;
+                for (image, started) in rx {
+                    match state_file::write(&path, &image) {
+                        Ok(_) => {
+                            telemetry.state_writes[0].fetch_add(1, Relaxed);
+                            telemetry.state_bytes.store(image.len() as u64, Relaxed);
+                            telemetry
+                                .state_write_us
+                                .store(started.elapsed().as_micros() as u64, Relaxed);
+                            if std::mem::take(&mut failing) {
+                                tracing::info!(path = %path.display(), "state file written again");
+                            }
+                        }
+                        Err(e) => {
+                            telemetry.state_writes[1].fetch_add(1, Relaxed);
+                            if !std::mem::replace(&mut failing, true) {
+                                tracing::warn!(path = %path.display(), error = %e, "cannot write the state file: a restart will clear the replica and rebuild (kvevent_state_file_writes_total counts the failures)");
+                            }
+                        }
+                    }
+                }
+            })?;
+        Ok((tx, thread))
+    }
 }
 
 fn now_us() -> i64 {
@@ -40,24 +127,49 @@ impl EventsLoop {
             silence_grace,
             stop,
             telemetry,
+            saver,
+            restored,
         } = self;
+        let mut applied: Applied = vec![None; mappers.len()];
+        let writer = match saver.as_ref().map(|s| s.spawn_writer(telemetry.clone())) {
+            Some(Ok(w)) => Some(w),
+            Some(Err(e)) => {
+                tracing::error!(error = %e, "cannot start the state file writer: state is not saved");
+                None
+            }
+            None => None,
+        };
+        let mut last_save = std::time::Instant::now();
         let mut reports: Vec<pb::Report> = Vec::new();
         // The replica's server state is cleared once, at the first contact with any source.
-        let mut cleared_at_start = false;
+        let mut cleared_at_start = restored;
         let several = mappers.len() > 1;
         let mut warned = vec![false; mappers.len()];
         let labels: Vec<String> = subscriber.sources().iter().map(|s| s.label()).collect();
         while !stop.load(Relaxed) {
             let mapped = subscriber.next_with(Duration::from_millis(100), |view| match view {
-                View::Batch { source, batch, .. } => {
+                View::Batch {
+                    source,
+                    seq,
+                    batch,
+                    payload,
+                } => {
                     if let Some(last) = telemetry.last_batch_unix_ms.get(source) {
                         last.store(crate::telemetry::unix_ms(), Relaxed);
+                    }
+                    if writer.is_some()
+                        && let Some(a) = applied.get_mut(source)
+                    {
+                        *a = Some((seq, kvevent_source::payload_digest(payload)));
                     }
                     let mapper = mappers.get_mut(source)?;
                     mapper.map_batch(batch, &mut reports);
                     Some(source)
                 }
                 View::Reset { source, reason } => {
+                    if let Some(a) = applied.get_mut(source) {
+                        *a = None;
+                    }
                     let mapper = mappers.get_mut(source)?;
                     let ts = now_us();
                     match reason {
@@ -119,6 +231,25 @@ impl EventsLoop {
                     telemetry.reports_after_shutdown.fetch_add(1, Relaxed);
                 }
             }
+            if let (Some(saver), Some((tx, _))) = (&saver, &writer)
+                && !saver.interval.is_zero()
+                && last_save.elapsed() >= saver.interval
+            {
+                last_save = std::time::Instant::now();
+                let image = saver.image(&mappers, &applied, &subscriber, false);
+                if tx.try_send((image, last_save)).is_err() {
+                    telemetry.state_writes[2].fetch_add(1, Relaxed);
+                }
+            }
+        }
+        if let (Some(saver), Some((tx, thread))) = (&saver, writer) {
+            // The last word: everything applied so far, written before the process exits.
+            let started = std::time::Instant::now();
+            let image = saver.image(&mappers, &applied, &subscriber, true);
+            let _ = tx.send((image, started));
+            drop(tx);
+            let _ = thread.join();
+            tracing::info!(path = %saver.path.display(), blocks = mappers.iter().map(Mapper::tracked_blocks).sum::<usize>(), "state saved");
         }
         subscriber.shutdown();
         tracing::info!("engine subscription closed");

@@ -21,6 +21,7 @@ pub mod discovery;
 mod events;
 mod http_server;
 pub mod settings;
+pub mod state_file;
 mod stats_reporter;
 pub mod telemetry;
 
@@ -65,6 +66,9 @@ pub enum StartError {
     /// The engine's endpoints could not be discovered.
     #[error("engine endpoint discovery")]
     Discovery(#[from] discovery::DiscoveryError),
+    /// The state file cannot be written where `--state-file` says.
+    #[error("--state-file {0}: cannot create a file there")]
+    StateFile(String, #[source] std::io::Error),
 }
 
 /// The running pipeline.
@@ -186,12 +190,36 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
     };
     let (handle, forwarder) = fwd::spawn(client.clone(), fwd_config);
 
+    let labels: Vec<String> = sources.iter().map(transport::Source::label).collect();
+    let key_mode = if options.key_mode == mapper::KeyMode::Fingerprint {
+        "fingerprint"
+    } else {
+        "engine"
+    };
+    let restored = if settings.state_file.is_empty() {
+        None
+    } else {
+        restore(settings, &identity, key_mode, &labels, &options)?
+    };
     let mut sub_config = source::Config::new(sources.clone());
     sub_config.socket.replay_idle_timeout = settings.replay_timeout.0;
     sub_config.socket.rcvhwm = settings.engine_rcvhwm;
     sub_config.socket.heartbeat_interval = settings.engine_heartbeat_interval.0;
     sub_config.socket.heartbeat_timeout = settings.engine_heartbeat_timeout.0;
     sub_config.socket.reconnect_interval_max = settings.engine_reconnect_max.0;
+    let (mappers, restored) = match restored {
+        Some(loaded) => {
+            sub_config.resume = loaded.resume;
+            (loaded.mappers, true)
+        }
+        None => (
+            sources
+                .iter()
+                .map(|_| mapper::Mapper::new(identity.clone(), options.clone()))
+                .collect(),
+            false,
+        ),
+    };
     let subscriber = source::Subscriber::start(ctx, sub_config)?;
     let telemetry = Arc::new(Telemetry::new(
         sources.iter().map(transport::Source::label).collect(),
@@ -223,11 +251,23 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
     let stop_events = Arc::new(AtomicBool::new(false));
     let events = events::EventsLoop {
         subscriber,
-        mappers: sources
-            .iter()
-            .map(|_| mapper::Mapper::new(identity.clone(), options.clone()))
-            .collect(),
+        mappers,
         forwarder: handle,
+        restored,
+        saver: (!settings.state_file.is_empty()).then(|| events::Saver {
+            path: settings.state_file.clone().into(),
+            interval: settings.state_interval.0,
+            header: state_file::Header {
+                written_unix_ms: 0,
+                at_shutdown: false,
+                replica_id: identity.replica_id().to_owned(),
+                model_id: identity.model_id().to_owned(),
+                tenant_id: identity.tenant_id().to_owned(),
+                hash_scheme: identity.hash_scheme().to_owned(),
+                key_mode: key_mode.to_owned(),
+                sources: Vec::new(),
+            },
+        }),
         refresh_interval: settings.refresh_interval.0,
         silence_grace: settings.engine_silence_grace.0,
         stop: stop_events.clone(),
@@ -282,6 +322,52 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         layout,
         watcher,
     })
+}
+
+/// Loads `--state-file` if there is one this sidecar can use: a file that cannot be used is
+/// logged with the reason and the start goes on as without one (clear + rebuild). A path
+/// where no file can be created fails the start.
+fn restore(
+    settings: &Settings,
+    identity: &mapper::Identity,
+    key_mode: &str,
+    labels: &[String],
+    options: &mapper::Options,
+) -> Result<Option<state_file::Loaded>, StartError> {
+    let path = std::path::Path::new(&settings.state_file);
+    state_file::check_writable(path)
+        .map_err(|e| StartError::StateFile(settings.state_file.clone(), e))?;
+    let expected = state_file::Expected {
+        identity,
+        key_mode,
+        sources: labels,
+        options,
+    };
+    match state_file::load(path, &expected) {
+        Ok(Some(loaded)) => {
+            let age_s = telemetry::unix_ms().saturating_sub(loaded.header.written_unix_ms) / 1000;
+            tracing::info!(
+                path = %path.display(),
+                age_s,
+                at_shutdown = loaded.header.at_shutdown,
+                blocks = loaded.mappers.iter().map(mapper::Mapper::tracked_blocks).sum::<usize>(),
+                "state file loaded: resuming each source from its last batch if the engine still holds it"
+            );
+            Ok(Some(loaded))
+        }
+        Ok(None) => {
+            tracing::info!(path = %path.display(), "no state file yet: starting afresh");
+            Ok(None)
+        }
+        Err(e) => {
+            tracing::warn!(
+                path = %path.display(),
+                error = %e,
+                "state file not used: clearing the replica and rebuilding from the engine's replay"
+            );
+            Ok(None)
+        }
+    }
 }
 
 impl Running {

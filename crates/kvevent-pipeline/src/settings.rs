@@ -210,6 +210,12 @@ pub struct Settings {
     /// Every resident block is re-reported at least once per this interval, spread evenly, so
     /// the server's TTL never expires it (0: off).
     pub refresh_interval: GoDuration,
+    /// Where the per-source state is saved (periodically and at shutdown) and resumed from at
+    /// start; empty: not saved (a restart clears the replica and rebuilds from the replay).
+    #[serde(deserialize_with = "lenient_string")]
+    pub state_file: String,
+    /// How often the state file is written (0: only at shutdown).
+    pub state_interval: GoDuration,
     /// Adapter names for LoRA ids: `1=a,2=b`.
     #[serde(deserialize_with = "lenient_string")]
     pub lora_adapter_names: String,
@@ -295,6 +301,8 @@ impl Default for Settings {
             ignore_block_removed: false,
             all_kv_groups: false,
             refresh_interval: GoDuration::secs(600),
+            state_file: String::new(),
+            state_interval: GoDuration::secs(30),
             engine_silence_grace: GoDuration::secs(60),
             lora_adapter_names: String::new(),
             metrics_address: "0.0.0.0:9095".into(),

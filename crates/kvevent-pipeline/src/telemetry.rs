@@ -38,6 +38,12 @@ pub struct Telemetry {
     pub last_batch_unix_ms: Vec<AtomicU64>,
     /// Unix ms the pipeline started.
     pub started_unix_ms: u64,
+    /// State file writes: written, failed, skipped (the previous write still running).
+    pub state_writes: [AtomicU64; 3],
+    /// Size of the last state file written, in bytes.
+    pub state_bytes: AtomicU64,
+    /// Time the last state file write took (encode, write, fsync, rename), in microseconds.
+    pub state_write_us: AtomicU64,
 }
 
 /// Metric names, one scheme: `kvevent_<what>_<unit>_total`.
@@ -58,6 +64,14 @@ pub mod names {
     pub const REPLAYS: &str = "kvevent_replays_total";
     /// Engine restarts (seq regressions), by source.
     pub const RESTARTS: &str = "kvevent_engine_restarts_total";
+    /// Saved states resumed or refused at start, by source and outcome.
+    pub const RESUMES: &str = "kvevent_state_resumes_total";
+    /// State file writes by outcome (written, failed, skipped).
+    pub const STATE_WRITES: &str = "kvevent_state_file_writes_total";
+    /// Size of the last state file written.
+    pub const STATE_BYTES: &str = "kvevent_state_file_bytes";
+    /// Duration of the last state file write.
+    pub const STATE_WRITE_SECONDS: &str = "kvevent_state_file_write_seconds";
     /// Seconds since a source's last batch (since the start when none came), by source.
     pub const SILENCE: &str = "kvevent_source_last_batch_age_seconds";
     /// Connection drops to the engine, by source.
@@ -165,6 +179,9 @@ impl Telemetry {
             reports_after_shutdown: AtomicU64::new(0),
             last_batch_unix_ms: (0..n).map(|_| AtomicU64::new(0)).collect(),
             started_unix_ms: unix_ms(),
+            state_writes: Default::default(),
+            state_bytes: AtomicU64::new(0),
+            state_write_us: AtomicU64::new(0),
         }
     }
 
@@ -288,6 +305,46 @@ impl Telemetry {
                 );
             }
         }
+        o.family(
+            RESUMES,
+            "counter",
+            "Saved states (--state-file) resumed or refused at start, by outcome.",
+        );
+        for (label, m) in self.sources.iter().zip(&self.source_metrics) {
+            for (outcome, c) in [
+                ("verified", &m.resumes_verified),
+                ("refused", &m.resumes_refused),
+            ] {
+                o.sample(
+                    RESUMES,
+                    &[("source", label), ("outcome", outcome)],
+                    c.load(Relaxed),
+                );
+            }
+        }
+        o.family(
+            STATE_WRITES,
+            "counter",
+            "State file writes by outcome (skipped: the previous write was still running).",
+        );
+        for (outcome, c) in ["written", "failed", "skipped"]
+            .into_iter()
+            .zip(&self.state_writes)
+        {
+            o.sample(STATE_WRITES, &[("outcome", outcome)], c.load(Relaxed));
+        }
+        o.family(STATE_BYTES, "gauge", "Size of the last state file written.");
+        o.sample(STATE_BYTES, &[], self.state_bytes.load(Relaxed));
+        o.family(
+            STATE_WRITE_SECONDS,
+            "gauge",
+            "Duration of the last state file write (encode, write, fsync, rename).",
+        );
+        o.sample(
+            STATE_WRITE_SECONDS,
+            &[],
+            self.state_write_us.load(Relaxed) as f64 / 1e6,
+        );
         per_source(
             &mut o,
             RESTARTS,

@@ -24,5 +24,5 @@ mod state;
 mod subscriber;
 
 pub use metrics::{DECODE_FAILURE_KINDS, SourceMetrics};
-pub use state::{ReplayEnd, ResetReason, SourceState, StateConfig, Step};
+pub use state::{ReplayEnd, ResetReason, Resume, SourceState, StateConfig, Step, payload_digest};
 pub use subscriber::{Batch, Config, Subscriber, Update, View};

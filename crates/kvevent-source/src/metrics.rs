@@ -31,7 +31,7 @@ pub struct SourceMetrics {
     /// Seq regressions: engine restarts.
     pub restarts: AtomicU64,
     /// Resets by reason (index = position in `ResetReason::ALL`).
-    pub resets: [AtomicU64; 6],
+    pub resets: [AtomicU64; 7],
     /// Times the connection to the engine dropped.
     pub disconnects: AtomicU64,
     /// Replays asked for.
@@ -46,6 +46,10 @@ pub struct SourceMetrics {
     pub replays_failed: AtomicU64,
     /// Times a replay was needed but the source has no replay endpoint.
     pub replays_unavailable: AtomicU64,
+    /// Saved states resumed: the engine still held their last batch.
+    pub resumes_verified: AtomicU64,
+    /// Saved states refused (reset and rebuilt): another engine process, or too old.
+    pub resumes_refused: AtomicU64,
     /// Live batches dropped from the hold buffer during a long replay.
     pub buffer_overflows: AtomicU64,
     /// Messages whose frames were neither a live message nor a replay reply.

@@ -22,17 +22,21 @@ pub enum ResetReason {
     Corrupt,
     /// A gap right after a reconnect: the engine may be a new process whose seqs passed ours.
     Reconnect,
+    /// A saved state could not be resumed: the engine no longer holds (or never sent) the
+    /// last batch it was saved at.
+    StaleCheckpoint,
 }
 
 impl ResetReason {
     /// Every reason, for exporting.
-    pub const ALL: [ResetReason; 6] = [
+    pub const ALL: [ResetReason; 7] = [
         Self::Startup,
         Self::Restart,
         Self::Gap,
         Self::TruncatedReplay,
         Self::Corrupt,
         Self::Reconnect,
+        Self::StaleCheckpoint,
     ];
 
     /// The reason's label value.
@@ -44,6 +48,7 @@ impl ResetReason {
             Self::TruncatedReplay => "truncated_replay",
             Self::Corrupt => "corrupt",
             Self::Reconnect => "reconnect",
+            Self::StaleCheckpoint => "stale_checkpoint",
         }
     }
 }
@@ -102,10 +107,30 @@ impl Default for StateConfig {
     }
 }
 
+/// Where a saved state left a source: what a restarted consumer resumes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Resume {
+    /// The last seq applied to the saved state.
+    pub last_seq: u64,
+    /// [`payload_digest`] of that batch's payload.
+    pub digest: u64,
+    /// The saved state was known to be incomplete.
+    pub degraded: bool,
+}
+
+/// The digest a [`Resume`] names its last batch by: XXH3-64 of the payload.
+pub fn payload_digest(payload: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(payload)
+}
+
 #[derive(Debug)]
 struct Replay {
     from: u64,
     first: Option<u64>,
+    /// A resume: the first batch must be `from`, with this digest.
+    verify: Option<u64>,
+    /// The resume failed: the rest of this replay is ignored, and a bootstrap from 0 follows.
+    abandoned: bool,
     /// This replay rebuilds the source from nothing (first message, restart).
     bootstrap: bool,
     /// Something was lost on the way: the state is not whole after this replay.
@@ -162,6 +187,46 @@ impl SourceState {
         self.start_replay(0, true, out);
     }
 
+    /// The source is opened again after a restart of its consumer, whose state was saved at
+    /// `resume`: nothing is reset. With a replay endpoint the engine is asked for the saved
+    /// last batch and what followed: the first reply must be that very batch (same seq, same
+    /// digest), proving the same engine process still holds everything after it; then the
+    /// rest is delivered as usual. Otherwise (another process, or the batch is no longer in
+    /// the engine's buffer) the source is reset (`StaleCheckpoint`) and rebuilt from seq 0.
+    /// Without a replay endpoint, or when the replay cannot be had, the first live batch
+    /// decides as after a reconnect: seq `last + 1` continues, anything else resets.
+    pub fn on_resume(&mut self, resume: Resume, now: Instant, out: &mut Vec<Step>) {
+        if self.started || self.last.is_some() {
+            return;
+        }
+        self.started = true;
+        self.last = Some(resume.last_seq);
+        self.metrics.last_seq.store(resume.last_seq, Relaxed);
+        self.metrics.degraded.store(resume.degraded, Relaxed);
+        self.reconnected = true;
+        if self.can_replay(now) {
+            self.start_replay(resume.last_seq, false, out);
+            if let Some(r) = self.replay.as_mut() {
+                r.verify = Some(resume.digest);
+            }
+        }
+    }
+
+    /// The saved state cannot continue: reset and rebuild from the engine's seq 0 once the
+    /// replay under way ends.
+    fn abandon_resume(&mut self, why: &str, out: &mut Vec<Step>) {
+        tracing::warn!(
+            last = ?self.last,
+            why,
+            "saved state does not continue on this engine: clearing and rebuilding from its replay buffer"
+        );
+        self.metrics.resumes_refused.fetch_add(1, Relaxed);
+        self.reset(ResetReason::StaleCheckpoint, out);
+        self.last = None;
+        self.reconnected = false;
+        self.metrics.degraded.store(false, Relaxed);
+    }
+
     /// The last seq delivered.
     pub fn last_seq(&self) -> Option<u64> {
         self.last
@@ -203,6 +268,8 @@ impl SourceState {
         self.replay = Some(Replay {
             from,
             first: None,
+            verify: None,
+            abandoned: false,
             bootstrap,
             lossy: false,
         });
@@ -326,6 +393,34 @@ impl SourceState {
             self.metrics.duplicates.fetch_add(1, Relaxed);
             return;
         };
+        if replay.abandoned {
+            return;
+        }
+        if replay.first.is_none()
+            && let Some(digest) = replay.verify
+        {
+            replay.first = Some(seq);
+            if seq == replay.from && payload_digest(&payload) == digest {
+                // The saved last batch, as saved: the state continues after it.
+                self.metrics.resumes_verified.fetch_add(1, Relaxed);
+                self.metrics.duplicates.fetch_add(1, Relaxed);
+                self.reconnected = false;
+                tracing::info!(
+                    seq,
+                    "saved state resumed: the engine still holds its last batch"
+                );
+            } else if seq == replay.from {
+                replay.abandoned = true;
+                self.abandon_resume(
+                    "the engine's batch at the saved seq differs (a new engine process)",
+                    out,
+                );
+            } else {
+                replay.abandoned = true;
+                self.abandon_resume("the engine's buffer no longer holds the saved seq", out);
+            }
+            return;
+        }
         if replay.first.is_none() {
             replay.first = Some(seq);
             if seq > replay.from {
@@ -366,6 +461,19 @@ impl SourceState {
         let Some(replay) = self.replay.take() else {
             return;
         };
+        if replay.verify.is_some() && replay.first.is_none() && end == ReplayEnd::Complete {
+            // Nothing at or after the saved seq: this engine's seqs are all below ours.
+            self.abandon_resume(
+                "the engine has published less than the saved seq (a new engine process)",
+                out,
+            );
+        }
+        if replay.verify.is_some() && (replay.abandoned || self.last.is_none()) {
+            // Rebuild from nothing; the live batches held meanwhile wait for it.
+            self.dup_floor = None;
+            self.start_replay(0, true, out);
+            return;
+        }
         match end {
             ReplayEnd::Complete => {
                 self.metrics.replays_complete.fetch_add(1, Relaxed);

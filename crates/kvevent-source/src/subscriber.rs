@@ -25,6 +25,9 @@ pub struct Config {
     pub state: StateConfig,
     /// Limits on what one payload may hold.
     pub limits: wire::Limits,
+    /// By source index: where a saved state of the consumer left it ([`SourceState::on_resume`]);
+    /// such a source starts with no `Startup` reset. Sources beyond the list start afresh.
+    pub resume: Vec<Option<crate::Resume>>,
 }
 
 impl Config {
@@ -36,6 +39,7 @@ impl Config {
             channel_capacity: 1024,
             state: StateConfig::default(),
             limits: wire::Limits::DEFAULT,
+            resume: Vec::new(),
         }
     }
 }
@@ -69,6 +73,8 @@ pub enum View<'a> {
         seq: u64,
         /// The decoded batch.
         batch: &'a wire::EventBatch<'a>,
+        /// Its msgpack payload (for [`crate::payload_digest`] when saving a [`crate::Resume`]).
+        payload: &'a [u8],
     },
     /// Everything known of `source` is stale.
     Reset {
@@ -152,7 +158,15 @@ impl Subscriber {
             state_config: config.state,
         };
         for source in 0..subscriber.states.len() {
-            subscriber.start_source(source);
+            match config.resume.get(source).copied().flatten() {
+                Some(resume) => {
+                    let mut steps = std::mem::take(&mut subscriber.steps);
+                    subscriber.states[source].on_resume(resume, Instant::now(), &mut steps);
+                    subscriber.steps = steps;
+                    subscriber.apply_steps(source);
+                }
+                None => subscriber.start_source(source),
+            }
         }
         Ok(subscriber)
     }
@@ -244,6 +258,7 @@ impl Subscriber {
                     source: b.source,
                     seq: b.seq,
                     batch: &batch,
+                    payload: &b.payload,
                 }),
                 Err(reason) => f(View::Reset {
                     source: b.source,

@@ -3,6 +3,7 @@
 mod config;
 mod discovery;
 mod e2e;
+mod state_file;
 mod tls;
 
 use std::time::Duration;

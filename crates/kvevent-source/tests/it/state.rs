@@ -232,3 +232,125 @@ fn a_gap_that_a_failed_replay_leaves_is_counted_once() {
     done(&mut s, ReplayEnd::TimedOut, now);
     assert_eq!((m.gaps.load(Relaxed), m.missing_seqs.load(Relaxed)), (1, 2));
 }
+
+fn resume(s: &mut SourceState, last_seq: u64, now: Instant) -> Vec<String> {
+    let mut out = Vec::new();
+    let r = kvevent_source::Resume {
+        last_seq,
+        digest: kvevent_source::payload_digest(&p(last_seq)),
+        degraded: false,
+    };
+    s.on_resume(r, now, &mut out);
+    short(&out)
+}
+
+fn replayed_with(s: &mut SourceState, seq: u64, payload: Vec<u8>) -> Vec<String> {
+    let mut out = Vec::new();
+    s.on_replayed(seq, payload, &mut out);
+    short(&out)
+}
+
+#[test]
+fn a_resume_whose_last_batch_the_engine_still_holds_continues_without_a_reset() {
+    let (mut s, m) = state(true);
+    let now = Instant::now();
+    assert_eq!(
+        resume(&mut s, 5, now),
+        ["P5"],
+        "asks for the saved batch itself"
+    );
+    assert!(live(&mut s, 8, now).is_empty(), "held during the replay");
+    assert!(
+        replayed(&mut s, 5).is_empty(),
+        "the saved batch: proof, not delivered"
+    );
+    assert_eq!(replayed(&mut s, 6), ["D6"]);
+    assert_eq!(replayed(&mut s, 7), ["D7"]);
+    assert_eq!(done(&mut s, ReplayEnd::Complete, now), ["D8"]);
+    assert_eq!(m.resumes_verified.load(Relaxed), 1);
+    assert_eq!(m.resumes_refused.load(Relaxed), 0);
+    assert_eq!(m.resets.iter().map(|r| r.load(Relaxed)).sum::<u64>(), 0);
+    assert!(!m.degraded.load(Relaxed));
+    assert_eq!(live(&mut s, 9, now), ["D9"]);
+}
+
+#[test]
+fn a_resume_at_an_idle_engine_that_still_holds_the_last_batch_is_quiet() {
+    let (mut s, m) = state(true);
+    let now = Instant::now();
+    assert_eq!(resume(&mut s, 5, now), ["P5"]);
+    assert!(replayed(&mut s, 5).is_empty());
+    assert!(done(&mut s, ReplayEnd::Complete, now).is_empty());
+    assert_eq!(m.resumes_verified.load(Relaxed), 1);
+    assert_eq!(live(&mut s, 6, now), ["D6"]);
+}
+
+#[test]
+fn a_resume_on_a_new_engine_process_resets_and_rebuilds_from_zero() {
+    // Same seq, other content: a new process that already published past our seq.
+    let (mut s, m) = state(true);
+    let now = Instant::now();
+    assert_eq!(resume(&mut s, 5, now), ["P5"]);
+    assert_eq!(
+        replayed_with(&mut s, 5, b"other".to_vec()),
+        ["R:stale_checkpoint"]
+    );
+    assert!(
+        replayed(&mut s, 6).is_empty(),
+        "the rest of that replay is ignored"
+    );
+    assert!(live(&mut s, 7, now).is_empty(), "held");
+    assert_eq!(done(&mut s, ReplayEnd::Complete, now), ["P0"]);
+    for seq in 0..=6 {
+        assert_eq!(replayed(&mut s, seq), [format!("D{seq}")]);
+    }
+    assert_eq!(done(&mut s, ReplayEnd::Complete, now), ["D7"]);
+    assert_eq!(m.resumes_refused.load(Relaxed), 1);
+    assert_eq!(m.resets(ResetReason::StaleCheckpoint), 1);
+    assert!(!m.degraded.load(Relaxed));
+
+    // Fewer batches than our seq: nothing comes back at all.
+    let (mut s, m) = state(true);
+    assert_eq!(resume(&mut s, 50, now), ["P50"]);
+    assert_eq!(
+        done(&mut s, ReplayEnd::Complete, now),
+        ["R:stale_checkpoint", "P0"]
+    );
+    assert_eq!(replayed(&mut s, 0), ["D0"]);
+    assert_eq!(m.resumes_refused.load(Relaxed), 1);
+}
+
+#[test]
+fn a_resume_older_than_the_engine_buffer_resets() {
+    let (mut s, m) = state(true);
+    let now = Instant::now();
+    assert_eq!(resume(&mut s, 5, now), ["P5"]);
+    assert_eq!(replayed(&mut s, 9), ["R:stale_checkpoint"]);
+    assert_eq!(done(&mut s, ReplayEnd::Complete, now), ["P0"]);
+    assert_eq!(replayed(&mut s, 9), ["D9"]);
+    assert_eq!(done(&mut s, ReplayEnd::Complete, now), Vec::<String>::new());
+    assert!(m.degraded.load(Relaxed), "the rebuild began after seq 0");
+}
+
+#[test]
+fn without_a_replay_the_first_live_batch_decides_a_resume() {
+    let now = Instant::now();
+    let (mut s, _) = state(false);
+    assert!(resume(&mut s, 5, now).is_empty());
+    assert_eq!(live(&mut s, 6, now), ["D6"], "continues");
+    let (mut s, _) = state(false);
+    assert!(resume(&mut s, 5, now).is_empty());
+    assert_eq!(
+        live(&mut s, 9, now),
+        ["R:reconnect", "D9"],
+        "a gap may be a new process"
+    );
+    let (mut s, _) = state(false);
+    assert!(resume(&mut s, 5, now).is_empty());
+    assert_eq!(live(&mut s, 2, now), ["R:restart", "D2"]);
+    // A replay that never answers: the same rule once it has timed out.
+    let (mut s, _) = state(true);
+    assert_eq!(resume(&mut s, 5, now), ["P5"]);
+    assert!(live(&mut s, 6, now).is_empty());
+    assert_eq!(done(&mut s, ReplayEnd::TimedOut, now), ["D6"]);
+}

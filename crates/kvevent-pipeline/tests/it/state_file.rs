@@ -1,0 +1,240 @@
+//! `--state-file`: a restarted sidecar resumes where it stopped, or says why it cannot.
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
+
+use kvevent_pipeline::demo::{Received, RecordingServer};
+use kvevent_pipeline::settings::GoDuration;
+use kvevent_pipeline::{Settings, StartError, start};
+use kvevent_proto as pb;
+use kvevent_source::ResetReason;
+use kvevent_test_support::{Publisher, PublisherConfig};
+use kvevent_wire::Release;
+use kvevent_zmq::publisher::scripted_batch;
+
+const WAIT: Duration = Duration::from_secs(15);
+
+fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvevent-state-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    dir
+}
+
+fn settings(engine: &Publisher, server: &RecordingServer, state: &std::path::Path) -> Settings {
+    Settings {
+        engine_endpoint: engine.endpoint().to_owned(),
+        replay_endpoint: engine.replay_endpoint().unwrap_or_default().to_owned(),
+        server: server.addr().to_string(),
+        replica_id: "r1".into(),
+        model_id: "llama".into(),
+        metrics_address: String::new(),
+        engine_metrics_url: String::new(),
+        window: GoDuration::ms(20),
+        state_file: state.display().to_string(),
+        state_interval: GoDuration::ms(100),
+        ..Settings::default()
+    }
+}
+
+fn clears(server: &RecordingServer) -> usize {
+    server
+        .events()
+        .iter()
+        .filter(|e| e.r#type == pb::cache_event::Type::AllCleared as i32)
+        .count()
+}
+
+/// (key, token count) of every prefix the server was sent.
+fn added(server: &RecordingServer) -> Vec<(Vec<u8>, i32)> {
+    server
+        .received()
+        .iter()
+        .filter_map(|r| match r {
+            Received::Update(u) => Some(u.prefixes.clone()),
+            Received::Event(_) => None,
+        })
+        .flatten()
+        .map(|p| (p.prefix_hash, p.token_count))
+        .collect()
+}
+
+fn evicted(server: &RecordingServer) -> Vec<Vec<u8>> {
+    let mut keys: Vec<Vec<u8>> = server
+        .events()
+        .iter()
+        .filter(|e| e.r#type == pb::cache_event::Type::PrefixEvicted as i32)
+        .map(|e| e.prefix_hash.clone())
+        .collect();
+    keys.sort();
+    keys
+}
+
+async fn wait_subscribed(engine: &Publisher, n: usize) {
+    assert!(tokio::task::block_in_place(
+        || engine.wait_for_subscribers(n, WAIT)
+    ));
+}
+
+/// The first sidecar: sees steps 0 and 1 (six blocks of prompt 0), then stops, saving.
+async fn first_life(
+    ctx: &zmq::Context,
+    engine: &Publisher,
+    state: &std::path::Path,
+) -> Vec<(Vec<u8>, i32)> {
+    let server = RecordingServer::start().await;
+    let running = start(&settings(engine, &server, state), ctx)
+        .await
+        .expect("start");
+    wait_subscribed(engine, 1).await;
+    engine.publish(&scripted_batch(0)).expect("publish");
+    engine.publish(&scripted_batch(1)).expect("publish");
+    server
+        .wait_for(WAIT, |r| kvevent_pipeline::demo::distinct_prefixes(r) >= 6)
+        .await;
+    assert_eq!(
+        clears(&server),
+        1,
+        "a sidecar with no state file clears at start"
+    );
+    running.shutdown(Duration::from_secs(5)).await;
+    assert!(state.exists(), "saved at shutdown");
+    added(&server)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_sidecar_resumes_from_its_state_file_without_a_clear() {
+    let dir = scratch("resume");
+    let state = dir.join("state");
+    let ctx = zmq::Context::new();
+    let engine =
+        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    let first = first_life(&ctx, &engine, &state).await;
+    // While no sidecar runs, the engine evicts blocks 5 and 6 of the prompt and offloads its
+    // first block.
+    engine.publish(&scripted_batch(2)).expect("publish");
+
+    let server = RecordingServer::start().await;
+    let running = start(&settings(&engine, &server, &state), &ctx)
+        .await
+        .expect("restart");
+    server
+        .wait_for(WAIT, |r| {
+            r.iter()
+                .filter(|x| matches!(x, Received::Event(e) if e.r#type == pb::cache_event::Type::PrefixEvicted as i32))
+                .count()
+                >= 2
+        })
+        .await;
+    // The evictions resolve to the fingerprints the first life reported (fingerprint keys
+    // need the saved blocks: without them, a removal cannot be keyed), and nothing is cleared.
+    let mut tail: Vec<Vec<u8>> = first
+        .iter()
+        .filter(|(_, tokens)| *tokens > 64)
+        .map(|(k, _)| k.clone())
+        .collect();
+    tail.sort();
+    tail.dedup();
+    assert_eq!(evicted(&server), tail);
+    assert_eq!(clears(&server), 0, "resumed: no clear");
+    let metrics = &running.telemetry().source_metrics[0];
+    assert_eq!(metrics.resumes_verified.load(Relaxed), 1);
+    assert_eq!(metrics.resumes_refused.load(Relaxed), 0);
+    assert!(!metrics.degraded.load(Relaxed));
+    // The periodic save runs too.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(running.telemetry().state_writes[0].load(Relaxed) >= 1);
+    running.shutdown(Duration::from_secs(5)).await;
+    engine.shutdown();
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_state_file_a_new_engine_process_cannot_continue_is_refused_and_rebuilt() {
+    let dir = scratch("refused");
+    let state = dir.join("state");
+    let ctx = zmq::Context::new();
+    let engine =
+        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    first_life(&ctx, &engine, &state).await;
+    // A new engine process on the same ports, which has published one batch so far.
+    engine.restart();
+    engine.publish(&scripted_batch(3)).expect("publish");
+
+    let server = RecordingServer::start().await;
+    let running = start(&settings(&engine, &server, &state), &ctx)
+        .await
+        .expect("restart");
+    server
+        .wait_for(WAIT, |r| kvevent_pipeline::demo::distinct_prefixes(r) >= 4)
+        .await;
+    assert_eq!(clears(&server), 1, "the stale state is cleared");
+    let metrics = &running.telemetry().source_metrics[0];
+    assert_eq!(metrics.resumes_refused.load(Relaxed), 1);
+    assert_eq!(metrics.resets(ResetReason::StaleCheckpoint), 1);
+    let tracked = running.telemetry().mappers.lock().expect("lock")[0].1;
+    assert_eq!(tracked, 4, "only the new process's blocks");
+    running.shutdown(Duration::from_secs(5)).await;
+    engine.shutdown();
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_or_foreign_state_file_is_not_used_and_the_start_goes_on() {
+    let dir = scratch("damaged");
+    let state = dir.join("state");
+    let ctx = zmq::Context::new();
+    let engine =
+        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    first_life(&ctx, &engine, &state).await;
+    let good = std::fs::read(&state).expect("saved");
+    let mut damaged = good.clone();
+    let middle = damaged.len() / 2;
+    damaged[middle] ^= 0x40;
+    for (what, bytes, replica) in [
+        ("damaged", damaged, "r1"),
+        ("truncated", good[..good.len() - 9].to_vec(), "r1"),
+        ("another replica's", good.clone(), "r2"),
+    ] {
+        std::fs::write(&state, &bytes).expect("write");
+        let server = RecordingServer::start().await;
+        let s = Settings {
+            replica_id: replica.into(),
+            ..settings(&engine, &server, &state)
+        };
+        let running = start(&s, &ctx).await.expect("start goes on");
+        server
+            .wait_for(WAIT, |r| kvevent_pipeline::demo::distinct_prefixes(r) >= 6)
+            .await;
+        assert_eq!(
+            clears(&server),
+            1,
+            "{what}: cleared and rebuilt from the replay"
+        );
+        assert_eq!(
+            running.telemetry().source_metrics[0]
+                .resumes_verified
+                .load(Relaxed),
+            0,
+            "{what}"
+        );
+        running.shutdown(Duration::from_secs(5)).await;
+    }
+    engine.shutdown();
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_state_file_path_that_cannot_be_written_fails_the_start() {
+    let ctx = zmq::Context::new();
+    let engine =
+        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    let server = RecordingServer::start().await;
+    let nowhere = std::path::Path::new("/nonexistent-kvevent-dir/state");
+    let err = start(&settings(&engine, &server, nowhere), &ctx)
+        .await
+        .expect_err("refused");
+    assert!(matches!(err, StartError::StateFile(..)), "{err:?}");
+    assert!(err.to_string().contains("/nonexistent-kvevent-dir/state"));
+    engine.shutdown();
+}
