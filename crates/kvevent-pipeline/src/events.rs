@@ -40,6 +40,9 @@ pub(crate) struct Saver {
     pub(crate) header: state_file::Header,
 }
 
+/// Hands file images (and when they were made) to the writer thread.
+type ImageSender = std::sync::mpsc::SyncSender<(Vec<u8>, std::time::Instant)>;
+
 /// The last batch applied to each mapper: (seq, payload digest).
 type Applied = Vec<Option<(u64, u64)>>;
 
@@ -76,10 +79,7 @@ impl Saver {
     fn spawn_writer(
         &self,
         telemetry: Arc<Telemetry>,
-    ) -> std::io::Result<(
-        std::sync::mpsc::SyncSender<(Vec<u8>, std::time::Instant)>,
-        std::thread::JoinHandle<()>,
-    )> {
+    ) -> std::io::Result<(ImageSender, std::thread::JoinHandle<()>)> {
         let (tx, rx) = std::sync::mpsc::sync_channel::<(Vec<u8>, std::time::Instant)>(1);
         let path = self.path.clone();
         let thread = std::thread::Builder::new()
