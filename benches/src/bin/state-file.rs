@@ -2,8 +2,9 @@
 //! for a mapper tracking N blocks (default 500,000: an 80 GB GPU serving an 8B model), in both
 //! key modes. Medians of 5 runs.
 //!
-//! `cargo run --release -p kvevent-benches --bin state-file [-- N [DIR]]` (DIR: where to
-//! write, default the system's temp dir; put it on the disk the sidecar would use).
+//! `cargo run --release -p kvevent-benches --bin state-file [-- N [DIR [keep]]]` (DIR: where to
+//! write, default the system's temp dir; put it on the disk the sidecar would use; `keep`
+//! leaves the last file written, in fingerprint mode, e.g. as a fuzzing seed).
 
 use std::time::{Duration, Instant};
 
@@ -52,6 +53,7 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let n: u64 = args.next().and_then(|a| a.parse().ok()).unwrap_or(500_000);
     let dir = args.next().map_or_else(std::env::temp_dir, Into::into);
+    let keep = args.next().is_some_and(|a| a == "keep");
     let path = dir.join(format!("kvevent-state-bench-{}", std::process::id()));
     println!(
         "state file for {n} tracked blocks, written to {}",
@@ -118,5 +120,9 @@ fn main() {
             ms(median(ld)),
         );
     }
-    let _ = std::fs::remove_file(&path);
+    if keep {
+        println!("kept {}", path.display());
+    } else {
+        let _ = std::fs::remove_file(&path);
+    }
 }

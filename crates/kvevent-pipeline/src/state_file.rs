@@ -120,9 +120,15 @@ pub fn encode(header: &Header, mappers: &[Mapper]) -> Vec<u8> {
         out.extend_from_slice(&(section.len() as u64).to_le_bytes());
         out.extend_from_slice(&section);
     }
-    let sum = xxhash_rust::xxh3::xxh3_64(&out);
+    let sum = checksum(&out);
     out.extend_from_slice(&sum.to_le_bytes());
     out
+}
+
+/// The file's checksum of the bytes before it: XXH3-64 (catches torn and damaged files; not a
+/// signature).
+pub fn checksum(bytes: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(bytes)
 }
 
 fn corrupt(what: &str) -> LoadError {
@@ -171,7 +177,7 @@ pub fn decode(bytes: &[u8], expected: &Expected<'_>) -> Result<Loaded, LoadError
     let (body, sum) = bytes.split_at(bytes.len() - 8);
     let mut s = [0u8; 8];
     s.copy_from_slice(sum);
-    if xxhash_rust::xxh3::xxh3_64(body) != u64::from_le_bytes(s) {
+    if checksum(body) != u64::from_le_bytes(s) {
         return Err(corrupt("checksum mismatch"));
     }
     let mut rest = &body[MAGIC.len()..];
