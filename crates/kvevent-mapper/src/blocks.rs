@@ -183,6 +183,13 @@ impl Snapshot {
 }
 
 impl OwnedId {
+    fn sort_key(&self) -> (&[u8], u16) {
+        match self {
+            Self::H8(h, g) => (&h[..], *g),
+            Self::Other(b, g) => (&b[..], *g),
+        }
+    }
+
     /// The identity to look the block up with.
     pub(crate) fn id(&self) -> BlockId<'_> {
         match self {
@@ -365,9 +372,13 @@ impl Blocks {
     }
 
     /// Every tracked block's identity, owned (a refresh cycle walks it while the map changes):
-    /// 8-byte hashes packed in 10 bytes each, others boxed.
+    /// 8-byte hashes packed in 10 bytes each, others boxed. Sorted, so a block keeps about the
+    /// same place from one cycle to the next and is refreshed about once per interval (in the
+    /// map's own order a block could come first in one cycle and last in the next: nearly two
+    /// intervals apart).
     pub(crate) fn snapshot(&self) -> Snapshot {
-        let h8 = self.h8.keys().map(|id| (id.hash, id.group)).collect();
+        let mut h8: Vec<([u8; 8], u16)> = self.h8.keys().map(|id| (id.hash, id.group)).collect();
+        h8.sort_unstable();
         let mut out = Vec::new();
         out.extend(self.h16.keys().map(|id| {
             let hash = id.hash;
@@ -381,6 +392,7 @@ impl Blocks {
             let (hash, group) = b.split_at(b.len() - 2);
             OwnedId::Other(Box::from(hash), u16::from_be_bytes([group[0], group[1]]))
         }));
+        out.sort_unstable_by(|a, b| a.sort_key().cmp(&b.sort_key()));
         Snapshot { h8, other: out }
     }
 

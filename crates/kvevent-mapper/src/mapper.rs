@@ -152,9 +152,11 @@ impl Mapper {
     /// server expires entries nobody re-reported within its TTL, and an engine announces a
     /// block only when it stores it (a hot shared prefix can stay resident for hours). Call it
     /// often (every tick): it appends the share of the current cycle due by `now`, spread
-    /// evenly, as one `Update` (never `New`). A cycle walks the blocks tracked when it began;
-    /// blocks gone since are skipped, blocks stored since were just reported. Returns how many
-    /// entries it appended. `interval` 0 does nothing.
+    /// evenly, as one `Update` (never `New`). A cycle walks the blocks tracked when it began,
+    /// sorted, in half the interval; blocks gone since are skipped, blocks stored since are in
+    /// the next cycle. So every resident block is reported again within one interval of its
+    /// last report, and a server that lost its memory has every block back within one
+    /// interval. Returns how many entries it appended. `interval` 0 does nothing.
     pub fn refresh(
         &mut self,
         now: Instant,
@@ -165,6 +167,11 @@ impl Mapper {
         if interval.is_zero() {
             return 0;
         }
+        // A cycle walks its snapshot in half the interval, in a stable (sorted) order: a block
+        // refreshed at some point of one cycle comes at about the same point of the next, half
+        // an interval later, and a block stored just after a cycle's snapshot was taken is in
+        // the next one, at most a whole interval after its store was reported.
+        let interval = interval / 2;
         let over = self
             .refresh
             .as_ref()

@@ -8,7 +8,8 @@ Prints one JSON line with its endpoints, then publishes batch i (i = 0, 1, ...) 
 --interval seconds until --count batches or stdin closes. Batch i holds:
   BlockStored(block_hashes=[2*i+1, 2*i+2], parent = 2*i if i else None,
               token_ids=range(32*i, 32*i+32), block_size=16, medium="GPU")
-and, for odd i, BlockRemoved(block_hashes=[2*i-1], medium="GPU").
+and, for odd i, BlockRemoved(block_hashes=[2*i-1], medium="GPU"); every hash plus --hash-base.
+--port / --replay-port bind fixed ports (a restarted engine takes them back).
 """
 import argparse
 import json
@@ -54,6 +55,9 @@ def main():
     ap.add_argument("--interval", type=float, default=0.02)
     ap.add_argument("--count", type=int, default=500)
     ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--port", type=int, default=0, help="PUB port (0: any free one)")
+    ap.add_argument("--replay-port", type=int, default=0, help="replay port (0: any free one)")
+    ap.add_argument("--hash-base", type=int, default=0, help="added to every block hash")
     a = ap.parse_args()
     release = tuple(int(x) for x in a.release.split("."))
     Batch, BlockStored, BlockRemoved = structs(release)
@@ -63,9 +67,23 @@ def main():
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.SNDHWM, 100_000)
-    pub_port = pub.bind_to_random_port("tcp://127.0.0.1")
+    def bind(sock, port):
+        if port == 0:
+            return sock.bind_to_random_port("tcp://127.0.0.1")
+        # A restarted engine takes its ports back (the previous process may have just died).
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                sock.bind(f"tcp://127.0.0.1:{port}")
+                return port
+            except zmq.ZMQError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    pub_port = bind(pub, a.port)
     router = ctx.socket(zmq.ROUTER)
-    router_port = router.bind_to_random_port("tcp://127.0.0.1")
+    router_port = bind(router, a.replay_port)
     print(json.dumps({"endpoint": f"tcp://127.0.0.1:{pub_port}",
                       "replay_endpoint": f"tcp://127.0.0.1:{router_port}"}), flush=True)
 
@@ -97,12 +115,13 @@ def main():
     for i in range(a.count):
         if stop.is_set():
             break
-        events = [BlockStored(block_hashes=[2 * i + 1, 2 * i + 2],
-                              parent_block_hash=2 * i if i else None,
+        b = a.hash_base
+        events = [BlockStored(block_hashes=[b + 2 * i + 1, b + 2 * i + 2],
+                              parent_block_hash=b + 2 * i if i else None,
                               token_ids=list(range(32 * i, 32 * i + 32)), block_size=16,
                               lora_id=None, **medium, **lora)]
         if i % 2 == 1:
-            events.append(BlockRemoved(block_hashes=[2 * i - 1], **medium))
+            events.append(BlockRemoved(block_hashes=[b + 2 * i - 1], **medium))
         kwargs = {"data_parallel_rank": a.rank} if release >= (0, 9, 1) else {}
         payload = encoder.encode(Batch(ts=time.time(), events=events, **kwargs))
         seq = i.to_bytes(8, "big")

@@ -58,6 +58,14 @@ impl PythonPublisher {
     }
 }
 
+impl PythonPublisher {
+    /// Kills the process with SIGKILL, as an OOM kill or a node failure would: no goodbye.
+    pub fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 impl Drop for PythonPublisher {
     fn drop(&mut self) {
         self.stdin.take();

@@ -398,18 +398,19 @@ fn refresh_re_reports_every_resident_block_once_per_interval_spread_evenly() {
     let mut m = mapper(Options::default());
     let hashes: Vec<u64> = (1..=100).collect();
     run(&mut m, vec![stored(&hashes, None, tokens(0..400), 4)]);
-    let interval = Duration::from_secs(10);
+    // A cycle walks every block in half the interval: 10 s.
+    let interval = Duration::from_secs(20);
     let t0 = Instant::now();
     let mut out = Vec::new();
     // A cycle starts: nothing is due yet.
     assert_eq!(m.refresh(t0, interval, 7, &mut out), 0);
-    // A tenth of the interval: a tenth of the blocks, as an Update stamped with the time given.
+    // A tenth of the cycle: a tenth of the blocks, as an Update stamped with the time given.
     assert_eq!(
         m.refresh(t0 + Duration::from_secs(1), interval, 7, &mut out),
         10
     );
     assert!(matches!(&out[0], pb::Report::Update(u) if u.timestamp_us == 7));
-    // A block evicted meanwhile, and not refreshed yet (the walk order is the map's), is skipped.
+    // A block evicted meanwhile, and not refreshed yet, is skipped.
     let done: Vec<Vec<u8>> = entries(&out).into_iter().map(|e| e.0).collect();
     let gone = hashes
         .iter()
@@ -427,7 +428,8 @@ fn refresh_re_reports_every_resident_block_once_per_interval_spread_evenly() {
     assert_eq!(keys.len(), 99);
     assert!(!keys.contains(&be(gone)));
     assert_eq!(m.stats().refreshed, 99);
-    // The next interval refreshes them again.
+    // The next cycle refreshes them again, in the same (sorted) order: each block about one
+    // cycle after its last refresh.
     let mut again = Vec::new();
     assert_eq!(
         m.refresh(t0 + Duration::from_secs(10), interval, 7, &mut again),
@@ -437,6 +439,16 @@ fn refresh_re_reports_every_resident_block_once_per_interval_spread_evenly() {
         m.refresh(t0 + Duration::from_secs(20), interval, 7, &mut again),
         99
     );
+    let order = |reports: &[pb::Report]| -> Vec<Vec<u8>> {
+        entries(reports)
+            .into_iter()
+            .map(|e| e.0)
+            .filter(|k| *k != be(gone))
+            .collect()
+    };
+    let first = order(&out);
+    assert!(first.windows(2).all(|w| w[0] < w[1]), "sorted");
+    assert_eq!(order(&again), first);
     // Off: nothing.
     assert_eq!(
         m.refresh(t0 + Duration::from_secs(30), Duration::ZERO, 7, &mut again),
