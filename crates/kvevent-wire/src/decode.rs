@@ -39,6 +39,17 @@ impl Default for Limits {
     }
 }
 
+/// Most bytes reserved up front for a declared length. A length header is only a claim (an
+/// element can be one byte of payload and decode to dozens, an event to hundreds): beyond
+/// this, vectors grow as elements actually decode, so the heap a payload can take stays a
+/// small multiple of its size (the `decode` fuzz target checks it).
+const PREALLOC_BYTES: usize = 16 << 10;
+
+/// A vector for `n` declared elements, reserving at most [`PREALLOC_BYTES`].
+fn vec_for<T>(n: usize) -> Vec<T> {
+    Vec::with_capacity(n.min(PREALLOC_BYTES / std::mem::size_of::<T>().max(1)))
+}
+
 /// Decodes one payload with the default [`Limits`].
 ///
 /// ```
@@ -127,7 +138,9 @@ impl<'a> Decoder<'a, '_> {
     fn events(&mut self, batch: &mut EventBatch<'a>) -> Result<()> {
         let n = self.r.array_len()?;
         let n = self.limited(n, "events per batch", self.limits.max_events)?;
-        batch.events.reserve_exact(n);
+        batch
+            .events
+            .reserve_exact(n.min(PREALLOC_BYTES / std::mem::size_of::<Event<'_>>()));
         for _ in 0..n {
             let m = self.r.peek()?;
             let event = if m & 0xf0 == 0x90 || matches!(m, 0xdc | 0xdd) {
@@ -305,7 +318,7 @@ impl<'a> Decoder<'a, '_> {
                 } else {
                     let n = self.r.array_len()?;
                     let n = self.limited(n, "lookahead blocks", self.limits.max_hashes)?;
-                    let mut v = Vec::with_capacity(n);
+                    let mut v = vec_for(n);
                     for _ in 0..n {
                         v.push(self.token_ids("lookahead_token_ids")?);
                     }
@@ -349,7 +362,7 @@ impl<'a> Decoder<'a, '_> {
     fn hashes(&mut self) -> Result<Vec<BlockHash<'a>>> {
         let n = self.r.array_len()?;
         let n = self.limited(n, "block hashes per event", self.limits.max_hashes)?;
-        let mut v = Vec::with_capacity(n);
+        let mut v = vec_for(n);
         for _ in 0..n {
             v.push(self.hash()?);
         }
@@ -373,14 +386,14 @@ impl<'a> Decoder<'a, '_> {
         }
         let n = self.r.array_len()?;
         let n = self.limited(n, "extra_keys entries", self.limits.max_hashes)?;
-        let mut out = Vec::with_capacity(n);
+        let mut out = vec_for(n);
         for _ in 0..n {
             if self.r.try_nil()? {
                 out.push(None);
                 continue;
             }
             let k = self.r.array_len()?;
-            let mut keys = Vec::with_capacity(k);
+            let mut keys = vec_for(k);
             for _ in 0..k {
                 keys.push(self.value(self.limits.max_depth)?);
             }
@@ -412,7 +425,7 @@ impl<'a> Decoder<'a, '_> {
             "bin" => Value::Bytes(Cow::Borrowed(self.r.bin()?)),
             "array" => {
                 let n = self.r.array_len()?;
-                let mut v = Vec::with_capacity(n);
+                let mut v = vec_for(n);
                 for _ in 0..n {
                     v.push(self.value(depth - 1)?);
                 }
@@ -420,7 +433,7 @@ impl<'a> Decoder<'a, '_> {
             }
             "map" => {
                 let n = self.r.map_len()?;
-                let mut v = Vec::with_capacity(n);
+                let mut v = vec_for(n);
                 for _ in 0..n {
                     v.push((self.value(depth - 1)?, self.value(depth - 1)?));
                 }

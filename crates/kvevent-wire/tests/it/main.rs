@@ -1,5 +1,6 @@
 //! Integration tests of the wire crate: the shared vectors, hostile input, compatibility.
 
+mod heap;
 mod hostile;
 mod leniency;
 mod vectors;
