@@ -306,8 +306,10 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         )
     });
     tracing::info!(
-        sources = sources.len(),
+        engine = %labels.join(" "),
         server = %settings.server,
+        replica = %settings.replica_id,
+        model = %settings.model_id,
         key_mode = %settings.key_mode,
         "pipeline started"
     );

@@ -86,6 +86,8 @@ pub mod names {
     pub const LAST_SEQ: &str = "kvevent_source_last_seq";
     /// 1 while a source's state is known to be incomplete.
     pub const DEGRADED: &str = "kvevent_source_degraded";
+    /// 1 while a source's SUB socket has a connection to the engine.
+    pub const CONNECTED: &str = "kvevent_source_connected";
     /// Live batches dropped from the hold buffer during replays, by source.
     pub const HOLD_OVERFLOWS: &str = "kvevent_hold_buffer_overflows_total";
     /// What the mapper dropped or could not key, by source and reason.
@@ -412,6 +414,13 @@ impl Telemetry {
             "gauge",
             "1 while the source's state is known to be incomplete.",
             &|m| u64::from(m.degraded.load(Relaxed)),
+        );
+        per_source(
+            &mut o,
+            CONNECTED,
+            "gauge",
+            "1 while the source's socket has a connection to the engine (not proof it publishes: see kvevent_source_last_batch_age_seconds).",
+            &|m| u64::from(m.connected.load(Relaxed)),
         );
         per_source(
             &mut o,

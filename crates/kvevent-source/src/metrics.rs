@@ -60,6 +60,8 @@ pub struct SourceMetrics {
     pub last_seq: AtomicU64,
     /// The state is known to be incomplete (a gap or truncation not yet healed by a clear).
     pub degraded: AtomicBool,
+    /// The SUB socket has a connection to the engine.
+    pub connected: AtomicBool,
 }
 
 impl SourceMetrics {

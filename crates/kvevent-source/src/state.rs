@@ -94,6 +94,8 @@ pub struct StateConfig {
     pub replay_backoff_initial: Duration,
     /// Longest wait between failed replays.
     pub replay_backoff_max: Duration,
+    /// The source's name in log lines (its endpoint and rank).
+    pub label: String,
 }
 
 impl Default for StateConfig {
@@ -103,6 +105,7 @@ impl Default for StateConfig {
             max_buffered: 20_000,
             replay_backoff_initial: Duration::from_secs(1),
             replay_backoff_max: Duration::from_secs(60),
+            label: String::new(),
         }
     }
 }
@@ -135,6 +138,8 @@ struct Replay {
     bootstrap: bool,
     /// Something was lost on the way: the state is not whole after this replay.
     lossy: bool,
+    /// Batches it delivered.
+    delivered: u64,
 }
 
 /// One source's state: last seq, a running replay and the live batches held back meanwhile.
@@ -216,7 +221,8 @@ impl SourceState {
     /// replay under way ends.
     fn abandon_resume(&mut self, why: &str, out: &mut Vec<Step>) {
         tracing::warn!(
-            last = ?self.last,
+            source = %self.config.label,
+            last = self.last.unwrap_or_default(),
             why,
             "saved state does not continue on this engine: clearing and rebuilding from its replay buffer"
         );
@@ -255,6 +261,9 @@ impl SourceState {
         self.last = Some(seq);
         self.metrics.last_seq.store(seq, Relaxed);
         self.metrics.batches.fetch_add(1, Relaxed);
+        if let Some(r) = self.replay.as_mut() {
+            r.delivered += 1;
+        }
         out.push(Step::Deliver { seq, payload });
     }
 
@@ -272,6 +281,7 @@ impl SourceState {
             abandoned: false,
             bootstrap,
             lossy: false,
+            delivered: 0,
         });
         self.dup_floor = Some(from);
         out.push(Step::Replay { from });
@@ -305,6 +315,7 @@ impl SourceState {
         {
             if seq > last.wrapping_add(1) {
                 tracing::info!(
+                    source = %self.config.label,
                     seq,
                     last,
                     "gap across a reconnect: the engine may have restarted"
@@ -347,11 +358,11 @@ impl SourceState {
                     self.metrics.missing_seqs.fetch_add(missing, Relaxed);
                 }
                 if !self.draining && self.can_replay(now) {
-                    tracing::info!(from = last + 1, missing, "gap: replaying");
+                    tracing::info!(source = %self.config.label, from = last + 1, missing, "gap: replaying");
                     self.start_replay(last + 1, false, out);
                     self.hold(seq, payload);
                 } else {
-                    tracing::warn!(missing, "gap that cannot be replayed: resetting the source");
+                    tracing::warn!(source = %self.config.label, missing, "gap that cannot be replayed: resetting the source");
                     self.mark_degraded();
                     self.reset(ResetReason::Gap, out);
                     self.deliver(seq, payload, out);
@@ -362,7 +373,12 @@ impl SourceState {
 
     /// A new engine process: forget the old one's seqs and rebuild.
     fn restart(&mut self, seq: u64, payload: Vec<u8>, now: Instant, out: &mut Vec<Step>) {
-        tracing::info!(seq, last = ?self.last, "engine restarted");
+        match self.last {
+            Some(last) => {
+                tracing::info!(source = %self.config.label, seq, last, "engine restarted: seq went back")
+            }
+            None => tracing::info!(source = %self.config.label, seq, "engine restarted"),
+        }
         self.metrics.restarts.fetch_add(1, Relaxed);
         self.reset(ResetReason::Restart, out);
         self.last = None;
@@ -406,6 +422,7 @@ impl SourceState {
                 self.metrics.duplicates.fetch_add(1, Relaxed);
                 self.reconnected = false;
                 tracing::info!(
+                    source = %self.config.label,
                     seq,
                     "saved state resumed: the engine still holds its last batch"
                 );
@@ -476,6 +493,14 @@ impl SourceState {
         }
         match end {
             ReplayEnd::Complete => {
+                tracing::info!(
+                    source = %self.config.label,
+                    from = replay.from,
+                    delivered = replay.delivered,
+                    held = self.buffered.len(),
+                    lossy = replay.lossy,
+                    "replay complete"
+                );
                 self.metrics.replays_complete.fetch_add(1, Relaxed);
                 self.failures = 0;
                 self.backoff_until = None;

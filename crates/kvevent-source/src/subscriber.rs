@@ -140,6 +140,7 @@ impl Subscriber {
             .map(|(source, m)| {
                 let state = StateConfig {
                     has_replay: source.replay_endpoint.is_some(),
+                    label: source.label(),
                     ..config.state.clone()
                 };
                 SourceState::new(state, m.clone())
@@ -189,6 +190,7 @@ impl Subscriber {
         let metrics = Arc::new(SourceMetrics::default());
         let state = StateConfig {
             has_replay: source.replay_endpoint.is_some(),
+            label: source.label(),
             ..self.state_config.clone()
         };
         self.states.push(SourceState::new(state, metrics.clone()));
@@ -317,7 +319,11 @@ impl Subscriber {
                     tracing::warn!(source = %self.sources[source].label(), error = %e, "malformed replay reply skipped");
                 }
             },
-            transport::Delivery::Disconnected => state.on_disconnected(),
+            transport::Delivery::Disconnected => {
+                metrics.connected.store(false, Relaxed);
+                state.on_disconnected();
+            }
+            transport::Delivery::Connected => metrics.connected.store(true, Relaxed),
             transport::Delivery::ReplayDone(outcome) => {
                 let end = match outcome {
                     transport::ReplayOutcome::Complete => ReplayEnd::Complete,

@@ -40,6 +40,9 @@ pub enum Delivery {
     /// or heartbeats failed). libzmq reconnects by itself; what comes next may be from a new
     /// engine process.
     Disconnected,
+    /// The SUB socket has a connection to the engine (it connected to the engine's PUB, or
+    /// the engine connected to our bound SUB). Not proof that the engine publishes.
+    Connected,
 }
 
 /// How a replay ended.
@@ -159,7 +162,7 @@ fn sub_socket(
 /// Distinguishes monitor endpoints of every transport sharing a context.
 static MONITORS: AtomicUsize = AtomicUsize::new(0);
 
-/// A PAIR socket receiving the SUB socket's disconnect events.
+/// A PAIR socket receiving the SUB socket's connect and disconnect events.
 fn monitor_socket(
     ctx: &zmq::Context,
     sub: &zmq::Socket,
@@ -169,7 +172,10 @@ fn monitor_socket(
         "inproc://kvevent-monitor-{}",
         MONITORS.fetch_add(1, Ordering::Relaxed)
     );
-    sub.monitor(&monitor, zmq::SocketEvent::DISCONNECTED as i32)
+    let events = zmq::SocketEvent::DISCONNECTED as i32
+        | zmq::SocketEvent::CONNECTED as i32
+        | zmq::SocketEvent::ACCEPTED as i32;
+    sub.monitor(&monitor, events)
         .map_err(socket_err("monitor", endpoint))?;
     let pair = ctx
         .socket(zmq::PAIR)
@@ -453,19 +459,32 @@ impl Worker {
         ))
     }
 
-    /// Reads the monitor's events; one `Disconnected` however many arrived together.
+    /// Reads the monitor's events: one `Disconnected` however many arrived together, then
+    /// `Connected` when the last event was a connection.
     fn read_monitor(&self) {
         let mut disconnected = false;
+        let mut connected = None;
         while let Ok(event) = self.monitor.recv_multipart(zmq::DONTWAIT) {
             let id = event
                 .first()
                 .and_then(|f| f.get(..2))
                 .map(|b| u16::from_le_bytes([b[0], b[1]]));
-            disconnected |= id == Some(zmq::SocketEvent::DISCONNECTED as u16);
+            if id == Some(zmq::SocketEvent::DISCONNECTED as u16) {
+                disconnected = true;
+                connected = Some(false);
+            } else if id == Some(zmq::SocketEvent::CONNECTED as u16)
+                || id == Some(zmq::SocketEvent::ACCEPTED as u16)
+            {
+                connected = Some(true);
+            }
         }
         if disconnected {
             tracing::info!(source = %self.source.label(), "disconnected from the engine; libzmq reconnects");
             self.emit(Delivery::Disconnected);
+        }
+        if connected == Some(true) {
+            tracing::info!(source = %self.source.label(), "connected to the engine");
+            self.emit(Delivery::Connected);
         }
     }
 

@@ -429,3 +429,62 @@ async fn a_silent_engine_makes_readyz_say_why_until_it_sends() {
     assert_eq!((status, body.as_str()), (200, "ready\n"));
     running.shutdown(Duration::from_secs(2)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_shows_whether_its_socket_reaches_the_engine() {
+    let server = RecordingServer::start().await;
+    let ctx = zmq::Context::new();
+    let engine =
+        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    let running = start(&settings(&engine, &server), &ctx)
+        .await
+        .expect("start");
+    wait_subscribed(&engine).await;
+    let connected = |r: &kvevent_pipeline::Running| {
+        r.telemetry().source_metrics[0]
+            .connected
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let deadline = Instant::now() + WAIT;
+    while !connected(&running) {
+        assert!(Instant::now() < deadline, "never connected");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let addr = running.metrics_addr().expect("metrics");
+    let (_, body) = http_get(addr, "/metrics").await;
+    assert!(
+        body.contains("kvevent_source_connected{source=\""),
+        "{body}"
+    );
+    assert!(
+        body.lines()
+            .any(|l| l.starts_with("kvevent_source_connected{") && l.ends_with(" 1"))
+    );
+    // The engine goes away: the gauge drops.
+    engine.shutdown();
+    let deadline = Instant::now() + WAIT;
+    while connected(&running) {
+        assert!(Instant::now() < deadline, "still connected");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    running.shutdown(Duration::from_secs(2)).await;
+    // A port nobody listens on never connects.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("port")
+        .port();
+    let s = Settings {
+        engine_endpoint: format!("tcp://127.0.0.1:{port}"),
+        replay_endpoint: String::new(),
+        server: server.addr().to_string(),
+        replica_id: "r1".into(),
+        model_id: "llama".into(),
+        metrics_address: String::new(),
+        engine_metrics_url: String::new(),
+        ..Settings::default()
+    };
+    let running = start(&s, &ctx).await.expect("start");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!connected(&running));
+    running.shutdown(Duration::from_secs(2)).await;
+}

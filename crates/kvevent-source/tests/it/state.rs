@@ -13,6 +13,7 @@ fn state(has_replay: bool) -> (SourceState, Arc<SourceMetrics>) {
         max_buffered: 4,
         replay_backoff_initial: Duration::from_secs(1),
         replay_backoff_max: Duration::from_secs(8),
+        label: "tcp://engine:5557".into(),
     };
     (SourceState::new(config, metrics.clone()), metrics)
 }
