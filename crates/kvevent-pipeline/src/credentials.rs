@@ -87,6 +87,81 @@ fn read(path: &str) -> Result<Vec<u8>, TlsFileError> {
     })
 }
 
+/// What is wrong with the TLS files the settings name, found at start rather than at the first
+/// call: a CA file without a PEM certificate, a certificate file without one, a key file
+/// without a private key, or a key that does not belong to its certificate. Files that cannot
+/// be read are left to the existence check. One `(option, message)` per problem.
+pub fn check_tls_files(settings: &Settings) -> Vec<(&'static str, String)> {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    let mut problems = Vec::new();
+    let certs = |path: &str| -> Option<Vec<CertificateDer<'static>>> {
+        let bytes = std::fs::read(path).ok()?;
+        Some(
+            CertificateDer::pem_slice_iter(&bytes)
+                .filter_map(Result::ok)
+                .collect(),
+        )
+    };
+    if !settings.tls_ca_file.is_empty()
+        && let Some(ca) = certs(&settings.tls_ca_file)
+        && ca.is_empty()
+    {
+        problems.push((
+            "tls_ca_file",
+            format!("{} holds no PEM certificate", settings.tls_ca_file),
+        ));
+    }
+    if settings.tls_cert_file.is_empty() || settings.tls_key_file.is_empty() {
+        return problems;
+    }
+    let chain = certs(&settings.tls_cert_file);
+    if chain.as_ref().is_some_and(Vec::is_empty) {
+        problems.push((
+            "tls_cert_file",
+            format!("{} holds no PEM certificate", settings.tls_cert_file),
+        ));
+    }
+    let Ok(key_bytes) = std::fs::read(&settings.tls_key_file) else {
+        return problems;
+    };
+    let key = match PrivateKeyDer::from_pem_slice(&key_bytes) {
+        Ok(key) => key,
+        Err(e) => {
+            problems.push((
+                "tls_key_file",
+                format!(
+                    "{} holds no usable PEM private key ({e})",
+                    settings.tls_key_file
+                ),
+            ));
+            return problems;
+        }
+    };
+    let signing = match rustls::crypto::ring::sign::any_supported_type(&key) {
+        Ok(k) => k,
+        Err(e) => {
+            problems.push((
+                "tls_key_file",
+                format!("{}: unsupported private key ({e})", settings.tls_key_file),
+            ));
+            return problems;
+        }
+    };
+    if let Some(chain) = chain.filter(|c| !c.is_empty())
+        && let Err(e) = rustls::sign::CertifiedKey::new(chain, signing).keys_match()
+    {
+        problems.push((
+            "tls_key_file",
+            format!(
+                "{} does not belong to the certificate in {} ({e})",
+                settings.tls_key_file, settings.tls_cert_file
+            ),
+        ));
+    }
+    problems
+}
+
 /// The client TLS config the settings ask for, if any.
 pub fn tls_config(settings: &Settings) -> Result<Option<ClientTlsConfig>, TlsFileError> {
     if !settings.uses_tls() {

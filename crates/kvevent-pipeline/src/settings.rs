@@ -654,6 +654,9 @@ impl Settings {
                 bad(option, format!("no such file {path}"));
             }
         }
+        for (option, message) in crate::credentials::check_tls_files(self) {
+            bad(option, message);
+        }
         if problems.is_empty() {
             Ok(())
         } else {

@@ -162,3 +162,59 @@ async fn the_bearer_token_is_sent_and_rotates_with_its_file() {
     running.shutdown(Duration::from_secs(2)).await;
     std::fs::remove_dir_all(&pki.dir).ok();
 }
+
+#[test]
+fn tls_files_that_cannot_work_are_configuration_errors_at_start() {
+    let pki = pki("check");
+    let base = Settings {
+        replica_id: "r1".into(),
+        model_id: "llama".into(),
+        ..Settings::default()
+    };
+    let problems = |s: &Settings| -> Vec<(String, String)> {
+        match s.validate() {
+            Ok(()) => Vec::new(),
+            Err(e) => e.0.into_iter().map(|p| (p.option, p.message)).collect(),
+        }
+    };
+    // Right: a CA, and a client certificate with its own key.
+    let good = Settings {
+        tls_ca_file: pki.write("ca.pem", &pki.ca_pem),
+        tls_cert_file: pki.write("client.pem", &pki.client.0),
+        tls_key_file: pki.write("client.key", &pki.client.1),
+        ..base.clone()
+    };
+    assert_eq!(problems(&good), Vec::new());
+    // A CA file that holds no certificate; a key that belongs to another certificate.
+    let bad = Settings {
+        tls_ca_file: pki.write("not-a-ca.pem", "just text\n"),
+        tls_key_file: pki.write("server.key", &pki.server.1),
+        ..good.clone()
+    };
+    let found = problems(&bad);
+    assert!(
+        found
+            .iter()
+            .any(|(o, m)| o == "tls_ca_file" && m.contains("no PEM certificate")),
+        "{found:?}"
+    );
+    assert!(
+        found
+            .iter()
+            .any(|(o, m)| o == "tls_key_file" && m.contains("does not belong")),
+        "{found:?}"
+    );
+    // A key file without a key.
+    let no_key = Settings {
+        tls_key_file: pki.write("empty.key", &pki.client.0),
+        ..good
+    };
+    assert!(
+        problems(&no_key)
+            .iter()
+            .any(|(o, m)| o == "tls_key_file" && m.contains("no usable PEM private key")),
+        "{:?}",
+        problems(&no_key)
+    );
+    let _ = std::fs::remove_dir_all(&pki.dir);
+}
