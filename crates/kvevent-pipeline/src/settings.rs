@@ -339,17 +339,109 @@ pub fn known_options() -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// One configuration problem, naming the option as a flag and as an environment variable.
+/// The TOML file's layer: its known keys, with the file named as their source (so a bad value
+/// is reported as the file's key, not as a flag). Unknown keys are problems of their own, with
+/// the option meant when it is close (`replica-id` → `replica_id`).
+struct FileLayer {
+    path: PathBuf,
+    dict: figment::value::Dict,
+}
+
+impl FileLayer {
+    fn read(path: &PathBuf) -> Result<(Self, Vec<Problem>), Problem> {
+        let shown = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| Problem {
+            option: "config".into(),
+            message: format!("cannot read {shown}: {e}"),
+            file: None,
+        })?;
+        let data = figment::Provider::data(&Toml::string(&text)).map_err(|e| Problem {
+            option: "config".into(),
+            message: format!("{shown} is not valid TOML: {}", e.kind),
+            file: None,
+        })?;
+        let known = known_options();
+        let mut dict = figment::value::Dict::new();
+        let mut unknown = Vec::new();
+        for (key, value) in data.into_values().flatten() {
+            if known.contains(&key) {
+                dict.insert(key, value);
+            } else {
+                let message = match suggest(&key, &known) {
+                    Some(meant) => format!("unknown key: did you mean `{meant}`?"),
+                    None => "unknown key (the README's flag reference lists the keys: a flag's name with `_` for `-`)".to_owned(),
+                };
+                unknown.push(Problem {
+                    option: key,
+                    message,
+                    file: Some(shown.clone()),
+                });
+            }
+        }
+        Ok((
+            Self {
+                path: path.clone(),
+                dict,
+            },
+            unknown,
+        ))
+    }
+}
+
+impl figment::Provider for FileLayer {
+    fn metadata(&self) -> figment::Metadata {
+        figment::Metadata::from("TOML file", figment::Source::File(self.path.clone()))
+    }
+
+    fn data(
+        &self,
+    ) -> Result<figment::value::Map<figment::Profile, figment::value::Dict>, figment::Error> {
+        Ok(figment::Profile::Default.collect(self.dict.clone()))
+    }
+}
+
+/// The option a mistyped key most likely meant: the same with `_` for `-` and in lower case,
+/// else the closest name (Jaro-Winkler ≥ 0.85).
+fn suggest(key: &str, known: &[String]) -> Option<String> {
+    let normal = key.replace('-', "_").to_ascii_lowercase();
+    if known.contains(&normal) {
+        return Some(normal);
+    }
+    known
+        .iter()
+        .map(|k| (strsim::jaro_winkler(&normal, k), k))
+        .filter(|(score, _)| *score >= 0.85)
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, k)| k.clone())
+}
+
+/// One configuration problem, naming the option as a flag and as an environment variable, or
+/// as a key of the TOML file when the value came from there.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Problem {
-    /// The option (`replica_id`).
+    /// The option (`replica_id`), or the file's key as written.
     pub option: String,
     /// What is wrong.
     pub message: String,
+    /// The TOML file the value came from, if it did.
+    pub file: Option<String>,
+}
+
+impl Problem {
+    fn new(option: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            option: option.into(),
+            message: message.into(),
+            file: None,
+        }
+    }
 }
 
 impl fmt::Display for Problem {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(file) = &self.file {
+            return write!(f, "{file}: key `{}`: {}", self.option, self.message);
+        }
         write!(
             f,
             "--{} ({}{}): {}",
@@ -371,14 +463,21 @@ impl Settings {
     /// `overrides` (the flags actually given). Then validates everything.
     pub fn load(file: Option<&PathBuf>, overrides: impl Serialize) -> Result<Self, ConfigError> {
         let mut figment = Figment::from(Serialized::defaults(Settings::default()));
+        let mut file_problems = Vec::new();
         if let Some(path) = file {
             if !path.is_file() {
-                return Err(ConfigError(vec![Problem {
-                    option: "config".into(),
-                    message: format!("no such file {}", path.display()),
-                }]));
+                return Err(ConfigError(vec![Problem::new(
+                    "config",
+                    format!("no such file {}", path.display()),
+                )]));
             }
-            figment = figment.merge(Toml::file(path));
+            match FileLayer::read(path) {
+                Ok((layer, unknown)) => {
+                    file_problems = unknown;
+                    figment = figment.merge(layer);
+                }
+                Err(problem) => return Err(ConfigError(vec![problem])),
+            }
         }
         // Only our options: other KVEVENT_* variables (a test harness's, say) are not ours.
         let known = known_options();
@@ -391,7 +490,7 @@ impl Settings {
         // Deserialization stops at the first bad value: note it, put the default in its place
         // and go on, so every bad value is reported at once (with the checks below).
         let mut figment = figment;
-        let mut problems = Vec::new();
+        let mut problems = file_problems;
         let defaults = Figment::from(Serialized::defaults(Settings::default()));
         let mut settings: Settings = loop {
             match figment.extract::<Settings>() {
@@ -400,9 +499,14 @@ impl Settings {
                     let mut fixed = false;
                     for e in e {
                         let option = e.path.last().cloned().unwrap_or_else(|| "config".into());
+                        let file = e.metadata.as_ref().and_then(|m| match &m.source {
+                            Some(figment::Source::File(p)) => Some(p.display().to_string()),
+                            _ => None,
+                        });
                         problems.push(Problem {
                             option: option.clone(),
                             message: e.kind.to_string(),
+                            file,
                         });
                         if let Ok(default) = defaults.find_value(&option) {
                             figment = figment.merge(Serialized::default(&option, default));
@@ -451,12 +555,7 @@ impl Settings {
     /// Checks every option; reports every problem at once.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let mut problems = Vec::new();
-        let mut bad = |option: &str, message: String| {
-            problems.push(Problem {
-                option: option.into(),
-                message,
-            })
-        };
+        let mut bad = |option: &str, message: String| problems.push(Problem::new(option, message));
         for (option, value) in [
             ("replica_id", &self.replica_id),
             ("model_id", &self.model_id),

@@ -132,6 +132,46 @@ fn a_missing_config_file_and_unknown_file_keys_are_errors() {
 }
 
 #[test]
+fn file_problems_name_the_file_and_key_all_at_once_with_the_key_meant() {
+    Jail::expect_with(|jail| {
+        jail.create_file(
+            "sidecar.toml",
+            "replica-id = \"r\"\nmodel_id = \"m\"\nwindow = \"5x\"\nkey_mode = \"foo\"\n",
+        )?;
+        let path = jail.directory().join("sidecar.toml");
+        let err = Settings::load(Some(&path), flags(&[])).expect_err("bad file");
+        let text = err.to_string();
+        let file = path.display().to_string();
+        assert!(
+            text.contains(&format!(
+                "{file}: key `replica-id`: unknown key: did you mean `replica_id`?"
+            )),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("{file}: key `window`: `5x` is not a duration")),
+            "{text}"
+        );
+        assert!(
+            text.contains("key_mode") || text.contains("--key-mode"),
+            "{text}"
+        );
+        // The dashed key was not taken: replica_id is still missing.
+        assert!(
+            text.contains("--replica-id (KVEVENT_REPLICA_ID): is required"),
+            "{text}"
+        );
+        // Not the list of every option.
+        assert!(!text.contains("tls_server_name"), "{text}");
+        jail.create_file("broken.toml", "model_id = \n")?;
+        let err = Settings::load(Some(&jail.directory().join("broken.toml")), flags(&[]))
+            .expect_err("not toml");
+        assert!(err.to_string().contains("is not valid TOML"), "{err}");
+        Ok(())
+    });
+}
+
+#[test]
 fn go_durations() {
     for (s, ms) in [
         ("50ms", 50),
