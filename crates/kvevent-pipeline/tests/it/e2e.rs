@@ -344,7 +344,7 @@ async fn resident_blocks_are_refreshed_within_the_interval() {
 }
 
 /// Metric names in the README's metrics reference (first column, split at commas).
-fn readme_metrics() -> std::collections::BTreeSet<String> {
+pub(crate) fn readme_metrics() -> std::collections::BTreeSet<String> {
     let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md"))
         .expect("README");
     let section = readme

@@ -1,6 +1,7 @@
 //! The composed pipeline: configuration, end to end over loopback, stats, TLS, tokens.
 
 mod config;
+mod deploy;
 mod discovery;
 mod e2e;
 mod state_file;

@@ -1,0 +1,126 @@
+//! `deploy/`: the example configuration loads, the dashboard and alert rules name only metrics
+//! the sidecar exports, the Kubernetes example passes only flags the sidecar has. (`.ci/run`
+//! also runs `promtool check rules` and `promtool test rules` on the alerts.)
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use kvevent_pipeline::Settings;
+use kvevent_pipeline::settings::known_options;
+
+fn deploy(file: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../deploy")
+        .join(file)
+}
+
+/// Every `kvevent_…` name in `text`.
+fn metric_names(text: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("kvevent_") {
+        let tail = &rest[at..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(tail.len());
+        out.insert(tail[..end].to_owned());
+        rest = &tail[end..];
+    }
+    out
+}
+
+#[test]
+fn the_example_configuration_loads() {
+    let path = deploy("kvevent-subscriber.toml");
+    let settings = Settings::load(
+        Some(&path),
+        std::collections::BTreeMap::<String, String>::new(),
+    )
+    .or_else(|e| {
+        // Its TLS and token files exist only in a pod: everything else must be right.
+        let others: Vec<_> =
+            e.0.iter()
+                .filter(|p| {
+                    !(["tls_ca_file", "token_file"].contains(&p.option.as_str())
+                        && p.message.starts_with("no such file"))
+                })
+                .collect();
+        if others.is_empty() {
+            Ok(Settings::default())
+        } else {
+            Err(format!("{e}"))
+        }
+    })
+    .expect("the example configuration loads");
+    let _ = settings;
+}
+
+#[test]
+fn dashboards_and_alerts_name_only_exported_metrics() {
+    let exported = crate::e2e::readme_metrics();
+    let dashboard =
+        std::fs::read_to_string(deploy("grafana/kvevent-dashboard.json")).expect("read");
+    let json: serde_json::Value = serde_json::from_str(&dashboard).expect("the dashboard is JSON");
+    let panels = json["panels"].as_array().expect("panels");
+    assert!(panels.len() >= 10);
+    for panel in panels {
+        assert!(
+            panel["targets"].as_array().is_some_and(|t| !t.is_empty()),
+            "{panel}"
+        );
+    }
+    let alerts = std::fs::read_to_string(deploy("prometheus/kvevent-alerts.yaml")).expect("read");
+    let alert_tests =
+        std::fs::read_to_string(deploy("prometheus/kvevent-alerts.test.yaml")).expect("read");
+    for (what, text) in [
+        ("dashboard", &dashboard),
+        ("alerts", &alerts),
+        ("alert tests", &alert_tests),
+    ] {
+        let named = metric_names(text);
+        assert!(!named.is_empty(), "{what}");
+        let unknown: Vec<_> = named.difference(&exported).collect();
+        assert!(
+            unknown.is_empty(),
+            "{what} names metrics we do not export: {unknown:?}"
+        );
+    }
+    for alert in [
+        "KVEventEngineSilent",
+        "KVEventServerFailing",
+        "KVEventDropping",
+        "KVEventSourceDegraded",
+    ] {
+        assert!(alerts.contains(&format!("alert: {alert}")), "{alert}");
+    }
+}
+
+#[test]
+fn the_kubernetes_example_passes_only_flags_the_sidecar_has() {
+    let manifest =
+        std::fs::read_to_string(deploy("kubernetes/vllm-with-kvevent.yaml")).expect("read");
+    let sidecar = manifest
+        .split("- name: kvevent-subscriber")
+        .nth(1)
+        .expect("the sidecar container");
+    let args = sidecar.split("env:").next().expect("args");
+    let known: BTreeSet<String> = known_options()
+        .into_iter()
+        .map(|o| o.replace('_', "-"))
+        .collect();
+    let mut flags = 0;
+    for line in args.lines() {
+        let Some(flag) = line.trim().strip_prefix("- --") else {
+            continue;
+        };
+        let name = flag.split('=').next().unwrap_or_default();
+        assert!(
+            known.contains(name),
+            "--{name} is not a flag of the sidecar"
+        );
+        flags += 1;
+    }
+    assert!(flags >= 5);
+    assert!(sidecar.contains("KVEVENT_REPLICA_ID") && sidecar.contains("KVEVENT_MODEL_ID"));
+    assert!(manifest.contains("emptyDir") && sidecar.contains("/var/lib/kvevent"));
+}
