@@ -36,6 +36,32 @@
 //!
 //! [`Client`] is the thin deadline-bounded gRPC client, shared with the stats path. It knows
 //! proto messages, never msgpack. Counters live in [`Metrics`] for the caller to export.
+//!
+//! ```
+//! use std::time::Duration;
+//! use kvevent_forwarder::{connect, spawn, ClientConfig, Config};
+//! use kvevent_proto as pb;
+//! use kvevent_test_support::RecordingServer;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let server = RecordingServer::start().await; // a real tonic server, recording
+//! let client = connect(&ClientConfig::new(server.uri()))?;
+//! let (handle, forwarder) = spawn(client, Config { window: Duration::from_millis(10), ..Config::default() });
+//! let update = pb::CacheStateUpdate {
+//!     replica_id: "pod-a".into(),
+//!     model_id: "llama".into(),
+//!     prefixes: vec![pb::PrefixEntry { prefix_hash: vec![1; 8], token_count: 16, ..Default::default() }],
+//!     ..Default::default()
+//! };
+//! handle.try_submit(pb::Report::New(update)); // never waits for the network
+//! // Shutdown flushes what is pending within the deadline and says what was left.
+//! let left = forwarder.shutdown(Duration::from_secs(5)).await;
+//! assert_eq!((left.unsent_prefixes, left.unsent_events), (0, 0));
+//! assert_eq!(server.prefixes().len(), 1);
+//! # Ok(())
+//! # }
+//! ```
 
 mod client;
 mod forwarder;

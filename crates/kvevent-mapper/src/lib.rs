@@ -22,6 +22,37 @@
 //!
 //! Pure: no IO, no async runtime, no gRPC (only the prost messages). What the mapper drops or
 //! cannot key is counted in [`MapperStats`], never guessed.
+//!
+//! ```
+//! use kvevent_mapper::{Identity, KeyMode, Mapper, Options};
+//! use kvevent_proto as pb;
+//! use kvevent_wire as wire;
+//!
+//! let identity = Identity::new("pod-a", "llama", "", "vllm")?;
+//! let mut mapper = Mapper::new(identity, Options { key_mode: KeyMode::Fingerprint, ..Options::default() });
+//! // Two blocks of 16 tokens stored on the GPU, as the engine reports them.
+//! let batch = wire::EventBatch {
+//!     ts: 1_700_000_000.0,
+//!     events: vec![wire::Event::BlockStored(wire::BlockStored {
+//!         block_hashes: vec![wire::BlockHash::Int(wire::Int::U64(11)), wire::BlockHash::Int(wire::Int::U64(12))],
+//!         token_ids: (0..32u32).collect::<Vec<_>>().into(),
+//!         block_size: 16,
+//!         medium: Some("GPU".into()),
+//!         ..Default::default()
+//!     })],
+//!     data_parallel_rank: None,
+//!     unknown_events: 0,
+//! };
+//! let mut reports = Vec::new();
+//! mapper.map_batch(&batch, &mut reports);
+//! // One update: two prefixes, keyed by their content fingerprints, with cumulative counts.
+//! let update = reports[0].as_update().expect("an update");
+//! let counts: Vec<i32> = update.prefixes.iter().map(|p| p.token_count).collect();
+//! assert_eq!(counts, [16, 32]);
+//! assert_eq!(update.prefixes[0].tier, pb::CacheTier::T1 as i32);
+//! assert_eq!(mapper.tracked_blocks(), 2);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -14,6 +14,27 @@
 //!
 //! It knows nothing of gRPC: the caller wraps [`Stats`] in its report. Scraping is a failure
 //! domain of its own: an error here never touches the event path.
+//!
+//! ```
+//! use kvevent_scrape::{stats, text, StatsConfig};
+//!
+//! let scrape = |running: f64, hits: f64, queries: f64| format!(
+//!     "vllm:num_requests_running{{engine=\"0\",model_name=\"m\"}} {running}\n\
+//!      vllm:num_requests_waiting{{engine=\"0\",model_name=\"m\"}} 1\n\
+//!      vllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"m\"}} 0.25\n\
+//!      vllm:prefix_cache_hits_total{{engine=\"0\",model_name=\"m\"}} {hits}\n\
+//!      vllm:prefix_cache_queries_total{{engine=\"0\",model_name=\"m\"}} {queries}\n");
+//! let config = StatsConfig { cache_size_bytes: 1 << 30, concurrency_ceiling: 8, ..StatsConfig::default() };
+//! let mut deltas = stats::Deltas::default();
+//! let first = stats::read(&text::parse(&scrape(3.0, 10.0, 100.0))?, &config)?;
+//! deltas.next(first, &config);
+//! // The hit rate is over what happened between two scrapes: 40 hits of 50 queries.
+//! let second = stats::read(&text::parse(&scrape(4.0, 50.0, 150.0))?, &config)?;
+//! let s = deltas.next(second, &config);
+//! assert!((s.hit_rate - 0.8).abs() < 1e-6);
+//! assert_eq!(s.cache_memory_bytes, 1 << 28);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 mod fetch;
 pub mod stats;

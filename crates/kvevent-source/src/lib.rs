@@ -18,6 +18,40 @@
 //!   any gRPC forwarding.
 //!
 //! Every decision is counted in [`SourceMetrics`]. No tokio, tonic, hyper or prost here.
+//!
+//! ```
+//! use std::time::{Duration, Instant};
+//! use kvevent_source::{Config, Subscriber, Update};
+//! use kvevent_zmq::publisher::{scripted_batch, Publisher, PublisherConfig};
+//!
+//! // An engine stand-in on loopback (PUB + replay ROUTER), as vLLM publishes.
+//! let ctx = zmq::Context::new();
+//! let engine = Publisher::start(&ctx, PublisherConfig::loopback(kvevent_wire::Release::NEWEST_KNOWN))?;
+//! let source = kvevent_zmq::Source {
+//!     endpoint: engine.endpoint().to_owned(),
+//!     replay_endpoint: engine.replay_endpoint().map(str::to_owned),
+//!     topic: b"kv-events".to_vec(),
+//!     bind: false,
+//!     dp_rank: 0,
+//! };
+//! let mut subscriber = Subscriber::start(&ctx, Config::new(vec![source]))?;
+//! engine.wait_for_subscribers(1, Duration::from_secs(10));
+//! engine.publish(&scripted_batch(0))?;
+//!
+//! // First a reset (forget whatever was known of this source), then its batches in order.
+//! let deadline = Instant::now() + Duration::from_secs(10);
+//! let batch = loop {
+//!     match subscriber.next(Duration::from_millis(100)) {
+//!         Some(Update::Batch(b)) => break b,
+//!         Some(Update::Reset { source, reason }) => println!("reset {source}: {}", reason.as_str()),
+//!         None => assert!(Instant::now() < deadline, "no batch"),
+//!     }
+//! };
+//! assert_eq!(batch.seq, 0);
+//! assert_eq!(batch.decode()?.events.len(), 1);
+//! subscriber.shutdown();
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 mod metrics;
 mod state;

@@ -21,6 +21,36 @@
 //!
 //! libzmq 4.3 is built from source by `zmq-sys` and linked statically (LGPL-3.0 with a
 //! static-linking exception).
+//!
+//! ```
+//! use std::time::Duration;
+//! use kvevent_zmq::{publisher::{Publisher, PublisherConfig}, Delivery, Source, SourceOptions, Transport};
+//!
+//! let ctx = zmq::Context::new();
+//! let engine = Publisher::start(&ctx, PublisherConfig::loopback(kvevent_wire::Release::NEWEST_KNOWN))?;
+//! let source = Source {
+//!     endpoint: engine.endpoint().to_owned(),
+//!     replay_endpoint: None,
+//!     topic: b"kv-events".to_vec(),
+//!     bind: false,
+//!     dp_rank: 0,
+//! };
+//! // Raw frames from every source's thread arrive on one bounded channel.
+//! let (tx, rx) = std::sync::mpsc::sync_channel(64);
+//! let transport = Transport::start(&ctx, &[source], &SourceOptions::default(), tx)?;
+//! engine.wait_for_subscribers(1, Duration::from_secs(10));
+//! engine.publish_payload(b"\x90".to_vec());
+//! let frames = loop {
+//!     let got = rx.recv_timeout(Duration::from_secs(10))?;
+//!     if let Delivery::Live(frames) = got.delivery {
+//!         break frames;
+//!     }
+//! };
+//! let live = kvevent_wire::frames::parse_live(&frames)?;
+//! assert_eq!((live.seq, live.payload), (0, &b"\x90"[..]));
+//! transport.shutdown();
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 mod options;
 pub mod publisher;

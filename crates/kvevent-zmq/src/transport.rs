@@ -151,12 +151,18 @@ fn sub_socket(
         socket.set_subscribe(&source.topic)
     };
     configure().map_err(socket_err("configure", e))?;
-    if source.bind {
-        socket.bind(e).map_err(socket_err("bind", e))?;
-    } else {
-        socket.connect(e).map_err(socket_err("connect", e))?;
-    }
     Ok(socket)
+}
+
+/// Connects (or binds) a SUB socket made by [`sub_socket`], once its monitor listens (a
+/// loopback connection can complete before a monitor attached later would see it).
+fn attach(socket: &zmq::Socket, source: &Source) -> Result<(), Error> {
+    let e = &source.endpoint;
+    if source.bind {
+        socket.bind(e).map_err(socket_err("bind", e))
+    } else {
+        socket.connect(e).map_err(socket_err("connect", e))
+    }
 }
 
 /// Distinguishes monitor endpoints of every transport sharing a context.
@@ -264,6 +270,7 @@ impl Transport {
         let ctx = &self.contexts[c].0;
         let sub = sub_socket(ctx, source, &self.opts)?;
         let monitor = monitor_socket(ctx, &sub, &source.endpoint)?;
+        attach(&sub, source)?;
         let dealer = source
             .replay_endpoint
             .as_deref()
