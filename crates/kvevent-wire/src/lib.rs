@@ -45,6 +45,8 @@ pub mod frames;
 pub mod json;
 mod model;
 mod msgpack;
+#[cfg(feature = "serde")]
+pub mod owned;
 mod release;
 
 pub use decode::{Limits, decode, decode_with};

@@ -3,6 +3,7 @@
 mod heap;
 mod hostile;
 mod leniency;
+mod owned;
 mod vectors;
 
 use std::path::{Path, PathBuf};
