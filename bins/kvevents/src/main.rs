@@ -4,7 +4,10 @@
 //! - `encode`: JSON back to the exact bytes a given vLLM release sends;
 //! - `publish`: a fake engine speaking any release (PUB + replay ROUTER);
 //! - `fingerprint`: the content-fingerprint chain of token ids, to check that a gateway and the
-//!   subscriber agree.
+//!   subscriber agree;
+//! - `doctor`: checks an engine's KV-event setup, one line per check.
+
+mod doctor;
 
 use std::io::{self, Read, Write};
 use std::path::PathBuf;
@@ -50,6 +53,10 @@ enum Command {
     ///
     /// Publishes the JSON batches given (one per file, in order), or a scripted workload.
     Publish(PublishArgs),
+    /// Check an engine's KV-event setup: endpoints (discovered or given), exposure beyond
+    /// loopback, block size and hash algorithm, replay round trip, a live batch. One line per
+    /// check; exits 1 when one failed.
+    Doctor(doctor::DoctorArgs),
     /// Print the fingerprint chain of token ids (XXH3-64, seed 1337).
     Fingerprint {
         /// Tokens per block.
@@ -276,6 +283,14 @@ fn main() -> ExitCode {
             out,
         } => report(encode(release, lenient, &file, out.as_ref())),
         Command::Publish(args) => report(publish(args)),
+        Command::Doctor(args) => match doctor::run(&args) {
+            Ok(true) => ExitCode::SUCCESS,
+            Ok(false) => ExitCode::FAILURE,
+            Err(e) => {
+                eprintln!("kvevents: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
         Command::Fingerprint {
             block_size,
             parent,

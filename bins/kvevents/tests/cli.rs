@@ -210,3 +210,114 @@ fn publish_speaks_to_a_subscriber() {
     assert_eq!(live.topic, b"kv-events");
     kvevent_wire::decode(live.payload).expect("a payload vLLM 0.33 would send");
 }
+
+/// Serves `/metrics` and `/kv_event_sources` with these bodies on loopback, for a while.
+fn engine_http(metrics: String, listing: String) -> u16 {
+    use std::io::{BufRead, BufReader, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    std::thread::spawn(move || {
+        for stream in listener.incoming().take(16) {
+            let Ok(mut stream) = stream else { continue };
+            let mut line = String::new();
+            let _ = BufReader::new(&stream).read_line(&mut line);
+            let body = if line.contains("/metrics") {
+                &metrics
+            } else if line.contains("/kv_event_sources") {
+                &listing
+            } else {
+                ""
+            };
+            let status = if body.is_empty() {
+                "404 Not Found"
+            } else {
+                "200 OK"
+            };
+            let _ = write!(
+                stream,
+                "HTTP/1.1 {status}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    port
+}
+
+#[test]
+fn doctor_checks_an_engine_found_by_discovery_one_line_each() {
+    use kvevent_test_support::{Publisher, PublisherConfig};
+    let ctx = zmq::Context::new();
+    let engine = Publisher::start(
+        &ctx,
+        PublisherConfig::loopback(kvevent_wire::Release::NEWEST_KNOWN),
+    )
+    .expect("engine");
+    // Something already published (replay has it), and more while the doctor listens.
+    engine
+        .publish(&kvevent_zmq::publisher::scripted_batch(0))
+        .expect("publish");
+    let port = |e: &str| e.rsplit(':').next().expect("port").to_owned();
+    // As vLLM lists them: bound on every interface.
+    let listing = format!(
+        r#"[{{"data_parallel_rank": 0, "endpoint": "tcp://*:{}", "replay_endpoint": "tcp://*:{}", "topic": "kv-events"}}]"#,
+        port(engine.endpoint()),
+        port(engine.replay_endpoint().expect("replay"))
+    );
+    let metrics = std::fs::read_to_string(shared().join("fixtures/metrics/vllm-0.10-legacy.txt"))
+        .expect("fixture");
+    let http = engine_http(metrics, listing);
+    let keep_publishing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let publishing = std::thread::spawn({
+        let keep = keep_publishing.clone();
+        move || {
+            let mut step = 1;
+            while keep.load(std::sync::atomic::Ordering::Relaxed) {
+                let _ = engine.publish(&kvevent_zmq::publisher::scripted_batch(step));
+                step += 1;
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            engine.shutdown();
+        }
+    });
+    let out = kvevents(
+        &[
+            "doctor",
+            "--engine-url",
+            &format!("http://127.0.0.1:{http}"),
+            "--timeout",
+            "5s",
+        ],
+        None,
+    );
+    keep_publishing.store(false, std::sync::atomic::Ordering::Relaxed);
+    publishing.join().expect("publisher");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    for want in [
+        "ok    metrics: block size 16, 20000 GPU blocks, prefix-caching hash sha256",
+        "ok    endpoints: discovered 1 rank(s)",
+        "warn  exposure: tcp://*:",
+        "(with topic frame: vLLM ≥ 0.26)",
+        "ok    live tcp://127.0.0.1:",
+        "events as maps (vLLM ≥ 0.24); int hashes, block size 16; DP rank 0",
+    ] {
+        assert!(text.contains(want), "missing {want:?} in:\n{text}");
+    }
+    // Nothing answering: failures, exit 1.
+    let out = kvevents(
+        &[
+            "doctor",
+            "--engine-url",
+            "http://127.0.0.1:1",
+            "--timeout",
+            "1s",
+        ],
+        None,
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("FAIL  endpoints: GET http://127.0.0.1:1/kv_event_sources"),
+        "{text}"
+    );
+}
