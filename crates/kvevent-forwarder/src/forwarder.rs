@@ -456,7 +456,26 @@ impl Flight {
     }
 }
 
-type Call = Pin<Box<dyn Future<Output = (CallId, Result<pb::Ack, tonic::Status>)> + Send>>;
+/// Now, in microseconds since the epoch.
+fn unix_us() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as i64)
+}
+
+/// The age of a report the server just acknowledged: now − its batch time. A report without
+/// a time (0: "server now") or from the future (clock skew) is not observed.
+fn observe_age(metrics: &Metrics, now_us: i64, timestamp_us: i64) {
+    if timestamp_us > 0 && now_us >= timestamp_us {
+        metrics
+            .histograms
+            .age_seconds
+            .observe((now_us - timestamp_us) as f64 / 1e6);
+    }
+}
+
+type Call =
+    Pin<Box<dyn Future<Output = (CallId, Result<pb::Ack, tonic::Status>, Duration)> + Send>>;
 
 /// Counts drops and failures between two log lines, so overload logs once per interval.
 #[derive(Debug, Default)]
@@ -539,11 +558,11 @@ impl Task {
                 .flatten()
                 .min();
             tokio::select! {
-                Some((id, outcome)) = calls.next(), if !calls.is_empty() => {
-                    let mut failed = self.finish(id, outcome);
+                Some((id, outcome, took)) = calls.next(), if !calls.is_empty() => {
+                    let mut failed = self.finish(id, outcome, took);
                     // Settle every call that is already done before dispatching more.
-                    while let Some(Some((id, outcome))) = futures_util::FutureExt::now_or_never(calls.next()) {
-                        failed |= self.finish(id, outcome);
+                    while let Some(Some((id, outcome, took))) = futures_util::FutureExt::now_or_never(calls.next()) {
+                        failed |= self.finish(id, outcome, took);
                     }
                     if failed {
                         retry_at = Some(Instant::now() + backoff);
@@ -931,7 +950,8 @@ impl Task {
                     let client = self.client.clone();
                     let event = event.clone();
                     calls.push(Box::pin(async move {
-                        (CallId::Barrier, client.publish(event).await)
+                        let t = Instant::now();
+                        (CallId::Barrier, client.publish(event).await, t.elapsed())
                     }));
                 }
             }
@@ -943,8 +963,15 @@ impl Task {
                         build_updates(w, false, &self.scopes, &self.groups, &self.adapters);
                     flight.updates[0] = updates.len() as u64;
                     let client = self.client.clone();
+                    for u in &updates {
+                        self.metrics
+                            .histograms
+                            .update_entries
+                            .observe(u.prefixes.len() as f64);
+                    }
                     calls.push(Box::pin(async move {
-                        (CallId::Adds(0), client.report(updates).await)
+                        let t = Instant::now();
+                        (CallId::Adds(0), client.report(updates).await, t.elapsed())
                     }));
                 }
                 while flight.running < max {
@@ -968,7 +995,8 @@ impl Task {
                     flight.running += 1;
                     let client = self.client.clone();
                     calls.push(Box::pin(async move {
-                        (CallId::Evict(seq), client.publish(event).await)
+                        let t = Instant::now();
+                        (CallId::Evict(seq), client.publish(event).await, t.elapsed())
                     }));
                 }
                 if flight.adds_ready[1] && flight.evicts_left == 0 && flight.running < max {
@@ -978,8 +1006,15 @@ impl Task {
                         build_updates(w, true, &self.scopes, &self.groups, &self.adapters);
                     flight.updates[1] = updates.len() as u64;
                     let client = self.client.clone();
+                    for u in &updates {
+                        self.metrics
+                            .histograms
+                            .update_entries
+                            .observe(u.prefixes.len() as f64);
+                    }
                     calls.push(Box::pin(async move {
-                        (CallId::Adds(1), client.report(updates).await)
+                        let t = Instant::now();
+                        (CallId::Adds(1), client.report(updates).await, t.elapsed())
                     }));
                 }
             }
@@ -987,7 +1022,18 @@ impl Task {
     }
 
     /// Settles one call. True when it failed in a way worth retrying (it was put back).
-    fn finish(&mut self, id: CallId, outcome: Result<pb::Ack, tonic::Status>) -> bool {
+    fn finish(
+        &mut self,
+        id: CallId,
+        outcome: Result<pb::Ack, tonic::Status>,
+        took: Duration,
+    ) -> bool {
+        let h = &self.metrics.histograms;
+        match id {
+            CallId::Adds(_) => h.report_seconds.observe(took.as_secs_f64()),
+            CallId::Evict(_) | CallId::Barrier => h.publish_seconds.observe(took.as_secs_f64()),
+        }
+        let now_us = unix_us();
         let Some(flight) = self.flight.as_mut() else {
             return false;
         };
@@ -1033,6 +1079,11 @@ impl Task {
         match (id, stage) {
             (CallId::Evict(seq), Stage::Window(w)) => {
                 flight.evicts_left -= 1;
+                if let (Ok(()), Some(Op::Evict { timestamp_us, .. })) =
+                    (&result, w.ops.get((seq - w.first_seq) as usize))
+                {
+                    observe_age(&self.metrics, now_us, *timestamp_us);
+                }
                 settled += usize::from(w.cancel(seq));
                 match result {
                     Ok(()) => {
@@ -1047,10 +1098,24 @@ impl Task {
                 let after = i == 1;
                 let updates = flight.updates[usize::from(i)];
                 let mut entries = 0;
+                let mut ages = std::collections::BTreeSet::new();
                 for op in w.ops.iter_mut() {
-                    if matches!(op, Op::Add { after_evict, .. } if *after_evict == after) {
+                    if let Op::Add {
+                        after_evict,
+                        timestamp_us,
+                        ..
+                    } = op
+                        && *after_evict == after
+                    {
+                        // One observation per batch time (an update), not per entry.
+                        ages.insert(*timestamp_us);
                         *op = Op::Gone;
                         entries += 1;
+                    }
+                }
+                if result.is_ok() {
+                    for ts in ages {
+                        observe_age(&self.metrics, now_us, ts);
                     }
                 }
                 w.live -= entries;
@@ -1073,6 +1138,9 @@ impl Task {
             (CallId::Barrier, Stage::Barrier(e)) => {
                 flight.barrier_left = false;
                 settled += 1;
+                if result.is_ok() {
+                    observe_age(&self.metrics, now_us, e.timestamp_us);
+                }
                 let clear = e.r#type == pb::cache_event::Type::AllCleared as i32;
                 match result {
                     Ok(()) => {

@@ -71,7 +71,7 @@ pub use client::{Client, ClientConfig, Credentials, Retry, classify, connect};
 pub use forwarder::{
     Closed, Config, DrainReport, Forwarder, Handle, MAX_ENTRIES_PER_UPDATE, Submit, spawn,
 };
-pub use metrics::{DropReason, Metrics};
+pub use metrics::{DropReason, Histogram, Histograms, Metrics};
 
 use kvevent_proto as pb;
 

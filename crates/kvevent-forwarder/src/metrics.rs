@@ -69,6 +69,89 @@ pub struct Metrics {
     pub queue_depth: AtomicU64,
     /// Unix time (ms) of the last successful RPC; 0 before the first.
     pub last_success_unix_ms: AtomicU64,
+    /// Distributions: RPC durations, event age at delivery, update sizes.
+    pub histograms: Histograms,
+}
+
+/// A Prometheus histogram on atomics: fixed upper bounds, a count per bucket, a sum.
+#[derive(Debug)]
+pub struct Histogram {
+    bounds: &'static [f64],
+    /// One per bound, then +Inf (not cumulative).
+    counts: Box<[AtomicU64]>,
+    /// The sum, as f64 bits.
+    sum: AtomicU64,
+}
+
+impl Histogram {
+    /// A histogram with these upper bounds (ascending).
+    pub fn new(bounds: &'static [f64]) -> Self {
+        Self {
+            bounds,
+            counts: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
+            sum: AtomicU64::new(0f64.to_bits()),
+        }
+    }
+
+    /// Records one value (NaN is ignored).
+    pub fn observe(&self, v: f64) {
+        if v.is_nan() {
+            return;
+        }
+        let i = self.bounds.partition_point(|b| *b < v);
+        self.counts[i].fetch_add(1, Relaxed);
+        let _ = self.sum.fetch_update(Relaxed, Relaxed, |bits| {
+            Some((f64::from_bits(bits) + v).to_bits())
+        });
+    }
+
+    /// Cumulative counts per upper bound (the last is +Inf), the sum, and the count.
+    pub fn snapshot(&self) -> (Vec<(f64, u64)>, f64, u64) {
+        let mut total = 0;
+        let mut buckets = Vec::with_capacity(self.counts.len());
+        for (i, c) in self.counts.iter().enumerate() {
+            total += c.load(Relaxed);
+            buckets.push((self.bounds.get(i).copied().unwrap_or(f64::INFINITY), total));
+        }
+        (buckets, f64::from_bits(self.sum.load(Relaxed)), total)
+    }
+}
+
+/// Bounds for durations of calls, in seconds.
+pub(crate) const RPC_SECONDS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+/// Bounds for the age of reports when the server acknowledged them, in seconds.
+pub(crate) const AGE_SECONDS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+];
+/// Bounds for entries per `CacheStateUpdate`.
+pub(crate) const UPDATE_ENTRIES: &[f64] = &[
+    1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0,
+];
+
+/// The forwarder's distributions.
+#[derive(Debug)]
+pub struct Histograms {
+    /// `ReportCacheState` call durations.
+    pub report_seconds: Histogram,
+    /// `PublishEvent` call durations.
+    pub publish_seconds: Histogram,
+    /// Engine batch time → server acknowledgement, per update and event delivered.
+    pub age_seconds: Histogram,
+    /// Prefix entries per `CacheStateUpdate` sent (after coalescing).
+    pub update_entries: Histogram,
+}
+
+impl Default for Histograms {
+    fn default() -> Self {
+        Self {
+            report_seconds: Histogram::new(RPC_SECONDS),
+            publish_seconds: Histogram::new(RPC_SECONDS),
+            age_seconds: Histogram::new(AGE_SECONDS),
+            update_entries: Histogram::new(UPDATE_ENTRIES),
+        }
+    }
 }
 
 fn index(reason: DropReason) -> usize {

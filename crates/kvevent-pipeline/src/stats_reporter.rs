@@ -40,7 +40,12 @@ impl StatsReporter {
                 _ = ticker.tick() => {}
                 _ = stop.changed() => return,
             }
-            let stats = match self.scraper.scrape().await {
+            let started = std::time::Instant::now();
+            let scraped = self.scraper.scrape().await;
+            self.telemetry
+                .scrape_seconds
+                .observe(started.elapsed().as_secs_f64());
+            let stats = match scraped {
                 Ok(stats) => {
                     self.telemetry.scrape("ok");
                     self.count_gaps(&stats);

@@ -44,7 +44,14 @@ pub struct Telemetry {
     pub state_bytes: AtomicU64,
     /// Time the last state file write took (encode, write, fsync, rename), in microseconds.
     pub state_write_us: AtomicU64,
+    /// Engine `/metrics` scrape durations.
+    pub scrape_seconds: fwd::Histogram,
 }
+
+/// Bounds of the scrape duration histogram, in seconds.
+const SCRAPE_SECONDS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+];
 
 /// Metric names, one scheme: `kvevent_<what>_<unit>_total`.
 pub mod names {
@@ -124,6 +131,14 @@ pub mod names {
     pub const SCRAPE_ABSENT: &str = "kvevent_scrape_series_absent_total";
     /// Scraped samples skipped for being NaN or ±Inf.
     pub const SCRAPE_NON_FINITE: &str = "kvevent_scrape_non_finite_samples_total";
+    /// RPC durations by method (histogram).
+    pub const RPC_SECONDS: &str = "kvevent_rpc_duration_seconds";
+    /// Engine batch time → server acknowledgement (histogram).
+    pub const AGE: &str = "kvevent_report_age_seconds";
+    /// Prefix entries per CacheStateUpdate sent (histogram).
+    pub const UPDATE_ENTRIES: &str = "kvevent_update_entries";
+    /// Engine /metrics scrape durations (histogram).
+    pub const SCRAPE_SECONDS: &str = "kvevent_scrape_duration_seconds";
     /// Stats reports by outcome.
     pub const STATS_REPORTS: &str = "kvevent_stats_reports_total";
 }
@@ -152,6 +167,26 @@ impl Out {
             self.0.push('}');
         }
         let _ = writeln!(self.0, " {value}");
+    }
+}
+
+impl Out {
+    /// A histogram's `_bucket` (cumulative, `le`), `_sum` and `_count` samples.
+    fn histogram(&mut self, name: &str, labels: &[(&str, &str)], h: &fwd::Histogram) {
+        let (buckets, sum, count) = h.snapshot();
+        let bucket = format!("{name}_bucket");
+        for (le, n) in buckets {
+            let le = if le.is_infinite() {
+                "+Inf".to_owned()
+            } else {
+                le.to_string()
+            };
+            let mut l: Vec<(&str, &str)> = labels.to_vec();
+            l.push(("le", &le));
+            self.sample(&bucket, &l, n);
+        }
+        self.sample(&format!("{name}_sum"), labels, sum);
+        self.sample(&format!("{name}_count"), labels, count);
     }
 }
 
@@ -184,6 +219,7 @@ impl Telemetry {
             state_writes: Default::default(),
             state_bytes: AtomicU64::new(0),
             state_write_us: AtomicU64::new(0),
+            scrape_seconds: fwd::Histogram::new(SCRAPE_SECONDS),
         }
     }
 
@@ -566,6 +602,40 @@ impl Telemetry {
             &[],
             self.last_success_unix_ms() as f64 / 1000.0,
         );
+        let h = &f.histograms;
+        o.family(
+            RPC_SECONDS,
+            "histogram",
+            "Durations of RPCs to the server (retries are separate calls), by method.",
+        );
+        o.histogram(
+            RPC_SECONDS,
+            &[("method", "ReportCacheState")],
+            &h.report_seconds,
+        );
+        o.histogram(
+            RPC_SECONDS,
+            &[("method", "PublishEvent")],
+            &h.publish_seconds,
+        );
+        o.family(
+            AGE,
+            "histogram",
+            "Engine batch time to server acknowledgement, per update and event delivered (includes the window and any outage).",
+        );
+        o.histogram(AGE, &[], &h.age_seconds);
+        o.family(
+            UPDATE_ENTRIES,
+            "histogram",
+            "Prefix entries per CacheStateUpdate sent, after coalescing.",
+        );
+        o.histogram(UPDATE_ENTRIES, &[], &h.update_entries);
+        o.family(
+            SCRAPE_SECONDS,
+            "histogram",
+            "Durations of engine /metrics scrapes (fetch and parse).",
+        );
+        o.histogram(SCRAPE_SECONDS, &[], &self.scrape_seconds);
         o.family(SCRAPES, "counter", "Engine metrics scrapes, by outcome.");
         for (outcome, v) in lock(&self.scrapes).iter() {
             o.sample(SCRAPES, &[("outcome", outcome)], v);

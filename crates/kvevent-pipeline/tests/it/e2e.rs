@@ -123,6 +123,34 @@ async fn events_and_stats_flow_end_to_end() {
         .find(|s| s.label("type") == Some("stored"))
         .expect("stored events");
     assert_eq!(stored.value, 3.0, "one BlockStored in each of the 3 steps");
+    // The distributions saw the traffic: calls by method, report ages, update sizes, scrapes.
+    let count = |name: &str, label: Option<(&str, &str)>| -> f64 {
+        parsed
+            .series(name)
+            .filter(|s| label.is_none_or(|(k, v)| s.label(k) == Some(v)))
+            .map(|s| s.value)
+            .sum()
+    };
+    assert!(
+        count(
+            "kvevent_rpc_duration_seconds_count",
+            Some(("method", "ReportCacheState"))
+        ) >= 1.0
+    );
+    assert!(
+        count(
+            "kvevent_rpc_duration_seconds_count",
+            Some(("method", "PublishEvent"))
+        ) >= 1.0
+    );
+    assert!(count("kvevent_report_age_seconds_count", None) >= 1.0);
+    assert!(count("kvevent_update_entries_count", None) >= 1.0);
+    assert!(count("kvevent_scrape_duration_seconds_count", None) >= 1.0);
+    let inf = parsed
+        .series("kvevent_update_entries_bucket")
+        .find(|s| s.label("le") == Some("+Inf"))
+        .expect("+Inf bucket");
+    assert_eq!(inf.value, count("kvevent_update_entries_count", None));
     assert_eq!(http_get(addr, "/healthz").await.0, 200);
     assert_eq!(http_get(addr, "/readyz").await.0, 200);
     assert_eq!(http_get(addr, "/nope").await.0, 404);
