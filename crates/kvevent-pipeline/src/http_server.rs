@@ -41,7 +41,7 @@ fn route(path: &str, telemetry: &Telemetry, readiness: Readiness) -> hyper::Resp
     match path {
         "/metrics" => respond(
             200,
-            "text/plain; version=0.0.4; charset=utf-8",
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
             telemetry.render(),
         ),
         "/healthz" => respond(200, "text/plain", "ok\n".into()),

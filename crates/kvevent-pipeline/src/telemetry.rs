@@ -1,7 +1,6 @@
 //! Every counter the crates keep, in one place, rendered in the Prometheus text format.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
@@ -143,50 +142,161 @@ pub mod names {
     pub const STATS_REPORTS: &str = "kvevent_stats_reports_total";
 }
 
-struct Out(String);
+/// A sample value as read from our counters and gauges.
+#[derive(Debug, Clone, Copy)]
+enum Num {
+    Int(u64),
+    Float(f64),
+}
 
-impl Out {
-    fn family(&mut self, name: &str, kind: &str, help: &str) {
-        let _ = writeln!(self.0, "# HELP {name} {help}\n# TYPE {name} {kind}");
-    }
+trait IntoNum {
+    fn num(self) -> Num;
+}
 
-    fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: impl std::fmt::Display) {
-        self.0.push_str(name);
-        if !labels.is_empty() {
-            self.0.push('{');
-            for (i, (k, v)) in labels.iter().enumerate() {
-                if i > 0 {
-                    self.0.push(',');
-                }
-                let v = v
-                    .replace('\\', "\\\\")
-                    .replace('"', "\\\"")
-                    .replace('\n', "\\n");
-                let _ = write!(self.0, "{k}=\"{v}\"");
-            }
-            self.0.push('}');
-        }
-        let _ = writeln!(self.0, " {value}");
+impl IntoNum for u64 {
+    fn num(self) -> Num {
+        Num::Int(self)
     }
 }
 
+impl IntoNum for &u64 {
+    fn num(self) -> Num {
+        Num::Int(*self)
+    }
+}
+
+impl IntoNum for i32 {
+    fn num(self) -> Num {
+        Num::Int(u64::try_from(self).unwrap_or_default())
+    }
+}
+
+impl IntoNum for usize {
+    fn num(self) -> Num {
+        Num::Int(self as u64)
+    }
+}
+
+impl IntoNum for f64 {
+    fn num(self) -> Num {
+        Num::Float(self)
+    }
+}
+
+type Labels = Vec<(String, String)>;
+
+#[derive(Debug)]
+enum Sample {
+    Value(Labels, Num),
+    /// Upper bounds with per-bucket (not cumulative) counts, the sum, the count.
+    Histogram(Labels, Vec<(f64, u64)>, f64, u64),
+}
+
+#[derive(Debug)]
+struct Family {
+    name: &'static str,
+    kind: &'static str,
+    help: &'static str,
+    samples: Vec<Sample>,
+}
+
+/// What one scrape reads, family by family, in order; encoded by prometheus-client.
+#[derive(Debug, Default)]
+struct Out(Vec<Family>);
+
+fn labels(l: &[(&str, &str)]) -> Labels {
+    l.iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
+}
+
 impl Out {
-    /// A histogram's `_bucket` (cumulative, `le`), `_sum` and `_count` samples.
-    fn histogram(&mut self, name: &str, labels: &[(&str, &str)], h: &fwd::Histogram) {
-        let (buckets, sum, count) = h.snapshot();
-        let bucket = format!("{name}_bucket");
-        for (le, n) in buckets {
-            let le = if le.is_infinite() {
-                "+Inf".to_owned()
-            } else {
-                le.to_string()
-            };
-            let mut l: Vec<(&str, &str)> = labels.to_vec();
-            l.push(("le", &le));
-            self.sample(&bucket, &l, n);
+    fn family(&mut self, name: &'static str, kind: &'static str, help: &'static str) {
+        self.0.push(Family {
+            name,
+            kind,
+            help,
+            samples: Vec::new(),
+        });
+    }
+
+    fn sample(&mut self, name: &str, l: &[(&str, &str)], value: impl IntoNum) {
+        if let Some(f) = self.0.last_mut() {
+            debug_assert_eq!(f.name, name, "a sample outside its family");
+            f.samples.push(Sample::Value(labels(l), value.num()));
         }
-        self.sample(&format!("{name}_sum"), labels, sum);
-        self.sample(&format!("{name}_count"), labels, count);
+    }
+
+    /// A histogram's buckets, sum and count.
+    fn histogram(&mut self, name: &str, l: &[(&str, &str)], h: &fwd::Histogram) {
+        let (cumulative, sum, count) = h.snapshot();
+        let mut before = 0;
+        let buckets = cumulative
+            .into_iter()
+            .map(|(le, n)| {
+                let own = n - before;
+                before = n;
+                // prometheus-client writes the bound f64::MAX as `+Inf`.
+                (if le.is_infinite() { f64::MAX } else { le }, own)
+            })
+            .collect();
+        if let Some(f) = self.0.last_mut() {
+            debug_assert_eq!(f.name, name, "a sample outside its family");
+            f.samples
+                .push(Sample::Histogram(labels(l), buckets, sum, count));
+        }
+    }
+}
+
+fn write_sample(
+    m: &mut prometheus_client::encoding::MetricEncoder<'_>,
+    s: &Sample,
+    counter: bool,
+) -> Result<(), std::fmt::Error> {
+    use prometheus_client::encoding::NoLabelSet;
+    match s {
+        Sample::Histogram(_, buckets, sum, count) => {
+            m.encode_histogram::<NoLabelSet>(*sum, *count, buckets, None)
+        }
+        Sample::Value(_, Num::Int(n)) if counter => {
+            m.encode_counter::<NoLabelSet, u64, f64>(n, None)
+        }
+        Sample::Value(_, Num::Float(x)) if counter => {
+            m.encode_counter::<NoLabelSet, f64, f64>(x, None)
+        }
+        Sample::Value(_, Num::Int(n)) => m.encode_gauge(n),
+        Sample::Value(_, Num::Float(x)) => m.encode_gauge(x),
+    }
+}
+
+impl prometheus_client::collector::Collector for Out {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder<'_>,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::metrics::MetricType;
+        for f in &self.0 {
+            let (kind, name) = match f.kind {
+                // The encoder writes a counter's samples as `<name>_total`.
+                "counter" => (MetricType::Counter, f.name.trim_end_matches("_total")),
+                "histogram" => (MetricType::Histogram, f.name),
+                _ => (MetricType::Gauge, f.name),
+            };
+            let counter = matches!(kind, MetricType::Counter);
+            let mut family = encoder.encode_descriptor(name, f.help, None, kind)?;
+            for s in &f.samples {
+                let l = match s {
+                    Sample::Value(l, _) | Sample::Histogram(l, ..) => l,
+                };
+                // A sample without labels is written without `{}`.
+                if l.is_empty() {
+                    write_sample(&mut family, s, counter)?;
+                } else {
+                    write_sample(&mut family.encode_family(l)?, s, counter)?;
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -263,17 +373,20 @@ impl Telemetry {
     /// The Prometheus text exposition of everything.
     pub fn render(&self) -> String {
         use names::*;
-        let mut o = Out(String::with_capacity(16 * 1024));
+        let mut o = Out::default();
         o.family(BUILD_INFO, "gauge", "Build information.");
         o.sample(BUILD_INFO, &[("version", env!("CARGO_PKG_VERSION"))], 1);
 
-        let per_source =
-            |o: &mut Out, name: &str, kind: &str, help: &str, f: &dyn Fn(&SourceMetrics) -> u64| {
-                o.family(name, kind, help);
-                for (label, m) in self.sources.iter().zip(&self.source_metrics) {
-                    o.sample(name, &[("source", label)], f(m));
-                }
-            };
+        let per_source = |o: &mut Out,
+                          name: &'static str,
+                          kind: &'static str,
+                          help: &'static str,
+                          f: &dyn Fn(&SourceMetrics) -> u64| {
+            o.family(name, kind, help);
+            for (label, m) in self.sources.iter().zip(&self.source_metrics) {
+                o.sample(name, &[("source", label)], f(m));
+            }
+        };
         o.family(
             EVENTS,
             "counter",
@@ -399,7 +512,7 @@ impl Telemetry {
             o.sample(
                 SILENCE,
                 &[("source", label)],
-                format!("{:.3}", self.silence_seconds(i)),
+                (self.silence_seconds(i) * 1000.0).round() / 1000.0,
             );
         }
         per_source(
@@ -506,7 +619,7 @@ impl Telemetry {
             }
             o.family(TRACKED, "gauge", "Engine blocks tracked by the mapper.");
             for (label, (_, tracked)) in self.sources.iter().zip(mappers.iter()) {
-                o.sample(TRACKED, &[("source", label)], tracked);
+                o.sample(TRACKED, &[("source", label)], *tracked);
             }
         }
 
@@ -658,7 +771,12 @@ impl Telemetry {
         for (outcome, v) in lock(&self.stats_reports).iter() {
             o.sample(STATS_REPORTS, &[("outcome", outcome)], v);
         }
-        o.0
+        let mut registry = prometheus_client::registry::Registry::default();
+        registry.register_collector(Box::new(o));
+        let mut text = String::with_capacity(32 * 1024);
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut text, &registry);
+        text
     }
 }
 

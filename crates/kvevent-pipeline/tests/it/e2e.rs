@@ -101,7 +101,9 @@ async fn events_and_stats_flow_end_to_end() {
     assert_eq!(status, 200);
     for needle in [
         "kvevent_build_info{version=",
-        "# TYPE kvevent_events_received_total counter",
+        // OpenMetrics: a counter's family is named without `_total`, its samples with it.
+        "# TYPE kvevent_events_received counter",
+        "kvevent_events_received_total{source=",
         "kvevent_batches_received_total{source=",
         "kvevent_prefixes_sent_total ",
         "kvevent_scrapes_total{outcome=\"ok\"}",
@@ -149,7 +151,7 @@ async fn events_and_stats_flow_end_to_end() {
     let inf = parsed
         .series("kvevent_update_entries_bucket")
         .find(|s| s.label("le") == Some("+Inf"))
-        .expect("+Inf bucket");
+        .unwrap_or_else(|| panic!("+Inf bucket:\n{body}"));
     assert_eq!(inf.value, count("kvevent_update_entries_count", None));
     assert_eq!(http_get(addr, "/healthz").await.0, 200);
     assert_eq!(http_get(addr, "/readyz").await.0, 200);
@@ -405,11 +407,23 @@ async fn every_metric_the_readme_lists_is_exported_and_every_exported_one_is_lis
         .expect("start");
     let addr = running.metrics_addr().expect("metrics address");
     let (_, body) = http_get(addr, "/metrics").await;
+    assert!(
+        body.ends_with("# EOF\n"),
+        "OpenMetrics text ends with # EOF"
+    );
+    // Families as queried: a counter family `x` is sampled as `x_total`.
     let exported: std::collections::BTreeSet<String> = body
         .lines()
         .filter_map(|l| l.strip_prefix("# TYPE "))
-        .filter_map(|l| l.split_whitespace().next())
-        .map(str::to_owned)
+        .filter_map(|l| {
+            let mut w = l.split_whitespace();
+            let (name, kind) = (w.next()?, w.next()?);
+            Some(if kind == "counter" {
+                format!("{name}_total")
+            } else {
+                name.to_owned()
+            })
+        })
         .collect();
     let listed = readme_metrics();
     let missing: Vec<_> = listed.difference(&exported).collect();
