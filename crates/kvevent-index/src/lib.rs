@@ -113,8 +113,13 @@ pub struct IndexStats {
     pub keys: usize,
     /// (key, source) pairs, stale ones included until touched.
     pub pairs: usize,
-    /// Estimated bytes of the entries.
+    /// Estimated bytes of the entries (what the byte budget counts).
     pub bytes: usize,
+    /// Bytes of the key map's tables themselves (buckets, control bytes, free slots).
+    pub table_bytes: usize,
+    /// Bytes of the per-source block maps the key rules need (engine hash → fingerprint,
+    /// tokens, tier), not counted by the byte budget.
+    pub mapper_bytes: usize,
     /// Keys dropped by the byte budget.
     pub evicted_keys: u64,
     /// Block events applied.
@@ -353,6 +358,16 @@ impl Index {
             .map(|e| e.holders.len())
             .sum();
         stats.bytes = inner.young_bytes + inner.old_bytes;
+        let table = |m: &Map<(u64, u32), Entry>| {
+            m.capacity() * 8 / 7 * (std::mem::size_of::<((u64, u32), Entry)>() + 1)
+        };
+        stats.table_bytes = table(&inner.young) + table(&inner.old);
+        stats.mapper_bytes = inner
+            .sources
+            .iter()
+            .filter(|s| s.live)
+            .map(|s| s.mapper.tracked_bytes())
+            .sum();
         stats
     }
 
