@@ -1,7 +1,15 @@
-//! Records the git commit the binary is built from, for `--version` ("unknown" outside a git
-//! checkout, e.g. a source tarball).
+//! Records the git commit the binary is built from, for `--version`: `KVEVENT_GIT_COMMIT` when
+//! set (an image build, where `.git` is not copied in), else `git rev-parse`, else "unknown"
+//! (e.g. a source tarball).
 
 fn main() {
+    println!("cargo:rerun-if-env-changed=KVEVENT_GIT_COMMIT");
+    if let Ok(commit) = std::env::var("KVEVENT_GIT_COMMIT")
+        && !commit.trim().is_empty()
+    {
+        println!("cargo:rustc-env=KVEVENT_GIT_COMMIT={}", commit.trim());
+        return;
+    }
     let commit = std::process::Command::new("git")
         .args(["rev-parse", "--short=12", "HEAD"])
         .output()
