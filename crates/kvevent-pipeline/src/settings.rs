@@ -372,7 +372,8 @@ impl FileLayer {
                     None => "unknown key (the README's flag reference lists the keys: a flag's name with `_` for `-`)".to_owned(),
                 };
                 unknown.push(Problem {
-                    option: key,
+                    // TOML allows an empty quoted key: show it as written.
+                    option: if key.is_empty() { "\"\"".into() } else { key },
                     message,
                     file: Some(shown.clone()),
                 });

@@ -163,6 +163,12 @@ fn file_problems_name_the_file_and_key_all_at_once_with_the_key_meant() {
         );
         // Not the list of every option.
         assert!(!text.contains("tls_server_name"), "{text}");
+        // An empty quoted key (found by the config fuzz target): named as written.
+        jail.create_file("empty-key.toml", "''=''\n")?;
+        let err = Settings::load(Some(&jail.directory().join("empty-key.toml")), flags(&[]))
+            .expect_err("unknown key");
+        assert!(err.0.iter().all(|p| !p.option.is_empty()), "{err}");
+        assert!(err.to_string().contains("key `\"\"`: unknown key"), "{err}");
         jail.create_file("broken.toml", "model_id = \n")?;
         let err = Settings::load(Some(&jail.directory().join("broken.toml")), flags(&[]))
             .expect_err("not toml");
