@@ -1098,7 +1098,10 @@ impl Task {
                 let after = i == 1;
                 let updates = flight.updates[usize::from(i)];
                 let mut entries = 0;
+                // One observation per batch time (an update), not per entry; a window's adds
+                // come in runs of one batch time, so only a change of time is looked up.
                 let mut ages = std::collections::BTreeSet::new();
+                let mut last_ts = None;
                 for op in w.ops.iter_mut() {
                     if let Op::Add {
                         after_evict,
@@ -1107,8 +1110,10 @@ impl Task {
                     } = op
                         && *after_evict == after
                     {
-                        // One observation per batch time (an update), not per entry.
-                        ages.insert(*timestamp_us);
+                        if last_ts != Some(*timestamp_us) {
+                            last_ts = Some(*timestamp_us);
+                            ages.insert(*timestamp_us);
+                        }
                         *op = Op::Gone;
                         entries += 1;
                     }
