@@ -18,7 +18,9 @@
 //!
 //! The first report of a block goes as [`Report::New`](pb::Report::New) (the server cannot hold
 //! it yet), a re-report as `Report::Update`; [`Mapper::refresh`] re-reports every resident block
-//! once per interval, spread evenly, so the server's TTL never expires what the engine holds.
+//! within one interval of its last report, spread evenly, so the server's TTL never expires what
+//! the engine holds. [`Mapper::save`] / [`Mapper::restore`] carry the tracked blocks across a
+//! restart of the process (versioned bytes; other options or a damaged copy are refused).
 //!
 //! Pure: no IO, no async runtime, no gRPC (only the prost messages). What the mapper drops or
 //! cannot key is counted in [`MapperStats`], never guessed.

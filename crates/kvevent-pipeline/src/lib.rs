@@ -12,6 +12,9 @@
 //! Routers can embed the whole pipeline in-process; the `kvevent-subscriber` binary is a thin
 //! shell around it. [`demo`] runs it against an in-process engine, server and metrics endpoint.
 //!
+//! With `--state-file`, [`state_file`] saves each source's mapper and last batch periodically
+//! and at shutdown, and [`start`] resumes from it.
+//!
 //! This is the only crate that knows every layer: the others know their neighbours'
 //! abstractions, never each other.
 

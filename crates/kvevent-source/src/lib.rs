@@ -17,6 +17,10 @@
 //!   [`Subscriber::remove_source`]). It is the in-process API for a Rust router, independent of
 //!   any gRPC forwarding.
 //!
+//! A consumer that saved its state resumes a source where it stopped ([`Resume`],
+//! [`Config::resume`]): the replay starts at the saved last batch, which must come back with
+//! the saved [`payload_digest`], else the source is reset and rebuilt.
+//!
 //! Every decision is counted in [`SourceMetrics`]. No tokio, tonic, hyper or prost here.
 //!
 //! ```

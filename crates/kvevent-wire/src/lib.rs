@@ -35,7 +35,8 @@
 //! from a plain synchronous offline tool; CI checks its dependency tree.
 //!
 //! Feature `json`: the normalized JSON form of a batch ([`json::to_json`],
-//! [`json::from_json`]), as written in `shared/vectors/README.md`.
+//! [`json::from_json`]), as written in `shared/vectors/README.md`. Feature `serde`: owned batch
+//! types implementing `Deserialize` (`owned`), for `rmp_serde::from_slice`.
 
 mod decode;
 mod encode;

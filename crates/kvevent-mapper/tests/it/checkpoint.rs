@@ -47,38 +47,26 @@ fn roundtrip(m: &Mapper, options: Options) -> Mapper {
 
 #[test]
 fn every_vector_survives_a_save_and_restore_in_both_key_modes() {
-    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../testdata/vectors");
     let mut checked = 0;
-    for release in std::fs::read_dir(dir).expect("vectors") {
-        let release = release.expect("entry").path();
-        if !release.is_dir() {
-            continue;
-        }
-        for file in std::fs::read_dir(&release).expect("release") {
-            let path = file.expect("entry").path();
-            if path.extension().is_none_or(|e| e != "msgpack") {
-                continue;
-            }
-            let payload = std::fs::read(&path).expect("read");
-            let batch = wire::decode(&payload).expect("decode");
-            for mode in [KeyMode::Engine, KeyMode::Fingerprint] {
-                let mut original = mapper(options(mode));
-                original.map_batch(&batch, &mut Vec::new());
-                let mut restored = roundtrip(&original, options(mode));
-                assert_eq!(
-                    restored.tracked_blocks(),
-                    original.tracked_blocks(),
-                    "{}",
-                    path.display()
-                );
-                assert_eq!(
-                    observable(&mut restored),
-                    observable(&mut original),
-                    "{} {mode:?}",
-                    path.display()
-                );
-                checked += 1;
-            }
+    for (path, payload) in crate::vector_payloads() {
+        let batch = wire::decode(&payload).expect("decode");
+        for mode in [KeyMode::Engine, KeyMode::Fingerprint] {
+            let mut original = mapper(options(mode));
+            original.map_batch(&batch, &mut Vec::new());
+            let mut restored = roundtrip(&original, options(mode));
+            assert_eq!(
+                restored.tracked_blocks(),
+                original.tracked_blocks(),
+                "{}",
+                path.display()
+            );
+            assert_eq!(
+                observable(&mut restored),
+                observable(&mut original),
+                "{} {mode:?}",
+                path.display()
+            );
+            checked += 1;
         }
     }
     assert!(checked >= 150, "only {checked} vector runs");

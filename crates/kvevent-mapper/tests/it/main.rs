@@ -94,6 +94,26 @@ pub(crate) fn be(h: u64) -> Vec<u8> {
     h.to_be_bytes().to_vec()
 }
 
+/// Every `*.msgpack` under `testdata/vectors/<release>/`, as (path, payload).
+pub(crate) fn vector_payloads() -> Vec<(std::path::PathBuf, Vec<u8>)> {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../testdata/vectors");
+    let mut out = Vec::new();
+    for release in std::fs::read_dir(dir).expect("vectors") {
+        let release = release.expect("entry").path();
+        if !release.is_dir() {
+            continue;
+        }
+        for file in std::fs::read_dir(&release).expect("release") {
+            let path = file.expect("entry").path();
+            if path.extension().is_some_and(|e| e == "msgpack") {
+                let payload = std::fs::read(&path).expect("read");
+                out.push((path, payload));
+            }
+        }
+    }
+    out
+}
+
 pub(crate) fn tokens(range: std::ops::Range<u32>) -> Vec<u32> {
     range.collect()
 }

@@ -1,15 +1,9 @@
 //! Every shared vector maps as the contract says, checked against the vector's JSON.
 
-use std::path::PathBuf;
-
 use kvevent_mapper::{Options, parse_lora_adapters};
 use kvevent_proto as pb;
 use kvevent_wire as wire;
 use serde_json::Value;
-
-fn vectors_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../testdata/vectors")
-}
 
 fn key_of(h: &Value) -> Vec<u8> {
     match h {
@@ -34,126 +28,114 @@ fn tier_of(medium: &Value) -> i32 {
 #[test]
 fn every_vector_maps_as_the_contract_says() {
     let mut count = 0;
-    for release in std::fs::read_dir(vectors_dir()).expect("vectors") {
-        let release = release.expect("entry").path();
-        if !release.is_dir() {
-            continue;
-        }
-        for file in std::fs::read_dir(&release).expect("release") {
-            let path = file.expect("entry").path();
-            if path.extension().is_none_or(|e| e != "msgpack") {
-                continue;
-            }
-            let label = path.display().to_string();
-            let payload = std::fs::read(&path).expect("read");
-            let json: Value =
-                serde_json::from_slice(&std::fs::read(path.with_extension("json")).expect("json"))
-                    .expect("parse");
-            let batch = wire::decode(&payload).expect("decode");
-            let options = Options {
-                lora_adapters: parse_lora_adapters("7=sql-lora").expect("map"),
-                ..Options::default()
-            };
-            let mut m = crate::mapper(options);
-            let mut out = Vec::new();
-            m.map_batch(&batch, &mut out);
+    for (path, payload) in crate::vector_payloads() {
+        let label = path.display().to_string();
+        let json: Value =
+            serde_json::from_slice(&std::fs::read(path.with_extension("json")).expect("json"))
+                .expect("parse");
+        let batch = wire::decode(&payload).expect("decode");
+        let options = Options {
+            lora_adapters: parse_lora_adapters("7=sql-lora").expect("map"),
+            ..Options::default()
+        };
+        let mut m = crate::mapper(options);
+        let mut out = Vec::new();
+        m.map_batch(&batch, &mut out);
 
-            // What the contract says, computed from the JSON alone (no parent chaining here:
-            // each vector is mapped by a fresh mapper, so a known parent must be in the batch).
-            let mut want_entries = Vec::new();
-            let mut want_events = Vec::new();
-            let mut known = std::collections::HashMap::new();
-            // Hybrid models: groups that are not full attention are not reported.
-            let mut skipped_groups = std::collections::HashSet::new();
-            let ts_us = (json["ts"].as_f64().expect("ts") * 1e6) as i64;
-            for e in json["events"].as_array().expect("events") {
-                match e["type"].as_str().expect("type") {
-                    "BlockStored" => {
-                        let bs = e["block_size"].as_i64().expect("bs") as i32;
-                        if bs == 0 {
-                            continue;
-                        }
-                        if !kvevent_mapper::is_prefix_group(e["kv_cache_spec_kind"].as_str()) {
-                            if let Some(g) = e["group_idx"].as_i64() {
-                                skipped_groups.insert(g);
-                            }
-                            continue;
-                        }
-                        let adapter = match (&e["lora_name"], &e["lora_id"]) {
-                            (Value::String(n), _) => n.clone(),
-                            (_, Value::Number(id)) if id.as_i64() == Some(7) => "sql-lora".into(),
-                            (_, Value::Number(_)) => continue,
-                            _ => String::new(),
-                        };
-                        let base = e["parent_block_hash"].as_null().map_or_else(
-                            || {
-                                known
-                                    .get(&key_of(&e["parent_block_hash"]))
-                                    .copied()
-                                    .unwrap_or(0)
-                            },
-                            |_| 0,
-                        );
-                        for (i, h) in e["block_hashes"]
-                            .as_array()
-                            .expect("hashes")
-                            .iter()
-                            .enumerate()
-                        {
-                            let count = base + (i as i32 + 1) * bs;
-                            known.insert(key_of(h), count);
-                            want_entries.push((
-                                key_of(h),
-                                count,
-                                tier_of(&e["medium"]),
-                                adapter.clone(),
-                            ));
-                        }
+        // What the contract says, computed from the JSON alone (no parent chaining here:
+        // each vector is mapped by a fresh mapper, so a known parent must be in the batch).
+        let mut want_entries = Vec::new();
+        let mut want_events = Vec::new();
+        let mut known = std::collections::HashMap::new();
+        // Hybrid models: groups that are not full attention are not reported.
+        let mut skipped_groups = std::collections::HashSet::new();
+        let ts_us = (json["ts"].as_f64().expect("ts") * 1e6) as i64;
+        for e in json["events"].as_array().expect("events") {
+            match e["type"].as_str().expect("type") {
+                "BlockStored" => {
+                    let bs = e["block_size"].as_i64().expect("bs") as i32;
+                    if bs == 0 {
+                        continue;
                     }
-                    "BlockRemoved" => {
-                        if e["group_idx"]
-                            .as_i64()
-                            .is_some_and(|g| skipped_groups.contains(&g))
-                        {
-                            continue;
+                    if !kvevent_mapper::is_prefix_group(e["kv_cache_spec_kind"].as_str()) {
+                        if let Some(g) = e["group_idx"].as_i64() {
+                            skipped_groups.insert(g);
                         }
-                        for h in e["block_hashes"].as_array().expect("hashes") {
-                            want_events
-                                .push((pb::cache_event::Type::PrefixEvicted as i32, key_of(h)));
-                        }
+                        continue;
                     }
-                    _ => {
-                        known.clear();
-                        want_events.push((pb::cache_event::Type::AllCleared as i32, Vec::new()));
+                    let adapter = match (&e["lora_name"], &e["lora_id"]) {
+                        (Value::String(n), _) => n.clone(),
+                        (_, Value::Number(id)) if id.as_i64() == Some(7) => "sql-lora".into(),
+                        (_, Value::Number(_)) => continue,
+                        _ => String::new(),
+                    };
+                    let base = e["parent_block_hash"].as_null().map_or_else(
+                        || {
+                            known
+                                .get(&key_of(&e["parent_block_hash"]))
+                                .copied()
+                                .unwrap_or(0)
+                        },
+                        |_| 0,
+                    );
+                    for (i, h) in e["block_hashes"]
+                        .as_array()
+                        .expect("hashes")
+                        .iter()
+                        .enumerate()
+                    {
+                        let count = base + (i as i32 + 1) * bs;
+                        known.insert(key_of(h), count);
+                        want_entries.push((
+                            key_of(h),
+                            count,
+                            tier_of(&e["medium"]),
+                            adapter.clone(),
+                        ));
                     }
                 }
-            }
-            assert_eq!(crate::entries(&out), want_entries, "{label}");
-            let got_events: Vec<_> = crate::events(&out)
-                .into_iter()
-                .map(|(t, k, _)| (t, k))
-                .collect();
-            assert_eq!(got_events, want_events, "{label}");
-            for r in &out {
-                let (replica, scheme, ts) = match r {
-                    pb::Report::Update(u) | pb::Report::New(u) => {
-                        (&u.replica_id, &u.hash_scheme, u.timestamp_us)
+                "BlockRemoved" => {
+                    if e["group_idx"]
+                        .as_i64()
+                        .is_some_and(|g| skipped_groups.contains(&g))
+                    {
+                        continue;
                     }
-                    pb::Report::Event(e) => (&e.replica_id, &String::from("vllm"), e.timestamp_us),
-                };
-                assert_eq!(
-                    (replica.as_str(), scheme.as_str(), ts),
-                    ("replica-1", "vllm", ts_us),
-                    "{label}"
-                );
+                    for h in e["block_hashes"].as_array().expect("hashes") {
+                        want_events.push((pb::cache_event::Type::PrefixEvicted as i32, key_of(h)));
+                    }
+                }
+                _ => {
+                    known.clear();
+                    want_events.push((pb::cache_event::Type::AllCleared as i32, Vec::new()));
+                }
             }
-            println!(
-                "ok {label}: {} prefixes, {} events",
-                want_entries.len(),
-                want_events.len()
-            );
-            count += 1;
         }
+        assert_eq!(crate::entries(&out), want_entries, "{label}");
+        let got_events: Vec<_> = crate::events(&out)
+            .into_iter()
+            .map(|(t, k, _)| (t, k))
+            .collect();
+        assert_eq!(got_events, want_events, "{label}");
+        for r in &out {
+            let (replica, scheme, ts) = match r {
+                pb::Report::Update(u) | pb::Report::New(u) => {
+                    (&u.replica_id, &u.hash_scheme, u.timestamp_us)
+                }
+                pb::Report::Event(e) => (&e.replica_id, &String::from("vllm"), e.timestamp_us),
+            };
+            assert_eq!(
+                (replica.as_str(), scheme.as_str(), ts),
+                ("replica-1", "vllm", ts_us),
+                "{label}"
+            );
+        }
+        println!(
+            "ok {label}: {} prefixes, {} events",
+            want_entries.len(),
+            want_events.len()
+        );
+        count += 1;
     }
     assert!(count >= 70);
 }
