@@ -33,7 +33,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
 
 use crate::{Client, DropReason, Metrics, Retry, classify, pb};
@@ -101,13 +101,19 @@ pub struct Closed;
 pub struct Handle {
     tx: mpsc::Sender<pb::Report>,
     metrics: Arc<Metrics>,
+    /// Rung when the channel is half full. While a window is open the task takes its input
+    /// only when the window is due (one wakeup a window, not one a report), or at this bell.
+    bell: Arc<Notify>,
 }
 
 impl Handle {
     /// Queues a report without waiting; a full channel drops it (counted as `input_full`).
     pub fn try_submit(&self, report: pb::Report) -> Submit {
         match self.tx.try_send(report) {
-            Ok(()) => Submit::Queued,
+            Ok(()) => {
+                self.ring_if_filling();
+                Submit::Queued
+            }
             Err(mpsc::error::TrySendError::Full(report)) => {
                 count_drop(&self.metrics, &report, DropReason::InputFull);
                 Submit::Full
@@ -119,12 +125,22 @@ impl Handle {
     /// Queues a report, waiting for room in the channel (never for the network: the forwarder
     /// task empties the channel continuously). `Err` when the forwarder has shut down.
     pub async fn submit(&self, report: pb::Report) -> Result<(), Closed> {
-        self.tx.send(report).await.map_err(|_| Closed)
+        self.tx.send(report).await.map_err(|_| Closed)?;
+        self.ring_if_filling();
+        Ok(())
     }
 
     /// Like [`Self::submit`], from a plain thread (never from inside the async runtime).
     pub fn blocking_submit(&self, report: pb::Report) -> Result<(), Closed> {
-        self.tx.blocking_send(report).map_err(|_| Closed)
+        self.tx.blocking_send(report).map_err(|_| Closed)?;
+        self.ring_if_filling();
+        Ok(())
+    }
+
+    fn ring_if_filling(&self) {
+        if self.tx.capacity() <= self.tx.max_capacity() / 2 {
+            self.bell.notify_one();
+        }
     }
 
     /// The forwarder's counters.
@@ -163,9 +179,11 @@ pub fn spawn(client: Client, config: Config) -> (Handle, Forwarder) {
     let (tx, rx) = mpsc::channel(config.input_capacity.max(1));
     let (shutdown_tx, shutdown_rx) = oneshot::channel();
     let metrics = Arc::new(Metrics::default());
-    let task = tokio::spawn(Task::new(client, config, metrics.clone()).run(rx, shutdown_rx));
+    let bell = Arc::new(Notify::new());
+    let task =
+        tokio::spawn(Task::new(client, config, metrics.clone()).run(rx, bell.clone(), shutdown_rx));
     (
-        Handle { tx, metrics },
+        Handle { tx, metrics, bell },
         Forwarder {
             shutdown: shutdown_tx,
             task,
@@ -522,6 +540,7 @@ impl Task {
     async fn run(
         mut self,
         mut rx: mpsc::Receiver<pb::Report>,
+        bell: Arc<Notify>,
         mut shutdown: oneshot::Receiver<Duration>,
     ) -> DrainReport {
         let mut calls: FuturesUnordered<Call> = FuturesUnordered::new();
@@ -530,10 +549,18 @@ impl Task {
         let mut drain_by: Option<Instant> = None;
         let mut input_open = true;
         let mut batch = Vec::with_capacity(256);
+        // One timer, moved when the next wakeup changes (not a new one every turn).
+        let timer = tokio::time::sleep(Duration::ZERO);
+        tokio::pin!(timer);
+        let mut timer_at: Option<Instant> = None;
         loop {
             let now = Instant::now();
             if retry_at.is_some_and(|t| now >= t) {
                 retry_at = None;
+            }
+            // A window that is due takes in everything that arrived while it was open.
+            if input_open && self.flush_at().is_some_and(|t| now >= t) {
+                input_open = self.take_queued(&mut rx, &mut drain_by);
             }
             if retry_at.is_none() {
                 self.dispatch(now, drain_by.is_some(), &mut calls);
@@ -553,10 +580,20 @@ impl Task {
                 break;
             }
             let log_at = self.log_due();
-            let wake = [retry_at, self.flush_at(), drain_by, log_at]
+            let flush_at = self.flush_at();
+            let wake = [retry_at, flush_at, drain_by, log_at]
                 .into_iter()
                 .flatten()
                 .min();
+            if wake != timer_at {
+                timer_at = wake;
+                if let Some(at) = wake {
+                    timer.as_mut().reset(at);
+                }
+            }
+            // While a window waits for its time, reports wait in the channel: the task wakes
+            // for the window, not for every report (the bell rings if the channel fills).
+            let eager = input_open && flush_at.is_none();
             tokio::select! {
                 Some((id, outcome, took)) = calls.next(), if !calls.is_empty() => {
                     let mut failed = self.finish(id, outcome, took);
@@ -571,7 +608,7 @@ impl Task {
                         backoff = self.config.backoff_initial;
                     }
                 }
-                n = rx.recv_many(&mut batch, 256), if input_open => {
+                n = rx.recv_many(&mut batch, 256), if eager => {
                     if n == 0 {
                         input_open = false;
                         drain_by.get_or_insert(Instant::now() + self.config.drain_timeout);
@@ -597,7 +634,11 @@ impl Task {
                     // A retry waiting on backoff goes now: the deadline bounds it.
                     retry_at = None;
                 }
-                () = sleep_until(wake), if wake.is_some() => {
+                () = bell.notified(), if input_open && !eager => {
+                    input_open = self.take_queued(&mut rx, &mut drain_by);
+                }
+                () = &mut timer, if timer_at.is_some() => {
+                    timer_at = None;
                     self.log_now(Instant::now(), false);
                 }
             }
@@ -605,6 +646,29 @@ impl Task {
         drop(calls);
         self.log_now(Instant::now(), true);
         self.leftovers()
+    }
+
+    /// Takes every report queued in the channel without waiting; false once it is closed.
+    fn take_queued(
+        &mut self,
+        rx: &mut mpsc::Receiver<pb::Report>,
+        drain_by: &mut Option<Instant>,
+    ) -> bool {
+        loop {
+            match rx.try_recv() {
+                Ok(report) => self.push(report),
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) => {
+                    drain_by.get_or_insert(Instant::now() + self.config.drain_timeout);
+                    self.enforce_bound();
+                    self.seal_all();
+                    return false;
+                }
+            }
+        }
+        self.enforce_bound();
+        self.metrics.queue_depth.store(self.pending as u64, Relaxed);
+        true
     }
 
     /// When the open window at the front becomes due.
@@ -1358,13 +1422,6 @@ fn build_updates(
         }
     }
     out
-}
-
-async fn sleep_until(at: Option<Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
-    }
 }
 
 #[cfg(test)]
