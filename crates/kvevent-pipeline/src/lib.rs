@@ -205,6 +205,9 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         restore(settings, &identity, key_mode, &labels, &options)?
     };
     let mut sub_config = source::Config::new(sources.clone());
+    // One engine's ranks, decoded and mapped on the events thread anyway: read there too (no
+    // thread handoff a batch; see `source::Config::threads`).
+    sub_config.threads = false;
     sub_config.socket.replay_idle_timeout = settings.replay_timeout.0;
     sub_config.socket.rcvhwm = settings.engine_rcvhwm;
     sub_config.socket.heartbeat_interval = settings.engine_heartbeat_interval.0;

@@ -18,6 +18,11 @@ pub struct Config {
     pub sources: Vec<transport::Source>,
     /// Socket options.
     pub socket: transport::SourceOptions,
+    /// Each source read by a thread of its own (default), or all of them by the thread that
+    /// calls [`Subscriber::next`] (false). Reading in the caller saves two thread wakeups a
+    /// message: the choice for a few busy sources on one consumer thread (the sidecar: one
+    /// engine's DP ranks); threads for many sources (a router's fleet).
+    pub threads: bool,
     /// Capacity of the frames channel between the source threads and the subscriber.
     /// Default 1,024 messages.
     pub channel_capacity: usize,
@@ -36,6 +41,7 @@ impl Config {
         Self {
             sources,
             socket: transport::SourceOptions::default(),
+            threads: true,
             channel_capacity: 1024,
             state: StateConfig::default(),
             limits: wire::Limits::DEFAULT,
@@ -102,7 +108,10 @@ pub enum Update {
 /// Subscribes to engine sources and yields their updates.
 pub struct Subscriber {
     transport: Option<transport::Transport>,
-    frames: Receiver<transport::Frames>,
+    /// `None` when the caller's thread reads the sockets.
+    frames: Option<Receiver<transport::Frames>>,
+    /// Frames read in the caller, not yet handled.
+    inbox: VecDeque<transport::Frames>,
     states: Vec<SourceState>,
     metrics: Vec<Arc<SourceMetrics>>,
     sources: Vec<transport::Source>,
@@ -126,8 +135,14 @@ impl std::fmt::Debug for Subscriber {
 impl Subscriber {
     /// Opens every source's sockets and starts their threads.
     pub fn start(ctx: &zmq::Context, config: Config) -> Result<Self, transport::Error> {
-        let (tx, rx) = mpsc::sync_channel(config.channel_capacity.max(1));
-        let transport = transport::Transport::start(ctx, &config.sources, &config.socket, tx)?;
+        let (transport, rx) = if config.threads {
+            let (tx, rx) = mpsc::sync_channel(config.channel_capacity.max(1));
+            let t = transport::Transport::start(ctx, &config.sources, &config.socket, tx)?;
+            (t, Some(rx))
+        } else {
+            let t = transport::Transport::in_caller(ctx, &config.sources, &config.socket)?;
+            (t, None)
+        };
         let metrics: Vec<_> = config
             .sources
             .iter()
@@ -149,6 +164,7 @@ impl Subscriber {
         let mut subscriber = Self {
             transport: Some(transport),
             frames: rx,
+            inbox: VecDeque::new(),
             states,
             metrics,
             removed: vec![false; config.sources.len()],
@@ -213,6 +229,7 @@ impl Subscriber {
         if let Some(t) = self.transport.as_mut() {
             t.remove(index);
         }
+        self.inbox.retain(|f| f.source != index);
         self.ready.retain(|u| match u {
             Update::Batch(b) => b.source != index,
             Update::Reset { source, .. } => *source != index,
@@ -278,10 +295,25 @@ impl Subscriber {
             if let Some(update) = self.ready.pop_front() {
                 return Some(update);
             }
+            if let Some(frames) = self.inbox.pop_front() {
+                self.handle(frames);
+                continue;
+            }
             let left = deadline.saturating_duration_since(Instant::now());
-            match self.frames.recv_timeout(left) {
-                Ok(frames) => self.handle(frames),
-                Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => return None,
+            match (&self.frames, self.transport.as_mut()) {
+                (Some(rx), _) => match rx.recv_timeout(left) {
+                    Ok(frames) => self.handle(frames),
+                    Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => {
+                        return None;
+                    }
+                },
+                (None, Some(transport)) => {
+                    transport.poll(left, &mut self.inbox);
+                    if self.inbox.is_empty() && Instant::now() >= deadline {
+                        return None;
+                    }
+                }
+                (None, None) => return None,
             }
         }
     }
@@ -351,7 +383,7 @@ impl Subscriber {
                 Step::Replay { from } => {
                     let asked = self
                         .transport
-                        .as_ref()
+                        .as_mut()
                         .is_some_and(|t| t.request_replay(source, from));
                     if !asked {
                         let mut more = Vec::new();

@@ -1,5 +1,6 @@
 //! Source threads: SUB and replay DEALER sockets, raw frames out.
 
+use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
@@ -69,45 +70,69 @@ enum Command {
     Replay { from: u64 },
 }
 
-/// The running source threads. Sources can be added and removed while it runs; a source's
-/// index is never reused.
+/// Who reads a source's sockets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// A thread per source, frames out over the channel ([`Transport::start`]).
+    Threads,
+    /// The caller's thread, in [`Transport::poll`] ([`Transport::in_caller`]).
+    Caller,
+}
+
+/// The running sources. Sources can be added and removed while it runs; a source's index is
+/// never reused.
 pub struct Transport {
+    mode: Mode,
     /// The caller's context first, then the ones made for more TCP sources, with how many
     /// running sources each holds.
     contexts: Vec<(zmq::Context, usize)>,
     opts: SourceOptions,
-    out: SyncSender<Frames>,
+    /// Where source threads send frames (`Mode::Threads`).
+    out: Option<SyncSender<Frames>>,
+    /// Frames made outside [`Transport::poll`] (`Mode::Caller`): a replay that could not be asked.
+    early: Vec<Frames>,
     /// Stops every thread.
     stop: Arc<AtomicBool>,
     /// By source index; `None` once removed.
     slots: Vec<Option<Slot>>,
 }
 
-/// One source's thread.
+/// One source.
 struct Slot {
+    runner: Runner,
+    /// Index in `Transport::contexts` of the context holding its sockets.
+    context: usize,
+}
+
+enum Runner {
+    Thread(Box<ThreadSlot>),
+    Caller(Box<Reader>),
+}
+
+/// A source's thread.
+struct ThreadSlot {
     /// Stops this thread alone.
     stop: Arc<AtomicBool>,
     thread: JoinHandle<()>,
     commands: SyncSender<Command>,
     /// Wakes the thread from its `poll` (a command or a stop is waiting).
     doorbell: UnixStream,
-    /// Index in `Transport::contexts` of the context holding its sockets.
-    context: usize,
 }
 
-impl Slot {
+impl ThreadSlot {
     fn ring(&self) {
         // A full doorbell already rings: nothing is lost by a failed write.
         let _ = (&self.doorbell).write(&[1]);
     }
 }
 
-/// A source's sockets, made before its thread starts.
+/// A source's sockets, made before it starts.
 type Sockets = (zmq::Socket, zmq::Socket, Option<zmq::Socket>);
 
 impl std::fmt::Debug for Transport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Transport")
+            .field("mode", &self.mode)
             .field("sources", &self.slots.iter().flatten().count())
             .finish()
     }
@@ -226,10 +251,37 @@ impl Transport {
         opts: &SourceOptions,
         out: SyncSender<Frames>,
     ) -> Result<Self, Error> {
+        Self::new(Mode::Threads, ctx, sources, opts, Some(out))
+    }
+
+    /// Creates every source's sockets, read by the caller's thread in [`Transport::poll`]: no
+    /// thread, no channel, no handoff between threads for a message. For a consumer that
+    /// follows a few sources (one engine's DP ranks) on one thread anyway; a busy source is
+    /// read between another's messages, and what waits queues in libzmq up to the HWM.
+    /// The caller must keep polling (every 100 ms or so, idle or not): libzmq attaches a new
+    /// or re-made connection, and sends its subscription, only when the socket's thread uses
+    /// the socket.
+    pub fn in_caller(
+        ctx: &zmq::Context,
+        sources: &[Source],
+        opts: &SourceOptions,
+    ) -> Result<Self, Error> {
+        Self::new(Mode::Caller, ctx, sources, opts, None)
+    }
+
+    fn new(
+        mode: Mode,
+        ctx: &zmq::Context,
+        sources: &[Source],
+        opts: &SourceOptions,
+        out: Option<SyncSender<Frames>>,
+    ) -> Result<Self, Error> {
         let mut transport = Self {
+            mode,
             contexts: vec![(ctx.clone(), 0)],
             opts: opts.clone(),
             out,
+            early: Vec::new(),
             stop: Arc::new(AtomicBool::new(false)),
             slots: Vec::with_capacity(sources.len()),
         };
@@ -287,12 +339,7 @@ impl Transport {
         context: usize,
     ) -> Result<usize, Error> {
         let index = self.slots.len();
-        let (doorbell, bell_rx) = UnixStream::pair().map_err(Error::Spawn)?;
-        bell_rx.set_nonblocking(true).map_err(Error::Spawn)?;
-        doorbell.set_nonblocking(true).map_err(Error::Spawn)?;
-        let (cmd_tx, cmd_rx) = mpsc::sync_channel(self.opts.command_capacity.max(1));
-        let own = Arc::new(AtomicBool::new(false));
-        let worker = Worker {
+        let reader = Reader {
             index,
             ctx: self.contexts[context].0.clone(),
             source: source.clone(),
@@ -300,24 +347,37 @@ impl Transport {
             sub,
             monitor,
             dealer,
-            commands: cmd_rx,
-            out: self.out.clone(),
-            stop: self.stop.clone(),
-            own_stop: own.clone(),
-            doorbell: bell_rx,
             replay_deadline: None,
         };
-        let thread = std::thread::Builder::new()
-            .name(format!("kvevent-src-{index}"))
-            .spawn(move || worker.run())
-            .map_err(Error::Spawn)?;
-        self.slots.push(Some(Slot {
-            stop: own,
-            thread,
-            commands: cmd_tx,
-            doorbell,
-            context,
-        }));
+        let runner = match (self.mode, &self.out) {
+            (Mode::Threads, Some(out)) => {
+                let (doorbell, bell_rx) = UnixStream::pair().map_err(Error::Spawn)?;
+                bell_rx.set_nonblocking(true).map_err(Error::Spawn)?;
+                doorbell.set_nonblocking(true).map_err(Error::Spawn)?;
+                let (cmd_tx, cmd_rx) = mpsc::sync_channel(self.opts.command_capacity.max(1));
+                let own = Arc::new(AtomicBool::new(false));
+                let worker = Worker {
+                    reader,
+                    commands: cmd_rx,
+                    out: out.clone(),
+                    stop: self.stop.clone(),
+                    own_stop: own.clone(),
+                    doorbell: bell_rx,
+                };
+                let thread = std::thread::Builder::new()
+                    .name(format!("kvevent-src-{index}"))
+                    .spawn(move || worker.run())
+                    .map_err(Error::Spawn)?;
+                Runner::Thread(Box::new(ThreadSlot {
+                    stop: own,
+                    thread,
+                    commands: cmd_tx,
+                    doorbell,
+                }))
+            }
+            _ => Runner::Caller(Box::new(reader)),
+        };
+        self.slots.push(Some(Slot { runner, context }));
         Ok(index)
     }
 
@@ -334,9 +394,12 @@ impl Transport {
         let Some(slot) = self.slots.get_mut(index).and_then(Option::take) else {
             return false;
         };
-        slot.stop.store(true, Ordering::SeqCst);
-        slot.ring();
-        let _ = slot.thread.join();
+        if let Runner::Thread(t) = slot.runner {
+            t.stop.store(true, Ordering::SeqCst);
+            t.ring();
+            let _ = t.thread.join();
+        }
+        self.early.retain(|f| f.source != index);
         self.contexts[slot.context].1 -= 1;
         true
     }
@@ -349,15 +412,97 @@ impl Transport {
     /// Asks source `source` to replay every buffered batch from `from`. The frames come as
     /// [`Delivery::Replay`], then one [`Delivery::ReplayDone`]. Returns false when the source
     /// has no replay endpoint or has stopped.
-    pub fn request_replay(&self, source: usize, from: u64) -> bool {
-        self.slots
-            .get(source)
-            .and_then(Option::as_ref)
-            .is_some_and(|s| {
-                let sent = s.commands.try_send(Command::Replay { from }).is_ok();
-                s.ring();
+    pub fn request_replay(&mut self, source: usize, from: u64) -> bool {
+        match self.slots.get_mut(source).and_then(Option::as_mut) {
+            Some(Slot {
+                runner: Runner::Thread(t),
+                ..
+            }) => {
+                let sent = t.commands.try_send(Command::Replay { from }).is_ok();
+                t.ring();
                 sent
+            }
+            Some(Slot {
+                runner: Runner::Caller(reader),
+                ..
+            }) => {
+                let early = &mut self.early;
+                reader.start_replay(from, &mut |f| {
+                    early.push(f);
+                    true
+                });
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Reads every caller-read source's sockets ([`Transport::in_caller`]) into `out`, waiting
+    /// up to `timeout` for the first message. Returns at once when something is ready; at most
+    /// 256 messages a socket per call. Sources on threads of their own are not read here.
+    pub fn poll(&mut self, timeout: Duration, out: &mut VecDeque<Frames>) {
+        let had = out.len();
+        out.extend(self.early.drain(..));
+        let readers: Vec<&mut Reader> = self
+            .slots
+            .iter_mut()
+            .flatten()
+            .filter_map(|s| match &mut s.runner {
+                Runner::Caller(r) => Some(&mut **r),
+                Runner::Thread(_) => None,
             })
+            .collect();
+        if readers.is_empty() {
+            if out.len() == had {
+                std::thread::sleep(timeout);
+            }
+            return;
+        }
+        let mut wait = if out.len() > had {
+            Duration::ZERO
+        } else {
+            timeout
+        };
+        for r in &readers {
+            if let Some(d) = r.replay_deadline {
+                wait = wait.min(d.saturating_duration_since(Instant::now()));
+            }
+        }
+        let ready: Vec<(bool, bool, bool)> = {
+            let mut items = Vec::with_capacity(readers.len() * 3);
+            for r in &readers {
+                r.poll_items(&mut items);
+            }
+            let waited = i64::try_from(wait.as_millis()).unwrap_or(i64::MAX);
+            // A zero wait that rounds up stays zero; a positive one waits at least 1 ms.
+            let waited = if wait.is_zero() { 0 } else { waited.max(1) };
+            if let Err(e) = zmq::poll(&mut items, waited) {
+                tracing::warn!(error = %e, "poll failed");
+                std::thread::sleep(Duration::from_millis(10));
+                return;
+            }
+            let mut at = 0;
+            readers
+                .iter()
+                .map(|r| {
+                    let n = 2 + usize::from(r.dealer.is_some());
+                    let got = (
+                        items[at].is_readable(),
+                        items[at + 1].is_readable(),
+                        n == 3 && items[at + 2].is_readable(),
+                    );
+                    at += n;
+                    got
+                })
+                .collect()
+        };
+        let mut emit = |f: Frames| {
+            out.push_back(f);
+            true
+        };
+        for (reader, (sub, monitor, dealer)) in readers.into_iter().zip(ready) {
+            reader.read(sub, monitor, dealer, &mut emit);
+        }
     }
 
     /// Stops every source thread and waits for them (their doorbells wake them at once).
@@ -368,10 +513,14 @@ impl Transport {
     fn stop_and_join(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
         for slot in self.slots.iter().flatten() {
-            slot.ring();
+            if let Runner::Thread(t) = &slot.runner {
+                t.ring();
+            }
         }
         for slot in self.slots.iter_mut().filter_map(Option::take) {
-            let _ = slot.thread.join();
+            if let Runner::Thread(t) = slot.runner {
+                let _ = t.thread.join();
+            }
         }
     }
 }
@@ -382,15 +531,9 @@ impl Drop for Transport {
     }
 }
 
+/// A source's thread: its [`Reader`], commands, and where frames go.
 struct Worker {
-    index: usize,
-    ctx: zmq::Context,
-    source: Source,
-    opts: SourceOptions,
-    sub: zmq::Socket,
-    /// The SUB socket's disconnect events.
-    monitor: zmq::Socket,
-    dealer: Option<zmq::Socket>,
+    reader: Reader,
     commands: Receiver<Command>,
     out: SyncSender<Frames>,
     /// Stops every source.
@@ -399,76 +542,123 @@ struct Worker {
     own_stop: Arc<AtomicBool>,
     /// Rung when a command or a stop is waiting.
     doorbell: UnixStream,
+}
+
+impl Worker {
+    fn run(mut self) {
+        tracing::debug!(source = %self.reader.source.label(), "source thread started");
+        let Self {
+            reader,
+            commands,
+            out,
+            stop,
+            own_stop,
+            doorbell,
+        } = &mut self;
+        let stopped = || stop.load(Ordering::Relaxed) || own_stop.load(Ordering::Relaxed);
+        // Hands frames out, waiting while the channel is full (false: stopping).
+        let mut emit = |mut frames: Frames| loop {
+            match out.try_send(frames) {
+                Ok(()) => return true,
+                Err(TrySendError::Full(back)) => {
+                    if stopped() {
+                        return false;
+                    }
+                    frames = back;
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(TrySendError::Disconnected(_)) => {
+                    stop.store(true, Ordering::Relaxed);
+                    return false;
+                }
+            }
+        };
+        while !stopped() {
+            while let Ok(Command::Replay { from }) = commands.try_recv() {
+                reader.start_replay(from, &mut emit);
+            }
+            let mut items = Vec::with_capacity(4);
+            reader.poll_items(&mut items);
+            items.push(zmq::PollItem::from_fd(doorbell.as_raw_fd(), zmq::POLLIN));
+            // Wake for a running replay's idle deadline too.
+            let wait = reader.replay_deadline.map_or(POLL_INTERVAL, |d| {
+                d.saturating_duration_since(Instant::now())
+                    .min(POLL_INTERVAL)
+            });
+            if let Err(e) = zmq::poll(&mut items, ms(wait).max(1).into()) {
+                tracing::warn!(source = %reader.source.label(), error = %e, "poll failed");
+                std::thread::sleep(POLL_INTERVAL);
+                continue;
+            }
+            let (sub, monitor) = (items[0].is_readable(), items[1].is_readable());
+            let dealer = reader.dealer.is_some() && items[2].is_readable();
+            if items.last().is_some_and(|i| i.is_readable()) {
+                let mut rung = [0u8; 64];
+                while (&*doorbell).read(&mut rung).is_ok_and(|n| n > 0) {}
+            }
+            drop(items);
+            reader.read(sub, monitor, dealer, &mut emit);
+        }
+        tracing::debug!(source = %self.reader.source.label(), "source thread stopped");
+    }
+}
+
+/// One source's sockets and replay progress; reads what is ready and emits it. Driven by a
+/// [`Worker`] thread or by [`Transport::poll`].
+struct Reader {
+    index: usize,
+    ctx: zmq::Context,
+    source: Source,
+    opts: SourceOptions,
+    sub: zmq::Socket,
+    /// The SUB socket's disconnect events.
+    monitor: zmq::Socket,
+    dealer: Option<zmq::Socket>,
     /// Set while a replay is running: when it is over if nothing more arrives.
     replay_deadline: Option<Instant>,
 }
 
-impl Worker {
-    fn stopped(&self) -> bool {
-        self.stop.load(Ordering::Relaxed) || self.own_stop.load(Ordering::Relaxed)
-    }
+/// Takes frames out; false: stop reading.
+type Emit<'a> = dyn FnMut(Frames) -> bool + 'a;
 
-    fn run(mut self) {
-        tracing::debug!(source = %self.source.label(), "source thread started");
-        while !self.stopped() {
-            while let Ok(Command::Replay { from }) = self.commands.try_recv() {
-                self.start_replay(from);
-            }
-            let (sub_ready, monitor_ready, dealer_ready) = match self.poll() {
-                Ok(ready) => ready,
-                Err(e) => {
-                    tracing::warn!(source = %self.source.label(), error = %e, "poll failed");
-                    std::thread::sleep(POLL_INTERVAL);
-                    continue;
-                }
-            };
-            // Before the live messages: what follows a disconnect may be a new engine process.
-            if monitor_ready {
-                self.read_monitor();
-            }
-            if dealer_ready {
-                self.read_replay();
-            }
-            if sub_ready {
-                self.read_live();
-            }
-            if self.replay_deadline.is_some_and(|d| Instant::now() >= d) {
-                tracing::warn!(source = %self.source.label(), "replay timed out");
-                self.end_replay(ReplayOutcome::TimedOut);
-            }
-        }
-        tracing::debug!(source = %self.source.label(), "source thread stopped");
-    }
-
-    fn poll(&self) -> Result<(bool, bool, bool), zmq::Error> {
-        let mut items = vec![
-            self.sub.as_poll_item(zmq::POLLIN),
-            self.monitor.as_poll_item(zmq::POLLIN),
-            zmq::PollItem::from_fd(self.doorbell.as_raw_fd(), zmq::POLLIN),
-        ];
+impl Reader {
+    /// Its sockets to poll: SUB, monitor, then the DEALER if any.
+    fn poll_items<'s>(&'s self, items: &mut Vec<zmq::PollItem<'s>>) {
+        items.push(self.sub.as_poll_item(zmq::POLLIN));
+        items.push(self.monitor.as_poll_item(zmq::POLLIN));
         if let Some(d) = &self.dealer {
             items.push(d.as_poll_item(zmq::POLLIN));
         }
-        // Wake for a running replay's idle deadline too.
-        let wait = self.replay_deadline.map_or(POLL_INTERVAL, |d| {
-            d.saturating_duration_since(Instant::now())
-                .min(POLL_INTERVAL)
-        });
-        zmq::poll(&mut items, ms(wait).max(1).into())?;
-        if items[2].is_readable() {
-            let mut rung = [0u8; 64];
-            while (&self.doorbell).read(&mut rung).is_ok_and(|n| n > 0) {}
+    }
+
+    /// Reads the sockets found ready, then ends a replay whose idle deadline passed.
+    fn read(&mut self, sub: bool, monitor: bool, dealer: bool, emit: &mut Emit<'_>) {
+        // Before the live messages: what follows a disconnect may be a new engine process.
+        if monitor {
+            self.read_monitor(emit);
         }
-        Ok((
-            items[0].is_readable(),
-            items[1].is_readable(),
-            items.get(3).is_some_and(|i| i.is_readable()),
-        ))
+        if dealer {
+            self.read_replay(emit);
+        }
+        if sub {
+            self.read_live(emit);
+        }
+        if self.replay_deadline.is_some_and(|d| Instant::now() >= d) {
+            tracing::warn!(source = %self.source.label(), "replay timed out");
+            self.end_replay(ReplayOutcome::TimedOut, emit);
+        }
+    }
+
+    fn emit(&self, delivery: Delivery, emit: &mut Emit<'_>) -> bool {
+        emit(Frames {
+            source: self.index,
+            delivery,
+        })
     }
 
     /// Reads the monitor's events: one `Disconnected` however many arrived together, then
     /// `Connected` when the last event was a connection.
-    fn read_monitor(&self) {
+    fn read_monitor(&self, emit: &mut Emit<'_>) {
         let mut disconnected = false;
         let mut connected = None;
         while let Ok(event) = self.monitor.recv_multipart(zmq::DONTWAIT) {
@@ -487,43 +677,19 @@ impl Worker {
         }
         if disconnected {
             tracing::info!(source = %self.source.label(), "disconnected from the engine; libzmq reconnects");
-            self.emit(Delivery::Disconnected);
+            self.emit(Delivery::Disconnected, emit);
         }
         if connected == Some(true) {
             tracing::info!(source = %self.source.label(), "connected to the engine");
-            self.emit(Delivery::Connected);
+            self.emit(Delivery::Connected, emit);
         }
     }
 
-    /// Hands frames out, waiting while the channel is full (false: stopping).
-    fn emit(&self, delivery: Delivery) -> bool {
-        let mut frames = Frames {
-            source: self.index,
-            delivery,
-        };
-        loop {
-            match self.out.try_send(frames) {
-                Ok(()) => return true,
-                Err(TrySendError::Full(back)) => {
-                    if self.stopped() {
-                        return false;
-                    }
-                    frames = back;
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                Err(TrySendError::Disconnected(_)) => {
-                    self.stop.store(true, Ordering::Relaxed);
-                    return false;
-                }
-            }
-        }
-    }
-
-    fn read_live(&self) {
+    fn read_live(&self, emit: &mut Emit<'_>) {
         for _ in 0..BURST {
             match self.sub.recv_multipart(zmq::DONTWAIT) {
                 Ok(frames) => {
-                    if !self.emit(Delivery::Live(frames)) {
+                    if !self.emit(Delivery::Live(frames), emit) {
                         return;
                     }
                 }
@@ -536,16 +702,17 @@ impl Worker {
         }
     }
 
-    fn start_replay(&mut self, from: u64) {
+    fn start_replay(&mut self, from: u64, emit: &mut Emit<'_>) {
         if self.replay_deadline.is_some() {
             // One replay at a time: the state asks again after this one ends.
             tracing::debug!(source = %self.source.label(), from, "replay already running");
             return;
         }
         let Some(dealer) = &self.dealer else {
-            self.emit(Delivery::ReplayDone(ReplayOutcome::Failed(
-                "no replay endpoint".into(),
-            )));
+            self.emit(
+                Delivery::ReplayDone(ReplayOutcome::Failed("no replay endpoint".into())),
+                emit,
+            );
             return;
         };
         let [empty, seq] = frames::replay_request(from);
@@ -555,14 +722,17 @@ impl Worker {
                 self.replay_deadline = Some(Instant::now() + self.opts.replay_idle_timeout);
             }
             Err(e) => {
-                self.emit(Delivery::ReplayDone(ReplayOutcome::Failed(format!(
-                    "send replay request: {e}"
-                ))));
+                self.emit(
+                    Delivery::ReplayDone(ReplayOutcome::Failed(format!(
+                        "send replay request: {e}"
+                    ))),
+                    emit,
+                );
             }
         }
     }
 
-    fn read_replay(&mut self) {
+    fn read_replay(&mut self, emit: &mut Emit<'_>) {
         for _ in 0..BURST {
             let Some(dealer) = &self.dealer else { return };
             match dealer.recv_multipart(zmq::DONTWAIT) {
@@ -573,11 +743,11 @@ impl Worker {
                     }
                     if matches!(frames::parse_replay(&msg), Ok(ReplayReply::End)) {
                         self.replay_deadline = None;
-                        self.emit(Delivery::ReplayDone(ReplayOutcome::Complete));
+                        self.emit(Delivery::ReplayDone(ReplayOutcome::Complete), emit);
                         return;
                     }
                     self.replay_deadline = Some(Instant::now() + self.opts.replay_idle_timeout);
-                    if !self.emit(Delivery::Replay(msg)) {
+                    if !self.emit(Delivery::Replay(msg), emit) {
                         return;
                     }
                 }
@@ -592,7 +762,7 @@ impl Worker {
 
     /// Ends a replay that will not complete, with a fresh socket so late replies to it cannot
     /// be taken for the next one's.
-    fn end_replay(&mut self, outcome: ReplayOutcome) {
+    fn end_replay(&mut self, outcome: ReplayOutcome, emit: &mut Emit<'_>) {
         self.replay_deadline = None;
         if let Some(endpoint) = self.source.replay_endpoint.clone() {
             match dealer_socket(&self.ctx, &endpoint, &self.opts) {
@@ -600,6 +770,6 @@ impl Worker {
                 Err(e) => tracing::warn!(error = %e, "could not renew the replay socket"),
             }
         }
-        self.emit(Delivery::ReplayDone(outcome));
+        self.emit(Delivery::ReplayDone(outcome), emit);
     }
 }

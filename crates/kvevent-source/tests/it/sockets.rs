@@ -43,8 +43,9 @@ fn source_of(p: &Publisher, replay: bool) -> transport::Source {
     }
 }
 
-fn subscriber(ctx: &zmq::Context, sources: Vec<transport::Source>) -> Subscriber {
+fn subscriber(ctx: &zmq::Context, sources: Vec<transport::Source>, threads: bool) -> Subscriber {
     let mut config = Config::new(sources);
+    config.threads = threads;
     config.socket.replay_idle_timeout = Duration::from_millis(300);
     config.state.replay_backoff_initial = Duration::from_millis(100);
     Subscriber::start(ctx, config).expect("subscriber")
@@ -56,18 +57,23 @@ fn collect(sub: &mut Subscriber, done: impl Fn(&[String]) -> bool) -> Vec<String
     let mut seen = Vec::new();
     while !done(&seen) {
         assert!(Instant::now() < deadline, "timed out; saw {seen:?}");
-        match sub.next(Duration::from_millis(100)) {
-            Some(Update::Batch(b)) => {
-                b.decode().expect("a delivered batch decodes");
-                seen.push(format!("B{}:{}", b.source, b.seq));
-            }
-            Some(Update::Reset { source, reason }) => {
-                seen.push(format!("R{source}:{}", reason.as_str()))
-            }
-            None => {}
-        }
+        step(sub, &mut seen, Duration::from_millis(100));
     }
     seen
+}
+
+/// Waits up to `wait` for one update and notes it in `seen`.
+fn step(sub: &mut Subscriber, seen: &mut Vec<String>, wait: Duration) {
+    match sub.next(wait) {
+        Some(Update::Batch(b)) => {
+            b.decode().expect("a delivered batch decodes");
+            seen.push(format!("B{}:{}", b.source, b.seq));
+        }
+        Some(Update::Reset { source, reason }) => {
+            seen.push(format!("R{source}:{}", reason.as_str()))
+        }
+        None => {}
+    }
 }
 
 fn has(s: &str) -> impl Fn(&[String]) -> bool + '_ {
@@ -80,11 +86,10 @@ fn engine(release: Release) -> (zmq::Context, Publisher) {
     (ctx, publisher)
 }
 
-#[test]
-fn live_batches_flow_in_order() {
+fn live_batches_flow_in_order(threads: bool) {
     let release = Release::NEWEST_KNOWN;
     let (ctx, engine) = engine(release);
-    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)]);
+    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)], threads);
     // Synchronise on the subscription instead of sleeping (slow joiner).
     assert!(engine.wait_for_subscribers(1, WAIT));
     for i in 0..5 {
@@ -100,15 +105,14 @@ fn live_batches_flow_in_order() {
     assert!(!m.degraded.load(Relaxed));
 }
 
-#[test]
-fn a_late_joiner_bootstraps_from_replay() {
+fn a_late_joiner_bootstraps_from_replay(threads: bool) {
     for release in [Release::new(0, 20, 0), Release::new(0, 33, 0)] {
         // Both replay reply formats: [seq, payload] before 0.26, [topic, seq, payload] after.
         let (ctx, engine) = engine(release);
         for i in 0..6 {
             engine.publish(&batch(i)).expect("publish");
         }
-        let mut sub = subscriber(&ctx, vec![source_of(&engine, true)]);
+        let mut sub = subscriber(&ctx, vec![source_of(&engine, true)], threads);
         assert!(engine.wait_for_subscribers(1, WAIT));
         engine.publish(&batch(6)).expect("publish");
         let seen = collect(&mut sub, has("B0:6"));
@@ -130,11 +134,10 @@ fn a_late_joiner_bootstraps_from_replay() {
     }
 }
 
-#[test]
-fn a_gap_is_repaired_by_replay() {
+fn a_gap_is_repaired_by_replay(threads: bool) {
     let release = Release::NEWEST_KNOWN;
     let (ctx, engine) = engine(release);
-    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)]);
+    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)], threads);
     assert!(engine.wait_for_subscribers(1, WAIT));
     engine.publish(&batch(0)).expect("publish");
     engine.publish_lost(payload(release, 1));
@@ -146,8 +149,7 @@ fn a_gap_is_repaired_by_replay() {
     assert_eq!((m.gaps.load(Relaxed), m.missing_seqs.load(Relaxed)), (1, 2));
 }
 
-#[test]
-fn a_truncated_replay_clears_the_source() {
+fn a_truncated_replay_clears_the_source(threads: bool) {
     let release = Release::NEWEST_KNOWN;
     let ctx = zmq::Context::new();
     let config = PublisherConfig {
@@ -155,7 +157,7 @@ fn a_truncated_replay_clears_the_source() {
         ..PublisherConfig::loopback(release)
     };
     let engine = Publisher::start(&ctx, config).expect("publisher");
-    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)]);
+    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)], threads);
     assert!(engine.wait_for_subscribers(1, WAIT));
     engine.publish(&batch(0)).expect("publish");
     for i in 1..=4 {
@@ -171,11 +173,10 @@ fn a_truncated_replay_clears_the_source() {
     assert!(sub.metrics()[0].degraded.load(Relaxed));
 }
 
-#[test]
-fn a_restarted_engine_clears_then_rebuilds() {
+fn a_restarted_engine_clears_then_rebuilds(threads: bool) {
     let release = Release::NEWEST_KNOWN;
     let (ctx, engine) = engine(release);
-    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)]);
+    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)], threads);
     assert!(engine.wait_for_subscribers(1, WAIT));
     for i in 0..3 {
         engine.publish(&batch(i)).expect("publish");
@@ -189,8 +190,7 @@ fn a_restarted_engine_clears_then_rebuilds() {
     assert_eq!(sub.metrics()[0].restarts.load(Relaxed), 1);
 }
 
-#[test]
-fn a_lost_end_marker_times_out_and_live_batches_go_on() {
+fn a_lost_end_marker_times_out_and_live_batches_go_on(threads: bool) {
     let release = Release::new(0, 26, 0);
     let ctx = zmq::Context::new();
     let config = PublisherConfig {
@@ -198,7 +198,7 @@ fn a_lost_end_marker_times_out_and_live_batches_go_on() {
         ..PublisherConfig::loopback(release)
     };
     let engine = Publisher::start(&ctx, config).expect("publisher");
-    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)]);
+    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)], threads);
     assert!(engine.wait_for_subscribers(1, WAIT));
     // The bootstrap replay asked for at start never ends either: its idle timeout closes it,
     // and the replay backoff (100 ms here) passes before the engine publishes.
@@ -231,11 +231,10 @@ fn a_lost_end_marker_times_out_and_live_batches_go_on() {
     assert_eq!(collect(&mut sub, has("B0:3")), ["B0:3"]);
 }
 
-#[test]
-fn without_a_replay_endpoint_a_lost_batch_clears_the_source() {
+fn without_a_replay_endpoint_a_lost_batch_clears_the_source(threads: bool) {
     let release = Release::NEWEST_KNOWN;
     let (ctx, engine) = engine(release);
-    let mut sub = subscriber(&ctx, vec![source_of(&engine, false)]);
+    let mut sub = subscriber(&ctx, vec![source_of(&engine, false)], threads);
     assert!(engine.wait_for_subscribers(1, WAIT));
     engine.publish(&batch(0)).expect("publish");
     engine.skip_seq();
@@ -244,8 +243,7 @@ fn without_a_replay_endpoint_a_lost_batch_clears_the_source() {
     assert_eq!(seen, ["R0:startup", "B0:0", "R0:gap", "B0:2"]);
 }
 
-#[test]
-fn two_dp_ranks_are_kept_apart() {
+fn two_dp_ranks_are_kept_apart(threads: bool) {
     // Endpoints derived by vLLM's rule from one base (inproc: `x` → `x_dp1`).
     let ctx = zmq::Context::new();
     let release = Release::NEWEST_KNOWN;
@@ -269,7 +267,7 @@ fn two_dp_ranks_are_kept_apart() {
         })
         .collect();
     assert_eq!(engines[1].endpoint(), "inproc://kv_dp1");
-    let mut sub = subscriber(&ctx, sources);
+    let mut sub = subscriber(&ctx, sources, threads);
     for e in &engines {
         assert!(e.wait_for_subscribers(1, WAIT));
     }
@@ -290,8 +288,7 @@ fn two_dp_ranks_are_kept_apart() {
     assert_eq!(rank("R1"), ["R1:startup"]);
 }
 
-#[test]
-fn malformed_frames_and_payloads_are_counted_and_skipped() {
+fn malformed_frames_and_payloads_are_counted_and_skipped(threads: bool) {
     let ctx = zmq::Context::new();
     let publisher = ctx.socket(zmq::XPUB).expect("socket");
     publisher.bind("tcp://127.0.0.1:*").expect("bind");
@@ -306,7 +303,7 @@ fn malformed_frames_and_payloads_are_counted_and_skipped() {
         bind: false,
         dp_rank: 0,
     };
-    let mut sub = subscriber(&ctx, vec![source]);
+    let mut sub = subscriber(&ctx, vec![source], threads);
     publisher.recv_bytes(0).expect("subscription");
     let good = payload(Release::NEWEST_KNOWN, 0);
     let seq = |s: u64| s.to_be_bytes().to_vec();
@@ -333,13 +330,12 @@ fn malformed_frames_and_payloads_are_counted_and_skipped() {
     assert_eq!(m.resets(ResetReason::Corrupt), 1);
 }
 
-#[test]
-fn a_gap_across_a_reconnect_is_rebuilt_from_the_new_process() {
+fn a_gap_across_a_reconnect_is_rebuilt_from_the_new_process(threads: bool) {
     let release = Release::NEWEST_KNOWN;
     let (ctx, first) = engine(release);
     let endpoint = first.endpoint().to_owned();
     let replay = first.replay_endpoint().map(str::to_owned);
-    let mut sub = subscriber(&ctx, vec![source_of(&first, true)]);
+    let mut sub = subscriber(&ctx, vec![source_of(&first, true)], threads);
     assert!(first.wait_for_subscribers(1, WAIT));
     for i in 0..3 {
         first.publish(&batch(i)).expect("publish");
@@ -369,10 +365,20 @@ fn a_gap_across_a_reconnect_is_rebuilt_from_the_new_process() {
     for i in 10..16 {
         second.publish_lost(payload(release, i));
     }
-    assert!(second.wait_for_subscribers(1, WAIT));
+    // Read meanwhile: a socket read by the caller's thread attaches its new connection only
+    // when that thread uses it.
+    let mut early = Vec::new();
+    while !second.wait_for_subscribers(1, Duration::from_millis(10)) {
+        assert!(
+            Instant::now() < deadline,
+            "no resubscription; saw {early:?}"
+        );
+        step(&mut sub, &mut early, Duration::from_millis(10));
+    }
     second.publish(&batch(16)).expect("publish");
     // Seq 6 is above our last (2): without the reconnect it would pass for a gap of 3..=5.
-    let seen = collect(&mut sub, has("B0:6"));
+    let mut seen = early;
+    seen.extend(collect(&mut sub, has("B0:6")));
     let want: Vec<String> = std::iter::once("R0:reconnect".to_owned())
         .chain((0..=6).map(|i| format!("B0:{i}")))
         .collect();
@@ -380,11 +386,10 @@ fn a_gap_across_a_reconnect_is_rebuilt_from_the_new_process() {
     assert_eq!(sub.metrics()[0].disconnects.load(Relaxed), 1);
 }
 
-#[test]
-fn next_with_hands_over_the_decoded_batch_and_corrupt_ones_as_resets() {
+fn next_with_hands_over_the_decoded_batch_and_corrupt_ones_as_resets(threads: bool) {
     let release = Release::NEWEST_KNOWN;
     let (ctx, engine) = engine(release);
-    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)]);
+    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)], threads);
     assert!(engine.wait_for_subscribers(1, WAIT));
     engine.publish(&batch(0)).expect("publish");
     engine.publish_payload(b"\x93\xcb".to_vec());
@@ -429,14 +434,13 @@ fn threads_named(prefix: &str) -> usize {
         .unwrap_or(0)
 }
 
-#[test]
-fn sources_come_and_go_at_run_time_without_disturbing_the_others() {
+fn sources_come_and_go_at_run_time_without_disturbing_the_others(threads: bool) {
     let release = Release::NEWEST_KNOWN;
     let ctx = zmq::Context::new();
     let engines: Vec<Publisher> = (0..3)
         .map(|_| Publisher::start(&ctx, PublisherConfig::loopback(release)).expect("engine"))
         .collect();
-    let mut sub = subscriber(&ctx, vec![source_of(&engines[0], true)]);
+    let mut sub = subscriber(&ctx, vec![source_of(&engines[0], true)], threads);
     assert!(engines[0].wait_for_subscribers(1, WAIT));
     engines[0].publish(&batch(0)).expect("publish");
     collect(&mut sub, has("B0:0"));
@@ -458,7 +462,8 @@ fn sources_come_and_go_at_run_time_without_disturbing_the_others() {
     let before = threads_named("kvevent-src-");
     assert!(sub.remove_source(1));
     assert!(!sub.remove_source(1), "removed once");
-    assert_eq!(threads_named("kvevent-src-"), before - 1);
+    let gone = usize::from(threads);
+    assert_eq!(threads_named("kvevent-src-"), before - gone);
     assert_eq!(sub.active_sources(), 2);
     engines[1].publish(&batch(1)).expect("publish");
     engines[2].publish(&batch(1)).expect("publish");
@@ -473,13 +478,12 @@ fn sources_come_and_go_at_run_time_without_disturbing_the_others() {
     sub.shutdown();
 }
 
-#[test]
-fn three_hundred_sources_in_one_process() {
+fn three_hundred_sources_in_one_process(threads: bool) {
     let release = Release::NEWEST_KNOWN;
     let (ctx, engine) = engine(release);
     // Every source follows the same engine: 300 SUB sockets and threads in this process, more
     // than one libzmq context holds (the transport opens a second one).
-    let mut sub = subscriber(&ctx, Vec::new());
+    let mut sub = subscriber(&ctx, Vec::new(), threads);
     for _ in 0..300 {
         sub.add_source(source_of(&engine, false)).expect("add");
     }
@@ -499,15 +503,14 @@ fn three_hundred_sources_in_one_process() {
     sub.shutdown();
 }
 
-#[test]
-fn a_subscriber_joining_an_idle_engine_learns_what_it_published() {
+fn a_subscriber_joining_an_idle_engine_learns_what_it_published(threads: bool) {
     let release = Release::NEWEST_KNOWN;
     let (ctx, engine) = engine(release);
     // Published before anyone listened, and nothing after: only the replay buffer has them.
     for i in 0..3 {
         engine.publish_lost(payload(release, i));
     }
-    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)]);
+    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)], threads);
     let seen = collect(&mut sub, has("B0:2"));
     assert_eq!(seen, ["R0:startup", "B0:0", "B0:1", "B0:2"]);
     assert!(
@@ -515,3 +518,36 @@ fn a_subscriber_joining_an_idle_engine_learns_what_it_published() {
         "complete from seq 0"
     );
 }
+
+/// Every test twice: sources on threads of their own, and read by the caller's thread.
+macro_rules! both_ways {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[test]
+            fn on_source_threads() {
+                super::$name(true)
+            }
+            #[test]
+            fn in_the_caller() {
+                super::$name(false)
+            }
+        }
+    )*};
+}
+
+both_ways!(
+    live_batches_flow_in_order,
+    a_late_joiner_bootstraps_from_replay,
+    a_gap_is_repaired_by_replay,
+    a_truncated_replay_clears_the_source,
+    a_restarted_engine_clears_then_rebuilds,
+    a_lost_end_marker_times_out_and_live_batches_go_on,
+    without_a_replay_endpoint_a_lost_batch_clears_the_source,
+    two_dp_ranks_are_kept_apart,
+    malformed_frames_and_payloads_are_counted_and_skipped,
+    a_gap_across_a_reconnect_is_rebuilt_from_the_new_process,
+    next_with_hands_over_the_decoded_batch_and_corrupt_ones_as_resets,
+    sources_come_and_go_at_run_time_without_disturbing_the_others,
+    three_hundred_sources_in_one_process,
+    a_subscriber_joining_an_idle_engine_learns_what_it_published,
+);

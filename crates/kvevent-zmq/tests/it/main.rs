@@ -78,7 +78,7 @@ fn a_replay_hands_out_raw_replies_then_done() {
         dp_rank: 0,
     };
     let (tx, rx) = mpsc::sync_channel(16);
-    let transport =
+    let mut transport =
         Transport::start(&ctx, &[source], &SourceOptions::default(), tx).expect("start");
     assert!(transport.request_replay(0, 1));
     let mut seqs = Vec::new();
@@ -126,7 +126,7 @@ fn a_replay_with_no_answer_times_out() {
         ..SourceOptions::default()
     };
     let (tx, rx) = mpsc::sync_channel(16);
-    let transport = Transport::start(&ctx, &[source], &opts, tx).expect("start");
+    let mut transport = Transport::start(&ctx, &[source], &opts, tx).expect("start");
     let started = Instant::now();
     assert!(transport.request_replay(0, 0));
     assert_eq!(
@@ -139,6 +139,100 @@ fn a_replay_with_no_answer_times_out() {
     assert_eq!(request.len(), 3);
     assert!(request[1].is_empty());
     assert_eq!(request[2], 0u64.to_be_bytes());
+    transport.shutdown();
+}
+
+/// The next deliveries that are not `Connected`, read by the caller's thread.
+fn poll_until(transport: &mut Transport, n: usize) -> Vec<Frames> {
+    let deadline = Instant::now() + WAIT;
+    let mut got = std::collections::VecDeque::new();
+    while got
+        .iter()
+        .filter(|f: &&Frames| f.delivery != Delivery::Connected)
+        .count()
+        < n
+    {
+        assert!(Instant::now() < deadline, "timed out; got {got:?}");
+        transport.poll(Duration::from_millis(100), &mut got);
+    }
+    got.into_iter()
+        .filter(|f| f.delivery != Delivery::Connected)
+        .collect()
+}
+
+#[test]
+fn read_in_the_caller_live_replay_and_timeout_with_no_thread() {
+    let ctx = zmq::Context::new();
+    let engine =
+        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    let silent = ctx.socket(zmq::ROUTER).expect("router");
+    silent.bind("tcp://127.0.0.1:*").expect("bind");
+    let sources = [
+        Source {
+            endpoint: engine.endpoint().to_owned(),
+            replay_endpoint: engine.replay_endpoint().map(str::to_owned),
+            topic: b"kv-events".to_vec(),
+            bind: false,
+            dp_rank: 0,
+        },
+        // A second source whose replay endpoint never answers.
+        Source {
+            endpoint: format!("tcp://127.0.0.1:{}", free_port()),
+            replay_endpoint: Some(silent.get_last_endpoint().expect("ep").expect("utf8")),
+            topic: Vec::new(),
+            bind: false,
+            dp_rank: 1,
+        },
+    ];
+    let opts = SourceOptions {
+        replay_idle_timeout: Duration::from_millis(200),
+        ..SourceOptions::default()
+    };
+    let threads = std::fs::read_dir("/proc/self/task").map(|d| d.count()).ok();
+    let mut transport = Transport::in_caller(&ctx, &sources, &opts).expect("start");
+    assert!(engine.wait_for_subscribers(1, WAIT));
+    engine.publish_payload(b"\x90".to_vec());
+    let got = poll_until(&mut transport, 1);
+    let Delivery::Live(msg) = &got[0].delivery else {
+        panic!("{got:?}")
+    };
+    assert_eq!(got[0].source, 0);
+    assert_eq!(frames::parse_live(msg).expect("live").seq, 0);
+
+    // Both replays at once: one completes, the other times out, each tagged with its source.
+    assert!(transport.request_replay(0, 0));
+    assert!(transport.request_replay(1, 0));
+    let got = poll_until(&mut transport, 3);
+    let mut seen: Vec<(usize, String)> = got
+        .iter()
+        .map(|f| {
+            (
+                f.source,
+                format!("{:?}", f.delivery).chars().take(24).collect(),
+            )
+        })
+        .collect();
+    seen.sort();
+    assert_eq!(got.iter().filter(|f| f.source == 0).count(), 2, "{seen:?}");
+    assert!(
+        got.iter()
+            .any(|f| f.source == 0 && f.delivery == Delivery::ReplayDone(ReplayOutcome::Complete))
+    );
+    assert!(
+        got.iter()
+            .any(|f| f.source == 1 && f.delivery == Delivery::ReplayDone(ReplayOutcome::TimedOut))
+    );
+    // No thread of its own was started (libzmq's context threads existed before).
+    assert_eq!(
+        std::fs::read_dir("/proc/self/task").map(|d| d.count()).ok(),
+        threads
+    );
+    // A removed source is not read any more.
+    assert!(transport.remove(0));
+    engine.publish_payload(b"\x90".to_vec());
+    let mut rest = std::collections::VecDeque::new();
+    transport.poll(Duration::from_millis(300), &mut rest);
+    assert!(rest.iter().all(|f| f.source != 0), "{rest:?}");
     transport.shutdown();
 }
 
