@@ -19,6 +19,7 @@ fn main() -> anyhow::Result<()> {
         model: String::new(),
         block_size: None,
         engines: Vec::new(),
+        source_threads: false,
     };
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
@@ -28,8 +29,15 @@ fn main() -> anyhow::Result<()> {
             "--model" => config.model = value()?,
             "--block-size" => config.block_size = Some(value()?.parse().context("--block-size")?),
             "--engine" => config.engines.push(value()?.parse::<Engine>()?),
+            "--source-threads" => {
+                config.source_threads = match value()?.as_str() {
+                    "yes" => true,
+                    "no" => false,
+                    v => bail!("--source-threads takes yes or no, not `{v}`"),
+                }
+            }
             other => bail!(
-                "unknown flag {other}: --listen ADDR --model M [--block-size N] --engine NAME=tcp://host:port[,replay=...][,dp=N]..."
+                "unknown flag {other}: --listen ADDR --model M [--block-size N] --engine NAME=tcp://host:port[,replay=...][,dp=N]... [--source-threads yes|no]"
             ),
         }
     }

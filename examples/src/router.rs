@@ -69,6 +69,9 @@ pub struct RouterConfig {
     pub block_size: Option<usize>,
     /// The engines followed.
     pub engines: Vec<Engine>,
+    /// Each engine source read by a thread of its own (true), or all of them by the thread
+    /// applying events ([`kvevent_source::Config::threads`]).
+    pub source_threads: bool,
 }
 
 /// The running service: its index and the thread feeding it.
@@ -94,7 +97,9 @@ impl Router {
             }
         }
         let labels: Vec<String> = sources.iter().map(transport::Source::label).collect();
-        let mut subscriber = Subscriber::start(ctx, Config::new(sources))?;
+        let mut sub_config = Config::new(sources);
+        sub_config.threads = config.source_threads;
+        let mut subscriber = Subscriber::start(ctx, sub_config)?;
         let source_metrics = labels
             .into_iter()
             .zip(subscriber.metrics().iter().cloned())

@@ -49,6 +49,7 @@ async fn python_publishers_into_the_router_and_scores_out() {
                 model: "m".into(),
                 block_size: Some(16),
                 engines,
+                source_threads: true,
             },
         )
         .expect("router"),

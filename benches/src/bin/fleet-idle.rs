@@ -1,7 +1,8 @@
 //! What following many engines costs while they are idle: N sources (one thread each, polling
 //! its sockets every 50 ms), CPU and resident memory of this process from `/proc`.
 //!
-//! `cargo run --release -p kvevent-benches --bin fleet-idle [-- N SECONDS]` (default 256, 5).
+//! `cargo run --release -p kvevent-benches --bin fleet-idle [-- N SECONDS [caller]]` (default 256,
+//! 5; `caller`: every source read by the subscriber's thread instead of one thread each).
 
 use std::time::{Duration, Instant};
 
@@ -13,6 +14,7 @@ fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
     let n: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(256);
     let secs: f64 = args.next().and_then(|a| a.parse().ok()).unwrap_or(5.0);
+    let threads = args.next().as_deref() != Some("caller");
     let ctx = zmq::Context::new();
     let engine = Publisher::start(
         &ctx,
@@ -22,7 +24,9 @@ fn main() -> anyhow::Result<()> {
         },
     )?;
     let rss0 = kvevent_benches::procfs::status_kb("/proc/self/status", "VmRSS:");
-    let mut sub = Subscriber::start(&ctx, Config::new(Vec::new()))?;
+    let mut config = Config::new(Vec::new());
+    config.threads = threads;
+    let mut sub = Subscriber::start(&ctx, config)?;
     for _ in 0..n {
         sub.add_source(transport::Source {
             endpoint: engine.endpoint().to_owned(),
@@ -43,7 +47,12 @@ fn main() -> anyhow::Result<()> {
     }
     let cpu = kvevent_benches::procfs::cpu_seconds("/proc/self/stat") - cpu0;
     println!(
-        "{n} idle sources: {:.2} % of a core, {:.1} MB resident for the sources ({:.0} kB each)",
+        "{n} idle sources ({}): {:.2} % of a core, {:.1} MB resident for the sources ({:.0} kB each)",
+        if threads {
+            "a thread each"
+        } else {
+            "read by the caller"
+        },
         100.0 * cpu / started.elapsed().as_secs_f64(),
         (kvevent_benches::procfs::status_kb("/proc/self/status", "VmRSS:") - rss0) / 1024.0,
         (kvevent_benches::procfs::status_kb("/proc/self/status", "VmRSS:") - rss0) / n as f64

@@ -18,10 +18,13 @@ pub struct Config {
     pub sources: Vec<transport::Source>,
     /// Socket options.
     pub socket: transport::SourceOptions,
-    /// Each source read by a thread of its own (default), or all of them by the thread that
-    /// calls [`Subscriber::next`] (false). Reading in the caller saves two thread wakeups a
-    /// message: the choice for a few busy sources on one consumer thread (the sidecar: one
-    /// engine's DP ranks); threads for many sources (a router's fleet).
+    /// Every source read by the thread that calls [`Subscriber::next`] (false, the default),
+    /// or each by a thread of its own (true). Reading in the caller saves two thread wakeups
+    /// a message, and under load it batches: measured (`fleet-load`), 256 engines at 1k
+    /// blocks/s each into an index took 1.1 cores with no loss read in the caller, while a
+    /// thread each took 1.8 cores and fell 30 s behind. Idle, 256 sources cost 4.4 % of a core
+    /// read in the caller (a poll of every socket every 100 ms), 2.9 % on threads. The caller
+    /// must call `next` regularly (libzmq attaches reconnections when the socket is used).
     pub threads: bool,
     /// Capacity of the frames channel between the source threads and the subscriber.
     /// Default 1,024 messages.
@@ -41,7 +44,7 @@ impl Config {
         Self {
             sources,
             socket: transport::SourceOptions::default(),
-            threads: true,
+            threads: false,
             channel_capacity: 1024,
             state: StateConfig::default(),
             limits: wire::Limits::DEFAULT,
@@ -133,7 +136,7 @@ impl std::fmt::Debug for Subscriber {
 }
 
 impl Subscriber {
-    /// Opens every source's sockets and starts their threads.
+    /// Opens every source's sockets (and, with [`Config::threads`], starts a thread each).
     pub fn start(ctx: &zmq::Context, config: Config) -> Result<Self, transport::Error> {
         let (transport, rx) = if config.threads {
             let (tx, rx) = mpsc::sync_channel(config.channel_capacity.max(1));
@@ -446,7 +449,7 @@ impl Subscriber {
         }
     }
 
-    /// Stops the source threads.
+    /// Closes every source (and stops their threads).
     pub fn shutdown(mut self) {
         if let Some(t) = self.transport.take() {
             t.shutdown();
