@@ -3,6 +3,9 @@
 //! The caller hands [`Report`](pb::Report)s to a [`Handle`] over a bounded channel and never
 //! waits on the network. A single task owns the pending work:
 //!
+//! - **Intake.** While a window is open, reports wait in the channel until it is due: the
+//!   task wakes once a window, not once a report (a handle rings a bell when the channel is
+//!   half full, so a burst never fills it unseen).
 //! - **Windows.** Adds and evictions are collected over a window (default 100 ms). Work on one
 //!   prefix is netted as it arrives: a repeated add replaces the queued one; an eviction drops
 //!   the queued adds of its prefix, and is dropped itself when the first of them was a
