@@ -143,13 +143,13 @@ impl<'h> BlockId<'h> {
         }
     }
 
-    /// The engine-mode key: the hash's bytes.
-    pub(crate) fn key(self) -> Vec<u8> {
+    /// The hash's bytes (the engine-mode key), borrowed.
+    pub(crate) fn bytes(&self) -> &[u8] {
         match self {
-            Self::H8(h, _) => h.to_vec(),
-            Self::H16(h, _) => h.to_vec(),
-            Self::H32(h, _) => h.to_vec(),
-            Self::Other(b, _) => b.to_vec(),
+            Self::H8(h, _) => h,
+            Self::H16(h, _) => h,
+            Self::H32(h, _) => h,
+            Self::Other(b, _) => b,
         }
     }
 }

@@ -5,9 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::blocks::{BlockId, Blocks, Insert, Snapshot, T1, T2, Tracked};
-use crate::{
-    Identity, KeyMode, Options, engine_key, fingerprint, fingerprint_key, pb, tier_of, wire,
-};
+use crate::{Identity, KeyMode, Options, fingerprint, fingerprint_key, pb, tier_of, wire};
 
 /// What the mapper did and refused, since it was made. Plain counters: the caller exports them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -52,10 +50,105 @@ pub struct MapperStats {
     pub non_prefix_groups: std::collections::BTreeMap<String, u64>,
 }
 
+/// Where a mapper's output goes: the contract's reports ([`Mapper::map_batch`]), or the keys
+/// straight into a consumer's own index ([`Mapper::map_batch_into`]), with no protobuf
+/// message made. Calls come in event order.
+pub trait Sink {
+    /// A prefix is present at `tier` (`new`: the first report of this block, the server cannot
+    /// hold it yet). `key` is the reported key: 8 bytes (an int hash or a fingerprint,
+    /// big-endian) or a digest's bytes; `tokens` the cumulative token count.
+    fn prefix(
+        &mut self,
+        key: &[u8],
+        tokens: u32,
+        tier: pb::CacheTier,
+        adapter: &Arc<str>,
+        new: bool,
+    );
+    /// The prefixes since the last call belong together (one stored event, or one re-report
+    /// at another tier), made at batch time `ts` (µs).
+    fn end_update(&mut self, ts: i64);
+    /// A prefix is gone from the engine.
+    fn evicted(&mut self, key: &[u8], adapter: &Arc<str>, ts: i64);
+    /// Everything of this source is gone (an engine clear).
+    fn cleared(&mut self, ts: i64);
+}
+
+/// The contract's reports: one update per stored event (first reports as `New`, re-reports as
+/// `Update`), one event per eviction or clear.
+struct Reports<'o> {
+    identity: Arc<Identity>,
+    out: &'o mut Vec<pb::Report>,
+    fresh: Vec<pb::PrefixEntry>,
+    again: Vec<pb::PrefixEntry>,
+}
+
+impl Sink for Reports<'_> {
+    fn prefix(
+        &mut self,
+        key: &[u8],
+        tokens: u32,
+        tier: pb::CacheTier,
+        adapter: &Arc<str>,
+        new: bool,
+    ) {
+        let entry = pb::PrefixEntry {
+            prefix_hash: key.to_vec(),
+            token_count: i32::try_from(tokens).unwrap_or(i32::MAX),
+            tier: tier as i32,
+            adapter_id: adapter.to_string(),
+            ..Default::default()
+        };
+        if new {
+            self.fresh.push(entry);
+        } else {
+            self.again.push(entry);
+        }
+    }
+
+    fn end_update(&mut self, ts: i64) {
+        for new in [true, false] {
+            let list = if new {
+                &mut self.fresh
+            } else {
+                &mut self.again
+            };
+            if list.is_empty() {
+                continue;
+            }
+            let mut update = self.identity.update(ts);
+            update.prefixes = std::mem::take(list);
+            self.out.push(if new {
+                pb::Report::New(update)
+            } else {
+                pb::Report::Update(update)
+            });
+        }
+    }
+
+    fn evicted(&mut self, key: &[u8], adapter: &Arc<str>, ts: i64) {
+        self.out.push(pb::Report::Event(self.identity.event(
+            pb::cache_event::Type::PrefixEvicted,
+            key.to_vec(),
+            adapter,
+            ts,
+        )));
+    }
+
+    fn cleared(&mut self, ts: i64) {
+        self.out.push(pb::Report::Event(self.identity.event(
+            pb::cache_event::Type::AllCleared,
+            Vec::new(),
+            "",
+            ts,
+        )));
+    }
+}
+
 /// Maps one engine source's batches to reports. Keep one per (endpoint, DP rank).
 #[derive(Debug)]
 pub struct Mapper {
-    pub(crate) identity: Identity,
+    pub(crate) identity: Arc<Identity>,
     pub(crate) options: Options,
     base_adapter: Arc<str>,
     pub(crate) blocks: Blocks,
@@ -74,6 +167,21 @@ struct RefreshCycle {
     started: Instant,
 }
 
+/// A reported key, without a heap copy: a fingerprint, or the engine hash's bytes.
+enum Key<'h> {
+    Fingerprint([u8; 8]),
+    Engine(BlockId<'h>),
+}
+
+impl Key<'_> {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Self::Fingerprint(k) => k,
+            Self::Engine(id) => id.bytes(),
+        }
+    }
+}
+
 fn tier_bit(tier: pb::CacheTier) -> u8 {
     if tier == pb::CacheTier::T1 { T1 } else { T2 }
 }
@@ -83,7 +191,7 @@ impl Mapper {
     pub fn new(identity: Identity, options: Options) -> Self {
         let blocks = Blocks::new(options.max_tracked_blocks);
         Self {
-            identity,
+            identity: Arc::new(identity),
             options,
             base_adapter: Arc::from(""),
             blocks,
@@ -115,20 +223,35 @@ impl Mapper {
 
     /// Maps one batch, appending its reports to `out` in event order.
     pub fn map_batch(&mut self, batch: &wire::EventBatch<'_>, out: &mut Vec<pb::Report>) {
+        let mut reports = Reports {
+            identity: self.identity.clone(),
+            out,
+            fresh: Vec::new(),
+            again: Vec::new(),
+        };
+        self.map_batch_into(batch, &mut reports);
+    }
+
+    /// Maps one batch into `sink`, in event order: the same keys, counts, tiers and adapters as
+    /// [`Mapper::map_batch`] reports, with no message made.
+    pub fn map_batch_into(&mut self, batch: &wire::EventBatch<'_>, sink: &mut impl Sink) {
         self.stats.batches += 1;
         self.stats.unknown_events += batch.unknown_events as u64;
         let ts = timestamp_us(batch.ts);
         for event in &batch.events {
             match event {
-                wire::Event::BlockStored(e) => self.stored(e, ts, out),
-                wire::Event::BlockRemoved(e) => self.removed(e, ts, out),
+                wire::Event::BlockStored(e) => self.stored(e, ts, sink),
+                wire::Event::BlockRemoved(e) => self.removed(e, ts, sink),
                 wire::Event::AllBlocksCleared(c) => {
                     self.stats.cleared_events += 1;
                     match &c.medium {
                         // A clear of the whole cache.
-                        None => out.push(self.reset(ts)),
+                        None => {
+                            self.forget();
+                            sink.cleared(ts);
+                        }
                         // A clear of one tier: the other tier's prefixes stay.
-                        Some(medium) => self.clear_tier(tier_of(Some(medium)), ts, out),
+                        Some(medium) => self.clear_tier(tier_of(Some(medium)), ts, sink),
                     }
                 }
             }
@@ -138,8 +261,7 @@ impl Mapper {
     /// Forgets everything known of the source and returns the `ALL_CLEARED` to send: for an
     /// engine clear, an engine restart, or state that became stale.
     pub fn reset(&mut self, timestamp_us: i64) -> pb::Report {
-        self.blocks.clear();
-        self.refresh = None;
+        self.forget();
         pb::Report::Event(self.identity.event(
             pb::cache_event::Type::AllCleared,
             Vec::new(),
@@ -204,6 +326,7 @@ impl Mapper {
             let Some(key) = self.key_of(id, t) else {
                 continue;
             };
+            let key = key.bytes().to_vec();
             let tier = if t.tiers() & T1 != 0 {
                 pb::CacheTier::T1
             } else {
@@ -238,18 +361,26 @@ impl Mapper {
         }
     }
 
+    /// Forgets every tracked block.
+    fn forget(&mut self) {
+        self.blocks.clear();
+        self.refresh = None;
+    }
+
     /// The key a tracked block was reported under.
-    fn key_of(&self, id: BlockId<'_>, block: Tracked) -> Option<Vec<u8>> {
+    fn key_of<'h>(&self, id: BlockId<'h>, block: Tracked) -> Option<Key<'h>> {
         if !block.keyed() {
             return None;
         }
         match self.options.key_mode {
-            KeyMode::Engine => Some(id.key()),
-            KeyMode::Fingerprint => block.prefix().map(fingerprint_key),
+            KeyMode::Engine => Some(Key::Engine(id)),
+            KeyMode::Fingerprint => block
+                .prefix()
+                .map(|p| Key::Fingerprint(fingerprint::wire_key(p))),
         }
     }
 
-    fn stored(&mut self, e: &wire::BlockStored<'_>, ts: i64, out: &mut Vec<pb::Report>) {
+    fn stored(&mut self, e: &wire::BlockStored<'_>, ts: i64, sink: &mut impl Sink) {
         self.stats.stored_events += 1;
         if e.block_size == 0 {
             self.stats.placeholder_stores += 1;
@@ -313,8 +444,6 @@ impl Mapper {
         // eviction that finds them unsent); re-reports of tracked blocks as `Update`. Every entry
         // carries its adapter; the update-level `adapter_id` (the server's default for entries
         // without one) stays empty, as the Go sidecar sends it.
-        let mut fresh = self.identity.update(ts);
-        let mut again = fresh.clone();
         for (i, (hash, prefix)) in e.block_hashes.iter().zip(prefixes).enumerate() {
             let tokens = base_tokens.saturating_add((i as u32 + 1).saturating_mul(e.block_size));
             if is_empty_hash(hash) {
@@ -322,51 +451,39 @@ impl Mapper {
                 self.stats.empty_hashes += 1;
                 continue;
             }
-            let key = match self.options.key_mode {
-                KeyMode::Engine => Some(engine_key(hash)),
-                KeyMode::Fingerprint => prefix.map(fingerprint_key),
+            let keyed = match self.options.key_mode {
+                KeyMode::Engine => true,
+                KeyMode::Fingerprint => prefix.is_some(),
             };
             let inserted = match (group, adapter_id) {
                 (Some(g), Some(a)) => self.blocks.insert(
                     BlockId::new(hash, g),
-                    Tracked::new(key.is_some(), prefix, tokens, a, tier_bit(tier)),
+                    Tracked::new(keyed, prefix, tokens, a, tier_bit(tier)),
                 ),
                 _ => Insert::Refused,
             };
             if inserted == Insert::Refused {
                 self.stats.map_refusals += 1;
             }
-            if let Some(key) = key {
-                let entry = pb::PrefixEntry {
-                    prefix_hash: key,
-                    token_count: i32::try_from(tokens).unwrap_or(i32::MAX),
-                    tier: tier as i32,
-                    adapter_id: adapter.to_string(),
-                    ..Default::default()
-                };
-                // An untracked block may be on the server already: never `New`. With an offload
-                // tier, a block the map forgot may still be on the server at T2.
-                if inserted == Insert::New && !self.options.engine_has_offload_tier {
-                    fresh.prefixes.push(entry);
-                } else {
-                    again.prefixes.push(entry);
+            // An untracked block may be on the server already: never `New`. With an offload
+            // tier, a block the map forgot may still be on the server at T2.
+            let new = inserted == Insert::New && !self.options.engine_has_offload_tier;
+            match (self.options.key_mode, prefix) {
+                (KeyMode::Engine, _) => {
+                    let id = BlockId::new(hash, 0);
+                    sink.prefix(id.bytes(), tokens, tier, &adapter, new);
                 }
+                (KeyMode::Fingerprint, Some(p)) => {
+                    sink.prefix(&fingerprint::wire_key(p), tokens, tier, &adapter, new);
+                }
+                (KeyMode::Fingerprint, None) => continue,
             }
+            self.stats.prefixes += 1;
         }
-        for (update, new) in [(fresh, true), (again, false)] {
-            if update.prefixes.is_empty() {
-                continue;
-            }
-            self.stats.prefixes += update.prefixes.len() as u64;
-            out.push(if new {
-                pb::Report::New(update)
-            } else {
-                pb::Report::Update(update)
-            });
-        }
+        sink.end_update(ts);
     }
 
-    fn removed(&mut self, e: &wire::BlockRemoved<'_>, ts: i64, out: &mut Vec<pb::Report>) {
+    fn removed(&mut self, e: &wire::BlockRemoved<'_>, ts: i64, sink: &mut impl Sink) {
         self.stats.removed_events += 1;
         if e.group_idx.is_some() && self.skipped_groups.contains(&e.group_idx) {
             // A group whose blocks are not reported (see `stored`): nothing to evict.
@@ -379,17 +496,17 @@ impl Mapper {
                 self.stats.empty_hashes += 1;
                 continue;
             }
-            self.remove_one(hash, group, tier, ts, out);
+            self.remove_one(hash, group, tier, ts, sink);
         }
     }
 
     /// A clear of one tier (`AllBlocksCleared` with a medium): every block held there is
     /// removed from it, as if the engine had sent a removal for each. The other tier's
     /// prefixes stay.
-    fn clear_tier(&mut self, tier: pb::CacheTier, ts: i64, out: &mut Vec<pb::Report>) {
+    fn clear_tier(&mut self, tier: pb::CacheTier, ts: i64, sink: &mut impl Sink) {
         for (hash, group) in self.blocks.ids_in_tier(tier_bit(tier)) {
             let hash = wire::BlockHash::Bytes(std::borrow::Cow::Owned(hash));
-            self.remove_one(&hash, Some(group), tier, ts, out);
+            self.remove_one(&hash, Some(group), tier, ts, sink);
         }
     }
 
@@ -401,7 +518,7 @@ impl Mapper {
         group: Option<u16>,
         tier: pb::CacheTier,
         ts: i64,
-        out: &mut Vec<pb::Report>,
+        sink: &mut impl Sink,
     ) {
         let offload = self.options.engine_has_offload_tier && tier == pb::CacheTier::T1;
         // The tiers still holding the block after this removal.
@@ -433,7 +550,7 @@ impl Mapper {
                 self.stats.unknown_removals += 1;
                 // An engine hash is its own key; a fingerprint cannot be recovered.
                 let key = match self.options.key_mode {
-                    KeyMode::Engine => Some(engine_key(hash)),
+                    KeyMode::Engine => Some(Key::Engine(BlockId::new(hash, 0))),
                     KeyMode::Fingerprint => None,
                 };
                 let remaining = if offload { T2 } else { 0 };
@@ -453,23 +570,11 @@ impl Mapper {
             };
             self.stats.offload_rereports += 1;
             self.stats.prefixes += 1;
-            let mut update = self.identity.update(ts);
-            update.prefixes.push(pb::PrefixEntry {
-                prefix_hash: key,
-                token_count: i32::try_from(tokens).unwrap_or(i32::MAX),
-                tier: still as i32,
-                adapter_id: adapter.to_string(),
-                ..Default::default()
-            });
-            out.push(pb::Report::Update(update));
+            sink.prefix(key.bytes(), tokens, still, &adapter, false);
+            sink.end_update(ts);
         } else {
             self.stats.evictions += 1;
-            out.push(pb::Report::Event(self.identity.event(
-                pb::cache_event::Type::PrefixEvicted,
-                key,
-                &adapter,
-                ts,
-            )));
+            sink.evicted(key.bytes(), &adapter, ts);
         }
     }
 }
