@@ -212,7 +212,6 @@ fn entry_bytes(holders: usize) -> usize {
 #[derive(Debug)]
 struct Source {
     replica: u32,
-    mapper: Mapper,
     epoch: u16,
     live: bool,
     fresh: bool,
@@ -229,7 +228,14 @@ struct Inner {
     young_bytes: usize,
     old_bytes: usize,
     stats: IndexStats,
-    reports: Vec<pb::Report>,
+}
+
+/// The index and, beside it (so that a mapper can write into the index while it maps), a
+/// mapper per source for the key rules.
+#[derive(Debug, Default)]
+struct State {
+    inner: Inner,
+    mappers: Vec<Mapper>,
 }
 
 /// The prefix index. Share it (`Arc<Index>`) between the thread applying events and the
@@ -237,7 +243,7 @@ struct Inner {
 #[derive(Debug)]
 pub struct Index {
     config: Config,
-    inner: RwLock<Inner>,
+    state: RwLock<State>,
 }
 
 fn key_of(prefix_hash: &[u8]) -> u64 {
@@ -252,21 +258,28 @@ impl Index {
     pub fn new(config: Config) -> Self {
         Self {
             config,
-            inner: RwLock::new(Inner::default()),
+            state: RwLock::new(State::default()),
         }
     }
 
-    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Inner> {
-        self.inner.write().unwrap_or_else(PoisonError::into_inner)
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, State> {
+        self.state.write().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn read(&self) -> std::sync::RwLockReadGuard<'_, Inner> {
-        self.inner.read().unwrap_or_else(PoisonError::into_inner)
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, State> {
+        self.state.read().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Starts following a source of `replica` (its engine, or one DP rank of it).
     pub fn add_source(&self, replica: &str) -> SourceId {
-        let mut inner = self.write();
+        let mut state = self.write();
+        let state = &mut *state;
+        state.mappers.push(Mapper::new(
+            // The mapper's identity is stamped on reports; the index takes keys only.
+            Identity::new("index", "index", "", "index").expect("a valid identity"),
+            self.config.mapping.clone(),
+        ));
+        let inner = &mut state.inner;
         let replica_id = match inner.replica_ids.get(replica) {
             Some(&id) => id,
             None => {
@@ -276,12 +289,9 @@ impl Index {
                 id
             }
         };
-        // The mapper's identity is stamped on reports the index reads only keys from.
-        let identity = Identity::new("index", "index", "", "index").expect("a valid identity");
         let id = SourceId(inner.sources.len() as u32);
         inner.sources.push(Source {
             replica: replica_id,
-            mapper: Mapper::new(identity, self.config.mapping.clone()),
             epoch: 0,
             live: true,
             fresh: true,
@@ -291,28 +301,38 @@ impl Index {
 
     /// Applies one decoded batch of `source`, in seq order.
     pub fn apply(&self, source: SourceId, batch: &wire::EventBatch<'_>) {
-        let mut inner = self.write();
-        let inner = &mut *inner;
-        let Some(s) = inner.sources.get_mut(source.0 as usize) else {
+        let mut state = self.write();
+        let State { inner, mappers } = &mut *state;
+        let (Some(s), Some(mapper)) = (
+            inner.sources.get(source.0 as usize),
+            mappers.get_mut(source.0 as usize),
+        ) else {
             return;
         };
         if !s.live {
             return;
         }
-        let mut reports = std::mem::take(&mut inner.reports);
-        s.mapper.map_batch(batch, &mut reports);
-        for report in reports.drain(..) {
-            inner.apply_report(source.0, report, self.config.byte_budget);
-        }
-        inner.reports = reports;
+        // The mapper writes keys straight in: no report is made.
+        mapper.map_batch_into(
+            batch,
+            &mut Apply {
+                inner,
+                source: source.0,
+                budget: self.config.byte_budget,
+                adapter: None,
+            },
+        );
     }
 
     /// Everything known of `source` is stale (an engine restart, a gap that could not be
     /// repaired): its entries stop counting, the other sources' stay.
     pub fn reset(&self, source: SourceId) {
-        let mut inner = self.write();
+        let mut state = self.write();
+        let State { inner, mappers } = &mut *state;
+        if let Some(m) = mappers.get_mut(source.0 as usize) {
+            m.reset(0);
+        }
         if let Some(s) = inner.sources.get_mut(source.0 as usize) {
-            s.mapper.reset(0);
             s.epoch = s.epoch.wrapping_add(1);
             if s.epoch == 0 {
                 // The epoch wrapped: drop this source's holders for real.
@@ -324,14 +344,15 @@ impl Index {
 
     /// Marks `source` as known incomplete (`false`: replaying, a gap not repaired) or complete.
     pub fn set_fresh(&self, source: SourceId, fresh: bool) {
-        if let Some(s) = self.write().sources.get_mut(source.0 as usize) {
+        if let Some(s) = self.write().inner.sources.get_mut(source.0 as usize) {
             s.fresh = fresh;
         }
     }
 
     /// Stops following every source of `replica` and forgets its entries.
     pub fn remove_replica(&self, replica: &str) {
-        let mut inner = self.write();
+        let mut state = self.write();
+        let State { inner, mappers } = &mut *state;
         let Some(&id) = inner.replica_ids.get(replica) else {
             return;
         };
@@ -339,7 +360,11 @@ impl Index {
         for (i, s) in inner.sources.iter_mut().enumerate() {
             if s.replica == id && s.live {
                 s.live = false;
-                s.mapper.reset(0);
+                // Its tracked blocks go, and the table with them.
+                mappers[i] = Mapper::new(
+                    Identity::new("index", "index", "", "index").expect("a valid identity"),
+                    self.config.mapping.clone(),
+                );
                 gone.push(i as u32);
             }
         }
@@ -348,7 +373,8 @@ impl Index {
 
     /// Sizes and counters.
     pub fn stats(&self) -> IndexStats {
-        let inner = self.read();
+        let state = self.read();
+        let inner = &state.inner;
         let mut stats = inner.stats.clone();
         stats.keys = inner.young.len() + inner.old.len();
         stats.pairs = inner
@@ -365,8 +391,9 @@ impl Index {
         stats.mapper_bytes = inner
             .sources
             .iter()
-            .filter(|s| s.live)
-            .map(|s| s.mapper.tracked_bytes())
+            .zip(&state.mappers)
+            .filter(|(s, _)| s.live)
+            .map(|(_, m)| m.tracked_bytes())
             .sum();
         stats
     }
@@ -387,8 +414,60 @@ impl Index {
                     .collect()
             }
         };
-        let inner = self.read();
-        inner.score(&keys, query.adapter)
+        self.read().inner.score(&keys, query.adapter)
+    }
+}
+
+/// One source's batch, written into the index as the mapper makes its keys.
+struct Apply<'a> {
+    inner: &'a mut Inner,
+    source: u32,
+    budget: usize,
+    /// The last adapter seen and its number (the mapper hands the same `Arc` for a batch's
+    /// blocks): one string lookup per change, not per block.
+    adapter: Option<(Arc<str>, u32)>,
+}
+
+impl Apply<'_> {
+    fn adapter(&mut self, name: &Arc<str>) -> u32 {
+        match &self.adapter {
+            Some((last, id)) if Arc::ptr_eq(last, name) => *id,
+            _ => {
+                let id = self.inner.adapter(name);
+                self.adapter = Some((name.clone(), id));
+                id
+            }
+        }
+    }
+}
+
+impl mapper::Sink for Apply<'_> {
+    fn prefix(
+        &mut self,
+        key: &[u8],
+        tokens: u32,
+        tier: pb::CacheTier,
+        adapter: &Arc<str>,
+        _new: bool,
+    ) {
+        let key = (key_of(key), self.adapter(adapter));
+        let tier = u8::from(tier != pb::CacheTier::T1);
+        self.inner
+            .store(key, self.source, tier, tokens, self.budget);
+    }
+
+    fn end_update(&mut self, _ts: i64) {}
+
+    fn evicted(&mut self, key: &[u8], adapter: &Arc<str>, _ts: i64) {
+        let key = (key_of(key), self.adapter(adapter));
+        self.inner.evict(key, self.source);
+    }
+
+    /// An engine clear: the source's entries stop counting.
+    fn cleared(&mut self, _ts: i64) {
+        if let Some(s) = self.inner.sources.get_mut(self.source as usize) {
+            s.epoch = s.epoch.wrapping_add(1);
+        }
     }
 }
 
@@ -408,45 +487,24 @@ impl Inner {
             .is_some_and(|s| s.live && s.epoch == h.epoch)
     }
 
-    fn apply_report(&mut self, source: u32, report: pb::Report, budget: usize) {
-        match report {
-            pb::Report::Update(u) | pb::Report::New(u) => {
-                for p in u.prefixes {
-                    let adapter = if p.adapter_id.is_empty() {
-                        u.adapter_id.as_str()
-                    } else {
-                        p.adapter_id.as_str()
-                    };
-                    let key = (key_of(&p.prefix_hash), self.adapter(adapter));
-                    let tier = u8::from(p.tier != pb::CacheTier::T1 as i32);
-                    self.store(key, source, tier, p.token_count.max(0) as u32, budget);
+    /// `source` no longer holds `key`.
+    fn evict(&mut self, key: (u64, u32), source: u32) {
+        self.stats.applied += 1;
+        for (map, bytes) in [
+            (&mut self.young, &mut self.young_bytes),
+            (&mut self.old, &mut self.old_bytes),
+        ] {
+            if let Some(entry) = map.get_mut(&key) {
+                let before = entry_bytes(entry.holders.len());
+                entry.holders.retain(|h| h.source != source);
+                if entry.holders.is_empty() {
+                    map.remove(&key);
+                    *bytes = bytes.saturating_sub(before);
+                } else {
+                    *bytes = (*bytes + entry_bytes(entry.holders.len())).saturating_sub(before);
                 }
-            }
-            pb::Report::Event(e) if e.r#type == pb::cache_event::Type::PrefixEvicted as i32 => {
-                let key = (key_of(&e.prefix_hash), self.adapter(&e.adapter_id));
-                self.stats.applied += 1;
-                for (map, bytes) in [
-                    (&mut self.young, &mut self.young_bytes),
-                    (&mut self.old, &mut self.old_bytes),
-                ] {
-                    if let Some(entry) = map.get_mut(&key) {
-                        let before = entry_bytes(entry.holders.len());
-                        entry.holders.retain(|h| h.source != source);
-                        if entry.holders.is_empty() {
-                            map.remove(&key);
-                            *bytes = bytes.saturating_sub(before);
-                        } else {
-                            *bytes =
-                                (*bytes + entry_bytes(entry.holders.len())).saturating_sub(before);
-                        }
-                    }
-                }
-            }
-            // ALL_CLEARED from the source's mapper: its entries stop counting.
-            pb::Report::Event(_) => {
-                if let Some(s) = self.sources.get_mut(source as usize) {
-                    s.epoch = s.epoch.wrapping_add(1);
-                }
+                // A key lives in one generation only (a store moves it to the young one).
+                return;
             }
         }
     }
@@ -454,15 +512,28 @@ impl Inner {
     fn store(&mut self, key: (u64, u32), source: u32, tier: u8, tokens: u32, budget: usize) {
         self.stats.applied += 1;
         let epoch = self.sources[source as usize].epoch;
-        // An entry stored again moves to the young generation.
-        let mut entry = match self.young.remove(&key) {
-            Some(e) => {
-                self.young_bytes = self
-                    .young_bytes
-                    .saturating_sub(entry_bytes(e.holders.len()));
-                e
-            }
-            None => match self.old.remove(&key) {
+        let holder = Holder {
+            source,
+            epoch,
+            tier,
+        };
+        let sources = &self.sources;
+        let valid = |h: &Holder| {
+            sources
+                .get(h.source as usize)
+                .is_some_and(|s| s.live && s.epoch == h.epoch)
+        };
+        if let Some(entry) = self.young.get_mut(&key) {
+            // Already young: updated where it is (one lookup, no move).
+            let before = entry_bytes(entry.holders.len());
+            entry.tokens = tokens;
+            entry.holders.retain(valid);
+            entry.holders.upsert(holder);
+            self.young_bytes =
+                (self.young_bytes + entry_bytes(entry.holders.len())).saturating_sub(before);
+        } else {
+            // An entry stored again moves to the young generation.
+            let mut entry = match self.old.remove(&key) {
                 Some(e) => {
                     self.old_bytes = self.old_bytes.saturating_sub(entry_bytes(e.holders.len()));
                     e
@@ -471,23 +542,13 @@ impl Inner {
                     tokens,
                     holders: Holders::Many(Vec::new()),
                 },
-            },
-        };
-        entry.tokens = tokens;
-        let sources = &self.sources;
-        entry.holders.retain(|h| {
-            sources
-                .get(h.source as usize)
-                .is_some_and(|s| s.live && s.epoch == h.epoch)
-        });
-        let holder = Holder {
-            source,
-            epoch,
-            tier,
-        };
-        entry.holders.upsert(holder);
-        self.young_bytes += entry_bytes(entry.holders.len());
-        self.young.insert(key, entry);
+            };
+            entry.tokens = tokens;
+            entry.holders.retain(valid);
+            entry.holders.upsert(holder);
+            self.young_bytes += entry_bytes(entry.holders.len());
+            self.young.insert(key, entry);
+        }
         if self.young_bytes >= budget / 2 {
             // The old generation goes; the young one becomes old.
             self.stats.evicted_keys += self.old.len() as u64;

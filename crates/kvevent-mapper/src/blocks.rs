@@ -332,16 +332,21 @@ impl Blocks {
 
     /// Tracks a block, merging tiers with what was known of it.
     pub(crate) fn insert(&mut self, id: BlockId<'_>, mut block: Tracked) -> Insert {
-        if let Some(existing) = self.get_mut(id) {
-            block.set_tiers(block.tiers() | existing.tiers());
-            *existing = block;
-            return Insert::Updated;
-        }
-        if self.len() >= self.max {
-            return Insert::Refused;
-        }
-        with_map!(self, id, |map, key| map.insert(key, block));
-        Insert::New
+        use std::collections::hash_map::Entry;
+        let full = self.len() >= self.max;
+        // One lookup, whether the block is new or known.
+        with_map!(self, id, |map, key| match map.entry(key) {
+            Entry::Occupied(mut known) => {
+                block.set_tiers(block.tiers() | known.get().tiers());
+                *known.get_mut() = block;
+                Insert::Updated
+            }
+            Entry::Vacant(_) if full => Insert::Refused,
+            Entry::Vacant(slot) => {
+                slot.insert(block);
+                Insert::New
+            }
+        })
     }
 
     pub(crate) fn remove(&mut self, id: BlockId<'_>) -> Option<Tracked> {
