@@ -215,7 +215,7 @@ fn run(replicas: usize, capacity: usize, seed: u64) {
     drop(index);
     let rss_per_pair = (rss_before_drop - rss()) / after_pairs as f64;
     println!(
-        "| {replicas} | {:.2} M/s | {:.1} / {:.1} µs | {:.3} | {:.1} B; tables {:.1} B + mappers {:.1} B; RSS {:.1} B | {:.1} → {:.1} MB ({:+.1} %) | {:.1} |",
+        "| {replicas} | {:.2} M/s | {:.1} / {:.1} µs | {:.3} | {:.1} B (tables {:.1} B) + mappers {:.1} B; RSS {:.1} B | {:.1} → {:.1} MB ({:+.1} %) | {:.1} |",
         applied_blocks as f64 / apply_secs / 1e6,
         percentile(&mut lat, 0.5),
         percentile(&mut lat, 0.99),
@@ -248,7 +248,7 @@ fn main() {
     }
     println!("capacity {capacity} blocks per replica, seed {seed}");
     println!(
-        "| replicas | apply (block events/s, one writer) | score p50 / p99 (1,024 tokens) | resident pairs (M) | bytes per pair: entry estimate (the budget's); key tables + per-source mappers; RSS given back when the index is dropped | index bytes before → after 10× churn | blocks matched per query |"
+        "| replicas | apply (block events/s, one writer) | score p50 / p99 (1,024 tokens) | resident pairs (M) | bytes per pair: what the byte budget counts (key tables and holder lists) + per-source block maps; RSS given back when the index is dropped | index bytes before → after 10× churn | blocks matched per query |"
     );
     println!("|---|---|---|---|---|---|---|");
     for r in replicas {

@@ -13,10 +13,11 @@
 //!   block by block (one lookup per query block, whatever the number of replicas).
 //! - **Resets** of one source are O(1): its epoch moves on and older holders no longer count
 //!   (they are dropped when next touched). Removing a replica resets its sources.
-//! - **Byte budget.** Entries live in two generations; when the young one reaches half the
-//!   budget, the old one is dropped (counted in [`IndexStats::evicted_keys`]) and the young one
-//!   becomes old: an entry neither stored nor scored during a whole generation goes first.
-//!   Memory stays within the budget however many blocks churn through.
+//! - **Byte budget.** Entries live in two generations; when a new key would take the key
+//!   tables and holder lists past the budget (measured by the tables' capacity, free slots
+//!   included), the old one is dropped (counted in [`IndexStats::evicted_keys`]) and the young one
+//!   becomes old: an entry not stored again during a whole generation goes first. The key
+//!   tables stay within the budget however many blocks churn through.
 //! - **Concurrency.** One `RwLock`: any number of threads score while one applies events.
 //!
 //! Pure: no IO, no async runtime. Keys longer than 8 bytes (engine mode with `bin` digests) are
@@ -49,7 +50,10 @@ pub enum Tier {
 /// How the index is bounded.
 #[derive(Debug, Clone)]
 pub struct Config {
-    /// Most bytes the entries may take (estimated from their layout). Default 1 GiB.
+    /// Most bytes the key tables and holder lists may hold (tables by their capacity, free
+    /// slots included). The per-source block maps the key rules need are apart
+    /// ([`IndexStats::mapper_bytes`]), bounded by `mapping.max_tracked_blocks` a source.
+    /// Default 1 GiB.
     pub byte_budget: usize,
     /// How sources map events to keys (key mode, adapters, offload tier, hybrid models).
     pub mapping: mapper::Options,
@@ -113,7 +117,7 @@ pub struct IndexStats {
     pub keys: usize,
     /// (key, source) pairs, stale ones included until touched.
     pub pairs: usize,
-    /// Estimated bytes of the entries (what the byte budget counts).
+    /// Bytes of the key tables and holder lists (what the byte budget counts).
     pub bytes: usize,
     /// Bytes of the key map's tables themselves (buckets, control bytes, free slots).
     pub table_bytes: usize,
@@ -198,15 +202,44 @@ struct Entry {
     holders: Holders,
 }
 
-/// Bytes an entry is estimated to take: the table slot (key, entry, control byte, at the
-/// table's 7/8 load) and, past one holder, the holders' heap block.
+type Keys = Map<(u64, u32), Entry>;
+
+/// Heap bytes of an entry's holders: none for one (kept inline), else the vector's block
+/// (capacity doubling from 4, plus the allocator's header).
 fn entry_bytes(holders: usize) -> usize {
-    let slot = (std::mem::size_of::<((u64, u32), Entry)>() + 1) * 8 / 7;
     if holders <= 1 {
-        slot
+        0
     } else {
-        slot + holders.next_power_of_two() * std::mem::size_of::<Holder>() + 16
+        holders.next_power_of_two().max(4) * std::mem::size_of::<Holder>() + 16
     }
+}
+
+/// Bytes a key table holds, free slots included: its buckets (a power of two, at most 7/8
+/// full) of one slot and one control byte each, plus a group of trailing control bytes.
+fn table_bytes(map: &Keys) -> usize {
+    table_bytes_for(map.capacity())
+}
+
+/// Gives back a table's memory once it is less than a quarter full (keys leave a generation
+/// as the engines evict them or store them again): the tables hold about what is resident,
+/// however much churned through. Amortized: a shrink follows at least as many removals as
+/// the table then holds.
+fn shrink_if_sparse(map: &mut Keys) {
+    if map.capacity() > 64 && map.len() * 4 < map.capacity() {
+        map.shrink_to(map.len() * 2);
+    }
+}
+
+fn table_bytes_for(capacity: usize) -> usize {
+    if capacity == 0 {
+        return 0;
+    }
+    let buckets = if capacity < 8 {
+        (capacity + 1).next_power_of_two()
+    } else {
+        (capacity * 8 / 7).next_power_of_two()
+    };
+    buckets * (std::mem::size_of::<((u64, u32), Entry)>() + 1) + 16
 }
 
 #[derive(Debug)]
@@ -223,8 +256,10 @@ struct Inner {
     replica_ids: Map<String, u32>,
     sources: Vec<Source>,
     adapters: Map<String, u32>,
-    young: Map<(u64, u32), Entry>,
-    old: Map<(u64, u32), Entry>,
+    young: Keys,
+    old: Keys,
+    /// Heap bytes of the holder lists in each generation (the tables are measured by their
+    /// capacity).
     young_bytes: usize,
     old_bytes: usize,
     stats: IndexStats,
@@ -383,11 +418,8 @@ impl Index {
             .chain(inner.old.values())
             .map(|e| e.holders.len())
             .sum();
-        stats.bytes = inner.young_bytes + inner.old_bytes;
-        let table = |m: &Map<(u64, u32), Entry>| {
-            m.capacity() * 8 / 7 * (std::mem::size_of::<((u64, u32), Entry)>() + 1)
-        };
-        stats.table_bytes = table(&inner.young) + table(&inner.old);
+        stats.table_bytes = table_bytes(&inner.young) + table_bytes(&inner.old);
+        stats.bytes = stats.table_bytes + inner.young_bytes + inner.old_bytes;
         stats.mapper_bytes = inner
             .sources
             .iter()
@@ -499,6 +531,7 @@ impl Inner {
                 entry.holders.retain(|h| h.source != source);
                 if entry.holders.is_empty() {
                     map.remove(&key);
+                    shrink_if_sparse(map);
                     *bytes = bytes.saturating_sub(before);
                 } else {
                     *bytes = (*bytes + entry_bytes(entry.holders.len())).saturating_sub(before);
@@ -536,6 +569,7 @@ impl Inner {
             let mut entry = match self.old.remove(&key) {
                 Some(e) => {
                     self.old_bytes = self.old_bytes.saturating_sub(entry_bytes(e.holders.len()));
+                    shrink_if_sparse(&mut self.old);
                     e
                 }
                 None => Entry {
@@ -546,14 +580,24 @@ impl Inner {
             entry.tokens = tokens;
             entry.holders.retain(valid);
             entry.holders.upsert(holder);
-            self.young_bytes += entry_bytes(entry.holders.len());
+            let heap = entry_bytes(entry.holders.len());
+            // The budget counts what the key tables really hold: when this insert would make
+            // the young table grow past it, the old generation goes first and the young one
+            // becomes old (an entry not stored for a whole generation is dropped).
+            let young_table = if self.young.len() >= self.young.capacity() {
+                table_bytes_for((self.young.capacity() * 2).max(3))
+            } else {
+                table_bytes(&self.young)
+            };
+            let after =
+                table_bytes(&self.old) + young_table + self.old_bytes + self.young_bytes + heap;
+            if after > budget {
+                self.stats.evicted_keys += self.old.len() as u64;
+                self.old = std::mem::take(&mut self.young);
+                self.old_bytes = std::mem::take(&mut self.young_bytes);
+            }
+            self.young_bytes += heap;
             self.young.insert(key, entry);
-        }
-        if self.young_bytes >= budget / 2 {
-            // The old generation goes; the young one becomes old.
-            self.stats.evicted_keys += self.old.len() as u64;
-            self.old = std::mem::take(&mut self.young);
-            self.old_bytes = std::mem::take(&mut self.young_bytes);
         }
     }
 

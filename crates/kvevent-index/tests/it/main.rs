@@ -216,6 +216,13 @@ fn memory_stays_within_the_budget_under_churn() {
     }
     let stats = index.stats();
     assert!(stats.evicted_keys > 0, "{stats:?}");
+    // What is counted is what the tables hold, free slots included: at least a 48-byte slot
+    // per key, and the budget mostly used.
+    assert!(
+        stats.table_bytes >= stats.keys * 48 && stats.bytes >= stats.table_bytes,
+        "{stats:?}"
+    );
+    assert!(stats.bytes > budget / 4, "{stats:?}");
     // The newest blocks are still there.
     let scores = index.score(&Query {
         adapter: "",
