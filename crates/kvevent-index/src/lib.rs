@@ -26,6 +26,8 @@
 use std::collections::HashMap;
 use std::sync::{Arc, PoisonError, RwLock};
 
+mod table;
+
 use kvevent_mapper::{self as mapper, Identity, Mapper};
 use kvevent_proto as pb;
 use kvevent_wire as wire;
@@ -138,108 +140,180 @@ struct Holder {
     tier: u8,
 }
 
-/// The sources holding a key, sorted by source; one is kept inline (no heap block).
-#[derive(Debug, Clone)]
-enum Holders {
-    One(Holder),
-    Many(Vec<Holder>),
+/// The sources holding a key, sorted by source, in one word: none, one inline, or the number
+/// of a list in [`Lists`] (two or more). Keeps a table slot at 24 bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Holders(u64);
+
+const ONE: u64 = 1;
+const LIST: u64 = 2;
+
+/// The holder lists of keys held by two sources or more; a freed slot is reused.
+#[derive(Debug, Default)]
+struct Lists {
+    lists: Vec<Vec<Holder>>,
+    free: Vec<u32>,
 }
 
-impl Holders {
+/// An entry's holders, borrowed for reading.
+enum HolderView<'a> {
+    One(Holder),
+    Many(&'a [Holder]),
+}
+
+impl HolderView<'_> {
     fn as_slice(&self) -> &[Holder] {
         match self {
             Self::One(h) => std::slice::from_ref(h),
             Self::Many(v) => v,
         }
     }
+}
 
-    fn len(&self) -> usize {
-        self.as_slice().len()
+impl Holders {
+    const NONE: Self = Self(0);
+
+    fn one(h: Holder) -> Self {
+        Self(
+            (u64::from(h.source) << 32)
+                | (u64::from(h.epoch) << 16)
+                | (u64::from(h.tier) << 8)
+                | ONE,
+        )
     }
 
-    fn is_empty(&self) -> bool {
-        self.as_slice().is_empty()
+    fn list(i: u32) -> Self {
+        Self((u64::from(i) << 32) | LIST)
     }
 
-    fn retain(&mut self, keep: impl Fn(&Holder) -> bool) {
-        match self {
-            Self::One(h) if !keep(h) => *self = Self::Many(Vec::new()),
-            Self::One(_) => {}
-            Self::Many(v) => {
+    fn view(self, lists: &Lists) -> HolderView<'_> {
+        match self.0 & 3 {
+            ONE => HolderView::One(Holder {
+                source: (self.0 >> 32) as u32,
+                epoch: (self.0 >> 16) as u16,
+                tier: (self.0 >> 8) as u8,
+            }),
+            LIST => HolderView::Many(&lists.lists[(self.0 >> 32) as usize]),
+            _ => HolderView::Many(&[]),
+        }
+    }
+
+    fn len(self, lists: &Lists) -> usize {
+        self.view(lists).as_slice().len()
+    }
+
+    fn list_mut(self, lists: &mut Lists) -> Option<(u32, &mut Vec<Holder>)> {
+        if self.0 & 3 == LIST {
+            let i = (self.0 >> 32) as u32;
+            Some((i, &mut lists.lists[i as usize]))
+        } else {
+            None
+        }
+    }
+
+    /// Gives its list back, if it has one.
+    fn free(self, lists: &mut Lists) {
+        if let Some((i, v)) = self.list_mut(lists) {
+            *v = Vec::new();
+            lists.free.push(i);
+        }
+    }
+
+    /// The holders `keep` keeps.
+    fn retain(self, lists: &mut Lists, keep: impl Fn(&Holder) -> bool) -> Self {
+        match self.view(lists) {
+            HolderView::One(h) => {
+                if keep(&h) {
+                    self
+                } else {
+                    Self::NONE
+                }
+            }
+            HolderView::Many(_) => {
+                let Some((_, v)) = self.list_mut(lists) else {
+                    return Self::NONE;
+                };
                 v.retain(|h| keep(h));
-                if let [only] = v.as_slice() {
-                    *self = Self::One(*only);
+                match v.as_slice() {
+                    [only] => {
+                        let only = *only;
+                        self.free(lists);
+                        Self::one(only)
+                    }
+                    [] => {
+                        self.free(lists);
+                        Self::NONE
+                    }
+                    _ => self,
                 }
             }
         }
     }
 
     /// Adds `holder`, replacing the same source's.
-    fn upsert(&mut self, holder: Holder) {
-        let mut v = match std::mem::replace(self, Self::Many(Vec::new())) {
-            Self::One(h) if h.source == holder.source => {
-                *self = Self::One(holder);
-                return;
+    fn upsert(self, lists: &mut Lists, holder: Holder) -> Self {
+        match self.view(lists) {
+            HolderView::Many([]) => Self::one(holder),
+            HolderView::One(h) if h.source == holder.source => Self::one(holder),
+            HolderView::One(h) => {
+                let pair = if h.source < holder.source {
+                    vec![h, holder]
+                } else {
+                    vec![holder, h]
+                };
+                let i = match lists.free.pop() {
+                    Some(i) => {
+                        lists.lists[i as usize] = pair;
+                        i
+                    }
+                    None => {
+                        lists.lists.push(pair);
+                        (lists.lists.len() - 1) as u32
+                    }
+                };
+                Self::list(i)
             }
-            Self::One(h) => vec![h],
-            Self::Many(v) if v.is_empty() => {
-                *self = Self::One(holder);
-                return;
+            HolderView::Many(_) => {
+                if let Some((_, v)) = self.list_mut(lists) {
+                    match v.binary_search_by_key(&holder.source, |h| h.source) {
+                        Ok(i) => v[i] = holder,
+                        Err(i) => v.insert(i, holder),
+                    }
+                }
+                self
             }
-            Self::Many(v) => v,
-        };
-        match v.binary_search_by_key(&holder.source, |h| h.source) {
-            Ok(i) => v[i] = holder,
-            Err(i) => v.insert(i, holder),
         }
-        *self = Self::Many(v);
     }
 }
 
-#[derive(Debug, Clone)]
+/// A key's identity: its prefix key and adapter number, 12 bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(C, packed(4))]
+struct KeyId {
+    key: u64,
+    adapter: u32,
+}
+
+/// What the index knows of a key, 12 bytes: the prefix's token count and its holders.
+#[derive(Debug, Clone, Copy)]
+#[repr(C, packed(4))]
 struct Entry {
     tokens: u32,
     holders: Holders,
 }
 
-type Keys = Map<(u64, u32), Entry>;
+type Keys = table::Table;
 
-/// Heap bytes of an entry's holders: none for one (kept inline), else the vector's block
-/// (capacity doubling from 4, plus the allocator's header).
+/// Heap bytes of an entry's holders: none for one (kept inline), else its list's slot and the
+/// list's block (capacity doubling from 4, plus the allocator's header).
 fn entry_bytes(holders: usize) -> usize {
     if holders <= 1 {
         0
     } else {
-        holders.next_power_of_two().max(4) * std::mem::size_of::<Holder>() + 16
+        std::mem::size_of::<Vec<Holder>>()
+            + holders.next_power_of_two().max(4) * std::mem::size_of::<Holder>()
+            + 16
     }
-}
-
-/// Bytes a key table holds, free slots included: its buckets (a power of two, at most 7/8
-/// full) of one slot and one control byte each, plus a group of trailing control bytes.
-fn table_bytes(map: &Keys) -> usize {
-    table_bytes_for(map.capacity())
-}
-
-/// Gives back a table's memory once it is less than a quarter full (keys leave a generation
-/// as the engines evict them or store them again): the tables hold about what is resident,
-/// however much churned through. Amortized: a shrink follows at least as many removals as
-/// the table then holds.
-fn shrink_if_sparse(map: &mut Keys) {
-    if map.capacity() > 64 && map.len() * 4 < map.capacity() {
-        map.shrink_to(map.len() * 2);
-    }
-}
-
-fn table_bytes_for(capacity: usize) -> usize {
-    if capacity == 0 {
-        return 0;
-    }
-    let buckets = if capacity < 8 {
-        (capacity + 1).next_power_of_two()
-    } else {
-        (capacity * 8 / 7).next_power_of_two()
-    };
-    buckets * (std::mem::size_of::<((u64, u32), Entry)>() + 1) + 16
 }
 
 #[derive(Debug)]
@@ -258,6 +332,7 @@ struct Inner {
     adapters: Map<String, u32>,
     young: Keys,
     old: Keys,
+    lists: Lists,
     /// Heap bytes of the holder lists in each generation (the tables are measured by their
     /// capacity).
     young_bytes: usize,
@@ -416,9 +491,12 @@ impl Index {
             .young
             .values()
             .chain(inner.old.values())
-            .map(|e| e.holders.len())
+            .map(|e| {
+                let h = e.holders;
+                h.len(&inner.lists)
+            })
             .sum();
-        stats.table_bytes = table_bytes(&inner.young) + table_bytes(&inner.old);
+        stats.table_bytes = inner.young.bytes() + inner.old.bytes();
         stats.bytes = stats.table_bytes + inner.young_bytes + inner.old_bytes;
         stats.mapper_bytes = inner
             .sources
@@ -482,7 +560,10 @@ impl mapper::Sink for Apply<'_> {
         adapter: &Arc<str>,
         _new: bool,
     ) {
-        let key = (key_of(key), self.adapter(adapter));
+        let key = KeyId {
+            key: key_of(key),
+            adapter: self.adapter(adapter),
+        };
         let tier = u8::from(tier != pb::CacheTier::T1);
         self.inner
             .store(key, self.source, tier, tokens, self.budget);
@@ -491,7 +572,10 @@ impl mapper::Sink for Apply<'_> {
     fn end_update(&mut self, _ts: i64) {}
 
     fn evicted(&mut self, key: &[u8], adapter: &Arc<str>, _ts: i64) {
-        let key = (key_of(key), self.adapter(adapter));
+        let key = KeyId {
+            key: key_of(key),
+            adapter: self.adapter(adapter),
+        };
         self.inner.evict(key, self.source);
     }
 
@@ -520,21 +604,24 @@ impl Inner {
     }
 
     /// `source` no longer holds `key`.
-    fn evict(&mut self, key: (u64, u32), source: u32) {
+    /// `source` no longer holds `key`.
+    fn evict(&mut self, key: KeyId, source: u32) {
         self.stats.applied += 1;
+        let lists = &mut self.lists;
         for (map, bytes) in [
             (&mut self.young, &mut self.young_bytes),
             (&mut self.old, &mut self.old_bytes),
         ] {
             if let Some(entry) = map.get_mut(&key) {
-                let before = entry_bytes(entry.holders.len());
-                entry.holders.retain(|h| h.source != source);
-                if entry.holders.is_empty() {
+                let holders = entry.holders;
+                let before = entry_bytes(holders.len(lists));
+                let after = holders.retain(lists, |h| h.source != source);
+                if after == Holders::NONE {
                     map.remove(&key);
-                    shrink_if_sparse(map);
                     *bytes = bytes.saturating_sub(before);
                 } else {
-                    *bytes = (*bytes + entry_bytes(entry.holders.len())).saturating_sub(before);
+                    entry.holders = after;
+                    *bytes = (*bytes + entry_bytes(after.len(lists))).saturating_sub(before);
                 }
                 // A key lives in one generation only (a store moves it to the young one).
                 return;
@@ -542,7 +629,7 @@ impl Inner {
         }
     }
 
-    fn store(&mut self, key: (u64, u32), source: u32, tier: u8, tokens: u32, budget: usize) {
+    fn store(&mut self, key: KeyId, source: u32, tier: u8, tokens: u32, budget: usize) {
         self.stats.applied += 1;
         let epoch = self.sources[source as usize].epoch;
         let holder = Holder {
@@ -556,66 +643,77 @@ impl Inner {
                 .get(h.source as usize)
                 .is_some_and(|s| s.live && s.epoch == h.epoch)
         };
+        let lists = &mut self.lists;
         if let Some(entry) = self.young.get_mut(&key) {
             // Already young: updated where it is (one lookup, no move).
-            let before = entry_bytes(entry.holders.len());
-            entry.tokens = tokens;
-            entry.holders.retain(valid);
-            entry.holders.upsert(holder);
+            let holders = entry.holders;
+            let before = entry_bytes(holders.len(lists));
+            let after = holders.retain(lists, valid).upsert(lists, holder);
+            *entry = Entry {
+                tokens,
+                holders: after,
+            };
             self.young_bytes =
-                (self.young_bytes + entry_bytes(entry.holders.len())).saturating_sub(before);
-        } else {
-            // An entry stored again moves to the young generation.
-            let mut entry = match self.old.remove(&key) {
-                Some(e) => {
-                    self.old_bytes = self.old_bytes.saturating_sub(entry_bytes(e.holders.len()));
-                    shrink_if_sparse(&mut self.old);
-                    e
-                }
-                None => Entry {
-                    tokens,
-                    holders: Holders::Many(Vec::new()),
-                },
-            };
-            entry.tokens = tokens;
-            entry.holders.retain(valid);
-            entry.holders.upsert(holder);
-            let heap = entry_bytes(entry.holders.len());
-            // The budget counts what the key tables really hold: when this insert would make
-            // the young table grow past it, the old generation goes first and the young one
-            // becomes old (an entry not stored for a whole generation is dropped).
-            let young_table = if self.young.len() >= self.young.capacity() {
-                table_bytes_for((self.young.capacity() * 2).max(3))
-            } else {
-                table_bytes(&self.young)
-            };
-            let after =
-                table_bytes(&self.old) + young_table + self.old_bytes + self.young_bytes + heap;
-            if after > budget {
-                self.stats.evicted_keys += self.old.len() as u64;
-                self.old = std::mem::take(&mut self.young);
-                self.old_bytes = std::mem::take(&mut self.young_bytes);
-            }
-            self.young_bytes += heap;
-            self.young.insert(key, entry);
+                (self.young_bytes + entry_bytes(after.len(lists))).saturating_sub(before);
+            return;
         }
+        // An entry stored again moves to the young generation.
+        let known = match self.old.remove(&key) {
+            Some(e) => {
+                let holders = e.holders;
+                self.old_bytes = self
+                    .old_bytes
+                    .saturating_sub(entry_bytes(holders.len(lists)));
+                holders
+            }
+            None => Holders::NONE,
+        };
+        let holders = known.retain(lists, valid).upsert(lists, holder);
+        let heap = entry_bytes(holders.len(lists));
+        // The budget counts what the key tables really hold: when this insert would make the
+        // young table grow past it, the old generation goes first and the young one becomes
+        // old (an entry not stored again for a whole generation is dropped).
+        let after = self.old.bytes()
+            + self.young.bytes_after_insert()
+            + self.old_bytes
+            + self.young_bytes
+            + heap;
+        if after > budget {
+            self.stats.evicted_keys += self.old.len() as u64;
+            for e in self.old.values() {
+                let h = e.holders;
+                h.free(lists);
+            }
+            self.old = std::mem::take(&mut self.young);
+            self.old_bytes = std::mem::take(&mut self.young_bytes);
+        }
+        self.young_bytes += heap;
+        self.young.insert_new(key, Entry { tokens, holders });
     }
 
     fn drop_holders(&mut self, gone: impl Fn(&Holder) -> bool) {
+        let lists = &mut self.lists;
         for (map, bytes) in [
             (&mut self.young, &mut self.young_bytes),
             (&mut self.old, &mut self.old_bytes),
         ] {
-            map.retain(|_, e| {
-                e.holders.retain(|h| !gone(h));
-                !e.holders.is_empty()
+            map.retain(|e| {
+                let kept = { e.holders }.retain(lists, |h| !gone(h));
+                e.holders = kept;
+                kept != Holders::NONE
             });
-            *bytes = map.values().map(|e| entry_bytes(e.holders.len())).sum();
+            *bytes = map
+                .values()
+                .map(|e| {
+                    let h = e.holders;
+                    entry_bytes(h.len(lists))
+                })
+                .sum();
         }
     }
 
-    fn lookup(&self, key: &(u64, u32)) -> Option<&Entry> {
-        self.young.get(key).or_else(|| self.old.get(key))
+    fn lookup(&self, key: &KeyId) -> Option<Entry> {
+        self.young.get(key).or_else(|| self.old.get(key)).copied()
     }
 
     fn score(&self, keys: &[u64], adapter: &str) -> Vec<Score> {
@@ -627,10 +725,11 @@ impl Inner {
         let mut alive: Vec<(u32, u16, u32, u32, u8)> = Vec::new();
         let mut done: Vec<(u32, u16, u32, u32, u8)> = Vec::new();
         for (i, k) in keys.iter().enumerate() {
-            let Some(entry) = self.lookup(&(*k, adapter)) else {
+            let Some(entry) = self.lookup(&KeyId { key: *k, adapter }) else {
                 break;
             };
-            let holders = entry.holders.as_slice();
+            let view = { entry.holders }.view(&self.lists);
+            let holders = view.as_slice();
             if i == 0 {
                 alive = holders
                     .iter()
