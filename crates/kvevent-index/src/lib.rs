@@ -8,9 +8,12 @@
 //! answers, per replica, how many blocks and tokens of the query are present from block 0 on,
 //! at which tier, and whether the replica's state is known to be complete ([`Score::fresh`]).
 //!
-//! - **Layout.** One map, (prefix key, adapter) → (token count, holders); a holder is a source,
-//!   its reset epoch and the tier, kept sorted by source so scoring intersects holder lists
-//!   block by block (one lookup per query block, whatever the number of replicas).
+//! - **Layout.** One table, (prefix key, adapter) → (token count, holders), 24 bytes a slot
+//!   in an open-addressing table with backward-shift deletion (no tombstones: churn never
+//!   grows it; see `table`). A holder is a source, its reset epoch and the tier; one is kept
+//!   in the slot, two or more in a shared list, sorted by source so scoring intersects holder
+//!   lists block by block (one lookup per query block, whatever the number of replicas).
+//!   Batches come in through the mapper's [`Sink`](mapper::Sink): no protobuf is made.
 //! - **Resets** of one source are O(1): its epoch moves on and older holders no longer count
 //!   (they are dropped when next touched). Removing a replica resets its sources.
 //! - **Byte budget.** Entries live in two generations; when a new key would take the key
