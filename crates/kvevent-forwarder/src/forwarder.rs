@@ -123,7 +123,8 @@ impl Handle {
     }
 
     /// Queues a report, waiting for room in the channel (never for the network: the forwarder
-    /// task empties the channel continuously). `Err` when the forwarder has shut down.
+    /// task empties the channel at least once a window, and at once when it is half full).
+    /// `Err` when the forwarder has shut down.
     pub async fn submit(&self, report: pb::Report) -> Result<(), Closed> {
         self.tx.send(report).await.map_err(|_| Closed)?;
         self.ring_if_filling();
