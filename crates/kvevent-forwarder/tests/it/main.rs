@@ -641,3 +641,46 @@ async fn reports_of_one_prefix_at_several_tiers_keep_their_order_and_timestamps(
         ]
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_filling_channel_is_emptied_before_the_window_is_due() {
+    // While a window is open the task leaves reports in the channel until the window is due,
+    // unless the channel fills (the handle rings a bell at half full): a burst of ten times
+    // the channel's capacity goes in well within a 5 s window (without the bell each
+    // `submit` past the capacity would wait for the window).
+    let server = RecordingServer::start().await;
+    let config = fwd::Config {
+        input_capacity: 64,
+        ..config(5_000)
+    };
+    let (h, f) = fwd::spawn(client(&server, 2000), config);
+    let started = std::time::Instant::now();
+    for i in 0..640u32 {
+        let report = pb::Report::Update(pb::CacheStateUpdate {
+            replica_id: "r1".into(),
+            model_id: "m".into(),
+            prefixes: vec![pb::PrefixEntry {
+                prefix_hash: i.to_be_bytes().to_vec(),
+                token_count: 16,
+                ..Default::default()
+            }],
+            ..Default::default()
+        });
+        h.submit(report).await.expect("open");
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "the burst waited {:?}",
+        started.elapsed()
+    );
+    assert_eq!(f.shutdown(WAIT).await, fwd::DrainReport::default());
+    let received: usize = server
+        .received()
+        .into_iter()
+        .map(|r| match r {
+            Received::Update(u) => u.prefixes.len(),
+            Received::Event(_) => 0,
+        })
+        .sum();
+    assert_eq!(received, 640);
+}
