@@ -1,4 +1,4 @@
-//! The key table: open addressing with linear probing and backward-shift deletion.
+//! The key table: open addressing, Robin Hood probing, backward-shift deletion, any size.
 //!
 //! Why not hashbrown: its deletions leave tombstones, and a table more than 7/16 full whose
 //! free room the tombstones used up doubles instead of rehashing in place, so under an
@@ -9,10 +9,12 @@
 //!
 //! - Slots are 24 bytes (a 12-byte key, a 12-byte value), no control bytes; a key whose
 //!   `adapter` is `u32::MAX` marks an empty slot (adapter numbers never reach it).
-//! - Power-of-two sizes from 16 slots; grows ×2 past 4/5 full, shrinks ×1/2 below 1/5 (after
-//!   either, the table is 2/5 full: no size flapping).
-//! - Keys are uniformly random in practice (fingerprints, engine hashes): the slot is taken
-//!   from a multiplicative hash of the key and adapter.
+//! - Any number of slots (the slot is the hash scaled to the table, not masked), from 16:
+//!   grows ×1.5 past 7/8 full, shrinks to 3/5 full below 3/10. So a table is 58–88 % full
+//!   (about 33 bytes a key), where a power-of-two table can be half empty.
+//! - Robin Hood: an insert takes the slot of an entry closer to its home than the insert is
+//!   to its own, which keeps probe runs short at 7/8 full; a lookup stops as soon as it
+//!   passes where its key would have been.
 
 use crate::{Entry, KeyId};
 
@@ -28,11 +30,13 @@ pub(crate) struct Table {
     len: usize,
 }
 
-fn home(key: &KeyId, mask: usize) -> usize {
+/// Where `key` would sit in a table of `n` slots, undisturbed.
+fn home(key: &KeyId, n: usize) -> usize {
     let k = key.key;
     let a = key.adapter;
-    let h = (k ^ (u64::from(a)).rotate_left(32)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    (h ^ (h >> 29)) as usize & mask
+    let h = (k ^ u64::from(a).rotate_left(32)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let h = h ^ (h >> 29);
+    ((u128::from(h) * n as u128) >> 64) as usize
 }
 
 impl Table {
@@ -48,18 +52,31 @@ impl Table {
     /// Bytes the slot array would take after one more insert.
     pub(crate) fn bytes_after_insert(&self) -> usize {
         if self.grows_on_insert() {
-            (self.slots.len() * 2).max(MIN_SLOTS) * std::mem::size_of::<(KeyId, Entry)>()
+            self.grown() * std::mem::size_of::<(KeyId, Entry)>()
         } else {
             self.bytes()
         }
     }
 
     fn grows_on_insert(&self) -> bool {
-        (self.len + 1) * 5 > self.slots.len() * 4
+        (self.len + 1) * 8 > self.slots.len() * 7
     }
 
-    fn mask(&self) -> usize {
-        self.slots.len() - 1
+    fn grown(&self) -> usize {
+        (self.slots.len() * 3 / 2).max(MIN_SLOTS)
+    }
+
+    fn next(&self, i: usize) -> usize {
+        if i + 1 == self.slots.len() { 0 } else { i + 1 }
+    }
+
+    /// How far slot `i` is from `home`.
+    fn distance(&self, i: usize, home: usize) -> usize {
+        if i >= home {
+            i - home
+        } else {
+            i + self.slots.len() - home
+        }
     }
 
     /// The slot holding `key`, if any.
@@ -67,17 +84,21 @@ impl Table {
         if self.len == 0 {
             return None;
         }
-        let mask = self.mask();
-        let mut i = home(key, mask);
+        let n = self.slots.len();
+        let mut i = home(key, n);
+        let mut d = 0;
         loop {
             let k = self.slots[i].0;
             if k == *key {
                 return Some(i);
             }
-            if k == EMPTY {
+            // An empty slot, or an entry nearer its home than `key` would be: `key` would
+            // have taken this slot, so it is not here.
+            if k == EMPTY || self.distance(i, home(&k, n)) < d {
                 return None;
             }
-            i = (i + 1) & mask;
+            i = self.next(i);
+            d += 1;
         }
     }
 
@@ -93,53 +114,59 @@ impl Table {
     pub(crate) fn insert_new(&mut self, key: KeyId, value: Entry) {
         debug_assert!(key != EMPTY && self.find(&key).is_none());
         if self.grows_on_insert() {
-            self.resize((self.slots.len() * 2).max(MIN_SLOTS));
+            self.resize(self.grown());
         }
         self.place(key, value);
         self.len += 1;
     }
 
     fn place(&mut self, key: KeyId, value: Entry) {
-        let mask = self.mask();
-        let mut i = home(&key, mask);
-        while self.slots[i].0 != EMPTY {
-            i = (i + 1) & mask;
+        let n = self.slots.len();
+        let mut cur = (key, value);
+        let mut i = home(&key, n);
+        let mut d = 0;
+        loop {
+            let k = self.slots[i].0;
+            if k == EMPTY {
+                self.slots[i] = cur;
+                return;
+            }
+            let dk = self.distance(i, home(&k, n));
+            if dk < d {
+                // Robin Hood: the richer entry moves on.
+                std::mem::swap(&mut self.slots[i], &mut cur);
+                d = dk;
+            }
+            i = self.next(i);
+            d += 1;
         }
-        self.slots[i] = (key, value);
     }
 
     pub(crate) fn remove(&mut self, key: &KeyId) -> Option<Entry> {
         let mut hole = self.find(key)?;
         let removed = self.slots[hole].1;
-        let mask = self.mask();
-        // Backward shift: an entry after the hole moves into it when its home is not in the
-        // stretch between the hole and it (it would otherwise be unreachable from its home).
-        let mut j = (hole + 1) & mask;
+        let n = self.slots.len();
+        // Backward shift: the entries after the hole that are not at their home move back.
+        let mut j = self.next(hole);
         loop {
             let k = self.slots[j].0;
-            if k == EMPTY {
+            if k == EMPTY || home(&k, n) == j {
                 break;
             }
-            let h = home(&k, mask);
-            let distance_to_hole = hole.wrapping_sub(h) & mask;
-            let distance_to_j = j.wrapping_sub(h) & mask;
-            if distance_to_hole < distance_to_j {
-                self.slots[hole] = self.slots[j];
-                hole = j;
-            }
-            j = (j + 1) & mask;
+            self.slots[hole] = self.slots[j];
+            hole = j;
+            j = self.next(j);
         }
         self.slots[hole] = (EMPTY, empty_entry());
         self.len -= 1;
-        if self.slots.len() > MIN_SLOTS && self.len * 5 < self.slots.len() {
-            self.resize(self.slots.len() / 2);
+        if self.slots.len() > MIN_SLOTS && self.len * 10 < self.slots.len() * 3 {
+            self.resize((self.len * 5 / 3).max(MIN_SLOTS));
         }
         Some(removed)
     }
 
     fn resize(&mut self, slots: usize) {
         let old = std::mem::replace(&mut self.slots, vec![(EMPTY, empty_entry()); slots]);
-        self.slots.shrink_to_fit();
         for (k, v) in old {
             if k != EMPTY {
                 self.place(k, v);
@@ -162,15 +189,10 @@ impl Table {
                 kept.push((k, v));
             }
         }
-        self.len = 0;
-        let mut slots = MIN_SLOTS;
-        while kept.len() * 5 > slots * 2 {
-            slots *= 2;
-        }
-        self.slots = vec![(EMPTY, empty_entry()); slots];
+        self.len = kept.len();
+        self.slots = vec![(EMPTY, empty_entry()); (kept.len() * 5 / 3).max(MIN_SLOTS)];
         for (k, v) in kept {
             self.place(k, v);
-            self.len += 1;
         }
     }
 }
@@ -250,5 +272,14 @@ mod tests {
             table.remove(&key(k, 0));
         }
         assert_eq!(table.bytes(), MIN_SLOTS * 24);
+        // Between 58 % and 88 % full whatever the count (no power-of-two steps).
+        for n in [1_000u64, 4_096, 5_000, 33_000] {
+            let mut table = Table::default();
+            for k in 0..n {
+                table.insert_new(key(k, 0), entry(0));
+            }
+            let load = n as f64 / (table.bytes() / 24) as f64;
+            assert!((0.58..=0.875).contains(&load), "{n}: {load}");
+        }
     }
 }
