@@ -723,10 +723,12 @@ impl Inner {
         let Some(&adapter) = self.adapters.get(adapter) else {
             return Vec::new();
         };
-        // Sources still matching: (source, epoch, blocks matched, tokens, worst tier), sorted
-        // by source. Validity is checked at block 0; later blocks need the same epoch.
-        let mut alive: Vec<(u32, u16, u32, u32, u8)> = Vec::new();
-        let mut done: Vec<(u32, u16, u32, u32, u8)> = Vec::new();
+        // Sources still matching, sorted by source: (source, epoch, worst tier). They all
+        // matched the same blocks so far (`matched`, covering `tokens`); one that drops out goes
+        // to `done` with them. Validity is checked at block 0; later blocks need the same epoch.
+        let mut alive: Vec<(u32, u16, u8)> = Vec::new();
+        let mut done: Vec<(u32, u32, u32, u8)> = Vec::new();
+        let (mut matched, mut tokens) = (0u32, 0u32);
         for (i, k) in keys.iter().enumerate() {
             let Some(entry) = self.lookup(&KeyId { key: *k, adapter }) else {
                 break;
@@ -734,40 +736,48 @@ impl Inner {
             let view = { entry.holders }.view(&self.lists);
             let holders = view.as_slice();
             if i == 0 {
-                alive = holders
-                    .iter()
-                    .filter(|h| self.holder_valid(h))
-                    .map(|h| (h.source, h.epoch, 1, entry.tokens, h.tier))
-                    .collect();
-                continue;
-            }
-            // Merge the two sorted lists: who holds block i too goes on.
-            let mut next = Vec::with_capacity(alive.len());
-            let mut j = 0;
-            for a in alive.drain(..) {
-                while holders.get(j).is_some_and(|h| h.source < a.0) {
-                    j += 1;
-                }
-                match holders.get(j) {
-                    Some(h) if h.source == a.0 && h.epoch == a.1 => {
-                        next.push((a.0, a.1, a.2 + 1, entry.tokens, a.4.max(h.tier)))
+                alive.extend(
+                    holders
+                        .iter()
+                        .filter(|h| self.holder_valid(h))
+                        .map(|h| (h.source, h.epoch, h.tier)),
+                );
+            } else {
+                // Merge the two sorted lists in place: who holds block i too goes on.
+                let (mut kept, mut j) = (0, 0);
+                for r in 0..alive.len() {
+                    let (source, epoch, tier) = alive[r];
+                    while holders.get(j).is_some_and(|h| h.source < source) {
+                        j += 1;
                     }
-                    _ => done.push(a),
+                    match holders.get(j) {
+                        Some(h) if h.source == source && h.epoch == epoch => {
+                            alive[kept] = (source, epoch, tier.max(h.tier));
+                            kept += 1;
+                        }
+                        _ => done.push((source, matched, tokens, tier)),
+                    }
                 }
+                alive.truncate(kept);
             }
-            alive = next;
             if alive.is_empty() {
                 break;
             }
+            matched += 1;
+            tokens = entry.tokens;
         }
-        done.extend(alive);
+        done.extend(
+            alive
+                .iter()
+                .map(|&(source, _, tier)| (source, matched, tokens, tier)),
+        );
         // Per replica, its best source; a replica is fresh when all its sources are.
         let mut fresh = vec![true; self.replicas.len()];
         for s in self.sources.iter().filter(|s| s.live && !s.fresh) {
             fresh[s.replica as usize] = false;
         }
         let mut best: Vec<Option<(u32, u32, u8)>> = vec![None; self.replicas.len()];
-        for (source, _, blocks, tokens, tier) in done {
+        for (source, blocks, tokens, tier) in done {
             let replica = self.sources[source as usize].replica as usize;
             let candidate = (blocks, tokens, tier);
             let better = |b: &(u32, u32, u8)| {
