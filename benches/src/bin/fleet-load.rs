@@ -9,6 +9,10 @@
 //! cargo build --release -p kvevent-examples --example router
 //! cargo run --release -p kvevent-benches --bin fleet-load [-- ENGINES RATE SECONDS]   # 256 1000 10
 //! ```
+//!
+//! `SOURCE_THREADS=yes` runs the router with a thread per source (`--source-threads yes`);
+//! `ROUTER_BIN` names another router binary. The engines have no replay endpoint: a lost
+//! batch shows as a reset (a degraded source), not a repair.
 
 use std::io::{Read, Write};
 use std::process::{Child, Command, Stdio};

@@ -9,8 +9,8 @@
 //! at which tier, and whether the replica's state is known to be complete ([`Score::fresh`]).
 //!
 //! - **Layout.** One table, (prefix key, adapter) → (token count, holders), 24 bytes a slot
-//!   in an open-addressing table with backward-shift deletion (no tombstones: churn never
-//!   grows it; see `table`). A holder is a source, its reset epoch and the tier; one is kept
+//!   in an open-addressing table (Robin Hood, any size, 58–88 % full) with backward-shift
+//!   deletion (no tombstones: churn never grows it; see `table`). A holder is a source, its reset epoch and the tier; one is kept
 //!   in the slot, two or more in a shared list, sorted by source so scoring intersects holder
 //!   lists block by block (one lookup per query block, whatever the number of replicas).
 //!   Batches come in through the mapper's [`Sink`](mapper::Sink): no protobuf is made.
@@ -151,7 +151,9 @@ struct Holders(u64);
 const ONE: u64 = 1;
 const LIST: u64 = 2;
 
-/// The holder lists of keys held by two sources or more; a freed slot is reused.
+/// The holder lists of keys held by two sources or more; a freed slot is reused. The slot
+/// vector keeps the length of its peak (24 bytes a slot, not counted by the budget, which
+/// counts the slots in use and their lists).
 #[derive(Debug, Default)]
 struct Lists {
     lists: Vec<Vec<Holder>>,

@@ -22,6 +22,10 @@
 //! the engine holds. [`Mapper::save`] / [`Mapper::restore`] carry the tracked blocks across a
 //! restart of the process (versioned bytes; other options or a damaged copy are refused).
 //!
+//! [`Mapper::map_batch_into`] hands the same keys, counts, tiers and adapters to any [`Sink`]
+//! with no message made (the router's index writes them straight in); `map_batch` is its
+//! report sink.
+//!
 //! Pure: no IO, no async runtime, no gRPC (only the prost messages). What the mapper drops or
 //! cannot key is counted in [`MapperStats`], never guessed.
 //!
