@@ -10,7 +10,7 @@
 //!
 //! - **Layout.** One table, (prefix key, adapter) → (token count, holders), 24 bytes a slot
 //!   in an open-addressing table (Robin Hood, any size, 58–88 % full) with backward-shift
-//!   deletion (no tombstones: churn never grows it; see `table`). A holder is a source, its reset epoch and the tier; one is kept
+//!   deletion (no tombstones: churn never grows it; see `kvevent_table`). A holder is a source, its reset epoch and the tier; one is kept
 //!   in the slot, two or more in a shared list, sorted by source so scoring intersects holder
 //!   lists block by block (one lookup per query block, whatever the number of replicas).
 //!   Batches come in through the mapper's [`Sink`](mapper::Sink): no protobuf is made.
@@ -28,8 +28,6 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, PoisonError, RwLock};
-
-mod table;
 
 use kvevent_mapper::{self as mapper, Identity, Mapper};
 use kvevent_proto as pb;
@@ -299,6 +297,18 @@ struct KeyId {
     adapter: u32,
 }
 
+/// Adapter numbers never reach `u32::MAX`: it marks an empty slot.
+impl kvevent_table::Key for KeyId {
+    const EMPTY: Self = Self {
+        key: 0,
+        adapter: u32::MAX,
+    };
+
+    fn hash(&self) -> u64 {
+        kvevent_table::mix(self.key ^ u64::from(self.adapter).rotate_left(32))
+    }
+}
+
 /// What the index knows of a key, 12 bytes: the prefix's token count and its holders.
 #[derive(Debug, Clone, Copy)]
 #[repr(C, packed(4))]
@@ -307,7 +317,17 @@ struct Entry {
     holders: Holders,
 }
 
-type Keys = table::Table;
+impl Default for Entry {
+    fn default() -> Self {
+        Self {
+            tokens: 0,
+            holders: Holders::NONE,
+        }
+    }
+}
+
+/// The key table (see `kvevent_table`): 24-byte slots, 58–88 % full, no tombstones.
+type Keys = kvevent_table::Table<KeyId, Entry>;
 
 /// Heap bytes of an entry's holders: none for one (kept inline), else its list's slot and the
 /// list's block (capacity doubling from 4, plus the allocator's header).
@@ -343,6 +363,15 @@ struct Inner {
     young_bytes: usize,
     old_bytes: usize,
     stats: IndexStats,
+    /// A batch's changes, in order, waiting for [`Inner::flush`] (kept for its capacity).
+    pending: Vec<Op>,
+}
+
+/// One change of the index, as the mapper makes it.
+#[derive(Debug, Clone, Copy)]
+enum Op {
+    Store { key: KeyId, tier: u8, tokens: u32 },
+    Evict { key: KeyId },
 }
 
 /// The index and, beside it (so that a mapper can write into the index while it maps), a
@@ -428,15 +457,14 @@ impl Index {
             return;
         }
         // The mapper writes keys straight in: no report is made.
-        mapper.map_batch_into(
-            batch,
-            &mut Apply {
-                inner,
-                source: source.0,
-                budget: self.config.byte_budget,
-                adapter: None,
-            },
-        );
+        let mut apply = Apply {
+            inner,
+            source: source.0,
+            budget: self.config.byte_budget,
+            adapter: None,
+        };
+        mapper.map_batch_into(batch, &mut apply);
+        apply.inner.flush(source.0, self.config.byte_budget);
     }
 
     /// Everything known of `source` is stale (an engine restart, a gap that could not be
@@ -570,8 +598,7 @@ impl mapper::Sink for Apply<'_> {
             adapter: self.adapter(adapter),
         };
         let tier = u8::from(tier != pb::CacheTier::T1);
-        self.inner
-            .store(key, self.source, tier, tokens, self.budget);
+        self.inner.pending.push(Op::Store { key, tier, tokens });
     }
 
     fn end_update(&mut self, _ts: i64) {}
@@ -581,11 +608,12 @@ impl mapper::Sink for Apply<'_> {
             key: key_of(key),
             adapter: self.adapter(adapter),
         };
-        self.inner.evict(key, self.source);
+        self.inner.pending.push(Op::Evict { key });
     }
 
-    /// An engine clear: the source's entries stop counting.
+    /// An engine clear: the source's entries stop counting (after the changes before it).
     fn cleared(&mut self, _ts: i64) {
+        self.inner.flush(self.source, self.budget);
         if let Some(s) = self.inner.sources.get_mut(self.source as usize) {
             s.epoch = s.epoch.wrapping_add(1);
         }
@@ -608,7 +636,25 @@ impl Inner {
             .is_some_and(|s| s.live && s.epoch == h.epoch)
     }
 
-    /// `source` no longer holds `key`.
+    /// Applies the pending changes of `source`, in order. Their keys' slots are loaded first,
+    /// all at once: the cache misses of a batch overlap instead of adding up.
+    fn flush(&mut self, source: u32, budget: usize) {
+        let pending = std::mem::take(&mut self.pending);
+        for op in &pending {
+            let (Op::Store { key, .. } | Op::Evict { key }) = op;
+            self.young.touch(key);
+            self.old.touch(key);
+        }
+        for op in &pending {
+            match *op {
+                Op::Store { key, tier, tokens } => self.store(key, source, tier, tokens, budget),
+                Op::Evict { key } => self.evict(key, source),
+            }
+        }
+        self.pending = pending;
+        self.pending.clear();
+    }
+
     /// `source` no longer holds `key`.
     fn evict(&mut self, key: KeyId, source: u32) {
         self.stats.applied += 1;

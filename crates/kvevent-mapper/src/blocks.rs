@@ -8,13 +8,15 @@
 //! the 8-byte prefix fingerprint.
 //!
 //! Layout: key 10 bytes (8-byte hash + group), value 16 bytes (fingerprint, token count,
-//! adapter, flags), packed to 26 bytes an entry, plus hashbrown's control byte. Between
-//! growths a table is 7/16 to 7/8 full, so an int-hashed block costs 31–62 bytes: 31 at the
-//! default cap, which fills a 2^20-bucket table exactly (measured by
-//! `cargo run --release -p kvevent-benches --bin mapper-memory`).
+//! adapter, flags), packed to 26 bytes an entry, no control byte, in a
+//! [`kvevent_table::Table`]: any size, 58–88 % full whatever the count, and no tombstones, so
+//! an int-hashed block costs 30–45 bytes, and an engine's churn never grows the map (measured
+//! by `cargo run --release -p kvevent-benches --bin mapper-memory`).
 
 use std::collections::HashMap;
 use std::sync::Arc;
+
+use kvevent_table::{Key, Table};
 
 use crate::wire;
 
@@ -28,7 +30,7 @@ const HAS_PREFIX: u8 = 8;
 const TIERS: u8 = T1 | T2;
 
 /// What is known of one engine block.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[repr(C, packed(2))]
 pub(crate) struct Tracked {
     /// Its prefix fingerprint (fingerprint mode), valid with `HAS_PREFIX`.
@@ -105,12 +107,33 @@ impl Tracked {
 }
 
 /// A hash of `N` bytes and its interned group: 8 + 2, 16 + 2 or 32 + 2 bytes, unpadded.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(C, packed(2))]
 struct Fixed<const N: usize> {
     hash: [u8; N],
     group: u16,
 }
+
+/// Interned group numbers stay below `u16::MAX` ([`MAX_INTERNED`]): it marks an empty slot.
+impl<const N: usize> Key for Fixed<N> {
+    const EMPTY: Self = Self {
+        hash: [0; N],
+        group: u16::MAX,
+    };
+
+    fn hash(&self) -> u64 {
+        let bytes = self.hash;
+        let mut x = u64::from(self.group);
+        for chunk in bytes.chunks_exact(8) {
+            let word: [u8; 8] = chunk.try_into().expect("chunks of 8");
+            x = x.rotate_left(29) ^ u64::from_le_bytes(word);
+        }
+        kvevent_table::mix(x)
+    }
+}
+
+/// The digests of another length, keyed by the digest followed by the group's two bytes.
+type OtherMap = HashMap<Box<[u8]>, Tracked, Hasher>;
 
 /// An engine block's identity, borrowed from the event.
 #[derive(Debug, Clone, Copy)]
@@ -222,8 +245,25 @@ pub(crate) enum Insert {
     Refused,
 }
 
-/// Most distinct KV-cache groups or adapters per source (interned as `u16`).
+/// Most distinct KV-cache groups or adapters per source (interned as `u16`, below `u16::MAX`).
 const MAX_INTERNED: usize = u16::MAX as usize;
+
+/// `insert_new` on every block map, so [`with_map!`] bodies read the same for each.
+trait InsertNew<K> {
+    fn insert_new(&mut self, key: K, block: Tracked);
+}
+
+impl<const N: usize> InsertNew<Fixed<N>> for Table<Fixed<N>, Tracked> {
+    fn insert_new(&mut self, key: Fixed<N>, block: Tracked) {
+        Table::insert_new(self, key, block);
+    }
+}
+
+impl InsertNew<Box<[u8]>> for OtherMap {
+    fn insert_new(&mut self, key: Box<[u8]>, block: Tracked) {
+        self.insert(key, block);
+    }
+}
 
 /// Runs `$body` with `$map` the map that holds `$id` and `$key` its key there.
 macro_rules! with_map {
@@ -255,11 +295,10 @@ macro_rules! with_map {
 
 #[derive(Debug)]
 pub(crate) struct Blocks {
-    h8: HashMap<Fixed<8>, Tracked, Hasher>,
-    h16: HashMap<Fixed<16>, Tracked, Hasher>,
-    h32: HashMap<Fixed<32>, Tracked, Hasher>,
-    /// Keyed by the digest followed by the group's two bytes.
-    other: HashMap<Box<[u8]>, Tracked, Hasher>,
+    h8: Table<Fixed<8>, Tracked>,
+    h16: Table<Fixed<16>, Tracked>,
+    h32: Table<Fixed<32>, Tracked>,
+    other: OtherMap,
     groups: Vec<Option<i64>>,
     adapters: Vec<Arc<str>>,
     adapter_ids: HashMap<Arc<str>, u16, Hasher>,
@@ -269,9 +308,9 @@ pub(crate) struct Blocks {
 impl Blocks {
     pub(crate) fn new(max: usize) -> Self {
         Self {
-            h8: HashMap::default(),
-            h16: HashMap::default(),
-            h32: HashMap::default(),
+            h8: Table::new(),
+            h16: Table::new(),
+            h32: Table::new(),
             other: HashMap::default(),
             groups: Vec::new(),
             adapters: Vec::new(),
@@ -326,24 +365,33 @@ impl Blocks {
         self.get_mut(id).map(|t| *t)
     }
 
+    /// Loads `id`'s slot into the cache, for a lookup that follows soon.
+    pub(crate) fn touch(&self, id: BlockId<'_>) {
+        match id {
+            BlockId::H8(hash, group) => self.h8.touch(&Fixed { hash, group }),
+            BlockId::H16(hash, group) => self.h16.touch(&Fixed { hash, group }),
+            BlockId::H32(hash, group) => self.h32.touch(&Fixed { hash, group }),
+            BlockId::Other(..) => {}
+        }
+    }
+
     pub(crate) fn get_mut(&mut self, id: BlockId<'_>) -> Option<&mut Tracked> {
         with_map!(self, id, |map, key| map.get_mut(&key))
     }
 
     /// Tracks a block, merging tiers with what was known of it.
     pub(crate) fn insert(&mut self, id: BlockId<'_>, mut block: Tracked) -> Insert {
-        use std::collections::hash_map::Entry;
         let full = self.len() >= self.max;
-        // One lookup, whether the block is new or known.
-        with_map!(self, id, |map, key| match map.entry(key) {
-            Entry::Occupied(mut known) => {
-                block.set_tiers(block.tiers() | known.get().tiers());
-                *known.get_mut() = block;
+        // A new block's insert walks the slots the failed lookup just brought into cache.
+        with_map!(self, id, |map, key| match map.get_mut(&key) {
+            Some(known) => {
+                block.set_tiers(block.tiers() | known.tiers());
+                *known = block;
                 Insert::Updated
             }
-            Entry::Vacant(_) if full => Insert::Refused,
-            Entry::Vacant(slot) => {
-                slot.insert(block);
+            None if full => Insert::Refused,
+            None => {
+                map.insert_new(key, block);
                 Insert::New
             }
         })
@@ -359,17 +407,15 @@ impl Blocks {
 
     /// Forgets every block; the memory goes back too.
     pub(crate) fn clear(&mut self) {
-        self.h8 = HashMap::default();
-        self.h16 = HashMap::default();
-        self.h32 = HashMap::default();
         self.other = HashMap::default();
         self.shrink();
     }
 
+    /// Gives the memory of the (empty) maps back and forgets the interned names.
     fn shrink(&mut self) {
-        self.h8.shrink_to(1024);
-        self.h16.shrink_to(1024);
-        self.h32.shrink_to(1024);
+        self.h8.clear();
+        self.h16.clear();
+        self.h32.clear();
         self.other.shrink_to(1024);
         self.groups.clear();
         self.adapters.clear();
@@ -382,14 +428,15 @@ impl Blocks {
     /// map's own order a block could come first in one cycle and last in the next: nearly two
     /// intervals apart).
     pub(crate) fn snapshot(&self) -> Snapshot {
-        let mut h8: Vec<([u8; 8], u16)> = self.h8.keys().map(|id| (id.hash, id.group)).collect();
+        let mut h8: Vec<([u8; 8], u16)> =
+            self.h8.iter().map(|(id, _)| (id.hash, id.group)).collect();
         h8.sort_unstable();
         let mut out = Vec::new();
-        out.extend(self.h16.keys().map(|id| {
+        out.extend(self.h16.iter().map(|(id, _)| {
             let hash = id.hash;
             OwnedId::Other(Box::from(&hash[..]), id.group)
         }));
-        out.extend(self.h32.keys().map(|id| {
+        out.extend(self.h32.iter().map(|(id, _)| {
             let hash = id.hash;
             OwnedId::Other(Box::from(&hash[..]), id.group)
         }));
@@ -436,6 +483,7 @@ impl Blocks {
         out.extend(self.h8.drain().map(|(id, t)| ({ id.hash }.to_vec(), t)));
         out.extend(self.h16.drain().map(|(id, t)| ({ id.hash }.to_vec(), t)));
         out.extend(self.h32.drain().map(|(id, t)| ({ id.hash }.to_vec(), t)));
+        self.other.shrink_to(1024);
         out.extend(self.other.drain().map(|(b, t)| {
             let mut b = b.into_vec();
             b.truncate(b.len() - 2);
@@ -484,13 +532,13 @@ impl Blocks {
 
     /// Calls `f` with every block's hash bytes, interned group and what is known of it.
     pub(crate) fn for_each(&self, mut f: impl FnMut(&[u8], u16, Tracked)) {
-        for (id, t) in &self.h8 {
+        for (id, t) in self.h8.iter() {
             f(&{ id.hash }, id.group, *t);
         }
-        for (id, t) in &self.h16 {
+        for (id, t) in self.h16.iter() {
             f(&{ id.hash }, id.group, *t);
         }
-        for (id, t) in &self.h32 {
+        for (id, t) in self.h32.iter() {
             f(&{ id.hash }, id.group, *t);
         }
         for (b, t) in &self.other {
@@ -514,12 +562,11 @@ impl Blocks {
 
     /// Bytes the maps hold (tables and out-of-line digests), for telemetry and the bench.
     pub(crate) fn heap_bytes(&self) -> usize {
-        fn table<K, V, S>(m: &HashMap<K, V, S>) -> usize {
-            // hashbrown keeps capacity at 7/8 of its buckets; one control byte a bucket.
-            m.capacity() * 8 / 7 * (std::mem::size_of::<(K, V)>() + 1)
-        }
+        // hashbrown keeps capacity at 7/8 of its buckets; one control byte a bucket.
+        let other =
+            self.other.capacity() * 8 / 7 * (std::mem::size_of::<(Box<[u8]>, Tracked)>() + 1);
         let digests: usize = self.other.keys().map(|b| b.len()).sum();
-        table(&self.h8) + table(&self.h16) + table(&self.h32) + table(&self.other) + digests
+        self.h8.bytes() + self.h16.bytes() + self.h32.bytes() + other + digests
     }
 }
 
