@@ -1,6 +1,6 @@
 //! The index's key tables under an engine's steady churn, across sizes: N blocks resident,
 //! then 10 × N stored, each evicting the oldest; prints the table bytes before and after.
-//! (Found that hashbrown's tables doubled at many sizes; see `kvevent-index`'s `table`.)
+//! (Found that hashbrown's tables doubled at many sizes; see `kvevent-table`.)
 //!
 //! `cargo run --release -p kvevent-benches --bin churn-scan`
 

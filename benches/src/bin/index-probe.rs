@@ -8,7 +8,8 @@
 //! fingerprint keys (the index's default).
 //!
 //! `cargo run --release -p kvevent-benches --bin index-probe [-- REPLICAS... ]` (default 64 256
-//! 1024), `--capacity N` blocks per replica (default 4,096), `--seed S`.
+//! 1024), `--capacity N` blocks per replica (default 4,096), `--seed S`, `--queries Q` scored
+//! (default 5,000).
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -130,7 +131,7 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
     v[((v.len() - 1) as f64 * p).round() as usize]
 }
 
-fn run(replicas: usize, capacity: usize, seed: u64) {
+fn run(replicas: usize, capacity: usize, seed: u64, queries: usize) {
     let mut rng = Rng(seed | 1);
     let system: Vec<Vec<u32>> = (0..16)
         .map(|_| (0..16 * BLOCK).map(|_| rng.below(128_000) as u32).collect())
@@ -186,7 +187,7 @@ fn run(replicas: usize, capacity: usize, seed: u64) {
     // Score: 1,024-token prompts made of a system prompt and a conversation's own tokens.
     let mut lat = Vec::new();
     let mut matched = 0u64;
-    for q in 0..5_000 {
+    for q in 0..queries {
         let r = &state[q % replicas];
         let Some((tokens, _)) = r.conversations.get(q % r.conversations.len().max(1)) else {
             continue;
@@ -235,11 +236,13 @@ fn main() {
     let mut replicas = Vec::new();
     let mut capacity = 4_096;
     let mut seed = 42;
+    let mut queries = 5_000;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--capacity" => capacity = args.next().and_then(|v| v.parse().ok()).unwrap_or(capacity),
             "--seed" => seed = args.next().and_then(|v| v.parse().ok()).unwrap_or(seed),
+            "--queries" => queries = args.next().and_then(|v| v.parse().ok()).unwrap_or(queries),
             n => replicas.extend(n.parse::<usize>().ok()),
         }
     }
@@ -252,6 +255,6 @@ fn main() {
     );
     println!("|---|---|---|---|---|---|---|");
     for r in replicas {
-        run(r, capacity, seed);
+        run(r, capacity, seed, queries);
     }
 }

@@ -204,7 +204,7 @@ pub(crate) struct Options {
     #[arg(long, value_name = "DURATION")]
     #[serde(skip_serializing_if = "Option::is_none")]
     max_backoff: Option<String>,
-    /// Engine blocks tracked per source for cumulative counts and fingerprint chains [default: 917504, the most a 2^20-bucket table holds: ~28 MB] [env: KVEVENT_MAX_TRACKED_BLOCKS]
+    /// Engine blocks tracked per source for cumulative counts and fingerprint chains [default: 917504, about 30 bytes a block: ~27 MB] [env: KVEVENT_MAX_TRACKED_BLOCKS]
     #[arg(long, value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]
     max_tracked_blocks: Option<usize>,

@@ -9,11 +9,13 @@
 //! at which tier, and whether the replica's state is known to be complete ([`Score::fresh`]).
 //!
 //! - **Layout.** One table, (prefix key, adapter) → (token count, holders), 24 bytes a slot
-//!   in an open-addressing table (Robin Hood, any size, 58–88 % full) with backward-shift
-//!   deletion (no tombstones: churn never grows it; see `kvevent_table`). A holder is a source, its reset epoch and the tier; one is kept
+//!   in a [`kvevent_table::Table`] (open addressing, Robin Hood, any size, 72–90 % full,
+//!   no tombstones: churn never grows it). A holder is a source, its reset epoch and the tier; one is kept
 //!   in the slot, two or more in a shared list, sorted by source so scoring intersects holder
 //!   lists block by block (one lookup per query block, whatever the number of replicas).
-//!   Batches come in through the mapper's [`Sink`](mapper::Sink): no protobuf is made.
+//!   Batches come in through the mapper's [`Sink`](mapper::Sink): no protobuf is made. A
+//!   batch's changes are queued, their slots loaded at once (the cache misses overlap), then
+//!   applied in order.
 //! - **Resets** of one source are O(1): its epoch moves on and older holders no longer count
 //!   (they are dropped when next touched). Removing a replica resets its sources.
 //! - **Byte budget.** Entries live in two generations; when a new key would take the key
@@ -326,7 +328,7 @@ impl Default for Entry {
     }
 }
 
-/// The key table (see `kvevent_table`): 24-byte slots, 58–88 % full, no tombstones.
+/// The key table (see `kvevent_table`): 24-byte slots, 72–90 % full, no tombstones.
 type Keys = kvevent_table::Table<KeyId, Entry>;
 
 /// Heap bytes of an entry's holders: none for one (kept inline), else its list's slot and the
@@ -353,6 +355,8 @@ struct Source {
 struct Inner {
     replicas: Vec<Arc<str>>,
     replica_ids: Map<String, u32>,
+    /// Each replica's place in name order: answers sort by numbers, not names.
+    name_rank: Vec<u32>,
     sources: Vec<Source>,
     adapters: Map<String, u32>,
     young: Keys,
@@ -430,6 +434,14 @@ impl Index {
                 let id = inner.replicas.len() as u32;
                 inner.replicas.push(Arc::from(replica));
                 inner.replica_ids.insert(replica.to_owned(), id);
+                let mut by_name: Vec<u32> = (0..=id).collect();
+                by_name.sort_unstable_by(|a, b| {
+                    inner.replicas[*a as usize].cmp(&inner.replicas[*b as usize])
+                });
+                inner.name_rank = vec![0; by_name.len()];
+                for (rank, r) in by_name.into_iter().enumerate() {
+                    inner.name_rank[r as usize] = rank as u32;
+                }
                 id
             }
         };
@@ -777,6 +789,13 @@ impl Inner {
         let mut alive: Vec<(u32, u16, u8)> = Vec::new();
         let mut done: Vec<(u32, u32, u32, u8)> = Vec::new();
         let (mut matched, mut tokens) = (0u32, 0u32);
+        // The blocks are looked up one after another until one misses: load all their slots
+        // first, so the cache misses overlap.
+        for k in keys {
+            let key = KeyId { key: *k, adapter };
+            self.young.touch(&key);
+            self.old.touch(&key);
+        }
         for (i, k) in keys.iter().enumerate() {
             let Some(entry) = self.lookup(&KeyId { key: *k, adapter }) else {
                 break;
@@ -835,26 +854,35 @@ impl Inner {
                 best[replica] = Some(candidate);
             }
         }
-        let mut out: Vec<Score> = best
-            .into_iter()
+        // Best first: most tokens, most blocks, T1 before T2, then by name (its rank), as one
+        // number: many replicas tie on a shared prompt, and names compare slowly.
+        let mut order: Vec<(u128, u32)> = best
+            .iter()
             .enumerate()
             .filter_map(|(replica, b)| {
-                b.map(|(blocks, tokens, tier)| Score {
+                let (blocks, tokens, tier) = (*b)?;
+                let rank = self.name_rank[replica];
+                let key = (u128::from(!tokens) << 96)
+                    | (u128::from(!blocks) << 64)
+                    | (u128::from(tier) << 32)
+                    | u128::from(rank);
+                Some((key, replica as u32))
+            })
+            .collect();
+        order.sort_unstable_by_key(|&(key, _)| key);
+        order
+            .into_iter()
+            .map(|(_, replica)| {
+                let replica = replica as usize;
+                let (blocks, tokens, tier) = best[replica].unwrap_or_default();
+                Score {
                     replica: self.replicas[replica].clone(),
                     matched_blocks: blocks,
                     matched_tokens: tokens,
                     tier: if tier == 0 { Tier::T1 } else { Tier::T2 },
                     fresh: fresh[replica],
-                })
+                }
             })
-            .collect();
-        out.sort_by(|a, b| {
-            b.matched_tokens
-                .cmp(&a.matched_tokens)
-                .then(b.matched_blocks.cmp(&a.matched_blocks))
-                .then(a.tier.cmp(&b.tier))
-                .then(a.replica.cmp(&b.replica))
-        });
-        out
+            .collect()
     }
 }

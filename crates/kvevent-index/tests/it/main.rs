@@ -73,7 +73,8 @@ proptest! {
         // The same stream into an index whose budget keeps dropping generations: it may
         // forget, never invent (shared holder lists are freed and reused as keys go).
         let small = Index::new(Config { byte_budget: 1_200, ..engine_keys() });
-        let replicas = ["a", "b", "c"];
+        // Added out of name order: ties are broken by name, not by when a replica came.
+        let replicas = ["c", "a", "b"];
         let sources: Vec<_> = (0..6).map(|i| index.add_source(replicas[i / 2])).collect();
         let small_sources: Vec<_> = (0..6).map(|i| small.add_source(replicas[i / 2])).collect();
         let mut model: Vec<BTreeSet<u64>> = vec![BTreeSet::new(); 6];
@@ -99,8 +100,13 @@ proptest! {
         }
         for start in 0..12u64 {
             let query: Vec<u64> = (start..start + 8).collect();
-            let got: BTreeMap<String, u32> = index
-                .score(&Query { adapter: "", keys: QueryKeys::Keys(&query) })
+            let scores = index.score(&Query { adapter: "", keys: QueryKeys::Keys(&query) });
+            // Best first: most tokens, most blocks, T1 before T2, then by name.
+            let order = |s: &kvevent_index::Score| {
+                (std::cmp::Reverse(s.matched_tokens), std::cmp::Reverse(s.matched_blocks), s.tier, s.replica.clone())
+            };
+            prop_assert!(scores.windows(2).all(|w| order(&w[0]) < order(&w[1])), "{:?}", scores);
+            let got: BTreeMap<String, u32> = scores
                 .into_iter()
                 .map(|s| (s.replica.to_string(), s.matched_blocks))
                 .collect();
