@@ -83,6 +83,20 @@ pub fn chain(tokens: &[u32], block_size: usize, parent: Option<u64>) -> Vec<Bloc
         .collect()
 }
 
+/// [`chain`]'s prefix fingerprints only, appended to `out` (which keeps its capacity from call
+/// to call: no allocation per batch).
+pub fn prefixes_into(tokens: &[u32], block_size: usize, parent: Option<u64>, out: &mut Vec<u64>) {
+    if block_size == 0 {
+        return;
+    }
+    let mut prev = parent;
+    out.extend(tokens.chunks_exact(block_size).map(|block| {
+        let prefix = extend(prev, content(block));
+        prev = Some(prefix);
+        prefix
+    }));
+}
+
 /// A prefix fingerprint as the contract carries it: 8 bytes big-endian.
 pub fn wire_key(prefix: u64) -> [u8; 8] {
     prefix.to_be_bytes()

@@ -157,7 +157,13 @@ pub struct Mapper {
     pub(crate) skipped_groups: Vec<Option<i64>>,
     /// The refresh cycle under way.
     refresh: Option<RefreshCycle>,
+    /// A store's token ids and prefix fingerprints, kept for their capacity.
+    scratch_tokens: Vec<u32>,
+    scratch_prefixes: Vec<u64>,
 }
+
+/// Most elements a store's scratch buffers keep between stores (16 KiB of token ids).
+const SCRATCH_KEPT: usize = 4096;
 
 /// One pass of [`Mapper::refresh`] over the blocks tracked when it began.
 #[derive(Debug)]
@@ -198,6 +204,8 @@ impl Mapper {
             stats: MapperStats::default(),
             skipped_groups: Vec::new(),
             refresh: None,
+            scratch_tokens: Vec::new(),
+            scratch_prefixes: Vec::new(),
         }
     }
 
@@ -445,28 +453,33 @@ impl Mapper {
         };
         let n = e.block_hashes.len();
         // Fingerprints need every block's tokens, and a keyable parent when there is one.
-        let prefixes: Vec<Option<u64>> = match self.options.key_mode {
-            KeyMode::Engine => vec![None; n],
-            KeyMode::Fingerprint => {
-                let covered = e.token_ids.len() == n * e.block_size as usize;
-                let parent_keyable = !matches!(parent_prefix, Some(None));
-                if covered && parent_keyable {
-                    let tokens = e.token_ids.to_vec();
-                    fingerprint::chain(&tokens, e.block_size as usize, parent_prefix.flatten())
-                        .into_iter()
-                        .map(|b| Some(b.prefix))
-                        .collect()
-                } else {
-                    self.stats.unkeyable_blocks += n as u64;
-                    vec![None; n]
-                }
+        // Buffers reused from store to store; `prefixes` stays empty when blocks are not keyed.
+        let mut token_ids = std::mem::take(&mut self.scratch_tokens);
+        let mut prefixes = std::mem::take(&mut self.scratch_prefixes);
+        token_ids.clear();
+        prefixes.clear();
+        if self.options.key_mode == KeyMode::Fingerprint {
+            let covered = e.token_ids.len() == n * e.block_size as usize;
+            let parent_keyable = !matches!(parent_prefix, Some(None));
+            if covered && parent_keyable {
+                token_ids.extend(e.token_ids.iter());
+                let parent = parent_prefix.flatten();
+                fingerprint::prefixes_into(
+                    &token_ids,
+                    e.block_size as usize,
+                    parent,
+                    &mut prefixes,
+                );
+            } else {
+                self.stats.unkeyable_blocks += n as u64;
             }
-        };
+        }
         // First reports of a block go as `New` (the forwarder may cancel them against an
         // eviction that finds them unsent); re-reports of tracked blocks as `Update`. Every entry
         // carries its adapter; the update-level `adapter_id` (the server's default for entries
         // without one) stays empty, as the Go sidecar sends it.
-        for (i, (hash, prefix)) in e.block_hashes.iter().zip(prefixes).enumerate() {
+        for (i, hash) in e.block_hashes.iter().enumerate() {
+            let prefix = prefixes.get(i).copied();
             let tokens = base_tokens.saturating_add((i as u32 + 1).saturating_mul(e.block_size));
             if is_empty_hash(hash) {
                 // Not a key: never forwarded as an empty `prefix_hash`, never tracked.
@@ -501,6 +514,13 @@ impl Mapper {
                 (KeyMode::Fingerprint, None) => continue,
             }
             self.stats.prefixes += 1;
+        }
+        // Kept unless a long prompt made them large (a source may wait long for its next one).
+        if token_ids.capacity() <= SCRATCH_KEPT {
+            self.scratch_tokens = token_ids;
+        }
+        if prefixes.capacity() <= SCRATCH_KEPT {
+            self.scratch_prefixes = prefixes;
         }
         sink.end_update(ts);
     }

@@ -28,6 +28,13 @@ fn every_golden_case() {
         let got = kvevent_fingerprint::chain(&tokens, block_size, parent);
         let want = case["blocks"].as_array().expect("blocks");
         assert_eq!(got.len(), want.len(), "{name}");
+        // The allocation-free form appends the same prefixes after what `out` holds.
+        let mut out = vec![7];
+        kvevent_fingerprint::prefixes_into(&tokens, block_size, parent, &mut out);
+        let prefixes: Vec<u64> = std::iter::once(7)
+            .chain(got.iter().map(|b| b.prefix))
+            .collect();
+        assert_eq!(out, prefixes, "{name}");
         for (g, w) in got.iter().zip(want) {
             assert_eq!(
                 g.content.to_string(),
