@@ -648,11 +648,12 @@ impl Inner {
             .is_some_and(|s| s.live && s.epoch == h.epoch)
     }
 
-    /// Applies the pending changes of `source`, in order. Their keys' slots are loaded first,
-    /// all at once: the cache misses of a batch overlap instead of adding up.
+    /// Applies the pending changes of `source`, in order. Their keys' slots are loaded first
+    /// (up to 64), all at once: the cache misses of a batch overlap instead of adding up.
     fn flush(&mut self, source: u32, budget: usize) {
         let pending = std::mem::take(&mut self.pending);
-        for op in &pending {
+        // The first ones only: beyond that, they would leave the cache before their turn.
+        for op in pending.iter().take(64) {
             let (Op::Store { key, .. } | Op::Evict { key }) = op;
             self.young.touch(key);
             self.old.touch(key);

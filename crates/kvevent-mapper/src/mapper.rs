@@ -162,6 +162,9 @@ pub struct Mapper {
     scratch_prefixes: Vec<u64>,
 }
 
+/// Most block slots a batch loads ahead of its lookups (see `Mapper::touch`).
+const TOUCHED: usize = 64;
+
 /// Most elements a store's scratch buffers keep between stores (16 KiB of token ids).
 const SCRATCH_KEPT: usize = 4096;
 
@@ -267,10 +270,12 @@ impl Mapper {
         }
     }
 
-    /// Loads the map slots of every block the batch names (a store's parent and blocks, a
-    /// removal's blocks) before any is looked up: their cache misses overlap instead of adding
-    /// up, which is most of a lookup's cost once the map outgrows the cache.
+    /// Loads the map slots of the blocks the batch names (a store's parent and blocks, a
+    /// removal's blocks), up to [`TOUCHED`], before any is looked up: their cache misses
+    /// overlap instead of adding up, which is most of a lookup's cost once the map outgrows
+    /// the cache. Beyond that many the first ones would leave the cache before their turn.
     fn touch(&self, batch: &wire::EventBatch<'_>) {
+        let mut left = TOUCHED;
         for event in &batch.events {
             let (group, hashes, parent) = match event {
                 wire::Event::BlockStored(e) => {
@@ -283,6 +288,10 @@ impl Mapper {
                 continue;
             };
             for hash in parent.into_iter().chain(hashes) {
+                if left == 0 {
+                    return;
+                }
+                left -= 1;
                 self.blocks.touch(BlockId::new(hash, group));
             }
         }
