@@ -374,7 +374,8 @@ impl<'a> Decoder<'a, '_> {
         let n = self.r.array_len()?;
         let n = self.limited(n, "token ids per event", self.limits.max_token_ids)?;
         let start = self.r.pos();
-        for _ in 0..n {
+        let common = self.r.skip_u32s(n);
+        for _ in common..n {
             self.r.u32(field)?;
         }
         Ok(TokenIds::from_wire(self.r.slice_from(start), n))

@@ -304,6 +304,29 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// Skips up to `n` integers in the forms that always fit a `u32` (positive fixint, uint 8,
+    /// 16 and 32) and returns how many. Stops before any other form, or one cut short, which
+    /// the caller then reads with [`Reader::u32`] (and its errors): token ids are almost all
+    /// in these forms, and this is the decoder's hottest loop.
+    pub(crate) fn skip_u32s(&mut self, n: usize) -> usize {
+        let mut done = 0;
+        while done < n {
+            let size = match self.buf.get(self.pos) {
+                Some(0x00..=0x7f) => 1,
+                Some(0xcc) => 2,
+                Some(0xcd) => 3,
+                Some(0xce) => 5,
+                _ => break,
+            };
+            if size > self.remaining() {
+                break;
+            }
+            self.pos += size;
+            done += 1;
+        }
+        done
+    }
+
     /// Reads an integer that must fit a `u32`.
     pub(crate) fn u32(&mut self, field: &'static str) -> Result<u32> {
         let start = self.pos;
@@ -538,6 +561,27 @@ mod tests {
             assert_eq!(r.int().expect("int"), int);
             assert_eq!(r.remaining(), 0);
         }
+    }
+
+    #[test]
+    fn skipping_u32s_stops_where_the_one_by_one_reader_must_take_over() {
+        // fixint, uint 8, 16, 32, then a signed form: four skipped, the fifth left.
+        let buf = [
+            0x05, 0xcc, 0x80, 0xcd, 1, 0, 0xce, 0, 1, 0, 0, 0xd0, 0x07, 0x01,
+        ];
+        let mut r = Reader::new(&buf);
+        assert_eq!(r.skip_u32s(10), 4);
+        assert_eq!(r.pos(), 11);
+        assert_eq!(r.u32("t").expect("signed 7"), 7);
+        assert_eq!(r.skip_u32s(1), 1);
+        assert_eq!(r.remaining(), 0);
+        // At most `n`, and never past a value cut short.
+        let mut r = Reader::new(&buf);
+        assert_eq!(r.skip_u32s(2), 2);
+        assert_eq!(r.pos(), 3);
+        let mut r = Reader::new(&[0x01, 0xce, 0, 0]);
+        assert_eq!(r.skip_u32s(2), 1);
+        assert_eq!(r.u32("t").unwrap_err().kind(), &ErrorKind::Truncated);
     }
 
     #[test]
