@@ -790,9 +790,9 @@ impl Inner {
         let mut alive: Vec<(u32, u16, u8)> = Vec::new();
         let mut done: Vec<(u32, u32, u32, u8)> = Vec::new();
         let (mut matched, mut tokens) = (0u32, 0u32);
-        // The blocks are looked up one after another until one misses: load all their slots
-        // first, so the cache misses overlap.
-        for k in keys {
+        // The blocks are looked up one after another until one misses: load their slots first
+        // (up to 64, as a batch does), so the cache misses overlap.
+        for k in keys.iter().take(64) {
             let key = KeyId { key: *k, adapter };
             self.young.touch(&key);
             self.old.touch(&key);
