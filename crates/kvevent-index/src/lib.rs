@@ -649,11 +649,10 @@ impl Inner {
     }
 
     /// Applies the pending changes of `source`, in order. Their keys' slots are loaded first
-    /// (up to 64), all at once: the cache misses of a batch overlap instead of adding up.
+    /// (up to [`kvevent_table::TOUCH_AHEAD`]), all at once: the cache misses of a batch overlap instead of adding up.
     fn flush(&mut self, source: u32, budget: usize) {
         let pending = std::mem::take(&mut self.pending);
-        // The first ones only: beyond that, they would leave the cache before their turn.
-        for op in pending.iter().take(64) {
+        for op in pending.iter().take(kvevent_table::TOUCH_AHEAD) {
             let (Op::Store { key, .. } | Op::Evict { key }) = op;
             self.young.touch(key);
             self.old.touch(key);
@@ -791,8 +790,8 @@ impl Inner {
         let mut done: Vec<(u32, u32, u32, u8)> = Vec::new();
         let (mut matched, mut tokens) = (0u32, 0u32);
         // The blocks are looked up one after another until one misses: load their slots first
-        // (up to 64, as a batch does), so the cache misses overlap.
-        for k in keys.iter().take(64) {
+        // (the first `TOUCH_AHEAD`, as a batch does), so the cache misses overlap.
+        for k in keys.iter().take(kvevent_table::TOUCH_AHEAD) {
             let key = KeyId { key: *k, adapter };
             self.young.touch(&key);
             self.old.touch(&key);

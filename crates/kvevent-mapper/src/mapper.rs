@@ -162,9 +162,6 @@ pub struct Mapper {
     scratch_prefixes: Vec<u64>,
 }
 
-/// Most block slots a batch loads ahead of its lookups (see `Mapper::touch`).
-const TOUCHED: usize = 64;
-
 /// Most elements a store's scratch buffers keep between stores (16 KiB of token ids).
 const SCRATCH_KEPT: usize = 4096;
 
@@ -271,11 +268,11 @@ impl Mapper {
     }
 
     /// Loads the map slots of the blocks the batch names (a store's parent and blocks, a
-    /// removal's blocks), up to [`TOUCHED`], before any is looked up: their cache misses
+    /// removal's blocks), up to [`kvevent_table::TOUCH_AHEAD`], before any is looked up: their cache misses
     /// overlap instead of adding up, which is most of a lookup's cost once the map outgrows
     /// the cache. Beyond that many the first ones would leave the cache before their turn.
     fn touch(&self, batch: &wire::EventBatch<'_>) {
-        let mut left = TOUCHED;
+        let mut left = kvevent_table::TOUCH_AHEAD;
         for event in &batch.events {
             let (group, hashes, parent) = match event {
                 wire::Event::BlockStored(e) => {

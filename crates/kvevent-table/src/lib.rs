@@ -24,6 +24,10 @@
 //! Invariant: every stored key sits at or after its home slot (cyclically), and no empty slot
 //! and no entry nearer its own home lies between its home and it.
 
+/// Most keys to [`Table::touch`] ahead of their lookups: loads beyond this many would leave
+/// the cache before their turn (a long batch or query touches its first ones only).
+pub const TOUCH_AHEAD: usize = 64;
+
 /// A key the table can hold.
 pub trait Key: Copy + Eq {
     /// A value no stored key ever takes: it marks an empty slot.
@@ -162,7 +166,7 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
     /// Loads `key`'s home slot into the cache, for a lookup that follows soon. A batch that
     /// touches all its keys first has their cache misses overlap (the loads do not depend on
     /// each other) instead of paying them one after another: in a table much larger than the
-    /// cache, a lookup is mostly that one miss.
+    /// cache, a lookup is mostly that one miss. Touch at most [`TOUCH_AHEAD`] keys ahead.
     pub fn touch(&self, key: &K) {
         if !self.slots.is_empty() {
             std::hint::black_box(self.slots[self.home(key)].0);
