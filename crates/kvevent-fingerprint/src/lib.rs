@@ -38,13 +38,19 @@ pub struct Block {
 
 /// The fingerprint of one block's tokens.
 pub fn content(tokens: &[u32]) -> u64 {
-    // Blocks are small (16–256 tokens): a stack buffer avoids allocating per block.
-    let mut buf = [0u8; 4 * 256];
-    if tokens.len() <= 256 {
+    // Blocks are small (16–256 tokens): a stack buffer avoids allocating per block, and one
+    // sized to the common block of 16 is not cleared a kilobyte at a time.
+    fn hash<const N: usize>(tokens: &[u32]) -> u64 {
+        let mut buf = [0u8; N];
         for (dst, t) in buf.chunks_exact_mut(4).zip(tokens) {
             dst.copy_from_slice(&t.to_le_bytes());
         }
         xxh3_64_with_seed(&buf[..4 * tokens.len()], SEED)
+    }
+    if tokens.len() <= 16 {
+        hash::<{ 4 * 16 }>(tokens)
+    } else if tokens.len() <= 256 {
+        hash::<{ 4 * 256 }>(tokens)
     } else {
         let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
         xxh3_64_with_seed(&bytes, SEED)

@@ -357,6 +357,8 @@ struct Inner {
     replica_ids: Map<String, u32>,
     /// Each replica's place in name order: answers sort by numbers, not names.
     name_rank: Vec<u32>,
+    /// The replicas in name order (the inverse of `name_rank`).
+    by_rank: Vec<u32>,
     sources: Vec<Source>,
     adapters: Map<String, u32>,
     young: Keys,
@@ -439,9 +441,10 @@ impl Index {
                     inner.replicas[*a as usize].cmp(&inner.replicas[*b as usize])
                 });
                 inner.name_rank = vec![0; by_name.len()];
-                for (rank, r) in by_name.into_iter().enumerate() {
-                    inner.name_rank[r as usize] = rank as u32;
+                for (rank, r) in by_name.iter().enumerate() {
+                    inner.name_rank[*r as usize] = rank as u32;
                 }
+                inner.by_rank = by_name;
                 id
             }
         };
@@ -556,20 +559,33 @@ impl Index {
     /// Per replica holding at least block 0 of the query: its longest match from block 0 on,
     /// best first (most tokens, then T1 before T2, then name).
     pub fn score(&self, query: &Query<'_>) -> Vec<Score> {
-        let keys: Vec<u64> = match &query.keys {
-            QueryKeys::Keys(k) => k.to_vec(),
-            QueryKeys::Tokens { ids, block_size } => {
-                if *block_size == 0 {
-                    return Vec::new();
-                }
-                let whole = ids.len() / block_size * block_size;
-                kvevent_fingerprint::chain(&ids[..whole], *block_size, None)
-                    .into_iter()
-                    .map(|b| b.prefix)
-                    .collect()
+        if matches!(query.keys, QueryKeys::Tokens { block_size: 0, .. }) {
+            return Vec::new();
+        }
+        self.read().inner.score(&query.keys, query.adapter)
+    }
+}
+
+/// Query blocks looked up together: their keys are made (chained from token ids), then their
+/// slots loaded at once so the cache misses overlap, then they are matched in order. A query
+/// stops at its first miss, so the blocks after it are never hashed.
+const SCORE_CHUNK: usize = 16;
+
+impl QueryKeys<'_> {
+    /// Replaces `out` with the keys of blocks `from..from + SCORE_CHUNK` (fewer at the end);
+    /// `parent` is the prefix key of block `from - 1`.
+    fn chunk(&self, from: usize, parent: Option<u64>, out: &mut Vec<u64>) {
+        out.clear();
+        match *self {
+            QueryKeys::Keys(keys) => {
+                out.extend(keys.iter().skip(from).take(SCORE_CHUNK));
             }
-        };
-        self.read().inner.score(&keys, query.adapter)
+            QueryKeys::Tokens { ids, block_size } => {
+                let start = (from * block_size).min(ids.len());
+                let end = ((from + SCORE_CHUNK) * block_size).min(ids.len());
+                kvevent_fingerprint::prefixes_into(&ids[start..end], block_size, parent, out);
+            }
+        }
     }
 }
 
@@ -779,7 +795,7 @@ impl Inner {
         self.young.get(key).or_else(|| self.old.get(key)).copied()
     }
 
-    fn score(&self, keys: &[u64], adapter: &str) -> Vec<Score> {
+    fn score(&self, query: &QueryKeys<'_>, adapter: &str) -> Vec<Score> {
         let Some(&adapter) = self.adapters.get(adapter) else {
             return Vec::new();
         };
@@ -789,14 +805,21 @@ impl Inner {
         let mut alive: Vec<(u32, u16, u8)> = Vec::new();
         let mut done: Vec<(u32, u32, u32, u8)> = Vec::new();
         let (mut matched, mut tokens) = (0u32, 0u32);
-        // The blocks are looked up one after another until one misses: load their slots first
-        // (the first `TOUCH_AHEAD`, as a batch does), so the cache misses overlap.
-        for k in keys.iter().take(kvevent_table::TOUCH_AHEAD) {
-            let key = KeyId { key: *k, adapter };
-            self.young.touch(&key);
-            self.old.touch(&key);
-        }
-        for (i, k) in keys.iter().enumerate() {
+        let mut keys = Vec::with_capacity(SCORE_CHUNK);
+        // The blocks are looked up one after another until one misses, `SCORE_CHUNK` at a
+        // time: each chunk's slots are loaded first, so their cache misses overlap.
+        for i in 0.. {
+            if i % SCORE_CHUNK == 0 {
+                query.chunk(i, keys.last().copied(), &mut keys);
+                for k in &keys {
+                    let key = KeyId { key: *k, adapter };
+                    self.young.touch(&key);
+                    self.old.touch(&key);
+                }
+            }
+            let Some(k) = keys.get(i % SCORE_CHUNK) else {
+                break;
+            };
             let Some(entry) = self.lookup(&KeyId { key: *k, adapter }) else {
                 break;
             };
@@ -810,9 +833,20 @@ impl Inner {
                         .map(|h| (h.source, h.epoch, h.tier)),
                 );
             } else {
-                // Merge the two sorted lists in place: who holds block i too goes on.
-                let (mut kept, mut j) = (0, 0);
-                for r in 0..alive.len() {
+                // Lock-step while the two lists agree: the blocks of a shared prompt mostly
+                // have the same holders, and this loop's one branch is taken once.
+                let mut same = 0;
+                for (a, h) in alive.iter_mut().zip(holders) {
+                    if (a.0, a.1) != (h.source, h.epoch) {
+                        break;
+                    }
+                    a.2 = a.2.max(h.tier);
+                    same += 1;
+                }
+                // Then merge the rest of the two sorted lists in place: who holds block i
+                // too goes on.
+                let (mut kept, mut j) = (same, same);
+                for r in same..alive.len() {
                     let (source, epoch, tier) = alive[r];
                     while holders.get(j).is_some_and(|h| h.source < source) {
                         j += 1;
@@ -856,24 +890,26 @@ impl Inner {
         }
         // Best first: most tokens, most blocks, T1 before T2, then by name (its rank), as one
         // number: many replicas tie on a shared prompt, and names compare slowly.
-        let mut order: Vec<(u128, u32)> = best
+        // The rank, in the low bits, names the replica (`by_rank`).
+        let mut order: Vec<u128> = best
             .iter()
             .enumerate()
             .filter_map(|(replica, b)| {
                 let (blocks, tokens, tier) = (*b)?;
                 let rank = self.name_rank[replica];
-                let key = (u128::from(!tokens) << 96)
-                    | (u128::from(!blocks) << 64)
-                    | (u128::from(tier) << 32)
-                    | u128::from(rank);
-                Some((key, replica as u32))
+                Some(
+                    (u128::from(!tokens) << 96)
+                        | (u128::from(!blocks) << 64)
+                        | (u128::from(tier) << 32)
+                        | u128::from(rank),
+                )
             })
             .collect();
-        order.sort_unstable_by_key(|&(key, _)| key);
+        order.sort_unstable();
         order
             .into_iter()
-            .map(|(_, replica)| {
-                let replica = replica as usize;
+            .map(|key| {
+                let replica = self.by_rank[key as u32 as usize] as usize;
                 let (blocks, tokens, tier) = best[replica].unwrap_or_default();
                 Score {
                     replica: self.replicas[replica].clone(),

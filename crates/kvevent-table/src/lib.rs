@@ -25,7 +25,7 @@
 //! and no entry nearer its own home lies between its home and it.
 
 /// Most keys to [`Table::touch`] ahead of their lookups: loads beyond this many would leave
-/// the cache before their turn (a long batch or query touches its first ones only).
+/// the cache before their turn (a long batch touches its first ones only).
 pub const TOUCH_AHEAD: usize = 64;
 
 /// A key the table can hold.

@@ -57,8 +57,9 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        6 => (0..6usize, 0..12u64, 1..6u64).prop_map(|(source, first, len)| Op::Store { source, first, len }),
-        3 => (0..6usize, 0..16u64).prop_map(|(source, h)| Op::Remove { source, h }),
+        // Runs of up to 20 blocks: queries cross the index's chunks of 16 lookups.
+        6 => (0..6usize, 0..12u64, 1..21u64).prop_map(|(source, first, len)| Op::Store { source, first, len }),
+        3 => (0..6usize, 0..32u64).prop_map(|(source, h)| Op::Remove { source, h }),
         1 => (0..6usize).prop_map(|source| Op::Reset { source }),
     ]
 }
@@ -99,7 +100,7 @@ proptest! {
             }
         }
         for start in 0..12u64 {
-            let query: Vec<u64> = (start..start + 8).collect();
+            let query: Vec<u64> = (start..start + 20).collect();
             let scores = index.score(&Query { adapter: "", keys: QueryKeys::Keys(&query) });
             // Best first: most tokens, most blocks, T1 before T2, then by name.
             let order = |s: &kvevent_index::Score| {
@@ -125,6 +126,55 @@ proptest! {
             prop_assert_eq!(got, want, "query from {}", start);
         }
     }
+}
+
+#[test]
+fn a_long_token_query_matches_across_the_lookup_chunks() {
+    let index = Index::new(Config::default());
+    let a = index.add_source("a");
+    let tokens: Vec<u32> = (0..1024).map(|t| t * 7 + 1).collect();
+    // 50 blocks of 16 held (three chunks and two blocks of a fourth), stored in two events
+    // (the second continues the first's chain).
+    let stored = |first: usize, n: usize| {
+        wire::Event::BlockStored(wire::BlockStored {
+            block_hashes: (first..first + n).map(|h| hash(h as u64 + 100)).collect(),
+            parent_block_hash: (first > 0).then(|| hash(first as u64 + 99)),
+            token_ids: wire::TokenIds::from(tokens[first * 16..(first + n) * 16].to_vec()),
+            block_size: 16,
+            ..Default::default()
+        })
+    };
+    index.apply(a, &batch(vec![stored(0, 20), stored(20, 30)]));
+    for (len, blocks) in [
+        (1024, 50),
+        (800, 50),
+        (799, 49),
+        (256, 16),
+        (257, 16),
+        (15, 0),
+    ] {
+        let scores = index.score(&Query {
+            adapter: "",
+            keys: QueryKeys::Tokens {
+                ids: &tokens[..len],
+                block_size: 16,
+            },
+        });
+        let got = scores.first().map(|s| (s.matched_blocks, s.matched_tokens));
+        let want = (blocks > 0).then_some((blocks, blocks * 16));
+        assert_eq!(got, want, "a query of {len} tokens");
+    }
+    // A query that differs in block 40 matches the 40 before it.
+    let mut other = tokens.clone();
+    other[40 * 16 + 3] += 1;
+    let scores = index.score(&Query {
+        adapter: "",
+        keys: QueryKeys::Tokens {
+            ids: &other,
+            block_size: 16,
+        },
+    });
+    assert_eq!(scores[0].matched_blocks, 40);
 }
 
 #[test]
