@@ -135,12 +135,35 @@ pub struct IndexStats {
     pub applied: u64,
 }
 
-/// A source holding a key: packed to 8 bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Holder {
-    source: u32,
-    epoch: u16,
-    tier: u8,
+/// A source holding a key, in one word: the source in bits 0–31, its epoch in 32–47, the
+/// tier in 56–63. Two holders of the same source and epoch compare by tier, so the larger
+/// is the worse tier; scoring compares and merges whole words (eight at a time).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct Holder(u64);
+
+impl Holder {
+    /// The bits naming the source and its epoch.
+    const ID: u64 = (1 << 48) - 1;
+
+    fn new(source: u32, epoch: u16, tier: u8) -> Self {
+        Self(u64::from(source) | (u64::from(epoch) << 32) | (u64::from(tier) << 56))
+    }
+
+    fn source(self) -> u32 {
+        self.0 as u32
+    }
+
+    fn epoch(self) -> u16 {
+        (self.0 >> 32) as u16
+    }
+
+    fn tier(self) -> u8 {
+        (self.0 >> 56) as u8
+    }
+
+    fn same_id(self, other: Self) -> bool {
+        (self.0 ^ other.0) & Self::ID == 0
+    }
 }
 
 /// The sources holding a key, sorted by source, in one word: none, one inline, or the number
@@ -180,9 +203,9 @@ impl Holders {
 
     fn one(h: Holder) -> Self {
         Self(
-            (u64::from(h.source) << 32)
-                | (u64::from(h.epoch) << 16)
-                | (u64::from(h.tier) << 8)
+            (u64::from(h.source()) << 32)
+                | (u64::from(h.epoch()) << 16)
+                | (u64::from(h.tier()) << 8)
                 | ONE,
         )
     }
@@ -193,11 +216,11 @@ impl Holders {
 
     fn view(self, lists: &Lists) -> HolderView<'_> {
         match self.0 & 3 {
-            ONE => HolderView::One(Holder {
-                source: (self.0 >> 32) as u32,
-                epoch: (self.0 >> 16) as u16,
-                tier: (self.0 >> 8) as u8,
-            }),
+            ONE => HolderView::One(Holder::new(
+                (self.0 >> 32) as u32,
+                (self.0 >> 16) as u16,
+                (self.0 >> 8) as u8,
+            )),
             LIST => HolderView::Many(&lists.lists[(self.0 >> 32) as usize]),
             _ => HolderView::Many(&[]),
         }
@@ -259,9 +282,9 @@ impl Holders {
     fn upsert(self, lists: &mut Lists, holder: Holder) -> Self {
         match self.view(lists) {
             HolderView::Many([]) => Self::one(holder),
-            HolderView::One(h) if h.source == holder.source => Self::one(holder),
+            HolderView::One(h) if h.source() == holder.source() => Self::one(holder),
             HolderView::One(h) => {
-                let pair = if h.source < holder.source {
+                let pair = if h.source() < holder.source() {
                     vec![h, holder]
                 } else {
                     vec![holder, h]
@@ -280,7 +303,7 @@ impl Holders {
             }
             HolderView::Many(_) => {
                 if let Some((_, v)) = self.list_mut(lists) {
-                    match v.binary_search_by_key(&holder.source, |h| h.source) {
+                    match v.binary_search_by_key(&holder.source(), |h| h.source()) {
                         Ok(i) => v[i] = holder,
                         Err(i) => v.insert(i, holder),
                     }
@@ -495,7 +518,7 @@ impl Index {
             if s.epoch == 0 {
                 // The epoch wrapped: drop this source's holders for real.
                 let n = source.0;
-                inner.drop_holders(|h| h.source == n);
+                inner.drop_holders(|h| h.source() == n);
             }
         }
     }
@@ -526,7 +549,7 @@ impl Index {
                 gone.push(i as u32);
             }
         }
-        inner.drop_holders(|h| gone.contains(&h.source));
+        inner.drop_holders(|h| gone.contains(&h.source()));
     }
 
     /// Sizes and counters.
@@ -660,8 +683,8 @@ impl Inner {
 
     fn holder_valid(&self, h: &Holder) -> bool {
         self.sources
-            .get(h.source as usize)
-            .is_some_and(|s| s.live && s.epoch == h.epoch)
+            .get(h.source() as usize)
+            .is_some_and(|s| s.live && s.epoch == h.epoch())
     }
 
     /// Applies the pending changes of `source`, in order. Their keys' slots are loaded first
@@ -694,7 +717,7 @@ impl Inner {
             if let Some(entry) = map.get_mut(&key) {
                 let holders = entry.holders;
                 let before = entry_bytes(holders.len(lists));
-                let after = holders.retain(lists, |h| h.source != source);
+                let after = holders.retain(lists, |h| h.source() != source);
                 if after == Holders::NONE {
                     map.remove(&key);
                     *bytes = bytes.saturating_sub(before);
@@ -711,16 +734,12 @@ impl Inner {
     fn store(&mut self, key: KeyId, source: u32, tier: u8, tokens: u32, budget: usize) {
         self.stats.applied += 1;
         let epoch = self.sources[source as usize].epoch;
-        let holder = Holder {
-            source,
-            epoch,
-            tier,
-        };
+        let holder = Holder::new(source, epoch, tier);
         let sources = &self.sources;
         let valid = |h: &Holder| {
             sources
-                .get(h.source as usize)
-                .is_some_and(|s| s.live && s.epoch == h.epoch)
+                .get(h.source() as usize)
+                .is_some_and(|s| s.live && s.epoch == h.epoch())
         };
         let lists = &mut self.lists;
         if let Some(entry) = self.young.get_mut(&key) {
@@ -799,10 +818,10 @@ impl Inner {
         let Some(&adapter) = self.adapters.get(adapter) else {
             return Vec::new();
         };
-        // Sources still matching, sorted by source: (source, epoch, worst tier). They all
+        // Sources still matching, sorted by source, each with its worst tier so far. They all
         // matched the same blocks so far (`matched`, covering `tokens`); one that drops out goes
         // to `done` with them. Validity is checked at block 0; later blocks need the same epoch.
-        let mut alive: Vec<(u32, u16, u8)> = Vec::new();
+        let mut alive: Vec<Holder> = Vec::new();
         let mut done: Vec<(u32, u32, u32, u8)> = Vec::new();
         let (mut matched, mut tokens) = (0u32, 0u32);
         let mut keys = Vec::with_capacity(SCORE_CHUNK);
@@ -826,37 +845,44 @@ impl Inner {
             let view = { entry.holders }.view(&self.lists);
             let holders = view.as_slice();
             if i == 0 {
-                alive.extend(
-                    holders
-                        .iter()
-                        .filter(|h| self.holder_valid(h))
-                        .map(|h| (h.source, h.epoch, h.tier)),
-                );
+                alive.extend(holders.iter().filter(|h| self.holder_valid(h)));
             } else {
-                // Lock-step while the two lists agree: the blocks of a shared prompt mostly
-                // have the same holders, and this loop's one branch is taken once.
+                // Lock-step while the two lists agree (the blocks of a shared prompt mostly
+                // have the same holders): eight words compared at once, then one by one.
+                let n = alive.len().min(holders.len());
                 let mut same = 0;
-                for (a, h) in alive.iter_mut().zip(holders) {
-                    if (a.0, a.1) != (h.source, h.epoch) {
+                for (a, h) in alive[..n].chunks_exact_mut(8).zip(holders.chunks_exact(8)) {
+                    let differ = a
+                        .iter()
+                        .zip(h)
+                        .fold(0, |d, (a, h)| d | ((a.0 ^ h.0) & Holder::ID));
+                    if differ != 0 {
                         break;
                     }
-                    a.2 = a.2.max(h.tier);
+                    // Same sources and epochs: the larger word has the worse tier.
+                    for (a, h) in a.iter_mut().zip(h) {
+                        *a = (*a).max(*h);
+                    }
+                    same += 8;
+                }
+                while same < n && alive[same].same_id(holders[same]) {
+                    alive[same] = alive[same].max(holders[same]);
                     same += 1;
                 }
                 // Then merge the rest of the two sorted lists in place: who holds block i
                 // too goes on.
                 let (mut kept, mut j) = (same, same);
                 for r in same..alive.len() {
-                    let (source, epoch, tier) = alive[r];
-                    while holders.get(j).is_some_and(|h| h.source < source) {
+                    let a = alive[r];
+                    while holders.get(j).is_some_and(|h| h.source() < a.source()) {
                         j += 1;
                     }
                     match holders.get(j) {
-                        Some(h) if h.source == source && h.epoch == epoch => {
-                            alive[kept] = (source, epoch, tier.max(h.tier));
+                        Some(&h) if h.same_id(a) => {
+                            alive[kept] = a.max(h);
                             kept += 1;
                         }
-                        _ => done.push((source, matched, tokens, tier)),
+                        _ => done.push((a.source(), matched, tokens, a.tier())),
                     }
                 }
                 alive.truncate(kept);
@@ -870,7 +896,7 @@ impl Inner {
         done.extend(
             alive
                 .iter()
-                .map(|&(source, _, tier)| (source, matched, tokens, tier)),
+                .map(|a| (a.source(), matched, tokens, a.tier())),
         );
         // Per replica, its best source; a replica is fresh when all its sources are.
         let mut fresh = vec![true; self.replicas.len()];
