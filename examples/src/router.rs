@@ -179,7 +179,7 @@ impl Router {
         });
         Ok(serde_json::json!({
             "scores": scores.iter().map(|s| serde_json::json!({
-                "replica": &*s.replica,
+                "replica": s.replica,
                 "matched_tokens": s.matched_tokens,
                 "matched_blocks": s.matched_blocks,
                 "tier": match s.tier { Tier::T1 => "T1", Tier::T2 => "T2" },

@@ -100,10 +100,10 @@ pub struct Query<'a> {
 }
 
 /// One replica's match, as `LookupRouteResponse.replica_scores` means it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Score {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Score<'a> {
     /// The replica's name.
-    pub replica: Arc<str>,
+    pub replica: &'a str,
     /// Blocks of the query present from block 0 on (on one of the replica's sources).
     pub matched_blocks: u32,
     /// Tokens those blocks cover (the last matched block's cumulative count).
@@ -114,6 +114,95 @@ pub struct Score {
     /// just restarted): the router may fail open.
     pub fresh: bool,
 }
+
+/// The answer to a query: a [`Score`] per replica holding block 0 of the query, best first
+/// (most tokens, most blocks, T1 before T2, then by name). It shares the index's list of
+/// names: one reference taken per answer, not one per replica.
+#[derive(Debug, Clone, Default)]
+pub struct Scores {
+    names: Arc<Vec<Arc<str>>>,
+    entries: Vec<Answer>,
+}
+
+/// One replica's match, named by number.
+#[derive(Debug, Clone, Copy)]
+struct Answer {
+    replica: u32,
+    blocks: u32,
+    tokens: u32,
+    tier: Tier,
+    fresh: bool,
+}
+
+impl Scores {
+    /// Replicas in the answer.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// True when no replica holds block 0 of the query.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The `i`-th best.
+    pub fn get(&self, i: usize) -> Option<Score<'_>> {
+        self.entries.get(i).map(|e| self.score(e))
+    }
+
+    /// The best, if any.
+    pub fn first(&self) -> Option<Score<'_>> {
+        self.get(0)
+    }
+
+    /// Best first.
+    pub fn iter(&self) -> ScoresIter<'_> {
+        ScoresIter {
+            scores: self,
+            entries: self.entries.iter(),
+        }
+    }
+
+    fn score(&self, e: &Answer) -> Score<'_> {
+        Score {
+            replica: &self.names[e.replica as usize],
+            matched_blocks: e.blocks,
+            matched_tokens: e.tokens,
+            tier: e.tier,
+            fresh: e.fresh,
+        }
+    }
+}
+
+impl<'a> IntoIterator for &'a Scores {
+    type Item = Score<'a>;
+    type IntoIter = ScoresIter<'a>;
+
+    fn into_iter(self) -> ScoresIter<'a> {
+        self.iter()
+    }
+}
+
+/// The scores of an answer, best first ([`Scores::iter`]).
+#[derive(Debug, Clone)]
+pub struct ScoresIter<'a> {
+    scores: &'a Scores,
+    entries: std::slice::Iter<'a, Answer>,
+}
+
+impl<'a> Iterator for ScoresIter<'a> {
+    type Item = Score<'a>;
+
+    fn next(&mut self) -> Option<Score<'a>> {
+        self.entries.next().map(|e| self.scores.score(e))
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        self.entries.size_hint()
+    }
+}
+
+impl ExactSizeIterator for ScoresIter<'_> {}
 
 /// Counters and sizes.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -376,7 +465,9 @@ struct Source {
 
 #[derive(Debug, Default)]
 struct Inner {
-    replicas: Vec<Arc<str>>,
+    /// Replica names by number; answers share them (a replica added while an answer holds
+    /// them copies the list).
+    replicas: Arc<Vec<Arc<str>>>,
     replica_ids: Map<String, u32>,
     /// Each replica's place in name order: answers sort by numbers, not names.
     name_rank: Vec<u32>,
@@ -457,7 +548,7 @@ impl Index {
             Some(&id) => id,
             None => {
                 let id = inner.replicas.len() as u32;
-                inner.replicas.push(Arc::from(replica));
+                Arc::make_mut(&mut inner.replicas).push(Arc::from(replica));
                 inner.replica_ids.insert(replica.to_owned(), id);
                 let mut by_name: Vec<u32> = (0..=id).collect();
                 by_name.sort_unstable_by(|a, b| {
@@ -581,9 +672,9 @@ impl Index {
 
     /// Per replica holding at least block 0 of the query: its longest match from block 0 on,
     /// best first (most tokens, then T1 before T2, then name).
-    pub fn score(&self, query: &Query<'_>) -> Vec<Score> {
+    pub fn score(&self, query: &Query<'_>) -> Scores {
         if matches!(query.keys, QueryKeys::Tokens { block_size: 0, .. }) {
-            return Vec::new();
+            return Scores::default();
         }
         self.read().inner.score(&query.keys, query.adapter)
     }
@@ -814,9 +905,9 @@ impl Inner {
         self.young.get(key).or_else(|| self.old.get(key)).copied()
     }
 
-    fn score(&self, query: &QueryKeys<'_>, adapter: &str) -> Vec<Score> {
+    fn score(&self, query: &QueryKeys<'_>, adapter: &str) -> Scores {
         let Some(&adapter) = self.adapters.get(adapter) else {
-            return Vec::new();
+            return Scores::default();
         };
         // Sources still matching, sorted by source, each with its worst tier so far. They all
         // matched the same blocks so far (`matched`, covering `tokens`); one that drops out goes
@@ -932,19 +1023,24 @@ impl Inner {
             })
             .collect();
         order.sort_unstable();
-        order
+        let entries = order
             .into_iter()
             .map(|key| {
-                let replica = self.by_rank[key as u32 as usize] as usize;
-                let (blocks, tokens, tier) = best[replica].unwrap_or_default();
-                Score {
-                    replica: self.replicas[replica].clone(),
-                    matched_blocks: blocks,
-                    matched_tokens: tokens,
-                    tier: if tier == 0 { Tier::T1 } else { Tier::T2 },
-                    fresh: fresh[replica],
+                let replica = self.by_rank[key as u32 as usize];
+                let (blocks, tokens, tier) = best[replica as usize].unwrap_or_default();
+                let tier = if tier == 0 { Tier::T1 } else { Tier::T2 };
+                Answer {
+                    replica,
+                    blocks,
+                    tokens,
+                    tier,
+                    fresh: fresh[replica as usize],
                 }
             })
-            .collect()
+            .collect();
+        Scores {
+            names: self.replicas.clone(),
+            entries,
+        }
     }
 }

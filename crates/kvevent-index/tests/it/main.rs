@@ -101,10 +101,11 @@ proptest! {
         }
         for start in 0..12u64 {
             let query: Vec<u64> = (start..start + 20).collect();
-            let scores = index.score(&Query { adapter: "", keys: QueryKeys::Keys(&query) });
+            let answer = index.score(&Query { adapter: "", keys: QueryKeys::Keys(&query) });
+            let scores: Vec<_> = answer.iter().collect();
             // Best first: most tokens, most blocks, T1 before T2, then by name.
             let order = |s: &kvevent_index::Score| {
-                (std::cmp::Reverse(s.matched_tokens), std::cmp::Reverse(s.matched_blocks), s.tier, s.replica.clone())
+                (std::cmp::Reverse(s.matched_tokens), std::cmp::Reverse(s.matched_blocks), s.tier, s.replica.to_owned())
             };
             prop_assert!(scores.windows(2).all(|w| order(&w[0]) < order(&w[1])), "{:?}", scores);
             let got: BTreeMap<String, u32> = scores
@@ -119,8 +120,8 @@ proptest! {
                     *best = (*best).max(n);
                 }
             }
-            for s in small.score(&Query { adapter: "", keys: QueryKeys::Keys(&query) }) {
-                let most = want.get(&*s.replica).copied().unwrap_or(0);
+            for s in &small.score(&Query { adapter: "", keys: QueryKeys::Keys(&query) }) {
+                let most = want.get(s.replica).copied().unwrap_or(0);
                 prop_assert!(s.matched_blocks <= most, "query from {}: {:?} over {}", start, s, most);
             }
             prop_assert_eq!(got, want, "query from {}", start);
@@ -153,13 +154,14 @@ fn a_long_token_query_matches_across_the_lookup_chunks() {
         (257, 16),
         (15, 0),
     ] {
-        let scores = index.score(&Query {
+        let answer = index.score(&Query {
             adapter: "",
             keys: QueryKeys::Tokens {
                 ids: &tokens[..len],
                 block_size: 16,
             },
         });
+        let scores: Vec<_> = answer.iter().collect();
         let got = scores.first().map(|s| (s.matched_blocks, s.matched_tokens));
         let want = (blocks > 0).then_some((blocks, blocks * 16));
         assert_eq!(got, want, "a query of {len} tokens");
@@ -167,13 +169,14 @@ fn a_long_token_query_matches_across_the_lookup_chunks() {
     // A query that differs in block 40 matches the 40 before it.
     let mut other = tokens.clone();
     other[40 * 16 + 3] += 1;
-    let scores = index.score(&Query {
+    let answer = index.score(&Query {
         adapter: "",
         keys: QueryKeys::Tokens {
             ids: &other,
             block_size: 16,
         },
     });
+    let scores: Vec<_> = answer.iter().collect();
     assert_eq!(scores[0].matched_blocks, 40);
 }
 
@@ -195,17 +198,18 @@ fn a_token_query_is_chained_into_fingerprints_and_tiers_and_freshness_are_report
     index.apply(a, &batch(vec![event(4, "GPU")]));
     index.apply(b, &batch(vec![event(2, "CPU")]));
     index.set_fresh(b, false);
-    let scores = index.score(&Query {
+    let answer = index.score(&Query {
         adapter: "",
         keys: QueryKeys::Tokens {
             ids: &tokens[..50],
             block_size: 16,
         },
     });
+    let scores: Vec<_> = answer.iter().collect();
     assert_eq!(scores.len(), 2);
     assert_eq!(
         (
-            &*scores[0].replica,
+            scores[0].replica,
             scores[0].matched_blocks,
             scores[0].matched_tokens
         ),
@@ -214,7 +218,7 @@ fn a_token_query_is_chained_into_fingerprints_and_tiers_and_freshness_are_report
     assert_eq!((scores[0].tier, scores[0].fresh), (Tier::T1, true));
     assert_eq!(
         (
-            &*scores[1].replica,
+            scores[1].replica,
             scores[1].matched_blocks,
             scores[1].matched_tokens
         ),
@@ -235,17 +239,15 @@ fn a_token_query_is_chained_into_fingerprints_and_tiers_and_freshness_are_report
     );
     // Removing a replica removes all of its entries.
     index.remove_replica("a");
-    let scores = index.score(&Query {
+    let answer = index.score(&Query {
         adapter: "",
         keys: QueryKeys::Tokens {
             ids: &tokens,
             block_size: 16,
         },
     });
-    assert_eq!(
-        scores.iter().map(|s| &*s.replica).collect::<Vec<_>>(),
-        ["b"]
-    );
+    let scores: Vec<_> = answer.iter().collect();
+    assert_eq!(scores.iter().map(|s| s.replica).collect::<Vec<_>>(), ["b"]);
 }
 
 #[test]
@@ -257,10 +259,11 @@ fn a_block_whose_parent_was_never_seen_still_enters() {
         s.parent_block_hash = Some(hash(6));
     }
     index.apply(a, &batch(vec![e]));
-    let scores = index.score(&Query {
+    let answer = index.score(&Query {
         adapter: "",
         keys: QueryKeys::Keys(&[7, 8]),
     });
+    let scores: Vec<_> = answer.iter().collect();
     assert_eq!(scores[0].matched_blocks, 2);
 }
 
@@ -291,10 +294,11 @@ fn memory_stays_within_the_budget_under_churn() {
     );
     assert!(stats.bytes > budget / 4, "{stats:?}");
     // The newest blocks are still there.
-    let scores = index.score(&Query {
+    let answer = index.score(&Query {
         adapter: "",
         keys: QueryKeys::Keys(&[199_000, 199_001]),
     });
+    let scores: Vec<_> = answer.iter().collect();
     assert_eq!(scores[0].matched_blocks, 2);
 }
 
@@ -308,10 +312,11 @@ fn scoring_from_many_threads_while_events_are_applied() {
             let index = index.clone();
             std::thread::spawn(move || {
                 for _ in 0..2_000 {
-                    let s = index.score(&Query {
+                    let answer = index.score(&Query {
                         adapter: "",
                         keys: QueryKeys::Keys(&[1, 2, 3]),
                     });
+                    let s: Vec<_> = answer.iter().collect();
                     assert!(s[0].matched_blocks >= 3);
                 }
             })
