@@ -236,6 +236,58 @@ fn read_in_the_caller_live_replay_and_timeout_with_no_thread() {
     transport.shutdown();
 }
 
+/// Read in the caller, a socket is read when its descriptor signals (libzmq's edge-triggered
+/// way): a burst longer than one read is finished on the next calls, and a socket read to
+/// its end signals again for what comes later, as does the monitor for a disconnect.
+#[test]
+fn read_in_the_caller_a_burst_is_finished_and_later_messages_still_wake_it() {
+    let ctx = zmq::Context::new();
+    let engine =
+        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    let source = Source {
+        endpoint: engine.endpoint().to_owned(),
+        replay_endpoint: None,
+        topic: Vec::new(),
+        bind: false,
+        dp_rank: 0,
+    };
+    let mut transport =
+        Transport::in_caller(&ctx, &[source], &SourceOptions::default()).expect("start");
+    assert!(engine.wait_for_subscribers(1, WAIT));
+    // More than two reads' worth (256 messages a socket a call), queued before any read.
+    for _ in 0..600 {
+        engine.publish_payload(b"\x90".to_vec());
+    }
+    let seqs = |got: &[Frames]| -> Vec<u64> {
+        got.iter()
+            .map(|f| match &f.delivery {
+                Delivery::Live(msg) => frames::parse_live(msg).expect("live").seq,
+                other => panic!("{other:?}"),
+            })
+            .collect()
+    };
+    assert_eq!(
+        seqs(&poll_until(&mut transport, 600)),
+        (0..600).collect::<Vec<_>>()
+    );
+    // Drained and idle: nothing more.
+    let mut idle = std::collections::VecDeque::new();
+    transport.poll(Duration::from_millis(200), &mut idle);
+    assert!(
+        idle.iter().all(|f| f.delivery == Delivery::Connected),
+        "{idle:?}"
+    );
+    // A message after the socket went quiet wakes the next poll.
+    for round in 0..3u64 {
+        engine.publish_payload(b"\x90".to_vec());
+        assert_eq!(seqs(&poll_until(&mut transport, 1)), [600 + round]);
+    }
+    engine.shutdown();
+    let got = poll_until(&mut transport, 1);
+    assert_eq!(got[0].delivery, Delivery::Disconnected);
+    transport.shutdown();
+}
+
 #[test]
 fn a_bad_endpoint_fails_at_start_with_its_name() {
     let ctx = zmq::Context::new();
