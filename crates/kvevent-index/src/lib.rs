@@ -469,10 +469,8 @@ struct Inner {
     /// them copies the list).
     replicas: Arc<Vec<Arc<str>>>,
     replica_ids: Map<String, u32>,
-    /// Each replica's place in name order: answers sort by numbers, not names.
-    name_rank: Vec<u32>,
-    /// The replicas in name order (the inverse of `name_rank`).
-    by_rank: Vec<u32>,
+    /// The replicas in name order: answers are sorted stably from it, by numbers, not names.
+    by_name: Vec<u32>,
     sources: Vec<Source>,
     adapters: Map<String, u32>,
     young: Keys,
@@ -550,15 +548,11 @@ impl Index {
                 let id = inner.replicas.len() as u32;
                 Arc::make_mut(&mut inner.replicas).push(Arc::from(replica));
                 inner.replica_ids.insert(replica.to_owned(), id);
-                let mut by_name: Vec<u32> = (0..=id).collect();
-                by_name.sort_unstable_by(|a, b| {
-                    inner.replicas[*a as usize].cmp(&inner.replicas[*b as usize])
-                });
-                inner.name_rank = vec![0; by_name.len()];
-                for (rank, r) in by_name.iter().enumerate() {
-                    inner.name_rank[*r as usize] = rank as u32;
-                }
-                inner.by_rank = by_name;
+                let names = &inner.replicas;
+                let at = inner
+                    .by_name
+                    .partition_point(|r| names[*r as usize] < names[id as usize]);
+                inner.by_name.insert(at, id);
                 id
             }
         };
@@ -1005,28 +999,25 @@ impl Inner {
                 best[replica] = Some(candidate);
             }
         }
-        // Best first: most tokens, most blocks, T1 before T2, then by name (its rank), as one
-        // number: many replicas tie on a shared prompt, and names compare slowly.
-        // The rank, in the low bits, names the replica (`by_rank`).
-        let mut order: Vec<u128> = best
+        // Best first: most tokens, most blocks, T1 before T2, then by name. The replicas are
+        // taken in name order and sorted stably by the rest as one number: many tie on a
+        // shared prompt, and sorting runs of equal keys is cheap.
+        let mut order: Vec<(u64, u32)> = self
+            .by_name
             .iter()
-            .enumerate()
-            .filter_map(|(replica, b)| {
-                let (blocks, tokens, tier) = (*b)?;
-                let rank = self.name_rank[replica];
-                Some(
-                    (u128::from(!tokens) << 96)
-                        | (u128::from(!blocks) << 64)
-                        | (u128::from(tier) << 32)
-                        | u128::from(rank),
-                )
+            .filter_map(|&replica| {
+                let (blocks, tokens, tier) = best[replica as usize]?;
+                // A query of 2^31 blocks or more is not a real one: such counts tie.
+                let blocks = u64::from(blocks.min(u32::MAX >> 1));
+                let key =
+                    (u64::from(!tokens) << 32) | ((!blocks & 0x7fff_ffff) << 1) | u64::from(tier);
+                Some((key, replica))
             })
             .collect();
-        order.sort_unstable();
+        order.sort_by_key(|&(key, _)| key);
         let entries = order
             .into_iter()
-            .map(|key| {
-                let replica = self.by_rank[key as u32 as usize];
+            .map(|(_, replica)| {
                 let (blocks, tokens, tier) = best[replica as usize].unwrap_or_default();
                 let tier = if tier == 0 { Tier::T1 } else { Tier::T2 };
                 Answer {
