@@ -27,6 +27,44 @@
 //!
 //! Pure: no IO, no async runtime. Keys longer than 8 bytes (engine mode with `bin` digests) are
 //! folded to their first 8 bytes, uniformly random in practice.
+//!
+//! ```
+//! use kvevent_index::{Config, Index, Query, QueryKeys, Tier};
+//! use kvevent_wire as wire;
+//!
+//! let index = Index::new(Config::default()); // content fingerprints of the token ids
+//! let a = index.add_source("replica-a");
+//! let b = index.add_source("replica-b");
+//! let prompt: Vec<u32> = (0..64).collect();
+//! // Replica a stored the prompt's 4 blocks of 16, replica b its first 2.
+//! let stored = |n: u64| wire::EventBatch {
+//!     ts: 0.0,
+//!     events: vec![wire::Event::BlockStored(wire::BlockStored {
+//!         block_hashes: (1..=n).map(|h| wire::BlockHash::Int(wire::Int::U64(h))).collect(),
+//!         token_ids: wire::TokenIds::from(prompt[..16 * n as usize].to_vec()),
+//!         block_size: 16,
+//!         ..Default::default()
+//!     })],
+//!     data_parallel_rank: None,
+//!     unknown_events: 0,
+//! };
+//! index.apply(a, &stored(4));
+//! index.apply(b, &stored(2));
+//! index.set_fresh(b, false); // say its source is replaying
+//!
+//! let scores = index.score(&Query {
+//!     adapter: "",
+//!     keys: QueryKeys::Tokens { ids: &prompt[..40], block_size: 16 },
+//! });
+//! let best: Vec<_> = scores
+//!     .iter()
+//!     .map(|s| (s.replica, s.matched_blocks, s.matched_tokens, s.tier, s.fresh))
+//!     .collect();
+//! assert_eq!(
+//!     best,
+//!     [("replica-a", 2, 32, Tier::T1, true), ("replica-b", 2, 32, Tier::T1, false)]
+//! );
+//! ```
 
 use std::collections::HashMap;
 use std::sync::{Arc, PoisonError, RwLock};
