@@ -703,7 +703,7 @@ impl Index {
     }
 
     /// Per replica holding at least block 0 of the query: its longest match from block 0 on,
-    /// best first (most tokens, then T1 before T2, then name).
+    /// best first (most tokens, most blocks, T1 before T2, then name).
     pub fn score(&self, query: &Query<'_>) -> Scores {
         if matches!(query.keys, QueryKeys::Tokens { block_size: 0, .. }) {
             return Scores::default();
@@ -811,7 +811,8 @@ impl Inner {
     }
 
     /// Applies the pending changes of `source`, in order. Their keys' slots are loaded first
-    /// (up to [`kvevent_table::TOUCH_AHEAD`]), all at once: the cache misses of a batch overlap instead of adding up.
+    /// (up to [`kvevent_table::TOUCH_AHEAD`]), all at once: the cache misses of a batch
+    /// overlap instead of adding up.
     fn flush(&mut self, source: u32, budget: usize) {
         let pending = std::mem::take(&mut self.pending);
         for op in pending.iter().take(kvevent_table::TOUCH_AHEAD) {

@@ -268,9 +268,10 @@ impl Mapper {
     }
 
     /// Loads the map slots of the blocks the batch names (a store's parent and blocks, a
-    /// removal's blocks), up to [`kvevent_table::TOUCH_AHEAD`], before any is looked up: their cache misses
-    /// overlap instead of adding up, which is most of a lookup's cost once the map outgrows
-    /// the cache. Beyond that many the first ones would leave the cache before their turn.
+    /// removal's blocks), up to [`kvevent_table::TOUCH_AHEAD`], before any is looked up: their
+    /// cache misses overlap instead of adding up, which is most of a lookup's cost once the
+    /// map outgrows the cache. Beyond that many the first ones would leave the cache before
+    /// their turn.
     fn touch(&self, batch: &wire::EventBatch<'_>) {
         let mut left = kvevent_table::TOUCH_AHEAD;
         for event in &batch.events {

@@ -364,6 +364,11 @@ impl Transport {
         context: usize,
     ) -> Result<usize, Error> {
         let index = self.slots.len();
+        let fds = [
+            fd_of(&sub),
+            fd_of(&monitor),
+            dealer.as_ref().map_or(-1, fd_of),
+        ];
         let reader = Reader {
             index,
             ctx: self.contexts[context].0.clone(),
@@ -373,15 +378,9 @@ impl Transport {
             monitor,
             dealer,
             replay_deadline: None,
-            fds: [-1; 3],
+            fds,
             unread: [true; 3],
         };
-        let mut reader = reader;
-        reader.fds = [
-            fd_of(&reader.sub),
-            fd_of(&reader.monitor),
-            reader.dealer.as_ref().map_or(-1, fd_of),
-        ];
         let runner = match (self.mode, &self.out) {
             (Mode::Threads, Some(out)) => {
                 let (doorbell, bell_rx) = UnixStream::pair().map_err(Error::Spawn)?;
