@@ -441,23 +441,34 @@ impl Holders {
     }
 }
 
-/// A key's identity: its prefix key and adapter number, 12 bytes.
+/// A key's identity: its prefix key and adapter number, 12 bytes. The key is kept mixed
+/// with the adapter (a bijection for each adapter, so no two identities meet): it is its own
+/// hash, and a probe walk does not hash every entry it passes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(C, packed(4))]
 struct KeyId {
-    key: u64,
+    mixed: u64,
     adapter: u32,
+}
+
+impl KeyId {
+    fn new(key: u64, adapter: u32) -> Self {
+        Self {
+            mixed: kvevent_table::mix(key ^ u64::from(adapter).rotate_left(32)),
+            adapter,
+        }
+    }
 }
 
 /// Adapter numbers never reach `u32::MAX`: it marks an empty slot.
 impl kvevent_table::Key for KeyId {
     const EMPTY: Self = Self {
-        key: 0,
+        mixed: 0,
         adapter: u32::MAX,
     };
 
     fn hash(&self) -> u64 {
-        kvevent_table::mix(self.key ^ u64::from(self.adapter).rotate_left(32))
+        self.mixed
     }
 }
 
@@ -767,10 +778,7 @@ impl mapper::Sink for Apply<'_> {
         adapter: &Arc<str>,
         _new: bool,
     ) {
-        let key = KeyId {
-            key: key_of(key),
-            adapter: self.adapter(adapter),
-        };
+        let key = KeyId::new(key_of(key), self.adapter(adapter));
         let tier = u8::from(tier != pb::CacheTier::T1);
         self.inner.pending.push(Op::Store { key, tier, tokens });
     }
@@ -778,10 +786,7 @@ impl mapper::Sink for Apply<'_> {
     fn end_update(&mut self, _ts: i64) {}
 
     fn evicted(&mut self, key: &[u8], adapter: &Arc<str>, _ts: i64) {
-        let key = KeyId {
-            key: key_of(key),
-            adapter: self.adapter(adapter),
-        };
+        let key = KeyId::new(key_of(key), self.adapter(adapter));
         self.inner.pending.push(Op::Evict { key });
     }
 
@@ -955,7 +960,7 @@ impl Inner {
             if i % SCORE_CHUNK == 0 {
                 query.chunk(i, keys.last().copied(), &mut keys);
                 for k in &keys {
-                    let key = KeyId { key: *k, adapter };
+                    let key = KeyId::new(*k, adapter);
                     self.young.touch(&key);
                     self.old.touch(&key);
                 }
@@ -963,7 +968,7 @@ impl Inner {
             let Some(k) = keys.get(i % SCORE_CHUNK) else {
                 break;
             };
-            let Some(entry) = self.lookup(&KeyId { key: *k, adapter }) else {
+            let Some(entry) = self.lookup(&KeyId::new(*k, adapter)) else {
                 break;
             };
             let view = { entry.holders }.view(&self.lists);
