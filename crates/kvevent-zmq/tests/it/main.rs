@@ -19,6 +19,17 @@ fn recv(rx: &mpsc::Receiver<Frames>) -> Frames {
     }
 }
 
+/// A source that connects to `endpoint`: no replay, every topic, rank 0.
+fn connect_to(endpoint: impl Into<String>) -> Source {
+    Source {
+        endpoint: endpoint.into(),
+        replay_endpoint: None,
+        topic: Vec::new(),
+        bind: false,
+        dp_rank: 0,
+    }
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -244,13 +255,7 @@ fn read_in_the_caller_a_burst_is_finished_and_later_messages_still_wake_it() {
     let ctx = zmq::Context::new();
     let engine =
         Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
-    let source = Source {
-        endpoint: engine.endpoint().to_owned(),
-        replay_endpoint: None,
-        topic: Vec::new(),
-        bind: false,
-        dp_rank: 0,
-    };
+    let source = connect_to(engine.endpoint().to_owned());
     let mut transport =
         Transport::in_caller(&ctx, &[source], &SourceOptions::default()).expect("start");
     assert!(engine.wait_for_subscribers(1, WAIT));
@@ -306,13 +311,7 @@ fn a_bad_endpoint_fails_at_start_with_its_name() {
 #[test]
 fn shutdown_is_prompt() {
     let ctx = zmq::Context::new();
-    let source = Source {
-        endpoint: format!("tcp://127.0.0.1:{}", free_port()),
-        replay_endpoint: None,
-        topic: Vec::new(),
-        bind: false,
-        dp_rank: 0,
-    };
+    let source = connect_to(format!("tcp://127.0.0.1:{}", free_port()));
     let (tx, _rx) = mpsc::sync_channel(1);
     let transport =
         Transport::start(&ctx, &[source], &SourceOptions::default(), tx).expect("start");
@@ -326,13 +325,7 @@ fn losing_the_engine_is_reported_as_a_disconnect() {
     let ctx = zmq::Context::new();
     let engine =
         Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
-    let source = Source {
-        endpoint: engine.endpoint().to_owned(),
-        replay_endpoint: None,
-        topic: Vec::new(),
-        bind: false,
-        dp_rank: 0,
-    };
+    let source = connect_to(engine.endpoint().to_owned());
     let (tx, rx) = mpsc::sync_channel(16);
     let transport =
         Transport::start(&ctx, &[source], &SourceOptions::default(), tx).expect("start");
