@@ -9,10 +9,11 @@
 //! at which tier, and whether the replica's state is known to be complete ([`Score::fresh`]).
 //!
 //! - **Layout.** One table, (prefix key, adapter) → (token count, holders), 24 bytes a slot
-//!   in a [`kvevent_table::Table`] (open addressing, Robin Hood, any size, 72–90 % full,
-//!   no tombstones: churn never grows it). A holder is a source, its reset epoch and the tier; one is kept
-//!   in the slot, two or more in a shared list, sorted by source so scoring intersects holder
-//!   lists block by block (one lookup per query block, whatever the number of replicas).
+//!   and a distance byte in a [`kvevent_table::Table`] (open addressing, Robin Hood, any
+//!   size, 72–90 % full, no tombstones: churn never grows it). A holder is a source, its
+//!   reset epoch and the tier; one is kept in the slot, two or more in a shared list, sorted
+//!   by source so scoring intersects holder lists block by block (one lookup per query
+//!   block, whatever the number of replicas).
 //!   Batches come in through the mapper's [`Sink`](mapper::Sink): no protobuf is made. A
 //!   batch's changes are queued, their slots loaded at once (the cache misses overlap), then
 //!   applied in order.
@@ -444,7 +445,7 @@ impl Holders {
 /// A key's identity: its prefix key and adapter number, 12 bytes. The key is kept mixed
 /// with the adapter (a bijection for each adapter, so no two identities meet): it is its own
 /// hash, and a probe walk does not hash every entry it passes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[repr(C, packed(4))]
 struct KeyId {
     mixed: u64,
@@ -460,13 +461,7 @@ impl KeyId {
     }
 }
 
-/// Adapter numbers never reach `u32::MAX`: it marks an empty slot.
 impl kvevent_table::Key for KeyId {
-    const EMPTY: Self = Self {
-        mixed: 0,
-        adapter: u32::MAX,
-    };
-
     fn hash(&self) -> u64 {
         self.mixed
     }
@@ -489,7 +484,8 @@ impl Default for Entry {
     }
 }
 
-/// The key table (see `kvevent_table`): 24-byte slots, 72–90 % full, no tombstones.
+/// The key table (see `kvevent_table`): 24-byte slots and a distance byte each, 72–90 % full,
+/// no tombstones.
 type Keys = kvevent_table::Table<KeyId, Entry>;
 
 /// Heap bytes of an entry's holders: none for one (kept inline), else its list's slot and the

@@ -7,11 +7,11 @@
 //! the reported key is never stored: in engine mode it is the hash itself, in fingerprint mode
 //! the 8-byte prefix fingerprint.
 //!
-//! Layout: key 10 bytes (8-byte hash + group), value 16 bytes (fingerprint, token count,
-//! adapter, flags), packed to 26 bytes an entry, no control byte, in a
-//! [`kvevent_table::Table`]: any size, 72–90 % full whatever the count (1.25 slots a block on
-//! average), and no tombstones, so an int-hashed block costs 29–36 bytes (29.6 at the default
-//! cap), and an engine's churn never grows the map (measured by
+//! Layout: key 10 bytes (8-byte hash + group), value 15 bytes (fingerprint, token count,
+//! adapter, flags), packed to 25 bytes an entry (unaligned), and the table's distance byte, in
+//! a [`kvevent_table::Table`]: any size, 72–90 % full whatever the count (1.25 slots a block
+//! on average), and no tombstones, so an int-hashed block costs 29–36 bytes (29.6 at the
+//! default cap), and an engine's churn never grows the map (measured by
 //! `cargo run --release -p kvevent-benches --bin mapper-memory`).
 
 use std::collections::HashMap;
@@ -32,7 +32,7 @@ const TIERS: u8 = T1 | T2;
 
 /// What is known of one engine block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[repr(C, packed(2))]
+#[repr(C, packed)]
 pub(crate) struct Tracked {
     /// Its prefix fingerprint (fingerprint mode), valid with `HAS_PREFIX`.
     prefix: u64,
@@ -107,21 +107,25 @@ impl Tracked {
     }
 }
 
-/// A hash of `N` bytes and its interned group: 8 + 2, 16 + 2 or 32 + 2 bytes, unpadded.
+/// A hash of `N` bytes and its interned group: 8 + 2, 16 + 2 or 32 + 2 bytes, unpadded (and
+/// unaligned, as [`Tracked`] is: a slot is 25 bytes, not 26).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(C, packed(2))]
+#[repr(C, packed)]
 struct Fixed<const N: usize> {
     hash: [u8; N],
     group: u16,
 }
 
-/// Interned group numbers stay below `u16::MAX` ([`MAX_INTERNED`]): it marks an empty slot.
-impl<const N: usize> Key for Fixed<N> {
-    const EMPTY: Self = Self {
-        hash: [0; N],
-        group: u16::MAX,
-    };
+impl<const N: usize> Default for Fixed<N> {
+    fn default() -> Self {
+        Self {
+            hash: [0; N],
+            group: 0,
+        }
+    }
+}
 
+impl<const N: usize> Key for Fixed<N> {
     fn hash(&self) -> u64 {
         let bytes = self.hash;
         let mut x = u64::from(self.group);
@@ -577,9 +581,9 @@ mod tests {
 
     #[test]
     fn entries_are_unpadded() {
-        assert_eq!(std::mem::size_of::<(Fixed<8>, Tracked)>(), 26);
-        assert_eq!(std::mem::size_of::<(Fixed<16>, Tracked)>(), 34);
-        assert_eq!(std::mem::size_of::<(Fixed<32>, Tracked)>(), 50);
+        assert_eq!(std::mem::size_of::<(Fixed<8>, Tracked)>(), 25);
+        assert_eq!(std::mem::size_of::<(Fixed<16>, Tracked)>(), 33);
+        assert_eq!(std::mem::size_of::<(Fixed<32>, Tracked)>(), 49);
     }
 
     #[test]
