@@ -469,7 +469,7 @@ impl Mapper {
             let covered = e.token_ids.len() == n * e.block_size as usize;
             let parent_keyable = !matches!(parent_prefix, Some(None));
             if covered && parent_keyable {
-                token_ids.extend(e.token_ids.iter());
+                e.token_ids.extend_into(&mut token_ids);
                 let parent = parent_prefix.flatten();
                 fingerprint::prefixes_into(
                     &token_ids,

@@ -145,6 +145,19 @@ impl<'a> TokenIds<'a> {
         }
     }
 
+    /// Appends the token ids to `out`: one copy when they are owned, one tight loop over the
+    /// wire's bytes otherwise (the iterator's per-element dispatch and growth checks cost
+    /// about ten instructions a token).
+    pub fn extend_into(&self, out: &mut Vec<u32>) {
+        match &self.0 {
+            TokenRepr::Owned(v) => out.extend_from_slice(v),
+            TokenRepr::Wire { raw, len } => {
+                out.reserve(*len);
+                out.extend(TokenIter::Wire { raw, left: *len });
+            }
+        }
+    }
+
     /// The token ids copied into a vector.
     pub fn to_vec(&self) -> Vec<u32> {
         match &self.0 {
@@ -240,6 +253,10 @@ impl Medium<'_> {
     /// The medium's kind, ignoring case.
     pub fn kind(&self) -> MediumKind {
         let s = &*self.0;
+        // Nearly every event says GPU, as vLLM spells it.
+        if s == "GPU" {
+            return MediumKind::Gpu;
+        }
         [
             ("GPU", MediumKind::Gpu),
             ("CPU", MediumKind::Cpu),

@@ -160,3 +160,25 @@ fn testdata_equals_the_shared_copy() {
         }
     }
 }
+
+#[test]
+fn token_ids_extend_into_appends_what_iter_yields() {
+    let mut checked = 0;
+    for (release, case, payload, _) in crate::vectors() {
+        let batch = decode(&payload).expect("decode");
+        for event in &batch.events {
+            let kvevent_wire::Event::BlockStored(s) = event else {
+                continue;
+            };
+            let want: Vec<u32> = [7].into_iter().chain(s.token_ids.iter()).collect();
+            // From the wire, and owned.
+            for ids in [s.token_ids.clone(), s.token_ids.to_vec().into()] {
+                let mut got = vec![7];
+                ids.extend_into(&mut got);
+                assert_eq!(got, want, "vllm-{release}/{case}");
+            }
+            checked += s.token_ids.len();
+        }
+    }
+    assert!(checked > 1000, "only {checked} token ids in the vectors");
+}
