@@ -75,6 +75,9 @@ pub struct Client {
     /// The last token and its header value: parsed once, not per call.
     header: Arc<std::sync::Mutex<Option<(String, AsciiMetadataValue)>>>,
     rpc_timeout: Duration,
+    /// `grpc-timeout` for `rpc_timeout`, formatted once (`Request::set_timeout` formats and
+    /// parses it on every call).
+    timeout_header: AsciiMetadataValue,
     credentials: Option<Arc<dyn Credentials>>,
 }
 
@@ -103,6 +106,7 @@ pub fn connect(config: &ClientConfig) -> Result<Client, Error> {
         address: Arc::from(config.address.as_str()),
         header: Arc::default(),
         rpc_timeout: config.rpc_timeout,
+        timeout_header: grpc_timeout(config.rpc_timeout),
         credentials: config.credentials.clone(),
     })
 }
@@ -115,6 +119,7 @@ impl Client {
             address: Arc::from("(custom channel)"),
             header: Arc::default(),
             rpc_timeout,
+            timeout_header: grpc_timeout(rpc_timeout),
             credentials: None,
         }
     }
@@ -126,7 +131,9 @@ impl Client {
 
     fn request<T>(&self, message: T) -> Result<Request<T>, Status> {
         let mut request = Request::new(message);
-        request.set_timeout(self.rpc_timeout);
+        request
+            .metadata_mut()
+            .insert("grpc-timeout", self.timeout_header.clone());
         if let Some(token) = self.credentials.as_ref().and_then(|c| c.bearer_token()) {
             let mut cached = self.header.lock().unwrap_or_else(|e| e.into_inner());
             let value = match cached.as_ref() {
@@ -170,6 +177,25 @@ impl Client {
     }
 }
 
+/// The `grpc-timeout` header value for `deadline`, as `Request::set_timeout` writes it: the
+/// most precise unit that keeps it to eight digits.
+fn grpc_timeout(deadline: Duration) -> AsciiMetadataValue {
+    let units: [(char, u128); 6] = [
+        ('n', deadline.as_nanos()),
+        ('u', deadline.as_micros()),
+        ('m', deadline.as_millis()),
+        ('S', u128::from(deadline.as_secs())),
+        ('M', u128::from(deadline.as_secs() / 60)),
+        ('H', u128::from(deadline.as_secs() / 3600)),
+    ];
+    let (unit, value) = units
+        .into_iter()
+        .find(|(_, v)| *v <= 99_999_999)
+        .unwrap_or(('H', 99_999_999));
+    AsciiMetadataValue::try_from(format!("{value}{unit}"))
+        .unwrap_or_else(|_| AsciiMetadataValue::from_static("5S"))
+}
+
 /// What to do after a failed RPC.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Retry {
@@ -201,5 +227,21 @@ pub fn classify(status: &Status) -> Retry {
         | Code::OutOfRange
         | Code::Unimplemented
         | Code::DataLoss => Retry::GiveUp,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_timeout_header_is_what_tonic_writes() {
+        for ms in [1, 250, 5_000, 99_999, 100_000, 3_600_000, 400_000_000_000] {
+            let deadline = Duration::from_millis(ms);
+            let mut request = Request::new(());
+            request.set_timeout(deadline);
+            let tonic = request.metadata().get("grpc-timeout").cloned();
+            assert_eq!(tonic, Some(grpc_timeout(deadline)), "{deadline:?}");
+        }
     }
 }
