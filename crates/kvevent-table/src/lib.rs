@@ -22,7 +22,8 @@
 //!   slot, move one slot on in one copy; a deletion moves the following entries of its run one
 //!   slot back the same way. No tombstone: the table's size depends only on how many keys it
 //!   holds, never on its history. (Hashing each entry a walk passes, as the first version
-//!   did, cost 500–800 instructions an insert or deletion at 9/10 full, where runs are long.)
+//!   did, cost 500–800 instructions an insert or deletion at these loads, where runs are
+//!   long: callgrind on `index-probe`.)
 //! - Robin Hood: an entry never sits further from its home than the entries before it in its
 //!   run are from theirs, which keeps probe runs short and even at 9/10 full; a lookup stops
 //!   as soon as it passes where its key would have been.

@@ -153,7 +153,13 @@ impl<'a> TokenIds<'a> {
             TokenRepr::Owned(v) => out.extend_from_slice(v),
             TokenRepr::Wire { raw, len } => {
                 out.reserve(*len);
-                out.extend(TokenIter::Wire { raw, left: *len });
+                let mut raw: &[u8] = raw;
+                for _ in 0..*len {
+                    match wire_token(&mut raw) {
+                        Some(v) => out.push(v),
+                        None => break,
+                    }
+                }
             }
         }
     }
@@ -165,6 +171,23 @@ impl<'a> TokenIds<'a> {
             TokenRepr::Wire { .. } => self.iter().collect(),
         }
     }
+}
+
+/// The next token id of checked wire bytes, and `raw` moved past it. The decoder checked every
+/// element: an int marker, its bytes present, and a value in u32 range. Non-negative values
+/// may still come in a signed form.
+#[inline]
+fn wire_token(raw: &mut &[u8]) -> Option<u32> {
+    let (&m, rest) = raw.split_first()?;
+    let (v, used) = match m {
+        0x00..=0x7f => (u32::from(m), 0),
+        0xcc | 0xd0 => (u32::from(*rest.first()?), 1),
+        0xcd | 0xd1 => (u32::from(u16::from_be_bytes(be(rest)?)), 2),
+        0xce | 0xd2 => (u32::from_be_bytes(be(rest)?), 4),
+        _ => (u64::from_be_bytes(be(rest)?) as u32, 8),
+    };
+    *raw = &rest[used..];
+    Some(v)
 }
 
 /// Iterator over [`TokenIds`].
@@ -188,18 +211,7 @@ impl Iterator for TokenIter<'_> {
                     return None;
                 }
                 *left -= 1;
-                // The decoder checked every element: an int marker, its bytes present, and a
-                // value in u32 range. Non-negative values may still come in a signed form.
-                let (&m, rest) = raw.split_first()?;
-                let (v, used) = match m {
-                    0x00..=0x7f => (u32::from(m), 0),
-                    0xcc | 0xd0 => (u32::from(*rest.first()?), 1),
-                    0xcd | 0xd1 => (u32::from(u16::from_be_bytes(be(rest)?)), 2),
-                    0xce | 0xd2 => (u32::from_be_bytes(be(rest)?), 4),
-                    _ => (u64::from_be_bytes(be(rest)?) as u32, 8),
-                };
-                *raw = &rest[used..];
-                Some(v)
+                wire_token(raw)
             }
         }
     }
