@@ -30,7 +30,7 @@
 //!
 //! Invariant: every stored key sits at or after its home slot (cyclically), no empty slot and
 //! no entry nearer its own home lies between its home and it, and the distance byte of a slot
-//! is 0 when it is empty, else its entry's distance + 1, or [`SAT`] when that is [`SAT`] or
+//! is 0 when it is empty, else its entry's distance + 1, or 255 when that is 255 or
 //! more (such a distance is computed from the key's hash; only many keys with nearly the same
 //! hash make one).
 
