@@ -114,6 +114,45 @@ async fn adds_in_a_window_coalesce_into_one_call() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_larger_than_the_codec_buffers_arrive_whole() {
+    // PublishEvent encodes into a 512-byte buffer that grows: events of every size around and
+    // far past it arrive byte for byte, and the answers decode.
+    let server = RecordingServer::start().await;
+    let c = client(&server, 5000);
+    let sizes = [0usize, 400, 511, 512, 513, 4096, 70_000];
+    for (i, size) in sizes.iter().enumerate() {
+        let ack = c
+            .publish(pb::CacheEvent {
+                r#type: pb::cache_event::Type::PrefixEvicted as i32,
+                replica_id: "r1".into(),
+                model_id: "m".repeat(*size),
+                prefix_hash: vec![i as u8; 8],
+                ..Default::default()
+            })
+            .await
+            .expect("publish");
+        assert!(ack.accepted, "{size}");
+    }
+    let got: Vec<(usize, Vec<u8>)> = server
+        .received()
+        .into_iter()
+        .map(|r| match r {
+            Received::Event(e) => {
+                assert!(e.model_id.bytes().all(|b| b == b'm'));
+                (e.model_id.len(), e.prefix_hash)
+            }
+            other => panic!("unexpected {other:?}"),
+        })
+        .collect();
+    let want: Vec<(usize, Vec<u8>)> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, size)| (*size, vec![i as u8; 8]))
+        .collect();
+    assert_eq!(got, want);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn within_a_window_work_on_one_prefix_is_netted_and_evictions_go_before_later_adds() {
     let server = RecordingServer::start().await;
     let (h, f) = fwd::spawn(client(&server, 2000), config(100));
@@ -683,4 +722,30 @@ async fn a_filling_channel_is_emptied_before_the_window_is_due() {
         })
         .sum();
     assert_eq!(received, 640);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocking_submit_waits_for_room_and_fails_once_shut_down() {
+    // From a plain thread, ten times the channel's capacity: the submits past the capacity
+    // wait for room (none is dropped); after shutdown the handle says so.
+    let server = RecordingServer::start().await;
+    let config = fwd::Config {
+        input_capacity: 8,
+        ..config(20)
+    };
+    let (h, f) = fwd::spawn(client(&server, 2000), config);
+    let handle = h.clone();
+    let sent = tokio::task::spawn_blocking(move || {
+        (0..80u8).all(|k| handle.blocking_submit(evict(k)).is_ok())
+    })
+    .await
+    .expect("thread");
+    assert!(sent);
+    assert_eq!(h.metrics().dropped_events(DropReason::InputFull), 0);
+    server.wait_for(WAIT, |r| r.len() == 80).await;
+    assert_eq!(f.shutdown(WAIT).await, fwd::DrainReport::default());
+    let late = tokio::task::spawn_blocking(move || h.blocking_submit(evict(0)))
+        .await
+        .expect("thread");
+    assert_eq!(late, Err(fwd::Closed));
 }
