@@ -196,7 +196,7 @@ pub(crate) struct Options {
     #[arg(long, value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]
     max_pending: Option<usize>,
-    /// Most RPCs in flight at once on the server connection (evictions go as concurrent PublishEvent calls; each costs CPU, a far server needs more) [default: 64] [env: KVEVENT_MAX_IN_FLIGHT]
+    /// Most RPCs in flight at once on the server connection (evictions go as concurrent PublishEvent calls; the forwarder adapts its own limit from 64 up to this one as the rate needs) [default: 256] [env: KVEVENT_MAX_IN_FLIGHT]
     #[arg(long, value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]
     max_in_flight: Option<usize>,

@@ -52,10 +52,13 @@ pub struct Config {
     pub max_pending: usize,
     /// Capacity of the input channel. Default 4,096 reports.
     pub input_capacity: usize,
-    /// Most RPCs in flight at once on the connection. Default 64: on loopback it carries
-    /// 50k evictions/s, and each call in flight costs CPU (the load benchmark at 10k + 10k
-    /// blocks/s: 17–18 % of a core with 64, 23 % with 256, 28 % with 1,024). A server further
-    /// away caps the rate near `max_in_flight` / round trip; raise it there.
+    /// Most RPCs in flight at once on the connection. Default 256. Every call in flight costs
+    /// CPU (the load benchmark at 10k + 10k blocks/s, the limit fixed: 17–18 % of a core with
+    /// 64, 23 % with 256, 28 % with 1,024), and too few cap the rate near the limit / round
+    /// trip, so the task adapts its own limit below this one: it starts at
+    /// [`INITIAL_IN_FLIGHT`] (or this, if lower), doubles it after a window whose evictions
+    /// outnumbered it took longer than half a window to send, and halves it (not below the
+    /// start) after one that took under a quarter.
     pub max_in_flight: usize,
     /// First retry delay after a retryable failure; doubles up to `backoff_max`. Default 100 ms.
     pub backoff_initial: Duration,
@@ -73,7 +76,7 @@ impl Default for Config {
             window: Duration::from_millis(100),
             max_pending: 100_000,
             input_capacity: 4096,
-            max_in_flight: 64,
+            max_in_flight: 256,
             backoff_initial: Duration::from_millis(100),
             backoff_max: Duration::from_secs(10),
             drain_timeout: Duration::from_secs(5),
@@ -472,6 +475,10 @@ struct Flight {
     updates: [u64; 2],
     barrier_ready: bool,
     barrier_left: bool,
+    /// When the stage went on the wire, and how many evictions it had: a window of more
+    /// evictions than the in-flight limit that took long to send raises the limit.
+    started: Option<Instant>,
+    evictions: usize,
 }
 
 impl Flight {
@@ -502,6 +509,11 @@ fn observe_age(metrics: &Metrics, now_us: i64, timestamp_us: i64) {
     }
 }
 
+/// Where the forwarder's own in-flight limit starts, and its floor (see
+/// [`Config::max_in_flight`]): in the load benchmark's sweep 32–64 calls in flight cost the
+/// least CPU per call.
+pub const INITIAL_IN_FLIGHT: usize = 64;
+
 type Call =
     Pin<Box<dyn Future<Output = (CallId, Result<pb::Ack, tonic::Status>, Duration)> + Send>>;
 
@@ -528,11 +540,16 @@ struct Task {
     flight: Option<Flight>,
     /// Live work in the stages, in flight or not.
     pending: usize,
+    /// Calls allowed in flight now, adapted between [`INITIAL_IN_FLIGHT`] and
+    /// `config.max_in_flight`.
+    in_flight: usize,
     log: LogGate,
 }
 
 impl Task {
     fn new(client: Client, config: Config, metrics: Arc<Metrics>) -> Self {
+        let in_flight = INITIAL_IN_FLIGHT.min(config.max_in_flight).max(1);
+        metrics.in_flight_limit.store(in_flight as u64, Relaxed);
         Self {
             client,
             config,
@@ -543,6 +560,7 @@ impl Task {
             stages: VecDeque::new(),
             flight: None,
             pending: 0,
+            in_flight,
             log: LogGate::default(),
         }
     }
@@ -997,6 +1015,8 @@ impl Task {
                     }
                     adds[0] |= !w.stats.is_empty();
                     f.evicts_left = f.evicts.len();
+                    f.evictions = f.evicts.len();
+                    f.started = Some(now);
                     f.adds_ready = adds;
                     f.adds_left = adds;
                     f
@@ -1015,7 +1035,7 @@ impl Task {
         let Some(stage) = self.stages.front() else {
             return;
         };
-        let max = self.config.max_in_flight.max(1);
+        let max = self.in_flight;
         match stage {
             Stage::Barrier(event) => {
                 if flight.barrier_ready {
@@ -1236,12 +1256,33 @@ impl Task {
             _ => {}
         }
         self.pending -= settled;
-        if self.flight.as_ref().is_some_and(Flight::done) {
-            self.flight = None;
+        if let Some(flight) = self.flight.take_if(|f| f.done()) {
             self.stages.pop_front();
+            if let Some(started) = flight.started {
+                self.adapt_in_flight(flight.evictions, started.elapsed());
+            }
         }
         self.metrics.queue_depth.store(self.pending as u64, Relaxed);
         false
+    }
+
+    /// After a window's stage is settled: more calls in flight when its evictions outnumbered
+    /// the limit and took over half a window to send (the round trip caps the rate), fewer
+    /// when they took under a quarter (each call in flight costs CPU).
+    fn adapt_in_flight(&mut self, evictions: usize, took: Duration) {
+        let floor = INITIAL_IN_FLIGHT.min(self.config.max_in_flight).max(1);
+        let window = self.config.window;
+        let limit = if evictions > self.in_flight && took > window / 2 {
+            (self.in_flight * 2).min(self.config.max_in_flight.max(1))
+        } else if took < window / 4 {
+            (self.in_flight / 2).max(floor)
+        } else {
+            self.in_flight
+        };
+        if limit != self.in_flight {
+            self.in_flight = limit;
+            self.metrics.in_flight_limit.store(limit as u64, Relaxed);
+        }
     }
 
     // --- logging and leftovers ---------------------------------------------------------------

@@ -72,7 +72,8 @@ mod metrics;
 
 pub use client::{Client, ClientConfig, Credentials, Retry, classify, connect};
 pub use forwarder::{
-    Closed, Config, DrainReport, Forwarder, Handle, MAX_ENTRIES_PER_UPDATE, Submit, spawn,
+    Closed, Config, DrainReport, Forwarder, Handle, INITIAL_IN_FLIGHT, MAX_ENTRIES_PER_UPDATE,
+    Submit, spawn,
 };
 pub use metrics::{DropReason, Histogram, Histograms, Metrics};
 

@@ -67,6 +67,8 @@ pub struct Metrics {
     pub dropped_events: [AtomicU64; 5],
     /// Pending prefix entries and events.
     pub queue_depth: AtomicU64,
+    /// Calls the forwarder lets be in flight now (it adapts, up to `Config::max_in_flight`).
+    pub in_flight_limit: AtomicU64,
     /// Unix time (ms) of the last successful RPC; 0 before the first.
     pub last_success_unix_ms: AtomicU64,
     /// Distributions: RPC durations, event age at delivery, update sizes.

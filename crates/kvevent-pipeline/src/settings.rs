@@ -312,7 +312,7 @@ impl Default for Settings {
             rpc_timeout: GoDuration::secs(5),
             connect_timeout: GoDuration::secs(5),
             max_pending: 100_000,
-            max_in_flight: 64,
+            max_in_flight: 256,
             max_backoff: GoDuration::secs(10),
             max_tracked_blocks: kvevent_mapper::DEFAULT_MAX_TRACKED_BLOCKS,
             replay_timeout: GoDuration::secs(3),

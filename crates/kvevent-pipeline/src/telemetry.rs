@@ -112,6 +112,8 @@ pub mod names {
     pub const DROPPED: &str = "kvevent_dropped_total";
     /// Pending prefix entries plus events.
     pub const QUEUE_DEPTH: &str = "kvevent_queue_depth";
+    /// RPCs the forwarder lets be in flight now (adapted up to `--max-in-flight`).
+    pub const IN_FLIGHT_LIMIT: &str = "kvevent_in_flight_limit";
     /// Prefix entries merged into a pending identical one.
     pub const COALESCED: &str = "kvevent_coalesced_prefixes_total";
     /// Prefix entries re-reported by the refresh.
@@ -687,6 +689,12 @@ impl Telemetry {
         );
         o.family(QUEUE_DEPTH, "gauge", "Pending prefix entries plus events.");
         o.sample(QUEUE_DEPTH, &[], f.queue_depth.load(Relaxed));
+        o.family(
+            IN_FLIGHT_LIMIT,
+            "gauge",
+            "RPCs the forwarder lets be in flight now (adapted up to --max-in-flight).",
+        );
+        o.sample(IN_FLIGHT_LIMIT, &[], f.in_flight_limit.load(Relaxed));
         o.family(
             COALESCED,
             "counter",

@@ -749,3 +749,89 @@ async fn blocking_submit_waits_for_room_and_fails_once_shut_down() {
         .expect("thread");
     assert_eq!(late, Err(fwd::Closed));
 }
+
+/// Waits until the forwarder's in-flight limit reads `want`.
+async fn wait_for_limit(h: &fwd::Handle, want: usize) {
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let now = h
+            .metrics()
+            .in_flight_limit
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if now == want as u64 {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "in-flight limit {now}, waited for {want}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_in_flight_limit_grows_while_windows_take_long_and_shrinks_back_after() {
+    // A server answering in 40 ms: 1,000 evictions take 625 ms 64 at a time, 312 ms 128 at
+    // a time, both over half the 400 ms window, so the limit doubles after each such window
+    // up to max_in_flight; windows sent at once (under 100 ms) bring it back down to where
+    // it started, never below.
+    let server = RecordingServer::start().await;
+    server.set_behaviour(Behaviour::Delay(Duration::from_millis(40)));
+    let config = fwd::Config {
+        max_in_flight: 256,
+        ..config(400)
+    };
+    let (h, f) = fwd::spawn(client(&server, 5000), config);
+    wait_for_limit(&h, fwd::INITIAL_IN_FLIGHT).await;
+    let mut sent = 0u32;
+    let mut burst = |h: &fwd::Handle, n: u32| {
+        for _ in 0..n {
+            submit(
+                h,
+                event(pb::cache_event::Type::PrefixEvicted, &sent.to_be_bytes()),
+            );
+            sent += 1;
+        }
+        sent as usize
+    };
+    for want in [128, 256, 256] {
+        let total = burst(&h, 1000);
+        server.wait_for(WAIT, |r| r.len() == total).await;
+        wait_for_limit(&h, want).await;
+    }
+    let most = server.max_concurrent_calls();
+    assert!((129..=256).contains(&most), "{most} calls at once");
+    server.set_behaviour(Behaviour::Accept);
+    for want in [128, 64, 64] {
+        let total = burst(&h, 10);
+        server.wait_for(WAIT, |r| r.len() == total).await;
+        wait_for_limit(&h, want).await;
+    }
+    assert_eq!(f.shutdown(WAIT).await, fwd::DrainReport::default());
+    let mut evicted: Vec<Vec<u8>> = server.events().into_iter().map(|e| e.prefix_hash).collect();
+    evicted.sort_unstable();
+    evicted.dedup();
+    assert_eq!(evicted.len(), 3_030);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_max_in_flight_below_the_start_is_the_limit() {
+    let server = RecordingServer::start().await;
+    server.set_behaviour(Behaviour::Delay(Duration::from_millis(20)));
+    let config = fwd::Config {
+        max_in_flight: 8,
+        ..config(20)
+    };
+    let (h, f) = fwd::spawn(client(&server, 5000), config);
+    wait_for_limit(&h, 8).await;
+    for k in 0..100u32 {
+        submit(
+            &h,
+            event(pb::cache_event::Type::PrefixEvicted, &k.to_be_bytes()),
+        );
+    }
+    server.wait_for(WAIT, |r| r.len() == 100).await;
+    assert_eq!(f.shutdown(WAIT).await, fwd::DrainReport::default());
+    assert!(server.max_concurrent_calls() <= 8);
+    wait_for_limit(&h, 8).await;
+}
