@@ -8,8 +8,12 @@
 use kvevent_mapper::{Identity, KeyMode, Mapper, Options};
 use kvevent_wire as wire;
 
+fn status_bytes(field: &str) -> u64 {
+    (kvevent_benches::procfs::status_kb("/proc/self/status", field) * 1024.0) as u64
+}
+
 fn rss_bytes() -> u64 {
-    (kvevent_benches::procfs::status_kb("/proc/self/status", "VmRSS:") * 1024.0) as u64
+    status_bytes("VmRSS:")
 }
 
 fn hash(i: u64, digest: bool) -> wire::BlockHash<'static> {
@@ -23,7 +27,9 @@ fn hash(i: u64, digest: bool) -> wire::BlockHash<'static> {
     }
 }
 
-fn measure(n: u64, mode: KeyMode, digest: bool) -> (f64, f64) {
+/// Per block: resident-set growth, peak resident-set growth (while the map grew), and the
+/// map's own count.
+fn measure(n: u64, mode: KeyMode, digest: bool) -> (f64, f64, f64) {
     let identity = Identity::new("r", "m", "", "vllm").expect("identity");
     let options = Options {
         key_mode: mode,
@@ -56,9 +62,11 @@ fn measure(n: u64, mode: KeyMode, digest: bool) -> (f64, f64) {
         i += k;
     }
     let grown = rss_bytes().saturating_sub(before);
+    let peak = status_bytes("VmHWM:").saturating_sub(before);
     assert_eq!(mapper.tracked_blocks() as u64, n);
     (
         grown as f64 / n as f64,
+        peak as f64 / n as f64,
         mapper.tracked_bytes() as f64 / n as f64,
     )
 }
@@ -76,14 +84,16 @@ fn main() {
         } else {
             KeyMode::Engine
         };
-        let (rss, own) = measure(n, mode, hashes == "bin32");
-        println!("{rss:.1} {own:.1}");
+        let (rss, peak, own) = measure(n, mode, hashes == "bin32");
+        println!("{rss:.1} {peak:.1} {own:.1}");
         return;
     }
     let exe = std::env::current_exe().expect("own path");
     println!("tracked blocks: {n}");
-    println!("| hashes | key mode | RSS growth per block | map's own count per block |");
-    println!("|---|---|---|---|");
+    println!(
+        "| hashes | key mode | RSS growth per block | peak RSS growth per block | map's own count per block |"
+    );
+    println!("|---|---|---|---|---|");
     for (hashes, label) in [("int", "int (u64)"), ("bin32", "32-byte bin")] {
         for mode in ["engine", "fingerprint"] {
             let out = std::process::Command::new(&exe)
@@ -92,8 +102,9 @@ fn main() {
                 .expect("run a measurement");
             let text = String::from_utf8_lossy(&out.stdout);
             let mut f = text.split_whitespace();
-            let (rss, own) = (f.next().unwrap_or("?"), f.next().unwrap_or("?"));
-            println!("| {label} | {mode} | {rss} B | {own} B |");
+            let mut next = || f.next().unwrap_or("?");
+            let (rss, peak, own) = (next(), next(), next());
+            println!("| {label} | {mode} | {rss} B | {peak} B | {own} B |");
         }
     }
 }
