@@ -1,6 +1,7 @@
 //! Memory per tracked block in the mapper: feeds N stored blocks (block size 16, token ids
 //! present, chained 8 to an event) to one `Mapper` and prints the growth of the resident set
-//! per block, and what the map itself says it holds, in both key modes and for 32-byte digests.
+//! per block, its peak while the map grew (`VmHWM`), and what the map itself says it holds, in
+//! both key modes and for 32-byte digests.
 //!
 //! `cargo run --release -p kvevent-benches --bin mapper-memory [-- N]` (default 917,504, the
 //! default `--max-tracked-blocks`).

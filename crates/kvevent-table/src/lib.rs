@@ -39,15 +39,15 @@
 //! more (such a distance is computed from the key's hash; only many keys with nearly the same
 //! hash make one).
 
+use std::cell::Cell;
+use std::collections::BTreeMap;
+
 /// Most keys to [`Table::touch`] ahead of their lookups: loads beyond this many would leave
 /// the cache before their turn (a long batch touches its first ones only).
 pub const TOUCH_AHEAD: usize = 64;
 
 /// The distance byte of an entry `SAT - 1` slots or more from its home.
 const SAT: u8 = u8::MAX;
-
-use std::cell::Cell;
-use std::collections::BTreeMap;
 
 /// A key the table can hold.
 pub trait Key: Copy + Eq + Default {
@@ -397,6 +397,7 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
     }
 
     fn resize(&mut self, slots: usize) {
+        // A table is at most 9/10 full: it has an empty slot.
         let start = first_below(&self.dist, 1).unwrap_or(0);
         self.rebuild(slots, start);
     }
@@ -410,9 +411,7 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
     /// out first (where each one goes, from the hashes), then moved from the last old slot to
     /// the first, the old array given back in chunks as it empties while the new one is
     /// filled from its end (built reversed, so it grows as a `Vec` does, and reversed in
-    /// place). Placing them one by one, as an insert does, wants the whole new array at once
-    /// and so held both arrays at the peak of every growth (53 B a block at the peak for 30.6
-    /// B resident in `mapper-memory`, measured before this).
+    /// place). Placing them one by one, as an insert does, wants the whole new array at once.
     fn rebuild(&mut self, n: usize, start: usize) {
         if self.len == 0 {
             self.slots = vec![Default::default(); n];
