@@ -514,6 +514,11 @@ fn observe_age(metrics: &Metrics, now_us: i64, timestamp_us: i64) {
 /// least CPU per call.
 pub const INITIAL_IN_FLIGHT: usize = 64;
 
+/// The forwarder's in-flight limit at the start, and the least it adapts down to.
+fn in_flight_floor(config: &Config) -> usize {
+    INITIAL_IN_FLIGHT.min(config.max_in_flight).max(1)
+}
+
 type Call =
     Pin<Box<dyn Future<Output = (CallId, Result<pb::Ack, tonic::Status>, Duration)> + Send>>;
 
@@ -548,7 +553,7 @@ struct Task {
 
 impl Task {
     fn new(client: Client, config: Config, metrics: Arc<Metrics>) -> Self {
-        let in_flight = INITIAL_IN_FLIGHT.min(config.max_in_flight).max(1);
+        let in_flight = in_flight_floor(&config);
         metrics.in_flight_limit.store(in_flight as u64, Relaxed);
         Self {
             client,
@@ -1270,7 +1275,7 @@ impl Task {
     /// the limit and took over half a window to send (the round trip caps the rate), fewer
     /// when they took under a quarter (each call in flight costs CPU).
     fn adapt_in_flight(&mut self, evictions: usize, took: Duration) {
-        let floor = INITIAL_IN_FLIGHT.min(self.config.max_in_flight).max(1);
+        let floor = in_flight_floor(&self.config);
         let window = self.config.window;
         let limit = if evictions > self.in_flight && took > window / 2 {
             (self.in_flight * 2).min(self.config.max_in_flight.max(1))
