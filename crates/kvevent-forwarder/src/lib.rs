@@ -67,10 +67,12 @@
 //! ```
 
 mod client;
+mod feed;
 mod forwarder;
 mod metrics;
 
 pub use client::{Client, ClientConfig, Credentials, Retry, classify, connect};
+pub use feed::Feed;
 pub use forwarder::{
     Closed, Config, DrainReport, Forwarder, Handle, INITIAL_IN_FLIGHT, MAX_ENTRIES_PER_UPDATE,
     Submit, spawn,

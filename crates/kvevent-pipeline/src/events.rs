@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvevent_forwarder as fwd;
 use kvevent_mapper::Mapper;
@@ -27,7 +27,15 @@ pub(crate) struct EventsLoop {
     pub(crate) saver: Option<Saver>,
     /// The mappers were restored from a state file: the replica is not cleared at start.
     pub(crate) restored: bool,
+    /// The forwarder's window: while one waits for its time, a light engine's batches are
+    /// left in the sockets until the window asks for them ([`fwd::Feed`]).
+    pub(crate) window: Duration,
 }
+
+/// Over this many payload bytes in a window's time the engine is read as its batches arrive:
+/// then the wakeups are a small share of the work, and holding would only make bursts
+/// (about 15k stored blocks/s with token ids, at the default window).
+const HOLD_MAX_BYTES: usize = 128 << 10;
 
 /// Writes the state file: images are made on the events thread (a copy of the mappers'
 /// tables, milliseconds for 500k blocks) and written by a thread of its own, so a slow disk
@@ -41,7 +49,7 @@ pub(crate) struct Saver {
 }
 
 /// Hands file images (and when they were made) to the writer thread.
-type ImageSender = std::sync::mpsc::SyncSender<(Vec<u8>, std::time::Instant)>;
+type ImageSender = std::sync::mpsc::SyncSender<(Vec<u8>, Instant)>;
 
 /// The last batch applied to each mapper: (seq, payload digest).
 type Applied = Vec<Option<(u64, u64)>>;
@@ -80,7 +88,7 @@ impl Saver {
         &self,
         telemetry: Arc<Telemetry>,
     ) -> std::io::Result<(ImageSender, std::thread::JoinHandle<()>)> {
-        let (tx, rx) = std::sync::mpsc::sync_channel::<(Vec<u8>, std::time::Instant)>(1);
+        let (tx, rx) = std::sync::mpsc::sync_channel::<(Vec<u8>, Instant)>(1);
         let path = self.path.clone();
         let thread = std::thread::Builder::new()
             .name("kvevent-state".into())
@@ -129,7 +137,25 @@ impl EventsLoop {
             telemetry,
             saver,
             restored,
+            window,
         } = self;
+        // Each read of the sockets costs this thread and libzmq's I/O thread a wakeup and
+        // about seven system calls (40-60 us of CPU here) whatever it brings, and an engine
+        // publishes a batch every scheduler step: at 1k blocks/s that was a quarter of the
+        // sidecar's CPU. While the forwarder has a window waiting for its time, batches are
+        // left in the sockets and read when the window is due, in one go; the window waits
+        // for them and sends them (the forwarder would have held them until then anyway), so
+        // a batch goes out in the same window as before, later by the read's time (under a
+        // millisecond at these rates). An engine sending over `HOLD_MAX_BYTES` a window is
+        // read as its batches arrive.
+        let feed = forwarder.feed();
+        let hold_wait = (window * 2).min(Duration::from_millis(250));
+        let mut answering: Option<u64> = None;
+        feed.set_holding(false);
+        let (mut hold, mut light_before) = (false, false);
+        // Payload bytes read in the window's time so far (`load.1`) when the last ask came.
+        let mut asked_at = 0usize;
+        let mut load = (Instant::now(), 0usize);
         let mut applied: Applied = vec![None; mappers.len()];
         let writer = match saver.as_ref().map(|s| s.spawn_writer(telemetry.clone())) {
             Some(Ok(w)) => Some(w),
@@ -139,7 +165,7 @@ impl EventsLoop {
             }
             None => None,
         };
-        let mut last_save = std::time::Instant::now();
+        let mut last_save = Instant::now();
         let mut reports: Vec<pb::Report> = Vec::new();
         // The replica's server state is cleared once, at the first contact with any source.
         let mut cleared_at_start = restored;
@@ -147,13 +173,39 @@ impl EventsLoop {
         let mut warned = vec![false; mappers.len()];
         let labels: Vec<String> = subscriber.sources().iter().map(|s| s.label()).collect();
         while !stop.load(Relaxed) {
-            let mapped = subscriber.next_with(Duration::from_millis(100), |view| match view {
+            let mut wait = Duration::from_millis(100);
+            if answering.is_some() {
+                // Asked: read on without waiting until nothing is left, then answer.
+                wait = Duration::ZERO;
+            } else if !subscriber.has_pending() {
+                let elapsed = load.0.elapsed();
+                if elapsed >= window {
+                    // Busy and light: some batches, at most HOLD_MAX_BYTES a window (a rate:
+                    // a stall that read little over a long time does not count), two windows
+                    // in a row to start holding, one outside to stop. An idle engine is not
+                    // held: it costs no wakeups, and its first burst could be anything.
+                    let light = load.1 > 0
+                        && load.1 as f64 * window.as_secs_f64()
+                            <= HOLD_MAX_BYTES as f64 * elapsed.as_secs_f64();
+                    hold = light && (hold || light_before);
+                    light_before = light;
+                    feed.set_holding(hold);
+                    load = (Instant::now(), 0);
+                }
+                if hold && feed.armed() {
+                    answering = feed.wait_ask(hold_wait);
+                    asked_at = load.1;
+                    wait = Duration::ZERO;
+                }
+            }
+            let mapped = subscriber.next_with(wait, |view| match view {
                 View::Batch {
                     source,
                     seq,
                     batch,
                     payload,
                 } => {
+                    load.1 += payload.len();
                     if let Some(last) = telemetry.last_batch_unix_ms.get(source) {
                         last.store(crate::telemetry::unix_ms(), Relaxed);
                     }
@@ -206,7 +258,7 @@ impl EventsLoop {
             }
             // The share of the refresh cycle due by now, after the batch (never before an
             // eviction it follows: the mapper refreshes only blocks it still tracks).
-            let now = std::time::Instant::now();
+            let now = Instant::now();
             let mut refreshed = false;
             for mapper in &mut mappers {
                 refreshed |= mapper.refresh(now, refresh_interval, now_us(), &mut reports) > 0;
@@ -231,11 +283,24 @@ impl EventsLoop {
                     telemetry.reports_after_shutdown.fetch_add(1, Relaxed);
                 }
             }
+            // Asked, and the sockets are empty: everything read since the ask is submitted. A
+            // held round that turns out heavy (the engine sped up) answers at once and stops
+            // holding: the rest is read as it comes.
+            let heavy = load.1.saturating_sub(asked_at) > HOLD_MAX_BYTES;
+            if (mapped.is_none() || heavy)
+                && let Some(generation) = answering.take()
+            {
+                feed.answer(generation);
+                if heavy {
+                    (hold, light_before) = (false, false);
+                    feed.set_holding(false);
+                }
+            }
             if let (Some(saver), Some((tx, _))) = (&saver, &writer)
                 && !saver.interval.is_zero()
                 && last_save.elapsed() >= saver.interval
             {
-                last_save = std::time::Instant::now();
+                last_save = Instant::now();
                 let image = saver.image(&mappers, &applied, &subscriber, false);
                 if tx.try_send((image, last_save)).is_err() {
                     telemetry.state_writes[2].fetch_add(1, Relaxed);
@@ -244,7 +309,7 @@ impl EventsLoop {
         }
         if let (Some(saver), Some((tx, thread))) = (&saver, writer) {
             // The last word: everything applied so far, written before the process exits.
-            let started = std::time::Instant::now();
+            let started = Instant::now();
             let image = saver.image(&mappers, &applied, &subscriber, true);
             let _ = tx.send((image, started));
             drop(tx);

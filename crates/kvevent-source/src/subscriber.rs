@@ -291,6 +291,20 @@ impl Subscriber {
         })
     }
 
+    /// Whether updates were read and wait to be handed out: the next [`Subscriber::next_with`]
+    /// returns without reading the sockets. Frames that source threads ([`Config::threads`])
+    /// have sent count too.
+    pub fn has_pending(&mut self) -> bool {
+        if self.ready.is_empty()
+            && self.inbox.is_empty()
+            && let Some(rx) = &self.frames
+            && let Ok(frames) = rx.try_recv()
+        {
+            self.inbox.push_back(frames);
+        }
+        !self.ready.is_empty() || !self.inbox.is_empty()
+    }
+
     /// The next update in order, its payload not yet checked.
     fn next_raw(&mut self, timeout: Duration) -> Option<Update> {
         let deadline = Instant::now() + timeout;

@@ -835,3 +835,68 @@ async fn a_max_in_flight_below_the_start_is_the_limit() {
     assert!(server.max_concurrent_calls() <= 8);
     wait_for_limit(&h, 8).await;
 }
+
+/// Waits until the forwarder has a window waiting for its feeder.
+fn wait_armed(feed: &fwd::Feed) {
+    let deadline = std::time::Instant::now() + WAIT;
+    while !feed.armed() {
+        assert!(std::time::Instant::now() < deadline, "never armed");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_feeder_holds_its_input_until_the_window_asks_and_that_window_takes_it() {
+    // The feeder submits one report, which opens a window, holds the next until the window
+    // asks for it, and answers: both go out in that window's one call.
+    let server = RecordingServer::start().await;
+    let (h, f) = fwd::spawn(client(&server, 2000), config(300));
+    let handle = h.clone();
+    let feeder = tokio::task::spawn_blocking(move || {
+        let feed = handle.feed();
+        let opened = std::time::Instant::now();
+        handle.blocking_submit(adds(&[1])).expect("open");
+        wait_armed(&feed);
+        let generation = feed.wait_ask(WAIT).expect("asked");
+        let asked_after = opened.elapsed();
+        assert!(!feed.armed(), "an ask disarms");
+        handle.blocking_submit(adds(&[2])).expect("open");
+        feed.answer(generation);
+        asked_after
+    });
+    let asked_after = feeder.await.expect("feeder");
+    assert!(
+        asked_after >= Duration::from_millis(250),
+        "asked after {asked_after:?}, before the window was due"
+    );
+    server.wait_for(WAIT, |r| !r.is_empty()).await;
+    assert_eq!(f.shutdown(WAIT).await, fwd::DrainReport::default());
+    assert_eq!(trace(&server), ["U[1, 2]"]);
+    assert_eq!(server.calls(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_feeder_that_never_answers_costs_a_window_its_grace_and_nothing_else() {
+    // Asked and silent: the window goes after its grace (a fifth of 200 ms); a late answer
+    // for it releases nothing later, and what the feeder submits next goes in the next window.
+    let server = RecordingServer::start().await;
+    let (h, f) = fwd::spawn(client(&server, 2000), config(200));
+    let handle = h.clone();
+    let feed = tokio::task::spawn_blocking(move || {
+        let feed = handle.feed();
+        handle.blocking_submit(adds(&[1])).expect("open");
+        wait_armed(&feed);
+        let generation = feed.wait_ask(WAIT).expect("asked");
+        (feed, generation)
+    })
+    .await
+    .expect("feeder");
+    server.wait_for(WAIT, |r| r.len() == 1).await;
+    let (feed, generation) = feed;
+    feed.answer(generation);
+    submit(&h, adds(&[2]));
+    server.wait_for(WAIT, |r| r.len() == 2).await;
+    assert_eq!(trace(&server), ["U[1]", "U[2]"]);
+    drop(feed);
+    assert_eq!(f.shutdown(WAIT).await, fwd::DrainReport::default());
+}
