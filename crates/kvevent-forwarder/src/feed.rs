@@ -47,8 +47,8 @@ pub(crate) struct Shared {
 }
 
 impl Feed {
-    /// Part of a window (at most [`Feed::GRACE_MAX`]) the task waits for an answer before it
-    /// takes its input without one.
+    /// A due window waits for an answer up to its length divided by this (a fifth; at most
+    /// [`Feed::GRACE_MAX`]) before the task takes its input without one.
     pub const GRACE: u32 = 5;
     /// The most the task waits for an answer.
     pub const GRACE_MAX: Duration = Duration::from_millis(50);

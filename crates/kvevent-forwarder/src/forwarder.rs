@@ -652,8 +652,8 @@ impl Task {
             let flush_at = self.flush_at();
             feed.set_armed(input_open && flush_at.is_some() && asking.is_none());
             // Asked, the window waits for the answer or the grace, not its (past) time.
-            let due = if asking.is_some() { None } else { flush_at };
-            let wake = [retry_at, due, drain_by, log_at, asking.map(|a| a.1)]
+            let flush_wake = if asking.is_some() { None } else { flush_at };
+            let wake = [retry_at, flush_wake, drain_by, log_at, asking.map(|a| a.1)]
                 .into_iter()
                 .flatten()
                 .min();
