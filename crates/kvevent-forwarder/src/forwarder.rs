@@ -58,8 +58,8 @@ pub struct Config {
     /// 64, 23 % with 256, 28 % with 1,024), and too few cap the rate near the limit / round
     /// trip, so the task adapts its own limit below this one: it starts at
     /// [`INITIAL_IN_FLIGHT`] (or this, if lower), doubles it after a window whose evictions
-    /// outnumbered it took longer than half a window to send, and halves it (not below the
-    /// start) after one that took under a quarter.
+    /// outnumbered it took longer than three quarters of a window to send, and halves it
+    /// (not below the start) after one that took under three eighths.
     pub max_in_flight: usize,
     /// First retry delay after a retryable failure; doubles up to `backoff_max`. Default 100 ms.
     pub backoff_initial: Duration,
@@ -1305,7 +1305,12 @@ impl Task {
         if let Some(flight) = self.flight.take_if(|f| f.done()) {
             self.stages.pop_front();
             if let Some(started) = flight.started {
-                self.adapt_in_flight(flight.evictions, started.elapsed());
+                let took = started.elapsed();
+                self.metrics
+                    .histograms
+                    .window_send_seconds
+                    .observe(took.as_secs_f64());
+                self.adapt_in_flight(flight.evictions, took);
             }
         }
         self.metrics.queue_depth.store(self.pending as u64, Relaxed);
@@ -1313,14 +1318,17 @@ impl Task {
     }
 
     /// After a window's stage is settled: more calls in flight when its evictions outnumbered
-    /// the limit and took over half a window to send (the round trip caps the rate), fewer
-    /// when they took under a quarter (each call in flight costs CPU).
+    /// the limit and took over three quarters of a window to send (close to falling behind),
+    /// fewer when they took under three eighths (each call in flight costs CPU). Between the
+    /// two the limit stays: when the round trip bounds the sends, halving the limit at most
+    /// doubles their time, which stays under the raising mark; when the CPU bounds them, a
+    /// higher limit does not make them faster, so a window half sent never raises it.
     fn adapt_in_flight(&mut self, evictions: usize, took: Duration) {
         let floor = in_flight_floor(&self.config);
         let window = self.config.window;
-        let limit = if evictions > self.in_flight && took > window / 2 {
+        let limit = if evictions > self.in_flight && took > window * 3 / 4 {
             (self.in_flight * 2).min(self.config.max_in_flight.max(1))
-        } else if took < window / 4 {
+        } else if took < window * 3 / 8 {
             (self.in_flight / 2).max(floor)
         } else {
             self.in_flight

@@ -127,6 +127,11 @@ pub(crate) const RPC_SECONDS: &[f64] = &[
 pub(crate) const AGE_SECONDS: &[f64] = &[
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
 ];
+/// Bounds for the time a window takes to send, in seconds (finer around the default 100 ms
+/// window: a window's sends must take less than the window to keep up).
+pub(crate) const WINDOW_SEND_SECONDS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
 /// Bounds for entries per `CacheStateUpdate`.
 pub(crate) const UPDATE_ENTRIES: &[f64] = &[
     1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0,
@@ -143,6 +148,8 @@ pub struct Histograms {
     pub age_seconds: Histogram,
     /// Prefix entries per `CacheStateUpdate` sent (after coalescing).
     pub update_entries: Histogram,
+    /// A window's sends, from its first call to its last answer (retries included).
+    pub window_send_seconds: Histogram,
 }
 
 impl Default for Histograms {
@@ -152,6 +159,7 @@ impl Default for Histograms {
             publish_seconds: Histogram::new(RPC_SECONDS),
             age_seconds: Histogram::new(AGE_SECONDS),
             update_entries: Histogram::new(UPDATE_ENTRIES),
+            window_send_seconds: Histogram::new(WINDOW_SEND_SECONDS),
         }
     }
 }

@@ -114,6 +114,8 @@ pub mod names {
     pub const QUEUE_DEPTH: &str = "kvevent_queue_depth";
     /// RPCs the forwarder lets be in flight now (adapted up to `--max-in-flight`).
     pub const IN_FLIGHT_LIMIT: &str = "kvevent_in_flight_limit";
+    /// Time a window took to send, first call to last answer.
+    pub const WINDOW_SEND: &str = "kvevent_window_send_seconds";
     /// Prefix entries merged into a pending identical one.
     pub const COALESCED: &str = "kvevent_coalesced_prefixes_total";
     /// Prefix entries re-reported by the refresh.
@@ -751,6 +753,12 @@ impl Telemetry {
             "Prefix entries per CacheStateUpdate sent, after coalescing.",
         );
         o.histogram(UPDATE_ENTRIES, &[], &h.update_entries);
+        o.family(
+            WINDOW_SEND,
+            "histogram",
+            "Time a window took to send, first call to last answer (over the window: falling behind).",
+        );
+        o.histogram(WINDOW_SEND, &[], &h.window_send_seconds);
         o.family(
             SCRAPE_SECONDS,
             "histogram",

@@ -771,10 +771,11 @@ async fn wait_for_limit(h: &fwd::Handle, want: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_in_flight_limit_grows_while_windows_take_long_and_shrinks_back_after() {
-    // A server answering in 40 ms: 1,000 evictions take 625 ms 64 at a time, 312 ms 128 at
-    // a time, both over half the 400 ms window, so the limit doubles after each such window
-    // up to max_in_flight; windows sent at once (under 100 ms) bring it back down to where
-    // it started, never below.
+    // A server answering in 40 ms: 1,000 evictions take 640 ms 64 at a time, 320 ms 128 at
+    // a time, both over three quarters of the 400 ms window, so the limit doubles after each
+    // such window up to max_in_flight (at 256, 160 ms keep it there: over three eighths);
+    // windows sent at once (under 150 ms) bring it back down to where it started, never
+    // below.
     let server = RecordingServer::start().await;
     server.set_behaviour(Behaviour::Delay(Duration::from_millis(40)));
     let config = fwd::Config {
