@@ -125,7 +125,8 @@ async fn events_and_stats_flow_end_to_end() {
         .find(|s| s.label("type") == Some("stored"))
         .expect("stored events");
     assert_eq!(stored.value, 3.0, "one BlockStored in each of the 3 steps");
-    // The distributions saw the traffic: calls by method, report ages, update sizes, scrapes.
+    // The distributions saw the traffic: calls by method, report ages, update sizes, window
+    // sends, scrapes.
     let count = |name: &str, label: Option<(&str, &str)>| -> f64 {
         parsed
             .series(name)
@@ -147,6 +148,10 @@ async fn events_and_stats_flow_end_to_end() {
     );
     assert!(count("kvevent_report_age_seconds_count", None) >= 1.0);
     assert!(count("kvevent_update_entries_count", None) >= 1.0);
+    // Every window sent is timed, within the histogram's range (a sum of a few seconds at most).
+    let windows = count("kvevent_window_send_seconds_count", None);
+    assert!(windows >= 1.0);
+    assert!((0.0..windows * 30.0).contains(&count("kvevent_window_send_seconds_sum", None)));
     assert!(count("kvevent_scrape_duration_seconds_count", None) >= 1.0);
     let inf = parsed
         .series("kvevent_update_entries_bucket")
