@@ -58,3 +58,43 @@ pub mod procfs {
             .unwrap_or(0.0)
     }
 }
+
+/// How this machine answers random loads: the floor under anything that looks up large
+/// tables (the index's key table and block maps at fleet scale do not fit in cache).
+pub mod memory {
+    use std::time::Instant;
+
+    /// Nanoseconds a load over `bytes` of memory costs when `chains` independent pointer
+    /// chases run side by side (1: a lone load's full latency; 16 or more: how many loads a
+    /// core keeps in flight bounds it). Each load is a cache line at random.
+    pub fn random_load_ns(bytes: usize, chains: usize) -> f64 {
+        const WORDS: usize = 8; // one cache line of `u64`
+        let lines = (bytes / 64).max(chains * 2);
+        // One random cycle through every line (Sattolo's shuffle): no chase repeats early.
+        let mut order: Vec<usize> = (0..lines).collect();
+        let mut s = 0x9E37_79B9_7F4A_7C15_u64;
+        for i in (1..lines).rev() {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            order.swap(i, (s % i as u64) as usize);
+        }
+        let mut next = vec![0u64; lines * WORDS];
+        for k in 0..lines {
+            next[order[k] * WORDS] = (order[(k + 1) % lines] * WORDS) as u64;
+        }
+        let mut at: Vec<usize> = (0..chains)
+            .map(|c| order[c * lines / chains] * WORDS)
+            .collect();
+        let rounds = 2_000_000 / chains;
+        let t = Instant::now();
+        for _ in 0..rounds {
+            for p in &mut at {
+                *p = next[*p] as usize;
+            }
+        }
+        let ns = t.elapsed().as_nanos() as f64 / (rounds * chains) as f64;
+        std::hint::black_box(&at);
+        ns
+    }
+}
