@@ -72,6 +72,7 @@ use std::sync::{Arc, PoisonError, RwLock};
 
 use kvevent_mapper::{self as mapper, Identity, Mapper};
 use kvevent_proto as pb;
+use kvevent_table::Entry as TableEntry;
 use kvevent_wire as wire;
 
 pub use mapper::KeyMode;
@@ -839,15 +840,16 @@ impl Inner {
             (&mut self.young, &mut self.young_bytes),
             (&mut self.old, &mut self.old_bytes),
         ] {
-            if let Some(entry) = map.get_mut(&key) {
-                let holders = entry.holders;
+            // One walk finds the key and removes it when its last holder goes.
+            if let TableEntry::Occupied(mut entry) = map.entry(key) {
+                let holders = entry.get().holders;
                 let before = entry_bytes(holders.len(lists));
                 let after = holders.retain(lists, |h| h.source() != source);
                 if after == Holders::NONE {
-                    map.remove(&key);
+                    entry.remove();
                     *bytes = bytes.saturating_sub(before);
                 } else {
-                    entry.holders = after;
+                    entry.get_mut().holders = after;
                     *bytes = (*bytes + entry_bytes(after.len(lists))).saturating_sub(before);
                 }
                 // A key lives in one generation only (a store moves it to the young one).
@@ -867,19 +869,25 @@ impl Inner {
                 .is_some_and(|s| s.live && s.epoch == h.epoch())
         };
         let lists = &mut self.lists;
-        if let Some(entry) = self.young.get_mut(&key) {
-            // Already young: updated where it is (one lookup, no move).
-            let holders = entry.holders;
-            let before = entry_bytes(holders.len(lists));
-            let after = holders.retain(lists, valid).upsert(lists, holder);
-            *entry = Entry {
-                tokens,
-                holders: after,
-            };
-            self.young_bytes =
-                (self.young_bytes + entry_bytes(after.len(lists))).saturating_sub(before);
-            return;
-        }
+        // What the young table would take with one more key, read before its entry is borrowed.
+        let young_after_insert = self.young.bytes_after_insert();
+        let vacant = match self.young.entry(key) {
+            TableEntry::Occupied(o) => {
+                // Already young: updated where it is (one lookup, no move).
+                let entry = o.into_mut();
+                let holders = entry.holders;
+                let before = entry_bytes(holders.len(lists));
+                let after = holders.retain(lists, valid).upsert(lists, holder);
+                *entry = Entry {
+                    tokens,
+                    holders: after,
+                };
+                self.young_bytes =
+                    (self.young_bytes + entry_bytes(after.len(lists))).saturating_sub(before);
+                return;
+            }
+            TableEntry::Vacant(v) => v,
+        };
         // An entry stored again moves to the young generation.
         let known = match self.old.remove(&key) {
             Some(e) => {
@@ -896,12 +904,10 @@ impl Inner {
         // The budget counts what the key tables really hold: when this insert would make the
         // young table grow past it, the old generation goes first and the young one becomes
         // old (an entry not stored again for a whole generation is dropped).
-        let after = self.old.bytes()
-            + self.young.bytes_after_insert()
-            + self.old_bytes
-            + self.young_bytes
-            + heap;
+        let after =
+            self.old.bytes() + young_after_insert + self.old_bytes + self.young_bytes + heap;
         if after > budget {
+            // The young table moves to the old generation: the walk's place is gone with it.
             self.stats.evicted_keys += self.old.len() as u64;
             for e in self.old.values() {
                 let h = e.holders;
@@ -909,9 +915,12 @@ impl Inner {
             }
             self.old = std::mem::take(&mut self.young);
             self.old_bytes = std::mem::take(&mut self.young_bytes);
+            self.young.insert_new(key, Entry { tokens, holders });
+        } else {
+            // Where the lookup's walk ended.
+            vacant.insert(Entry { tokens, holders });
         }
         self.young_bytes += heap;
-        self.young.insert_new(key, Entry { tokens, holders });
     }
 
     fn drop_holders(&mut self, gone: impl Fn(&Holder) -> bool) {

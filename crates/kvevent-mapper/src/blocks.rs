@@ -17,7 +17,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use kvevent_table::{Key, Table};
+use kvevent_table::{Entry as TableEntry, Key, Table};
 
 use crate::wire;
 
@@ -253,20 +253,87 @@ pub(crate) enum Insert {
 /// Most distinct KV-cache groups or adapters per source (interned as `u16`, below `u16::MAX`).
 const MAX_INTERNED: usize = u16::MAX as usize;
 
-/// `insert_new` on every block map, so [`with_map!`] bodies read the same for each.
-trait InsertNew<K> {
-    fn insert_new(&mut self, key: K, block: Tracked);
+/// The calls [`Blocks`] makes on each of its maps, each one walk, so [`with_map!`] bodies
+/// read the same for every map.
+trait BlockMap<K> {
+    /// Tracks `block` (tiers merged with what was known of it), or refuses a new one when
+    /// `full`.
+    fn upsert(&mut self, key: K, block: Tracked, full: bool) -> Insert;
+    /// Lets `change` update a tracked block and say whether it goes; the block as changed.
+    fn change_or_remove(
+        &mut self,
+        key: K,
+        change: impl FnOnce(&mut Tracked) -> bool,
+    ) -> Option<Tracked>;
 }
 
-impl<const N: usize> InsertNew<Fixed<N>> for Table<Fixed<N>, Tracked> {
-    fn insert_new(&mut self, key: Fixed<N>, block: Tracked) {
-        Table::insert_new(self, key, block);
+fn merge(known: &mut Tracked, mut block: Tracked) {
+    block.set_tiers(block.tiers() | known.tiers());
+    *known = block;
+}
+
+impl<const N: usize> BlockMap<Fixed<N>> for Table<Fixed<N>, Tracked> {
+    fn upsert(&mut self, key: Fixed<N>, block: Tracked, full: bool) -> Insert {
+        // A new block goes where the lookup's walk ended.
+        match self.entry(key) {
+            TableEntry::Occupied(o) => {
+                merge(o.into_mut(), block);
+                Insert::Updated
+            }
+            TableEntry::Vacant(_) if full => Insert::Refused,
+            TableEntry::Vacant(v) => {
+                v.insert(block);
+                Insert::New
+            }
+        }
+    }
+
+    fn change_or_remove(
+        &mut self,
+        key: Fixed<N>,
+        change: impl FnOnce(&mut Tracked) -> bool,
+    ) -> Option<Tracked> {
+        let TableEntry::Occupied(mut o) = self.entry(key) else {
+            return None;
+        };
+        let gone = change(o.get_mut());
+        let t = *o.get();
+        if gone {
+            o.remove();
+        }
+        Some(t)
     }
 }
 
-impl InsertNew<Box<[u8]>> for OtherMap {
-    fn insert_new(&mut self, key: Box<[u8]>, block: Tracked) {
-        self.insert(key, block);
+impl BlockMap<Box<[u8]>> for OtherMap {
+    fn upsert(&mut self, key: Box<[u8]>, block: Tracked, full: bool) -> Insert {
+        match self.entry(key) {
+            std::collections::hash_map::Entry::Occupied(mut o) => {
+                merge(o.get_mut(), block);
+                Insert::Updated
+            }
+            std::collections::hash_map::Entry::Vacant(_) if full => Insert::Refused,
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(block);
+                Insert::New
+            }
+        }
+    }
+
+    fn change_or_remove(
+        &mut self,
+        key: Box<[u8]>,
+        change: impl FnOnce(&mut Tracked) -> bool,
+    ) -> Option<Tracked> {
+        let std::collections::hash_map::Entry::Occupied(mut o) = self.entry(key) else {
+            return None;
+        };
+        let gone = change(o.get_mut());
+        let t = *o.get();
+        if gone {
+            o.remove();
+        }
+        Some(t)
     }
 }
 
@@ -385,29 +452,26 @@ impl Blocks {
     }
 
     /// Tracks a block, merging tiers with what was known of it.
-    pub(crate) fn insert(&mut self, id: BlockId<'_>, mut block: Tracked) -> Insert {
+    pub(crate) fn insert(&mut self, id: BlockId<'_>, block: Tracked) -> Insert {
         let full = self.len() >= self.max;
-        // A new block's insert walks the slots the failed lookup just brought into cache.
-        with_map!(self, id, |map, key| match map.get_mut(&key) {
-            Some(known) => {
-                block.set_tiers(block.tiers() | known.tiers());
-                *known = block;
-                Insert::Updated
-            }
-            None if full => Insert::Refused,
-            None => {
-                map.insert_new(key, block);
-                Insert::New
-            }
-        })
+        with_map!(self, id, |map, key| map.upsert(key, block, full))
     }
 
-    pub(crate) fn remove(&mut self, id: BlockId<'_>) -> Option<Tracked> {
-        let removed = with_map!(self, id, |map, key| map.remove(&key));
+    /// Lets `change` update a tracked block and say whether it goes (one walk); the block as
+    /// changed. Call [`Self::shrink_if_empty`] once done with the block's adapter.
+    pub(crate) fn change_or_remove(
+        &mut self,
+        id: BlockId<'_>,
+        change: impl FnOnce(&mut Tracked) -> bool,
+    ) -> Option<Tracked> {
+        with_map!(self, id, |map, key| map.change_or_remove(key, change))
+    }
+
+    /// When no block is left, gives the maps' memory back and forgets the interned names.
+    pub(crate) fn shrink_if_empty(&mut self) {
         if self.len() == 0 {
             self.shrink();
         }
-        removed
     }
 
     /// Forgets every block; the memory goes back too.

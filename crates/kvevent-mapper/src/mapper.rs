@@ -571,14 +571,19 @@ impl Mapper {
     ) {
         let offload = self.options.engine_has_offload_tier && tier == pb::CacheTier::T1;
         // The tiers still holding the block after this removal.
+        // One walk: the tiers change, and the block goes when none holds it any more, or
+        // when it leaves the GPU with an offload tier (it is re-reported at T2: the map never
+        // grows with the offload tier's contents).
         let known = group.map(|g| BlockId::new(hash, g)).and_then(|id| {
-            let t = self.blocks.get_mut(id)?;
-            let mut tiers = t.tiers() & !tier_bit(tier);
-            if offload {
-                tiers |= T2;
-            }
-            t.set_tiers(tiers);
-            Some((id, *t))
+            let t = self.blocks.change_or_remove(id, |t| {
+                let mut tiers = t.tiers() & !tier_bit(tier);
+                if offload {
+                    tiers |= T2;
+                }
+                t.set_tiers(tiers);
+                tiers == 0 || offload
+            })?;
+            Some((id, t))
         });
         let (key, adapter, tokens, remaining) = match known {
             Some((id, t)) => {
@@ -588,11 +593,7 @@ impl Mapper {
                     t.tokens(),
                     t.tiers(),
                 );
-                // With an offload tier the map forgets a block leaving the GPU (it is
-                // re-reported at T2): the map never grows with the offload tier's contents.
-                if t.tiers() == 0 || offload {
-                    self.blocks.remove(id);
-                }
+                self.blocks.shrink_if_empty();
                 found
             }
             None => {

@@ -200,8 +200,21 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
 
     /// The slot holding `key`, if any.
     fn find(&self, key: &K) -> Option<usize> {
+        self.search(key).ok()
+    }
+
+    /// The slot holding `key`, or where an insert of it goes (the slot and its distance from
+    /// `key`'s home): the first slot whose entry is nearer its own home than `key` would be
+    /// there, or empty. One walk serves a lookup and the insert or removal after it.
+    fn search(&self, key: &K) -> Result<usize, (usize, usize)> {
         if self.len == 0 {
-            return None;
+            // Every slot is empty (and with no slots, an insert grows the table first).
+            let home = if self.slots.is_empty() {
+                0
+            } else {
+                self.home(key)
+            };
+            return Err((home, 0));
         }
         let mut i = self.home(key);
         // `key` would be `d` slots from its home here: the slot's byte would be `d + 1`. A
@@ -211,27 +224,40 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
         for d in 0..usize::from(SAT) - 1 {
             let b = usize::from(self.dist[i]);
             if b <= d {
-                return None;
+                return Err((i, d));
             }
             if b == d + 1 && self.slots[i].0 == *key {
-                return Some(i);
+                return Ok(i);
             }
             i = self.next(i);
         }
         let mut d = usize::from(SAT) - 1;
         loop {
             if self.dist[i] == 0 {
-                return None;
+                return Err((i, d));
             }
             let di = self.distance_at(i);
             if di < d {
-                return None;
+                return Err((i, d));
             }
             if di == d && self.slots[i].0 == *key {
-                return Some(i);
+                return Ok(i);
             }
             i = self.next(i);
             d += 1;
+        }
+    }
+
+    /// `key`'s entry, to read, change, remove or insert after one walk.
+    pub fn entry(&mut self, key: K) -> Entry<'_, K, V> {
+        match self.search(&key) {
+            Ok(slot) => Entry::Occupied(Occupied { table: self, slot }),
+            Err((slot, d)) => Entry::Vacant(Vacant {
+                table: self,
+                key,
+                slot,
+                d,
+            }),
         }
     }
 
@@ -286,6 +312,12 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
             i = self.next(i);
             d += 1;
         }
+        self.put(i, d, key, value);
+    }
+
+    /// Puts an entry in slot `i`, `d` from its home, where Robin Hood wants it (found by
+    /// [`Self::place`] or a missed [`Self::search`]), moving the rest of the run on.
+    fn put(&mut self, i: usize, d: usize, key: K, value: V) {
         if self.dist[i] != 0 {
             self.shift_on(i);
         }
@@ -323,6 +355,11 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
     /// Removes `key`, returning its value.
     pub fn remove(&mut self, key: &K) -> Option<V> {
         let hole = self.find(key)?;
+        Some(self.remove_at(hole))
+    }
+
+    /// Removes the entry in (occupied) slot `hole`, returning its value.
+    fn remove_at(&mut self, hole: usize) -> V {
         let removed = self.slots[hole].1;
         // Backward shift: the entries after the hole that are not at their home (distance
         // byte 2 or more) move back one slot.
@@ -354,7 +391,7 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
         if self.slots.len() > MIN_SLOTS && self.len * 10 < self.slots.len() * 3 {
             self.resize((self.len * 5 / 3).max(MIN_SLOTS));
         }
-        Some(removed)
+        removed
     }
 
     /// Moves slots `hole + 1..=last` one slot back, one nearer their homes.
@@ -606,6 +643,70 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
     }
 }
 
+/// A key's place in a [`Table`], from [`Table::entry`].
+#[derive(Debug)]
+pub enum Entry<'t, K, V> {
+    /// The key is present.
+    Occupied(Occupied<'t, K, V>),
+    /// The key is absent.
+    Vacant(Vacant<'t, K, V>),
+}
+
+/// A present key's entry.
+#[derive(Debug)]
+pub struct Occupied<'t, K, V> {
+    table: &'t mut Table<K, V>,
+    slot: usize,
+}
+
+impl<'t, K: Key, V: Copy + Default> Occupied<'t, K, V> {
+    /// The value.
+    #[must_use]
+    pub fn get(&self) -> &V {
+        &self.table.slots[self.slot].1
+    }
+
+    /// The value, to change in place.
+    pub fn get_mut(&mut self) -> &mut V {
+        &mut self.table.slots[self.slot].1
+    }
+
+    /// The value, to change in place, for as long as the table is borrowed.
+    #[must_use]
+    pub fn into_mut(self) -> &'t mut V {
+        &mut self.table.slots[self.slot].1
+    }
+
+    /// Removes the entry, returning its value.
+    pub fn remove(self) -> V {
+        self.table.remove_at(self.slot)
+    }
+}
+
+/// An absent key's entry: where an insert of it goes.
+#[derive(Debug)]
+pub struct Vacant<'t, K, V> {
+    table: &'t mut Table<K, V>,
+    key: K,
+    slot: usize,
+    d: usize,
+}
+
+impl<K: Key, V: Copy + Default> Vacant<'_, K, V> {
+    /// Inserts the key with `value` (where the walk that found it absent ended, unless the
+    /// table must grow first).
+    pub fn insert(self, value: V) {
+        let table = self.table;
+        if table.grows_on_insert() {
+            table.resize(table.grown());
+            table.place(self.key, value);
+        } else {
+            table.put(self.slot, self.d, self.key, value);
+        }
+        table.len += 1;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -765,6 +866,57 @@ mod tests {
                 assert_eq!(table.get(&Coarse(*k)), Some(v));
             }
         }
+    }
+
+    /// Drives `entry` and the plain calls with the same random stream: the two tables must
+    /// hold the same layout, slot for slot, after every step (an entry's insert goes where
+    /// its walk ended; a removal through it is `remove`'s).
+    fn entry_agrees_with_plain_calls<K: Key + std::fmt::Debug>(key: impl Fn(u64) -> K) {
+        let mut plain: Table<K, u64> = Table::new();
+        let mut entries: Table<K, u64> = Table::new();
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        for step in 0..20_000u64 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let k = key(x);
+            if x % 3 == 0 {
+                let want = plain.remove(&k);
+                let got = match entries.entry(k) {
+                    Entry::Occupied(o) => Some(o.remove()),
+                    Entry::Vacant(_) => None,
+                };
+                assert_eq!(got, want, "step {step}");
+            } else {
+                match plain.get_mut(&k) {
+                    Some(v) => *v = step,
+                    None => plain.insert_new(k, step),
+                }
+                match entries.entry(k) {
+                    Entry::Occupied(mut o) => {
+                        assert_eq!(plain.get(&k), Some(&step));
+                        *o.get_mut() = step;
+                    }
+                    Entry::Vacant(v) => v.insert(step),
+                }
+            }
+            assert_eq!(entries.len(), plain.len(), "step {step}");
+            assert_eq!(entries.dist, plain.dist, "step {step}");
+            assert!(entries.slots == plain.slots, "step {step}");
+            if step % 2_000 == 0 {
+                check_invariant(&entries);
+            }
+        }
+        check_invariant(&entries);
+    }
+
+    #[test]
+    fn an_entry_walks_once_and_places_as_an_insert_does() {
+        // Spread keys, crowded keys (long runs), and hundreds of keys with one home at the
+        // end of the table (saturated distances, runs that wrap).
+        entry_agrees_with_plain_calls(|x| K2((x % 3_000) << (x % 3), (x >> 40) as u32 % 3));
+        entry_agrees_with_plain_calls(|x| Coarse(!0xFFFF | (x % 700)));
+        entry_agrees_with_plain_calls(|x| Coarse(x % 700));
     }
 
     #[test]
