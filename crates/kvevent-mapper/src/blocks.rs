@@ -374,6 +374,9 @@ pub(crate) struct Blocks {
     groups: Vec<Option<i64>>,
     adapters: Vec<Arc<str>>,
     adapter_ids: HashMap<Arc<str>, u16, Hasher>,
+    /// The adapter interned or found last: a source's stores nearly always name the same
+    /// `Arc` (the mapper's base name, a configured one), found again without hashing it.
+    last_adapter: Option<u16>,
     max: usize,
 }
 
@@ -387,6 +390,7 @@ impl Blocks {
             groups: Vec::new(),
             adapters: Vec::new(),
             adapter_ids: HashMap::default(),
+            last_adapter: None,
             max,
         }
     }
@@ -417,16 +421,33 @@ impl Blocks {
 
     /// The interned number of an adapter, or `None` when there are too many adapters.
     pub(crate) fn adapter_id(&mut self, name: &Arc<str>) -> Option<u16> {
-        if let Some(&id) = self.adapter_ids.get(name) {
+        // The same `Arc` as the one interned last: the same name, compared by address.
+        if let Some(id) = self.last_adapter
+            && self
+                .adapters
+                .get(usize::from(id))
+                .is_some_and(|a| Arc::ptr_eq(a, name))
+        {
             return Some(id);
         }
-        if self.adapters.len() >= MAX_INTERNED {
-            return None;
-        }
-        let id = self.adapters.len() as u16;
-        self.adapters.push(name.clone());
-        self.adapter_ids.insert(name.clone(), id);
+        let id = match self.adapter_ids.get(name) {
+            Some(&id) => id,
+            None if self.adapters.len() >= MAX_INTERNED => return None,
+            None => {
+                let id = self.adapters.len() as u16;
+                self.adapters.push(name.clone());
+                self.adapter_ids.insert(name.clone(), id);
+                id
+            }
+        };
+        self.last_adapter = Some(id);
         Some(id)
+    }
+
+    /// The interned adapter of this name, if any (no allocation for a name seen before).
+    pub(crate) fn adapter_named(&self, name: &str) -> Option<&Arc<str>> {
+        let &id = self.adapter_ids.get(name)?;
+        Some(&self.adapters[usize::from(id)])
     }
 
     pub(crate) fn adapter(&self, id: u16) -> &Arc<str> {
@@ -489,6 +510,7 @@ impl Blocks {
         self.groups.clear();
         self.adapters.clear();
         self.adapter_ids.clear();
+        self.last_adapter = None;
     }
 
     /// Every tracked block's identity, owned (a refresh cycle walks it while the map changes):

@@ -173,6 +173,21 @@ struct RefreshCycle {
     started: Instant,
 }
 
+/// A store's adapter name: borrowed from the mapper, or shared from a name the store sent.
+enum Adapter<'m> {
+    Borrowed(&'m Arc<str>),
+    Shared(Arc<str>),
+}
+
+impl Adapter<'_> {
+    fn get(&self) -> &Arc<str> {
+        match self {
+            Self::Borrowed(a) => a,
+            Self::Shared(a) => a,
+        }
+    }
+}
+
 /// A reported key, without a heap copy: a fingerprint, or the engine hash's bytes.
 enum Key<'h> {
     Fingerprint([u8; 8]),
@@ -390,11 +405,23 @@ impl Mapper {
 
     /// The adapter a store belongs to: its `lora_name`, else the configured name of its
     /// `lora_id`, else the base model. `None` for a `lora_id` without a name.
-    fn adapter(&self, e: &wire::BlockStored<'_>) -> Option<Arc<str>> {
+    /// A store's adapter, or `None` when its `lora_id` has no configured name. A name sent on
+    /// the wire is the interned one when the source has seen it (no allocation per store);
+    /// the base model's and configured names are borrowed (no reference count touched).
+    /// Borrows only the options and the base name, so the block map stays free to change.
+    fn adapter<'m>(
+        e: &wire::BlockStored<'_>,
+        blocks: &Blocks,
+        options: &'m Options,
+        base: &'m Arc<str>,
+    ) -> Option<Adapter<'m>> {
         match (&e.lora_name, e.lora_id) {
-            (Some(name), _) => Some(Arc::from(&**name)),
-            (None, Some(id)) => self.options.lora_adapters.get(&id).cloned(),
-            (None, None) => Some(self.base_adapter.clone()),
+            (Some(name), _) => Some(Adapter::Shared(match blocks.adapter_named(name) {
+                Some(known) => known.clone(),
+                None => Arc::from(&**name),
+            })),
+            (None, Some(id)) => options.lora_adapters.get(&id).map(Adapter::Borrowed),
+            (None, None) => Some(Adapter::Borrowed(base)),
         }
     }
 
@@ -439,13 +466,15 @@ impl Mapper {
             }
             return;
         }
-        let Some(adapter) = self.adapter(e) else {
+        let Some(adapter) = Self::adapter(e, &self.blocks, &self.options, &self.base_adapter)
+        else {
             self.stats.unknown_adapter_drops += 1;
             return;
         };
+        let adapter = adapter.get();
         let tier = tier_of(e.medium.as_ref());
         let group = self.blocks.group(e.group_idx);
-        let adapter_id = self.blocks.adapter_id(&adapter);
+        let adapter_id = self.blocks.adapter_id(adapter);
         let parent = e.parent_block_hash.as_ref().map(|p| {
             let known = group.and_then(|g| self.blocks.get(BlockId::new(p, g)));
             (known.map(Tracked::tokens), known.map(Tracked::prefix))
@@ -513,10 +542,10 @@ impl Mapper {
             match (self.options.key_mode, prefix) {
                 (KeyMode::Engine, _) => {
                     let id = BlockId::new(hash, 0);
-                    sink.prefix(id.bytes(), tokens, tier, &adapter, new);
+                    sink.prefix(id.bytes(), tokens, tier, adapter, new);
                 }
                 (KeyMode::Fingerprint, Some(p)) => {
-                    sink.prefix(&fingerprint::wire_key(p), tokens, tier, &adapter, new);
+                    sink.prefix(&fingerprint::wire_key(p), tokens, tier, adapter, new);
                 }
                 (KeyMode::Fingerprint, None) => continue,
             }
@@ -585,17 +614,8 @@ impl Mapper {
             })?;
             Some((id, t))
         });
-        let (key, adapter, tokens, remaining) = match known {
-            Some((id, t)) => {
-                let found = (
-                    self.key_of(id, t),
-                    self.blocks.adapter(t.adapter()).clone(),
-                    t.tokens(),
-                    t.tiers(),
-                );
-                self.blocks.shrink_if_empty();
-                found
-            }
+        let (key, adapter_id, tokens, remaining) = match known {
+            Some((id, t)) => (self.key_of(id, t), Some(t.adapter()), t.tokens(), t.tiers()),
             None => {
                 self.stats.unknown_removals += 1;
                 // An engine hash is its own key; a fingerprint cannot be recovered.
@@ -604,27 +624,35 @@ impl Mapper {
                     KeyMode::Fingerprint => None,
                 };
                 let remaining = if offload { T2 } else { 0 };
-                (key, self.base_adapter.clone(), 0, remaining)
+                (key, None, 0, remaining)
             }
         };
-        let Some(key) = key else {
-            return;
-        };
-        if remaining != 0 {
-            // Another tier still holds the block (an offload tier, or a store we saw on
-            // another medium): report it there instead of evicting the prefix.
-            let still = if remaining & T1 != 0 {
-                pb::CacheTier::T1
-            } else {
-                pb::CacheTier::T2
+        if let Some(key) = key {
+            // Borrowed, not cloned: no reference count touched per removal.
+            let adapter = match adapter_id {
+                Some(a) => self.blocks.adapter(a),
+                None => &self.base_adapter,
             };
-            self.stats.offload_rereports += 1;
-            self.stats.prefixes += 1;
-            sink.prefix(key.bytes(), tokens, still, &adapter, false);
-            sink.end_update(ts);
-        } else {
-            self.stats.evictions += 1;
-            sink.evicted(key.bytes(), &adapter, ts);
+            if remaining != 0 {
+                // Another tier still holds the block (an offload tier, or a store we saw on
+                // another medium): report it there instead of evicting the prefix.
+                let still = if remaining & T1 != 0 {
+                    pb::CacheTier::T1
+                } else {
+                    pb::CacheTier::T2
+                };
+                self.stats.offload_rereports += 1;
+                self.stats.prefixes += 1;
+                sink.prefix(key.bytes(), tokens, still, adapter, false);
+                sink.end_update(ts);
+            } else {
+                self.stats.evictions += 1;
+                sink.evicted(key.bytes(), adapter, ts);
+            }
+        }
+        // The interned names go with the last block, once its report is made.
+        if known.is_some() {
+            self.blocks.shrink_if_empty();
         }
     }
 }

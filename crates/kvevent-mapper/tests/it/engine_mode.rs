@@ -132,6 +132,48 @@ fn adapters_come_from_lora_name_then_the_configured_map() {
 }
 
 #[test]
+fn removals_name_the_adapter_their_block_was_stored_under_across_forgotten_names() {
+    // Stores alternate named adapters (each name interned once, the last one remembered by
+    // address); emptying the map forgets the names, and names seen afterwards must not be
+    // taken for the forgotten ones.
+    let mut m = mapper(Options::default());
+    let named = |hash: u64, name: &'static str| {
+        let mut e = stored(&[hash], None, tokens(0..4), 4);
+        if let wire::Event::BlockStored(s) = &mut e {
+            s.lora_name = Some(Cow::Borrowed(name));
+        }
+        e
+    };
+    for round in 0..3u64 {
+        let (a, b) = if round % 2 == 0 {
+            ("x", "y")
+        } else {
+            ("y", "x")
+        };
+        let base = round * 10;
+        let out = run(
+            &mut m,
+            vec![
+                named(base + 1, a),
+                named(base + 2, b),
+                named(base + 3, a),
+                stored(&[base + 4], None, tokens(0..4), 4),
+            ],
+        );
+        let names: Vec<String> = entries(&out).into_iter().map(|e| e.3).collect();
+        assert_eq!(names, [a, b, a, ""], "round {round}");
+        // Every block removed: the map is empty and its names forgotten.
+        let out = run(
+            &mut m,
+            vec![removed(&[base + 3, base + 1, base + 4, base + 2], "GPU")],
+        );
+        let evicted: Vec<String> = events(&out).into_iter().map(|e| e.2).collect();
+        assert_eq!(evicted, [a, a, "", b], "round {round}");
+        assert_eq!(m.tracked_blocks(), 0);
+    }
+}
+
+#[test]
 fn offload_tier_turns_gpu_removals_into_t2_reports() {
     let options = Options {
         engine_has_offload_tier: true,
