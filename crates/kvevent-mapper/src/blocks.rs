@@ -273,6 +273,7 @@ fn merge(known: &mut Tracked, mut block: Tracked) {
 }
 
 impl<const N: usize> BlockMap<Fixed<N>> for Table<Fixed<N>, Tracked> {
+    #[inline]
     fn upsert(&mut self, key: Fixed<N>, block: Tracked, full: bool) -> Insert {
         // A new block goes where the lookup's walk ended.
         match self.entry(key) {
@@ -288,6 +289,7 @@ impl<const N: usize> BlockMap<Fixed<N>> for Table<Fixed<N>, Tracked> {
         }
     }
 
+    #[inline]
     fn change_or_remove(
         &mut self,
         key: Fixed<N>,

@@ -206,6 +206,7 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
     /// The slot holding `key`, or where an insert of it goes (the slot and its distance from
     /// `key`'s home): the first slot whose entry is nearer its own home than `key` would be
     /// there, or empty. One walk serves a lookup and the insert or removal after it.
+    #[inline]
     fn search(&self, key: &K) -> Result<usize, (usize, usize)> {
         if self.len == 0 {
             // Every slot is empty (and with no slots, an insert grows the table first).
@@ -249,6 +250,7 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
     }
 
     /// `key`'s entry, to read, change, remove or insert after one walk.
+    #[inline]
     pub fn entry(&mut self, key: K) -> Entry<'_, K, V> {
         match self.search(&key) {
             Ok(slot) => Entry::Occupied(Occupied { table: self, slot }),
@@ -695,6 +697,7 @@ pub struct Vacant<'t, K, V> {
 impl<K: Key, V: Copy + Default> Vacant<'_, K, V> {
     /// Inserts the key with `value` (where the walk that found it absent ended, unless the
     /// table must grow first).
+    #[inline]
     pub fn insert(self, value: V) {
         let table = self.table;
         if table.grows_on_insert() {
