@@ -404,8 +404,7 @@ impl Mapper {
     }
 
     /// The adapter a store belongs to: its `lora_name`, else the configured name of its
-    /// `lora_id`, else the base model. `None` for a `lora_id` without a name.
-    /// A store's adapter, or `None` when its `lora_id` has no configured name. A name sent on
+    /// `lora_id`, else the base model. `None` for a `lora_id` without a name. A name sent on
     /// the wire is the interned one when the source has seen it (no allocation per store);
     /// the base model's and configured names are borrowed (no reference count touched).
     /// Borrows only the options and the base name, so the block map stays free to change.
@@ -599,10 +598,9 @@ impl Mapper {
         sink: &mut impl Sink,
     ) {
         let offload = self.options.engine_has_offload_tier && tier == pb::CacheTier::T1;
-        // The tiers still holding the block after this removal.
-        // One walk: the tiers change, and the block goes when none holds it any more, or
-        // when it leaves the GPU with an offload tier (it is re-reported at T2: the map never
-        // grows with the offload tier's contents).
+        // The tiers still holding the block after this removal, in one walk: the block goes
+        // when none holds it any more, or when it leaves the GPU with an offload tier (it is
+        // re-reported at T2: the map never grows with the offload tier's contents).
         let known = group.map(|g| BlockId::new(hash, g)).and_then(|id| {
             let t = self.blocks.change_or_remove(id, |t| {
                 let mut tiers = t.tiers() & !tier_bit(tier);
