@@ -517,6 +517,8 @@ struct Inner {
     replica_ids: Map<String, u32>,
     /// The replicas in name order: answers are sorted stably from it, by numbers, not names.
     by_name: Vec<u32>,
+    /// Per replica, its live sources marked not fresh: answers read it, not the sources.
+    stale_sources: Vec<u32>,
     sources: Vec<Source>,
     adapters: Map<String, u32>,
     young: Keys,
@@ -599,6 +601,7 @@ impl Index {
                     .by_name
                     .partition_point(|r| names[*r as usize] < names[id as usize]);
                 inner.by_name.insert(at, id);
+                inner.stale_sources.push(0);
                 id
             }
         };
@@ -656,7 +659,13 @@ impl Index {
 
     /// Marks `source` as known incomplete (`false`: replaying, a gap not repaired) or complete.
     pub fn set_fresh(&self, source: SourceId, fresh: bool) {
-        if let Some(s) = self.write().inner.sources.get_mut(source.0 as usize) {
+        let mut state = self.write();
+        let inner = &mut state.inner;
+        if let Some(s) = inner.sources.get_mut(source.0 as usize) {
+            if s.live && s.fresh != fresh {
+                let stale = &mut inner.stale_sources[s.replica as usize];
+                *stale = if fresh { *stale - 1 } else { *stale + 1 };
+            }
             s.fresh = fresh;
         }
     }
@@ -680,6 +689,8 @@ impl Index {
                 gone.push(i as u32);
             }
         }
+        // None of its sources is live now.
+        inner.stale_sources[id as usize] = 0;
         inner.drop_holders(|h| gone.contains(&h.source()));
     }
 
@@ -724,6 +735,26 @@ impl Index {
 /// slots loaded at once so the cache misses overlap, then they are matched in order. A query
 /// stops at its first miss, so the blocks after it are never hashed.
 const SCORE_CHUNK: usize = 16;
+
+/// The buffers a scoring thread reuses from query to query (the answer's own list is the only
+/// allocation of a query). Each holds what the largest query and fleet it served needed.
+#[derive(Debug, Default)]
+struct Scratch {
+    /// A chunk's prefix keys.
+    keys: Vec<u64>,
+    /// The sources matching every block so far.
+    alive: Vec<Holder>,
+    /// (source, blocks, tokens, tier) of the sources whose match ended.
+    done: Vec<(u32, u32, u32, u8)>,
+    /// Per replica, its best source's (blocks, tokens, tier).
+    best: Vec<Option<(u32, u32, u8)>>,
+    /// (sort key, replica) of the replicas in the answer.
+    order: Vec<(u64, u32)>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
+}
 
 impl QueryKeys<'_> {
     /// Replaces `out` with the keys of blocks `from..from + SCORE_CHUNK` (fewer at the end);
@@ -952,19 +983,30 @@ impl Inner {
         let Some(&adapter) = self.adapters.get(adapter) else {
             return Scores::default();
         };
+        SCRATCH.with(|scratch| self.score_with(query, adapter, &mut scratch.borrow_mut()))
+    }
+
+    fn score_with(&self, query: &QueryKeys<'_>, adapter: u32, scratch: &mut Scratch) -> Scores {
+        let Scratch {
+            keys,
+            alive,
+            done,
+            best,
+            order,
+        } = scratch;
         // Sources still matching, sorted by source, each with its worst tier so far. They all
         // matched the same blocks so far (`matched`, covering `tokens`); one that drops out goes
         // to `done` with them. Validity is checked at block 0; later blocks need the same epoch.
-        let mut alive: Vec<Holder> = Vec::new();
-        let mut done: Vec<(u32, u32, u32, u8)> = Vec::new();
+        alive.clear();
+        done.clear();
         let (mut matched, mut tokens) = (0u32, 0u32);
-        let mut keys = Vec::with_capacity(SCORE_CHUNK);
         // The blocks are looked up one after another until one misses, `SCORE_CHUNK` at a
         // time: each chunk's slots are loaded first, so their cache misses overlap.
         for i in 0.. {
             if i % SCORE_CHUNK == 0 {
-                query.chunk(i, keys.last().copied(), &mut keys);
-                for k in &keys {
+                let parent = if i == 0 { None } else { keys.last().copied() };
+                query.chunk(i, parent, keys);
+                for k in keys.iter() {
                     let key = KeyId::new(*k, adapter);
                     self.young.touch(&key);
                     self.old.touch(&key);
@@ -981,33 +1023,26 @@ impl Inner {
             if i == 0 {
                 alive.extend(holders.iter().filter(|h| self.holder_valid(h)));
             } else {
-                // Lock-step while the two lists agree (the blocks of a shared prompt mostly
-                // have the same holders): eight words compared at once, then one by one.
-                let n = alive.len().min(holders.len());
-                let mut same = 0;
-                for (a, h) in alive[..n].chunks_exact_mut(8).zip(holders.chunks_exact(8)) {
-                    let differ = a
-                        .iter()
-                        .zip(h)
-                        .fold(0, |d, (a, h)| d | ((a.0 ^ h.0) & Holder::ID));
-                    if differ != 0 {
-                        break;
+                // Merge the two sorted lists in place: who holds block i too goes on, with the
+                // worse tier (the larger word: same source and epoch). The blocks of a shared
+                // prompt mostly have the same holders, tiers included, so runs of eight equal
+                // words are taken whole (compared with no branch but one a run of eight) and
+                // only the words around a difference are merged one by one.
+                let (mut r, mut j, mut kept) = (0, 0, 0);
+                while r < alive.len() {
+                    let run = alive[r..]
+                        .chunks_exact(8)
+                        .zip(holders[j..].chunks_exact(8))
+                        .take_while(|(a, h)| {
+                            a.iter().zip(*h).fold(0, |d, (a, h)| d | (a.0 ^ h.0)) == 0
+                        })
+                        .count()
+                        * 8;
+                    if kept != r {
+                        alive.copy_within(r..r + run, kept);
                     }
-                    // Same sources and epochs: the larger word has the worse tier.
-                    for (a, h) in a.iter_mut().zip(h) {
-                        *a = (*a).max(*h);
-                    }
-                    same += 8;
-                }
-                while same < n && alive[same].same_id(holders[same]) {
-                    alive[same] = alive[same].max(holders[same]);
-                    same += 1;
-                }
-                // Then merge the rest of the two sorted lists in place: who holds block i
-                // too goes on.
-                let (mut kept, mut j) = (same, same);
-                for r in same..alive.len() {
-                    let a = alive[r];
+                    (r, j, kept) = (r + run, j + run, kept + run);
+                    let Some(&a) = alive.get(r) else { break };
                     while holders.get(j).is_some_and(|h| h.source() < a.source()) {
                         j += 1;
                     }
@@ -1015,9 +1050,11 @@ impl Inner {
                         Some(&h) if h.same_id(a) => {
                             alive[kept] = a.max(h);
                             kept += 1;
+                            j += 1;
                         }
                         _ => done.push((a.source(), matched, tokens, a.tier())),
                     }
+                    r += 1;
                 }
                 alive.truncate(kept);
             }
@@ -1032,13 +1069,10 @@ impl Inner {
                 .iter()
                 .map(|a| (a.source(), matched, tokens, a.tier())),
         );
-        // Per replica, its best source; a replica is fresh when all its sources are.
-        let mut fresh = vec![true; self.replicas.len()];
-        for s in self.sources.iter().filter(|s| s.live && !s.fresh) {
-            fresh[s.replica as usize] = false;
-        }
-        let mut best: Vec<Option<(u32, u32, u8)>> = vec![None; self.replicas.len()];
-        for (source, blocks, tokens, tier) in done {
+        // Per replica, its best source.
+        best.clear();
+        best.resize(self.replicas.len(), None);
+        for &(source, blocks, tokens, tier) in done.iter() {
             let replica = self.sources[source as usize].replica as usize;
             let candidate = (blocks, tokens, tier);
             let better = |b: &(u32, u32, u8)| {
@@ -1051,33 +1085,28 @@ impl Inner {
         // Best first: most tokens, most blocks, T1 before T2, then by name. The replicas are
         // taken in name order and sorted stably by the rest as one number: many tie on a
         // shared prompt, and sorting runs of equal keys is cheap.
-        let mut order: Vec<(u64, u32)> = self
-            .by_name
-            .iter()
-            .filter_map(|&replica| {
-                let (blocks, tokens, tier) = best[replica as usize]?;
-                // A query of 2^31 blocks or more is not a real one: such counts tie.
-                let blocks = u64::from(blocks.min(u32::MAX >> 1));
-                let key =
-                    (u64::from(!tokens) << 32) | ((!blocks & 0x7fff_ffff) << 1) | u64::from(tier);
-                Some((key, replica))
-            })
-            .collect();
+        order.clear();
+        order.extend(self.by_name.iter().filter_map(|&replica| {
+            let (blocks, tokens, tier) = best[replica as usize]?;
+            // A query of 2^31 blocks or more is not a real one: such counts tie.
+            let blocks = u64::from(blocks.min(u32::MAX >> 1));
+            let key = (u64::from(!tokens) << 32) | ((!blocks & 0x7fff_ffff) << 1) | u64::from(tier);
+            Some((key, replica))
+        }));
         order.sort_by_key(|&(key, _)| key);
-        let entries = order
-            .into_iter()
-            .map(|(_, replica)| {
-                let (blocks, tokens, tier) = best[replica as usize].unwrap_or_default();
-                let tier = if tier == 0 { Tier::T1 } else { Tier::T2 };
-                Answer {
-                    replica,
-                    blocks,
-                    tokens,
-                    tier,
-                    fresh: fresh[replica as usize],
-                }
-            })
-            .collect();
+        let mut entries = Vec::with_capacity(order.len());
+        entries.extend(order.iter().map(|&(_, replica)| {
+            let (blocks, tokens, tier) = best[replica as usize].unwrap_or_default();
+            let tier = if tier == 0 { Tier::T1 } else { Tier::T2 };
+            Answer {
+                replica,
+                blocks,
+                tokens,
+                tier,
+                // A replica is fresh when all its live sources are.
+                fresh: self.stale_sources[replica as usize] == 0,
+            }
+        }));
         Scores {
             names: self.replicas.clone(),
             entries,

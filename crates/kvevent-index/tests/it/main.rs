@@ -50,9 +50,26 @@ fn removed(h: u64) -> wire::Event<'static> {
 
 #[derive(Debug, Clone)]
 enum Op {
-    Store { source: usize, first: u64, len: u64 },
-    Remove { source: usize, h: u64 },
-    Reset { source: usize },
+    Store {
+        source: usize,
+        first: u64,
+        len: u64,
+    },
+    Remove {
+        source: usize,
+        h: u64,
+    },
+    Reset {
+        source: usize,
+    },
+    Fresh {
+        source: usize,
+        fresh: bool,
+    },
+    /// The replica is removed and comes back under the same name (a pod replaced).
+    Replace {
+        replica: usize,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -61,13 +78,16 @@ fn op() -> impl Strategy<Value = Op> {
         6 => (0..6usize, 0..12u64, 1..21u64).prop_map(|(source, first, len)| Op::Store { source, first, len }),
         3 => (0..6usize, 0..32u64).prop_map(|(source, h)| Op::Remove { source, h }),
         1 => (0..6usize).prop_map(|source| Op::Reset { source }),
+        1 => (0..6usize, any::<bool>()).prop_map(|(source, fresh)| Op::Fresh { source, fresh }),
+        1 => (0..3usize).prop_map(|replica| Op::Replace { replica }),
     ]
 }
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(200))]
-    /// Six sources (two ranks of three replicas), random stores, removals and resets: every
-    /// score equals the naive model's (per source a set of held blocks).
+    /// Six sources (two ranks of three replicas), random stores, removals, resets, freshness
+    /// changes and replaced replicas: every score equals the naive model's (per source a set
+    /// of held blocks and whether it is fresh).
     #[test]
     fn scores_match_a_naive_model(ops in proptest::collection::vec(op(), 1..80)) {
         let index = Index::new(engine_keys());
@@ -76,9 +96,10 @@ proptest! {
         let small = Index::new(Config { byte_budget: 1_200, ..engine_keys() });
         // Added out of name order: ties are broken by name, not by when a replica came.
         let replicas = ["c", "a", "b"];
-        let sources: Vec<_> = (0..6).map(|i| index.add_source(replicas[i / 2])).collect();
-        let small_sources: Vec<_> = (0..6).map(|i| small.add_source(replicas[i / 2])).collect();
+        let mut sources: Vec<_> = (0..6).map(|i| index.add_source(replicas[i / 2])).collect();
+        let mut small_sources: Vec<_> = (0..6).map(|i| small.add_source(replicas[i / 2])).collect();
         let mut model: Vec<BTreeSet<u64>> = vec![BTreeSet::new(); 6];
+        let mut fresh = [true; 6];
         for op in &ops {
             match *op {
                 Op::Store { source, first, len } => {
@@ -97,6 +118,20 @@ proptest! {
                     small.reset(small_sources[source]);
                     model[source].clear();
                 }
+                Op::Fresh { source, fresh: f } => {
+                    index.set_fresh(sources[source], f);
+                    fresh[source] = f;
+                }
+                Op::Replace { replica } => {
+                    index.remove_replica(replicas[replica]);
+                    small.remove_replica(replicas[replica]);
+                    for source in [2 * replica, 2 * replica + 1] {
+                        sources[source] = index.add_source(replicas[replica]);
+                        small_sources[source] = small.add_source(replicas[replica]);
+                        model[source].clear();
+                        fresh[source] = true;
+                    }
+                }
             }
         }
         for start in 0..12u64 {
@@ -108,6 +143,11 @@ proptest! {
                 (std::cmp::Reverse(s.matched_tokens), std::cmp::Reverse(s.matched_blocks), s.tier, s.replica.to_owned())
             };
             prop_assert!(scores.windows(2).all(|w| order(&w[0]) < order(&w[1])), "{:?}", scores);
+            // A replica is fresh when both its sources are.
+            for s in &scores {
+                let r = replicas.iter().position(|r| *r == s.replica).unwrap_or(0);
+                prop_assert_eq!(s.fresh, fresh[2 * r] && fresh[2 * r + 1], "{:?}", s);
+            }
             let got: BTreeMap<String, u32> = scores
                 .into_iter()
                 .map(|s| (s.replica.to_string(), s.matched_blocks))
