@@ -403,13 +403,18 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
         }
         self.slots.copy_within(hole + 1..=last, hole);
         self.dist.copy_within(hole + 1..=last, hole);
-        if self.dist[hole..last].contains(&SAT) {
+        // One pass with no branch a byte: a byte one nearer, but a saturated byte stays (its
+        // distance is worked out from its key's hash after).
+        let mut saturated = false;
+        for b in &mut self.dist[hole..last] {
+            saturated |= *b == SAT;
+            *b -= u8::from(*b != SAT);
+        }
+        if saturated {
             for i in hole..last {
-                self.settle(i);
-            }
-        } else {
-            for b in &mut self.dist[hole..last] {
-                *b -= 1;
+                if self.dist[i] == SAT {
+                    self.settle(i);
+                }
             }
         }
     }
