@@ -290,6 +290,43 @@ fn a_token_query_is_chained_into_fingerprints_and_tiers_and_freshness_are_report
     assert_eq!(scores.iter().map(|s| s.replica).collect::<Vec<_>>(), ["b"]);
 }
 
+/// Twenty replicas, added in reverse name order, each holding its own prefix of one chain and
+/// some of them in the offload tier: many distinct scores, then few (many ties).
+#[test]
+fn answers_are_best_first_then_by_name_with_many_distinct_scores_or_few() {
+    for lengths in [10u64, 3] {
+        let index = Index::new(engine_keys());
+        let mut want = Vec::new();
+        for i in (0..20u64).rev() {
+            let name = format!("r{i:02}");
+            let source = index.add_source(&name);
+            let n = (i * 7) % lengths + 1;
+            let medium = if i % 4 == 0 { "CPU" } else { "GPU" };
+            let hashes: Vec<u64> = (1..=n).collect();
+            index.apply(source, &batch(vec![stored(&hashes, medium)]));
+            let tier = if i % 4 == 0 { Tier::T2 } else { Tier::T1 };
+            want.push((std::cmp::Reverse(4 * n as u32), tier, name));
+        }
+        want.sort();
+        let query: Vec<u64> = (1..=12).collect();
+        let answer = index.score(&Query {
+            adapter: "",
+            keys: QueryKeys::Keys(&query),
+        });
+        let got: Vec<_> = answer
+            .iter()
+            .map(|s| {
+                (
+                    std::cmp::Reverse(s.matched_tokens),
+                    s.tier,
+                    s.replica.to_owned(),
+                )
+            })
+            .collect();
+        assert_eq!(got, want, "chains of up to {lengths} blocks");
+    }
+}
+
 #[test]
 fn a_block_whose_parent_was_never_seen_still_enters() {
     let index = Index::new(engine_keys());
