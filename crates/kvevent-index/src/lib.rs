@@ -295,13 +295,17 @@ impl Holder {
     }
 }
 
-/// The sources holding a key, sorted by source, in one word: none, one inline, or the number
-/// of a list in [`Lists`] (two or more). Keeps a table slot at 24 bytes.
+/// The sources holding a key, sorted by source (one holder a source at most), in one word:
+/// none, one inline, or the number of a list in [`Lists`] (two or more) and, in bits 2–31,
+/// the [`Inner::lapses`] count (its low 30 bits) when the list was last rid of lapsed
+/// holders. Keeps a table slot at 24 bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Holders(u64);
 
 const ONE: u64 = 1;
 const LIST: u64 = 2;
+/// Where a list's lapse stamp sits.
+const STAMP: u64 = ((1 << 30) - 1) << 2;
 
 /// The holder lists of keys held by two sources or more; a freed slot is reused. The slot
 /// vector keeps the length of its peak (24 bytes a slot, not counted by the budget, which
@@ -366,6 +370,64 @@ impl Holders {
         } else {
             None
         }
+    }
+
+    /// A list stamped with `lapses` (one holder stays as it is).
+    fn stamped(self, lapses: u32) -> Self {
+        if self.0 & 3 == LIST {
+            Self((self.0 & !STAMP) | ((u64::from(lapses) << 2) & STAMP))
+        } else {
+            self
+        }
+    }
+
+    /// True for a list stamped with `lapses`: no holder of it lapsed since it was stamped.
+    fn stamped_with(self, lapses: u32) -> bool {
+        self.0 & 3 == LIST && self.0 & STAMP == (u64::from(lapses) << 2) & STAMP
+    }
+
+    /// Without `source`'s holder: a binary search in a list, not a scan (a key of a shared
+    /// system prompt can have a holder on every replica of the fleet).
+    fn remove(self, lists: &mut Lists, source: u32) -> Self {
+        let Some((_, v)) = self.list_mut(lists) else {
+            return match self.view(lists) {
+                HolderView::One(h) if h.source() == source => Self::NONE,
+                _ => self,
+            };
+        };
+        if let Ok(i) = v.binary_search_by_key(&source, |h| h.source()) {
+            v.remove(i);
+        }
+        match v.as_slice() {
+            [only] => {
+                let only = *only;
+                self.free(lists);
+                Self::one(only)
+            }
+            [] => {
+                self.free(lists);
+                Self::NONE
+            }
+            _ => self,
+        }
+    }
+
+    /// Without lapsed holders (`valid` says which stand) and then with `holder` (replacing
+    /// its source's), stamped with `lapses`. A list stamped with `lapses` already is not
+    /// scanned: no holder of it can have lapsed since.
+    fn store(
+        self,
+        lists: &mut Lists,
+        lapses: u32,
+        valid: impl Fn(&Holder) -> bool,
+        holder: Holder,
+    ) -> Self {
+        let kept = if self.stamped_with(lapses) {
+            self
+        } else {
+            self.retain(lists, valid)
+        };
+        kept.upsert(lists, holder).stamped(lapses)
     }
 
     /// Gives its list back, if it has one.
@@ -524,6 +586,9 @@ struct Inner {
     young: Keys,
     old: Keys,
     lists: Lists,
+    /// How many times a source's holders lapsed (an epoch moved on, a source was removed),
+    /// wrapping: a holder list stamped with the current count holds no lapsed holder.
+    lapses: u32,
     /// Heap bytes of the holder lists in each generation (the tables are measured by their
     /// capacity).
     young_bytes: usize,
@@ -649,6 +714,7 @@ impl Index {
         }
         if let Some(s) = inner.sources.get_mut(source.0 as usize) {
             s.epoch = s.epoch.wrapping_add(1);
+            inner.lapses = inner.lapses.wrapping_add(1);
             if s.epoch == 0 {
                 // The epoch wrapped: drop this source's holders for real.
                 let n = source.0;
@@ -691,6 +757,7 @@ impl Index {
         }
         // None of its sources is live now.
         inner.stale_sources[id as usize] = 0;
+        inner.lapses = inner.lapses.wrapping_add(1);
         inner.drop_holders(|h| gone.contains(&h.source()));
     }
 
@@ -823,6 +890,7 @@ impl mapper::Sink for Apply<'_> {
         self.inner.flush(self.source, self.budget);
         if let Some(s) = self.inner.sources.get_mut(self.source as usize) {
             s.epoch = s.epoch.wrapping_add(1);
+            self.inner.lapses = self.inner.lapses.wrapping_add(1);
         }
     }
 }
@@ -875,7 +943,7 @@ impl Inner {
             if let TableEntry::Occupied(mut entry) = map.entry(key) {
                 let holders = entry.get().holders;
                 let before = entry_bytes(holders.len(lists));
-                let after = holders.retain(lists, |h| h.source() != source);
+                let after = holders.remove(lists, source);
                 if after == Holders::NONE {
                     entry.remove();
                     *bytes = bytes.saturating_sub(before);
@@ -908,7 +976,7 @@ impl Inner {
                 let entry = o.into_mut();
                 let holders = entry.holders;
                 let before = entry_bytes(holders.len(lists));
-                let after = holders.retain(lists, valid).upsert(lists, holder);
+                let after = holders.store(lists, self.lapses, valid, holder);
                 *entry = Entry {
                     tokens,
                     holders: after,
@@ -930,7 +998,7 @@ impl Inner {
             }
             None => Holders::NONE,
         };
-        let holders = known.retain(lists, valid).upsert(lists, holder);
+        let holders = known.store(lists, self.lapses, valid, holder);
         let heap = entry_bytes(holders.len(lists));
         // The budget counts what the key tables really hold: when this insert would make the
         // young table grow past it, the old generation goes first and the young one becomes

@@ -407,6 +407,63 @@ fn scoring_from_many_threads_while_events_are_applied() {
     }
 }
 
+#[test]
+fn a_shared_key_sheds_the_holders_that_lapsed_when_it_is_stored_again() {
+    let index = Index::new(engine_keys());
+    let [a, b, c] = ["a", "b", "c"].map(|r| index.add_source(r));
+    for s in [a, b, c] {
+        index.apply(s, &batch(vec![stored(&[1, 2], "GPU")]));
+    }
+    let pairs = || index.stats().pairs;
+    let holders = |key: u64| -> Vec<String> {
+        let answer = index.score(&Query {
+            adapter: "",
+            keys: QueryKeys::Keys(&[key]),
+        });
+        answer.iter().map(|s| s.replica.to_owned()).collect()
+    };
+    assert_eq!(pairs(), 6);
+    // A reset leaves `a`'s holders in place, not counted by scoring, until their key is
+    // touched.
+    index.reset(a);
+    assert_eq!(pairs(), 6);
+    assert_eq!(holders(1), ["b", "c"]);
+    index.apply(b, &batch(vec![stored(&[1], "GPU")]));
+    assert_eq!(pairs(), 5, "key 1 sheds a's lapsed holder");
+    // No holder lapsed since key 1 was last stored: storing it again changes nothing else.
+    index.apply(c, &batch(vec![stored(&[1], "CPU")]));
+    assert_eq!(pairs(), 5);
+    // A removal finds its source's holder in a list (not only the one holder of a key).
+    index.apply(c, &batch(vec![removed(2)]));
+    assert_eq!(pairs(), 4);
+    assert_eq!(holders(2), ["b"]);
+    // A lapse after the last store: the next store of the key looks at its holders again.
+    index.reset(b);
+    index.apply(c, &batch(vec![stored(&[1], "GPU")]));
+    assert_eq!(
+        pairs(),
+        3,
+        "key 1 sheds b's lapsed holder: {:?}",
+        index.stats()
+    );
+    assert_eq!(holders(1), ["c"]);
+    // A clear is a lapse too.
+    index.apply(a, &batch(vec![stored(&[1], "GPU")]));
+    index.apply(
+        c,
+        &batch(vec![wire::Event::AllBlocksCleared(Default::default())]),
+    );
+    index.apply(a, &batch(vec![stored(&[1], "GPU")]));
+    assert_eq!(holders(1), ["a"]);
+    // Key 2 keeps its two lapsed holders (a's and b's) until it is stored again.
+    assert_eq!(
+        pairs(),
+        3,
+        "key 1 sheds c's lapsed holder: {:?}",
+        index.stats()
+    );
+}
+
 /// Table bytes of an index holding `resident` blocks, after the fill and after ten times as
 /// many stored (each evicting the oldest).
 fn churned(resident: u64) -> (IndexStats, IndexStats) {
