@@ -138,7 +138,15 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
     v[((v.len() - 1) as f64 * p).round() as usize]
 }
 
-fn run(replicas: usize, capacity: usize, seed: u64, queries: usize, turn: usize, fill: Fill) {
+fn run(
+    replicas: usize,
+    capacity: usize,
+    seed: u64,
+    queries: usize,
+    turn: usize,
+    fill: Fill,
+    batch_group: usize,
+) {
     let mut rng = Rng(seed | 1);
     let system: Vec<Vec<u32>> = (0..16)
         .map(|_| (0..16 * BLOCK).map(|_| rng.below(128_000) as u32).collect())
@@ -167,6 +175,15 @@ fn run(replicas: usize, capacity: usize, seed: u64, queries: usize, turn: usize,
     let mut applied_blocks = 0u64;
     let mut apply_secs = 0.0;
     let mut fill = |rounds: usize, state: &mut Vec<Replica>, trace: &mut Trace| {
+        let mut group: Vec<(kvevent_index::SourceId, wire::EventBatch<'static>)> = Vec::new();
+        let mut apply = |group: &mut Vec<(kvevent_index::SourceId, wire::EventBatch<'static>)>| {
+            let batches: Vec<_> = group.iter().map(|(s, b)| (*s, b)).collect();
+            let t = Instant::now();
+            index.apply_many(&batches);
+            apply_secs += t.elapsed().as_secs_f64();
+            drop(batches);
+            group.clear();
+        };
         for _ in 0..rounds.div_ceil(turn) {
             for (i, r) in state.iter_mut().enumerate() {
                 for _ in 0..turn {
@@ -178,17 +195,23 @@ fn run(replicas: usize, capacity: usize, seed: u64, queries: usize, turn: usize,
                             _ => 1,
                         })
                         .sum::<u64>();
-                    let batch = wire::EventBatch {
-                        ts: 1.0,
-                        events,
-                        data_parallel_rank: None,
-                        unknown_events: 0,
-                    };
-                    let t = Instant::now();
-                    index.apply(sources[i], &batch);
-                    apply_secs += t.elapsed().as_secs_f64();
+                    group.push((
+                        sources[i],
+                        wire::EventBatch {
+                            ts: 1.0,
+                            events,
+                            data_parallel_rank: None,
+                            unknown_events: 0,
+                        },
+                    ));
+                    if group.len() >= batch_group {
+                        apply(&mut group);
+                    }
                 }
             }
+        }
+        if !group.is_empty() {
+            apply(&mut group);
         }
     };
     let rounds = capacity / 4;
@@ -220,6 +243,7 @@ fn run(replicas: usize, capacity: usize, seed: u64, queries: usize, turn: usize,
     let before = index.stats();
     fill(rounds * 10, &mut state, &mut trace);
     let after = index.stats();
+    eprintln!("applied block events {applied_blocks}");
     // The index's resident memory: what the process gives back when the index is dropped
     // (its tables are large allocations, returned to the system when freed), per pair.
     let rss_before_drop = rss();
@@ -250,6 +274,7 @@ fn main() {
     let mut queries = 5_000;
     let mut turn = 1;
     let mut fill = Fill::Dense;
+    let mut group = 1;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -265,6 +290,13 @@ fn main() {
                         std::process::exit(2);
                     }
                 }
+            }
+            "--group" => {
+                group = args
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(group)
+                    .max(1)
             }
             "--turn" => {
                 turn = args
@@ -287,7 +319,7 @@ fn main() {
     );
     println!("|---|---|---|---|---|---|---|");
     for r in replicas {
-        run(r, capacity, seed, queries, turn, fill);
+        run(r, capacity, seed, queries, turn, fill, group);
     }
     // The floor under the apply rate once the tables outgrow the cache (about 64 MB of them
     // at 256 replicas): every block event looks up two tables at random. Measured last:

@@ -470,6 +470,22 @@ impl Blocks {
         }
     }
 
+    pub(crate) fn prefetch(&self, id: BlockId<'_>, lines: usize) {
+        match id {
+            BlockId::H8(hash, group) => self.h8.prefetch(&Fixed { hash, group }, lines),
+            BlockId::H16(hash, group) => self.h16.prefetch(&Fixed { hash, group }, lines),
+            BlockId::H32(hash, group) => self.h32.prefetch(&Fixed { hash, group }, lines),
+            BlockId::Other(..) => {}
+        }
+    }
+
+    /// Prefetches the fields a batch reads first (the tables' headers, the groups).
+    pub(crate) fn prefetch_own(&self) {
+        kvevent_table::prefetch(&self.h8);
+        kvevent_table::prefetch(&self.groups);
+        kvevent_table::prefetch(&self.last_adapter);
+    }
+
     pub(crate) fn get_mut(&mut self, id: BlockId<'_>) -> Option<&mut Tracked> {
         with_map!(self, id, |map, key| map.get_mut(&key))
     }

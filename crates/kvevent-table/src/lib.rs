@@ -135,6 +135,18 @@ fn first_below(bytes: &[u8], limit: u8) -> Option<usize> {
         .map(|k| at + k)
 }
 
+/// Asks the core to bring the cache line holding `r` closer, without waiting for it.
+#[cfg(all(target_arch = "x86_64", target_feature = "sse"))]
+pub fn prefetch<T>(r: &T) {
+    safe_arch::prefetch_t0(r);
+}
+
+/// Asks the core to bring the cache line holding `r` closer (a no-op on this target).
+#[cfg(not(all(target_arch = "x86_64", target_feature = "sse")))]
+pub fn prefetch<T>(r: &T) {
+    let _ = r;
+}
+
 /// The table. Empty slots hold `K::default()` and `V::default()` (never read).
 #[derive(Debug, Clone)]
 pub struct Table<K, V> {
@@ -323,6 +335,25 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
         if !self.slots.is_empty() {
             let home = self.home(key);
             std::hint::black_box((self.dist[home], self.slots[home].0));
+        }
+    }
+
+    /// Starts loading `key`'s home slot, its distance byte and the `lines` cache lines of
+    /// slots after it, without waiting for them (a prefetch: nothing is read, nothing waits,
+    /// so hundreds can be in flight, unlike [`Table::touch`]'s loads, which hold the core's
+    /// queue until they arrive). For keys whose turn comes a batch or more later; an insert or
+    /// removal moves the entries after its slot up to the next empty one, `lines` covers them.
+    pub fn prefetch(&self, key: &K, lines: usize) {
+        if self.slots.is_empty() {
+            return;
+        }
+        let home = self.home(key);
+        prefetch(&self.dist[home]);
+        let per_line = (64 / std::mem::size_of::<(K, V)>()).max(1);
+        for l in 0..=lines {
+            if let Some(slot) = self.slots.get(home + l * per_line) {
+                prefetch(slot);
+            }
         }
     }
 

@@ -70,6 +70,13 @@ enum Op {
     Replace {
         replica: usize,
     },
+    /// The engine stores a block, clears its cache (an `AllBlocksCleared` event) and stores
+    /// another, in one batch.
+    Clear {
+        source: usize,
+        before: u64,
+        after: u64,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -80,6 +87,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..6usize).prop_map(|source| Op::Reset { source }),
         1 => (0..6usize, any::<bool>()).prop_map(|(source, fresh)| Op::Fresh { source, fresh }),
         1 => (0..3usize).prop_map(|replica| Op::Replace { replica }),
+        1 => (0..6usize, 0..32u64, 0..32u64).prop_map(|(source, before, after)| Op::Clear { source, before, after }),
     ]
 }
 
@@ -94,7 +102,8 @@ proptest! {
         // The same stream into an index whose budget keeps dropping generations: it may
         // forget, never invent (shared holder lists are freed and reused as keys go).
         let small = Index::new(Config { byte_budget: 1_200, ..engine_keys() });
-        // And into one whose tables are sparse: the same answers.
+        // And into one whose tables are sparse, fed the runs of batches between other changes
+        // together (`apply_many`): the same answers.
         let mut sparse_config = engine_keys();
         sparse_config.mapping.table_fill = kvevent_index::Fill::Sparse;
         let sparse = Index::new(sparse_config);
@@ -103,6 +112,12 @@ proptest! {
         let mut sources: Vec<_> = (0..6).map(|i| index.add_source(replicas[i / 2])).collect();
         let mut small_sources: Vec<_> = (0..6).map(|i| small.add_source(replicas[i / 2])).collect();
         let mut sparse_sources: Vec<_> = (0..6).map(|i| sparse.add_source(replicas[i / 2])).collect();
+        let mut held: Vec<(kvevent_index::SourceId, wire::EventBatch<'static>)> = Vec::new();
+        let apply_held = |held: &mut Vec<(kvevent_index::SourceId, wire::EventBatch<'static>)>| {
+            let batches: Vec<_> = held.iter().map(|(s, b)| (*s, b)).collect();
+            sparse.apply_many(&batches);
+            held.clear();
+        };
         let mut model: Vec<BTreeSet<u64>> = vec![BTreeSet::new(); 6];
         let mut fresh = [true; 6];
         for op in &ops {
@@ -111,27 +126,44 @@ proptest! {
                     let hashes: Vec<u64> = (first..first + len).collect();
                     index.apply(sources[source], &batch(vec![stored(&hashes, "GPU")]));
                     small.apply(small_sources[source], &batch(vec![stored(&hashes, "GPU")]));
-                    sparse.apply(sparse_sources[source], &batch(vec![stored(&hashes, "GPU")]));
+                    held.push((sparse_sources[source], batch(vec![stored(&hashes, "GPU")])));
                     model[source].extend(hashes);
                 }
                 Op::Remove { source, h } => {
                     index.apply(sources[source], &batch(vec![removed(h)]));
                     small.apply(small_sources[source], &batch(vec![removed(h)]));
-                    sparse.apply(sparse_sources[source], &batch(vec![removed(h)]));
+                    held.push((sparse_sources[source], batch(vec![removed(h)])));
                     model[source].remove(&h);
                 }
+                Op::Clear { source, before, after } => {
+                    let clear = || {
+                        batch(vec![
+                            stored(&[before], "GPU"),
+                            wire::Event::AllBlocksCleared(Default::default()),
+                            stored(&[after], "GPU"),
+                        ])
+                    };
+                    index.apply(sources[source], &clear());
+                    small.apply(small_sources[source], &clear());
+                    held.push((sparse_sources[source], clear()));
+                    model[source].clear();
+                    model[source].insert(after);
+                }
                 Op::Reset { source } => {
+                    apply_held(&mut held);
                     index.reset(sources[source]);
                     small.reset(small_sources[source]);
                     sparse.reset(sparse_sources[source]);
                     model[source].clear();
                 }
                 Op::Fresh { source, fresh: f } => {
+                    apply_held(&mut held);
                     index.set_fresh(sources[source], f);
                     sparse.set_fresh(sparse_sources[source], f);
                     fresh[source] = f;
                 }
                 Op::Replace { replica } => {
+                    apply_held(&mut held);
                     index.remove_replica(replicas[replica]);
                     small.remove_replica(replicas[replica]);
                     sparse.remove_replica(replicas[replica]);
@@ -145,6 +177,7 @@ proptest! {
                 }
             }
         }
+        apply_held(&mut held);
         for start in 0..12u64 {
             let query: Vec<u64> = (start..start + 20).collect();
             let answer = index.score(&Query { adapter: "", keys: QueryKeys::Keys(&query) });
