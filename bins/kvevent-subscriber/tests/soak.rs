@@ -179,7 +179,7 @@ async fn a_hung_server_keeps_memory_within_the_pending_bound_and_every_block_is_
         engine.publish(&stores(next, per_tick)).expect("publish");
         next += per_tick;
         tick += 1;
-        if tick % 50 == 0 {
+        if tick.is_multiple_of(50) {
             peak = peak.max(sidecar.rss_bytes());
         }
         let due = start + Duration::from_millis(tick * 10);

@@ -941,7 +941,7 @@ mod tests {
                 x ^= x >> 7;
                 x ^= x << 17;
                 let k = Coarse(base | (x % 700));
-                if x % 3 == 0 {
+                if x.is_multiple_of(3) {
                     assert_eq!(table.remove(&k), model.remove(&k.0), "step {step}");
                 } else if let Some(v) = table.get_mut(&k) {
                     *v = step;
@@ -974,7 +974,7 @@ mod tests {
             x ^= x >> 7;
             x ^= x << 17;
             let k = key(x);
-            if x % 3 == 0 {
+            if x.is_multiple_of(3) {
                 let want = plain.remove(&k);
                 let got = match entries.entry(k) {
                     Entry::Occupied(o) => Some(o.remove()),
