@@ -401,9 +401,14 @@ impl Holders {
         if let Ok(i) = v.binary_search_by_key(&source, |h| h.source()) {
             v.remove(i);
         }
-        match v.as_slice() {
-            [only] => {
-                let only = *only;
+        self.collapsed(lists)
+    }
+
+    /// A list that lost holders: one holder inline when one is left, none when none is (its
+    /// list given back either way).
+    fn collapsed(self, lists: &mut Lists) -> Self {
+        match self.view(lists).as_slice() {
+            &[only] => {
                 self.free(lists);
                 Self::one(only)
             }
@@ -456,18 +461,7 @@ impl Holders {
                     return Self::NONE;
                 };
                 v.retain(|h| keep(h));
-                match v.as_slice() {
-                    [only] => {
-                        let only = *only;
-                        self.free(lists);
-                        Self::one(only)
-                    }
-                    [] => {
-                        self.free(lists);
-                        Self::NONE
-                    }
-                    _ => self,
-                }
+                self.collapsed(lists)
             }
         }
     }

@@ -294,26 +294,7 @@ impl Mapper {
     /// map outgrows the cache. Beyond that many the first ones would leave the cache before
     /// their turn.
     fn touch(&self, batch: &wire::EventBatch<'_>) {
-        let mut left = kvevent_table::TOUCH_AHEAD;
-        for event in &batch.events {
-            let (group, hashes, parent) = match event {
-                wire::Event::BlockStored(e) => {
-                    (e.group_idx, &e.block_hashes, e.parent_block_hash.as_ref())
-                }
-                wire::Event::BlockRemoved(e) => (e.group_idx, &e.block_hashes, None),
-                wire::Event::AllBlocksCleared(_) => continue,
-            };
-            let Some(group) = self.blocks.known_group(group) else {
-                continue;
-            };
-            for hash in parent.into_iter().chain(hashes) {
-                if left == 0 {
-                    return;
-                }
-                left -= 1;
-                self.blocks.touch(BlockId::new(hash, group));
-            }
-        }
+        self.each_block(batch, |id| self.blocks.touch(id));
     }
 
     /// Prefetches the mapper's own state a batch reads first (for a batch a little later).
@@ -327,6 +308,12 @@ impl Mapper {
     /// and `lines` cache lines after each, for a batch mapped a little later: unlike the
     /// loads a batch makes of its own blocks first, nothing waits for them.
     pub fn prefetch(&self, batch: &wire::EventBatch<'_>, lines: usize) {
+        self.each_block(batch, |id| self.blocks.prefetch(id, lines));
+    }
+
+    /// Calls `f` with the first [`kvevent_table::TOUCH_AHEAD`] blocks the batch names, in a
+    /// known group: each store's parent and blocks, each removal's blocks.
+    fn each_block(&self, batch: &wire::EventBatch<'_>, mut f: impl FnMut(BlockId<'_>)) {
         let mut left = kvevent_table::TOUCH_AHEAD;
         for event in &batch.events {
             let (group, hashes, parent) = match event {
@@ -344,7 +331,7 @@ impl Mapper {
                     return;
                 }
                 left -= 1;
-                self.blocks.prefetch(BlockId::new(hash, group), lines);
+                f(BlockId::new(hash, group));
             }
         }
     }
