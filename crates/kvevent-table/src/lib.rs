@@ -77,9 +77,9 @@ const RELEASE: usize = 1 << 16;
 /// At fleet scale (tables far larger than the cache) a lookup, insert or removal costs
 /// mostly the cache lines it touches, and an insert or removal touches its whole run up to
 /// the next empty slot (a dense table's runs average about 13 slots). Measured with
-/// `index-probe` (the index and its sources' block maps): dense 2.49–2.55 M block events/s
-/// at 256 replicas, 63 bytes a resident (block, replica) pair; sparse 3.47–3.69 M/s, 110
-/// bytes; at 4 replicas (every table in cache) 5.29 against 7.25 M/s.
+/// `index-probe` (the index and its sources' block maps): dense 2.16–2.39 M block events/s
+/// at 256 replicas, 63 bytes a resident (block, replica) pair; sparse 3.32–3.45 M/s, 110.5
+/// bytes; at 4 replicas (every table in cache) 5.55–5.60 against 7.12–7.48 M/s.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Fill {
     /// Grows ×1.25 past 9/10 full: a growing table is 72–90 % full, about 1.25 slots a key.
@@ -339,9 +339,9 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
     }
 
     /// Starts loading `key`'s home slot, its distance byte and the `lines` cache lines of
-    /// slots after it, without waiting for them (a prefetch: nothing is read, nothing waits,
-    /// so hundreds can be in flight, unlike [`Table::touch`]'s loads, which hold the core's
-    /// queue until they arrive). For keys whose turn comes a batch or more later; an insert or
+    /// slots after it, without waiting for them (a prefetch: nothing is read and nothing
+    /// waits for it, unlike [`Table::touch`]'s loads, which hold the core's queue until they
+    /// arrive). For keys whose turn comes a batch or more later; an insert or
     /// removal moves the entries after its slot up to the next empty one, `lines` covers them.
     pub fn prefetch(&self, key: &K, lines: usize) {
         if self.slots.is_empty() {
