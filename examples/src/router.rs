@@ -6,7 +6,7 @@
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
@@ -77,6 +77,10 @@ pub struct RouterConfig {
     pub table_fill: kvevent_index::Fill,
 }
 
+/// Most updates the feeding thread takes from the subscriber at once: batches applied together
+/// have their memory prefetched a batch or two ahead (`Index::apply_many`).
+const FEED_MAX: usize = 64;
+
 /// The running service: its index and the thread feeding it.
 pub struct Router {
     index: Arc<Index>,
@@ -84,6 +88,8 @@ pub struct Router {
     sources: Vec<(String, Arc<kvevent_source::SourceMetrics>)>,
     config: RouterConfig,
     stop: Arc<AtomicBool>,
+    /// Calls of the feeding thread that took updates, and the updates they took.
+    feeds: Arc<[AtomicU64; 2]>,
     feeder: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -110,26 +116,46 @@ impl Router {
             .zip(subscriber.metrics().iter().cloned())
             .collect();
         let stop = Arc::new(AtomicBool::new(false));
+        let feeds = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
         let feeder = {
-            let (index, stop) = (index.clone(), stop.clone());
+            let (index, stop, feeds) = (index.clone(), stop.clone(), feeds.clone());
             std::thread::Builder::new()
                 .name("router-events".into())
                 .spawn(move || {
+                    // Per call: the sources whose updates were applied (kept for capacity).
+                    let mut touched: Vec<usize> = Vec::new();
                     while !stop.load(Relaxed) {
                         let applied =
-                            subscriber.next_with(Duration::from_millis(100), |view| match view {
-                                View::Batch { source, batch, .. } => {
-                                    index.apply(ids[source], batch);
-                                    source
+                            subscriber.next_many(Duration::from_millis(100), FEED_MAX, |views| {
+                                // Runs of batches go in together (their memory prefetched
+                                // ahead); a reset applies between them, in order.
+                                let mut run = Vec::with_capacity(views.len());
+                                touched.clear();
+                                for view in views {
+                                    match view {
+                                        View::Batch { source, batch, .. } => {
+                                            run.push((ids[*source], *batch));
+                                            touched.push(*source);
+                                        }
+                                        View::Reset { source, .. } => {
+                                            index.apply_many(&run);
+                                            run.clear();
+                                            index.reset(ids[*source]);
+                                            touched.push(*source);
+                                        }
+                                    }
                                 }
-                                View::Reset { source, .. } => {
-                                    index.reset(ids[source]);
-                                    source
-                                }
+                                index.apply_many(&run);
+                                feeds[0].fetch_add(1, Relaxed);
+                                feeds[1].fetch_add(views.len() as u64, Relaxed);
                             });
-                        if let Some(source) = applied {
-                            let degraded = subscriber.metrics()[source].degraded.load(Relaxed);
-                            index.set_fresh(ids[source], !degraded);
+                        if applied.is_some() {
+                            touched.sort_unstable();
+                            touched.dedup();
+                            for &source in &touched {
+                                let degraded = subscriber.metrics()[source].degraded.load(Relaxed);
+                                index.set_fresh(ids[source], !degraded);
+                            }
                         }
                     }
                     subscriber.shutdown();
@@ -140,6 +166,7 @@ impl Router {
             sources: source_metrics,
             config,
             stop,
+            feeds,
             feeder: Some(feeder),
         })
     }
@@ -210,8 +237,16 @@ impl Router {
              # TYPE kvevent_index_pairs gauge\nkvevent_index_pairs {}\n\
              # TYPE kvevent_index_bytes gauge\nkvevent_index_bytes {}\n\
              # TYPE kvevent_index_evicted_keys_total counter\nkvevent_index_evicted_keys_total {}\n\
-             # TYPE kvevent_index_applied_total counter\nkvevent_index_applied_total {}\n",
-                s.keys, s.pairs, s.bytes, s.evicted_keys, s.applied
+             # TYPE kvevent_index_applied_total counter\nkvevent_index_applied_total {}\n\
+             # TYPE kvevent_router_feeds_total counter\nkvevent_router_feeds_total {}\n\
+             # TYPE kvevent_router_fed_updates_total counter\nkvevent_router_fed_updates_total {}\n",
+                s.keys,
+                s.pairs,
+                s.bytes,
+                s.evicted_keys,
+                s.applied,
+                self.feeds[0].load(Relaxed),
+                self.feeds[1].load(Relaxed),
             )
     }
 

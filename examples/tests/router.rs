@@ -105,6 +105,19 @@ async fn python_publishers_into_the_router_and_scores_out() {
         "{}",
         router.metrics()
     );
+    // Each replica's startup reset and its batch went through the feeder's calls.
+    let metrics = router.metrics();
+    let value = |name: &str| {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("no {name} in {metrics}"))
+    };
+    let (feeds, fed) = (
+        value("kvevent_router_feeds_total "),
+        value("kvevent_router_fed_updates_total "),
+    );
+    assert!((1..=fed).contains(&feeds) && fed >= 4, "{metrics}");
     drop(_server);
     if let Ok(router) = Arc::try_unwrap(router) {
         router.shutdown();

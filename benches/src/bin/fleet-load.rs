@@ -291,5 +291,12 @@ fn main() -> anyhow::Result<()> {
         (drained_in - published_in).as_secs_f64(),
         100.0 * own / published_in.as_secs_f64(),
     );
+    let feeds = sum(&text, "kvevent_router_feeds_total");
+    if feeds > 0.0 {
+        println!(
+            "  the router took {:.1} updates a call from its subscriber ({feeds} calls)",
+            sum(&text, "kvevent_router_fed_updates_total") / feeds
+        );
+    }
     Ok(())
 }

@@ -125,6 +125,8 @@ pub struct Subscriber {
     state_config: StateConfig,
     /// By source index: removed, its frames are ignored.
     removed: Vec<bool>,
+    /// The updates [`Subscriber::next_many`] hands out (kept for its capacity).
+    taken: Vec<Update>,
 }
 
 impl std::fmt::Debug for Subscriber {
@@ -171,6 +173,7 @@ impl Subscriber {
             states,
             metrics,
             removed: vec![false; config.sources.len()],
+            taken: Vec::new(),
             sources: config.sources,
             limits: config.limits,
             ready: VecDeque::new(),
@@ -289,6 +292,68 @@ impl Subscriber {
             },
             Update::Reset { source, reason } => f(View::Reset { source, reason }),
         })
+    }
+
+    /// Like [`Subscriber::next_with`], handing `f` every update ready now, in order, up to
+    /// `max` of them (at least one): the first waits at most `timeout`, the rest are those
+    /// already read (and, with nothing left, whatever the sockets hold, without waiting). For
+    /// a consumer that applies many batches at once, such as
+    /// `kvevent_index::Index::apply_many`, whose prefetches need batches ahead of the one
+    /// applied. `None` on timeout, as for [`Subscriber::next`].
+    pub fn next_many<R>(
+        &mut self,
+        timeout: Duration,
+        max: usize,
+        f: impl FnOnce(&[View<'_>]) -> R,
+    ) -> Option<R> {
+        let mut taken = std::mem::take(&mut self.taken);
+        let Some(first) = self.next_raw(timeout) else {
+            self.taken = taken;
+            return None;
+        };
+        taken.push(first);
+        while taken.len() < max {
+            match self.next_raw(Duration::ZERO) {
+                Some(update) => taken.push(update),
+                None => break,
+            }
+        }
+        // Each batch decoded once, here (a reset's place holds its reason, unread).
+        let decoded: Vec<Result<wire::EventBatch<'_>, ResetReason>> = taken
+            .iter()
+            .map(|u| match u {
+                Update::Batch(b) => self.check(b),
+                Update::Reset { reason, .. } => Err(*reason),
+            })
+            .collect();
+        let views: Vec<View<'_>> = taken
+            .iter()
+            .zip(&decoded)
+            .map(|(u, d)| match u {
+                Update::Reset { source, reason } => View::Reset {
+                    source: *source,
+                    reason: *reason,
+                },
+                Update::Batch(b) => match d {
+                    Ok(batch) => View::Batch {
+                        source: b.source,
+                        seq: b.seq,
+                        batch,
+                        payload: &b.payload,
+                    },
+                    Err(reason) => View::Reset {
+                        source: b.source,
+                        reason: *reason,
+                    },
+                },
+            })
+            .collect();
+        let out = f(&views);
+        drop(views);
+        drop(decoded);
+        taken.clear();
+        self.taken = taken;
+        Some(out)
     }
 
     /// Whether updates were read and wait to be handed out: the next [`Subscriber::next_with`]

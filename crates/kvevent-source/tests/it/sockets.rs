@@ -420,6 +420,60 @@ fn next_with_hands_over_the_decoded_batch_and_corrupt_ones_as_resets(threads: bo
     );
 }
 
+fn next_many_hands_over_what_is_ready_in_order_and_at_most_max(threads: bool) {
+    let release = Release::NEWEST_KNOWN;
+    let (ctx, engine) = engine(release);
+    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)], threads);
+    assert!(engine.wait_for_subscribers(1, WAIT));
+    engine.publish(&batch(0)).expect("publish");
+    engine.publish_payload(b"\x93\xcb".to_vec());
+    for i in 2..10 {
+        engine.publish(&batch(i)).expect("publish");
+    }
+    // Everything is on loopback before the first call: calls hand over several at once.
+    std::thread::sleep(Duration::from_millis(500));
+    let deadline = Instant::now() + WAIT;
+    let (mut seen, mut sizes) = (Vec::new(), Vec::new());
+    while seen.len() < 11 {
+        assert!(Instant::now() < deadline, "saw {seen:?}");
+        let got = sub.next_many(Duration::from_millis(100), 4, |views| {
+            views
+                .iter()
+                .map(|view| match view {
+                    kvevent_source::View::Batch { seq, batch, .. } => {
+                        let wire::Event::BlockStored(s) = &batch.events[0] else {
+                            panic!("not a store")
+                        };
+                        format!("B{seq}:{:?}", s.block_hashes[0])
+                    }
+                    kvevent_source::View::Reset { reason, .. } => {
+                        format!("R:{}", reason.as_str())
+                    }
+                })
+                .collect::<Vec<_>>()
+        });
+        if let Some(got) = got {
+            sizes.push(got.len());
+            seen.extend(got);
+        }
+    }
+    let want: Vec<String> = ["R:startup", "B0:Int(U64(100))", "R:corrupt"]
+        .into_iter()
+        .map(str::to_owned)
+        .chain((2..10).map(|i| format!("B{i}:Int(U64({}))", 100 + i)))
+        .collect();
+    assert_eq!(seen, want);
+    assert!(sizes.iter().all(|n| (1..=4).contains(n)), "{sizes:?}");
+    assert!(
+        sizes.iter().any(|n| *n > 1),
+        "never more than one at once: {sizes:?}"
+    );
+    assert_eq!(
+        sub.next_many(Duration::from_millis(50), 4, |v| v.len()),
+        None
+    );
+}
+
 /// Threads of this process whose name starts with `prefix`.
 fn threads_named(prefix: &str) -> usize {
     std::fs::read_dir("/proc/self/task")
@@ -547,6 +601,7 @@ both_ways!(
     malformed_frames_and_payloads_are_counted_and_skipped,
     a_gap_across_a_reconnect_is_rebuilt_from_the_new_process,
     next_with_hands_over_the_decoded_batch_and_corrupt_ones_as_resets,
+    next_many_hands_over_what_is_ready_in_order_and_at_most_max,
     sources_come_and_go_at_run_time_without_disturbing_the_others,
     three_hundred_sources_in_one_process,
     a_subscriber_joining_an_idle_engine_learns_what_it_published,
