@@ -9,8 +9,8 @@
 //! at which tier, and whether the replica's state is known to be complete ([`Score::fresh`]).
 //!
 //! - **Layout.** One table, (prefix key, adapter) → (token count, holders), 24 bytes a slot
-//!   and a distance byte in a [`kvevent_table::Table`] (open addressing, Robin Hood, any
-//!   size, 72–90 % full, no tombstones: churn never grows it). A holder is a source, its
+//!   and a tag byte in a [`kvevent_table::Table`] (bucketed cuckoo hashing, any size, 72–90 %
+//!   full, no tombstones: churn never grows it). A holder is a source, its
 //!   reset epoch and the tier; one is kept in the slot, two or more in a shared list, sorted
 //!   by source so scoring intersects holder lists block by block (one lookup per query
 //!   block, whatever the number of replicas).
@@ -544,8 +544,8 @@ impl Default for Entry {
     }
 }
 
-/// The key table (see `kvevent_table`): 24-byte slots and a distance byte each, 72–90 % full,
-/// no tombstones.
+/// The key table (see `kvevent_table`): 24-byte slots and a tag byte each, 72–90 % full, no
+/// tombstones.
 type Keys = kvevent_table::Table<KeyId, Entry>;
 
 /// Heap bytes of an entry's holders: none for one (kept inline), else its list's slot and the
@@ -596,6 +596,8 @@ struct Inner {
     pending: Vec<(u32, Op)>,
     /// How many of `pending` came before the batch being mapped.
     held: usize,
+    /// How many of `pending` came before the batch mapped last.
+    prior: usize,
 }
 
 /// One change of the index, as the mapper makes it.
@@ -701,15 +703,20 @@ impl Index {
             inner.sources.get(source.0 as usize).is_some_and(|s| s.live)
         };
         for (k, &(source, batch)) in batches.iter().enumerate() {
-            if let Some(&(s, _)) = batches.get(k + 2 * LEAD)
+            if let Some(&(s, _)) = batches.get(k + 3 * LEAD)
                 && live(inner, s)
             {
                 mappers[s.0 as usize].prefetch_own();
             }
+            if let Some(&(s, b)) = batches.get(k + 2 * LEAD)
+                && live(inner, s)
+            {
+                mappers[s.0 as usize].prefetch(b);
+            }
             if let Some(&(s, b)) = batches.get(k + LEAD)
                 && live(inner, s)
             {
-                mappers[s.0 as usize].prefetch(b, RUN_LINES);
+                mappers[s.0 as usize].prefetch_slots(b);
             }
             if !live(inner, source) {
                 continue;
@@ -727,15 +734,23 @@ impl Index {
             } else {
                 mappers[source.0 as usize].map_batch_into(batch, &mut apply);
             }
-            // This batch's changes are made at the next batch's turn: their slots come in
-            // meanwhile. The earlier batches' are made now.
+            // This batch's changes are made two batches later: their control words come in
+            // meanwhile, then their slots. The batches' before are made now.
             for (_, op) in &inner.pending[inner.held..] {
                 let (Op::Store { key, .. } | Op::Evict { key }) = op;
-                inner.young.prefetch(key, RUN_LINES);
-                inner.old.prefetch(key, RUN_LINES);
+                inner.young.prefetch(key);
+                inner.old.prefetch(key);
             }
-            inner.flush(inner.held, self.config.byte_budget);
+            for (_, op) in &inner.pending[inner.prior..inner.held] {
+                let (Op::Store { key, .. } | Op::Evict { key }) = op;
+                inner.young.prefetch_slot(key);
+                inner.old.prefetch_slot(key);
+            }
+            let done = inner.prior;
+            inner.flush(done, self.config.byte_budget);
+            inner.prior = inner.held - done;
         }
+        inner.prior = 0;
         inner.flush(inner.pending.len(), self.config.byte_budget);
     }
 
@@ -833,13 +848,9 @@ impl Index {
     }
 }
 
-/// How many batches ahead of its turn a batch's block-map slots are prefetched (its mapper's
-/// own state twice as far).
+/// How many batches ahead of its turn a batch's block-map slots are prefetched (their buckets'
+/// control words twice as far, its mapper's own state three times).
 const LEAD: usize = 2;
-
-/// Cache lines after a slot prefetched with it: an insert or removal moves the entries up to
-/// the next empty slot.
-const RUN_LINES: usize = 1;
 
 /// Query blocks looked up together: their keys are made (chained from token ids), then their
 /// slots loaded at once so the cache misses overlap, then they are matched in order. A query
@@ -934,6 +945,7 @@ impl mapper::Sink for Apply<'_> {
     fn cleared(&mut self, _ts: i64) {
         self.inner.flush(self.inner.pending.len(), self.budget);
         self.inner.held = 0;
+        self.inner.prior = 0;
         if let Some(s) = self.inner.sources.get_mut(self.source as usize) {
             s.epoch = s.epoch.wrapping_add(1);
             self.inner.lapses = self.inner.lapses.wrapping_add(1);
@@ -1115,8 +1127,13 @@ impl Inner {
                 query.chunk(i, parent, keys);
                 for k in keys.iter() {
                     let key = KeyId::new(*k, adapter);
-                    self.young.touch(&key);
-                    self.old.touch(&key);
+                    self.young.prefetch(&key);
+                    self.old.prefetch(&key);
+                }
+                for k in keys.iter() {
+                    let key = KeyId::new(*k, adapter);
+                    self.young.prefetch_slot(&key);
+                    self.old.prefetch_slot(&key);
                 }
             }
             let Some(k) = keys.get(i % SCORE_CHUNK) else {

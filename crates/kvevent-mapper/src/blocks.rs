@@ -8,10 +8,10 @@
 //! the 8-byte prefix fingerprint.
 //!
 //! Layout: key 10 bytes (8-byte hash + group), value 15 bytes (fingerprint, token count,
-//! adapter, flags), packed to 25 bytes an entry (unaligned), and the table's distance byte, in
-//! a [`kvevent_table::Table`]: any size, 72–90 % full whatever the count (1.25 slots a block
-//! on average), and no tombstones, so an int-hashed block costs 29–36 bytes (29.6 at the
-//! default cap), and an engine's churn never grows the map (measured by
+//! adapter, flags), packed to 25 bytes an entry (unaligned), and the table's tag byte (16 bytes
+//! a bucket of 15), in a [`kvevent_table::Table`]: any size, 72–90 % full whatever the count
+//! (1.25 slots a block on average), and no tombstones, so an int-hashed block costs 29–36
+//! bytes (29.7 at the default cap), and an engine's churn never grows the map (measured by
 //! `cargo run --release -p kvevent-benches --bin mapper-memory`).
 
 use std::collections::HashMap;
@@ -460,21 +460,22 @@ impl Blocks {
         self.get_mut(id).map(|t| *t)
     }
 
-    /// Loads `id`'s slot into the cache, for a lookup that follows soon.
-    pub(crate) fn touch(&self, id: BlockId<'_>) {
+    /// Starts loading the control words of `id`'s buckets (see [`Table::prefetch`]).
+    pub(crate) fn prefetch(&self, id: BlockId<'_>) {
         match id {
-            BlockId::H8(hash, group) => self.h8.touch(&Fixed { hash, group }),
-            BlockId::H16(hash, group) => self.h16.touch(&Fixed { hash, group }),
-            BlockId::H32(hash, group) => self.h32.touch(&Fixed { hash, group }),
+            BlockId::H8(hash, group) => self.h8.prefetch(&Fixed { hash, group }),
+            BlockId::H16(hash, group) => self.h16.prefetch(&Fixed { hash, group }),
+            BlockId::H32(hash, group) => self.h32.prefetch(&Fixed { hash, group }),
             BlockId::Other(..) => {}
         }
     }
 
-    pub(crate) fn prefetch(&self, id: BlockId<'_>, lines: usize) {
+    /// Starts loading the slot `id`'s lookup reads first (see [`Table::prefetch_slot`]).
+    pub(crate) fn prefetch_slot(&self, id: BlockId<'_>) {
         match id {
-            BlockId::H8(hash, group) => self.h8.prefetch(&Fixed { hash, group }, lines),
-            BlockId::H16(hash, group) => self.h16.prefetch(&Fixed { hash, group }, lines),
-            BlockId::H32(hash, group) => self.h32.prefetch(&Fixed { hash, group }, lines),
+            BlockId::H8(hash, group) => self.h8.prefetch_slot(&Fixed { hash, group }),
+            BlockId::H16(hash, group) => self.h16.prefetch_slot(&Fixed { hash, group }),
+            BlockId::H32(hash, group) => self.h32.prefetch_slot(&Fixed { hash, group }),
             BlockId::Other(..) => {}
         }
     }

@@ -288,13 +288,15 @@ impl Mapper {
         }
     }
 
-    /// Loads the map slots of the blocks the batch names (a store's parent and blocks, a
-    /// removal's blocks), up to [`kvevent_table::TOUCH_AHEAD`], before any is looked up: their
-    /// cache misses overlap instead of adding up, which is most of a lookup's cost once the
-    /// map outgrows the cache. Beyond that many the first ones would leave the cache before
-    /// their turn.
+    /// Prefetches the map memory of the blocks the batch names (a store's parent and blocks, a
+    /// removal's blocks), up to [`kvevent_table::TOUCH_AHEAD`], before any is looked up: every
+    /// block's bucket control words, then, reading those, every block's slot. Their cache
+    /// misses overlap instead of adding up, which is most of a lookup's cost once the map
+    /// outgrows the cache. Beyond that many the first ones would leave the cache before their
+    /// turn.
     fn touch(&self, batch: &wire::EventBatch<'_>) {
-        self.each_block(batch, |id| self.blocks.touch(id));
+        self.each_block(batch, |id| self.blocks.prefetch(id));
+        self.each_block(batch, |id| self.blocks.prefetch_slot(id));
     }
 
     /// Prefetches the mapper's own state a batch reads first (for a batch a little later).
@@ -304,11 +306,18 @@ impl Mapper {
         self.blocks.prefetch_own();
     }
 
-    /// Prefetches the map slots of the blocks `batch` names (see [`Mapper::map_batch_into`]),
-    /// and `lines` cache lines after each, for a batch mapped a little later: unlike the
-    /// loads a batch makes of its own blocks first, nothing waits for them.
-    pub fn prefetch(&self, batch: &wire::EventBatch<'_>, lines: usize) {
-        self.each_block(batch, |id| self.blocks.prefetch(id, lines));
+    /// Prefetches the control words of the map buckets of the blocks `batch` names (see
+    /// [`Mapper::map_batch_into`]), for a batch mapped a little later: unlike the loads a
+    /// batch makes of its own blocks first, nothing waits for them. [`Mapper::prefetch_slots`]
+    /// follows once they came.
+    pub fn prefetch(&self, batch: &wire::EventBatch<'_>) {
+        self.each_block(batch, |id| self.blocks.prefetch(id));
+    }
+
+    /// Prefetches the map slots of the blocks `batch` names, reading the control words
+    /// [`Mapper::prefetch`] asked for.
+    pub fn prefetch_slots(&self, batch: &wire::EventBatch<'_>) {
+        self.each_block(batch, |id| self.blocks.prefetch_slot(id));
     }
 
     /// Calls `f` with the first [`kvevent_table::TOUCH_AHEAD`] blocks the batch names, in a
