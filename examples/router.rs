@@ -20,7 +20,6 @@ fn main() -> anyhow::Result<()> {
         block_size: None,
         engines: Vec::new(),
         source_threads: false,
-        table_fill: kvevent_index::Fill::Dense,
     };
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
@@ -37,15 +36,8 @@ fn main() -> anyhow::Result<()> {
                     v => bail!("--source-threads takes yes or no, not `{v}`"),
                 }
             }
-            "--tables" => {
-                config.table_fill = match value()?.as_str() {
-                    "dense" => kvevent_index::Fill::Dense,
-                    "sparse" => kvevent_index::Fill::Sparse,
-                    v => bail!("--tables takes dense or sparse, not `{v}`"),
-                }
-            }
             other => bail!(
-                "unknown flag {other}: --listen ADDR --model M [--block-size N] --engine NAME=tcp://host:port[,replay=...][,dp=N]... [--source-threads yes|no] [--tables dense|sparse]"
+                "unknown flag {other}: --listen ADDR --model M [--block-size N] --engine NAME=tcp://host:port[,replay=...][,dp=N]... [--source-threads yes|no]"
             ),
         }
     }

@@ -72,9 +72,6 @@ pub struct RouterConfig {
     /// Each engine source read by a thread of its own (true), or all of them by the thread
     /// applying events ([`kvevent_source::Config::threads`]).
     pub source_threads: bool,
-    /// How full the index's tables get ([`kvevent_index::Fill`]): sparse applies events
-    /// faster for more memory.
-    pub table_fill: kvevent_index::Fill,
 }
 
 /// Most updates the feeding thread takes from the subscriber at once: batches applied together
@@ -96,9 +93,7 @@ pub struct Router {
 impl Router {
     /// Subscribes to every engine and starts the thread applying their events to the index.
     pub fn start(ctx: &zmq::Context, config: RouterConfig) -> anyhow::Result<Self> {
-        let mut index_config = kvevent_index::Config::default();
-        index_config.mapping.table_fill = config.table_fill;
-        let index = Arc::new(Index::new(index_config));
+        let index = Arc::new(Index::new(kvevent_index::Config::default()));
         let mut sources = Vec::new();
         let mut ids = Vec::new();
         for e in &config.engines {

@@ -50,8 +50,6 @@ async fn python_publishers_into_the_router_and_scores_out() {
                 block_size: Some(16),
                 engines,
                 source_threads: true,
-                // The default (dense) is what the index's own tests run; this one runs sparse.
-                table_fill: kvevent_index::Fill::Sparse,
             },
         )
         .expect("router"),

@@ -11,7 +11,7 @@
 //! ```
 //!
 //! `SOURCE_THREADS=yes` runs the router with a thread per source (`--source-threads yes`);
-//! `TABLES=sparse` with tables at most half full (`--tables sparse`); `ROUTER_BIN` names another router binary. The engines have no replay endpoint: a lost
+//! `ROUTER_BIN` names another router binary. The engines have no replay endpoint: a lost
 //! batch shows as a reset (a degraded source), not a repair.
 
 use std::io::{Read, Write};
@@ -193,9 +193,6 @@ fn main() -> anyhow::Result<()> {
     cmd.args(["--listen", &addr, "--model", "m", "--block-size", "16"]);
     if let Ok(v) = std::env::var("SOURCE_THREADS") {
         cmd.args(["--source-threads", &v]);
-    }
-    if let Ok(v) = std::env::var("TABLES") {
-        cmd.args(["--tables", &v]);
     }
     for (i, e) in fleet.iter().enumerate() {
         cmd.arg("--engine").arg(format!("e{i}={}", e.endpoint));

@@ -12,7 +12,7 @@
 //! (default 5,000), `--turn K` batches of a source applied in a row (default 1: one batch a
 //! source, round-robin, so each source's block map is cold at every batch, the worst case; a
 //! router reading whatever each socket holds applies several in a row when it is busy),
-//! `--fill sparse` for tables at most half full (faster apply, more bytes a pair).
+//! `--group N` batches a call of `Index::apply_many` (default 1).
 //!
 //! Last, how this machine answers random loads over 4, 16 and 64 MB, alone and overlapped:
 //! at fleet scale the tables are in memory, not in cache, and an apply is bounded by those
@@ -21,7 +21,7 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use kvevent_index::{Config, Fill, Index, Query, QueryKeys};
+use kvevent_index::{Config, Index, Query, QueryKeys};
 use kvevent_wire as wire;
 
 const BLOCK: usize = 16;
@@ -144,7 +144,6 @@ fn run(
     seed: u64,
     queries: usize,
     turn: usize,
-    fill: Fill,
     batch_group: usize,
 ) {
     let mut rng = Rng(seed | 1);
@@ -157,9 +156,7 @@ fn run(
         capacity,
     };
     let rss = || kvevent_benches::procfs::status_kb("/proc/self/status", "VmRSS:") * 1024.0;
-    let mut config = Config::default();
-    config.mapping.table_fill = fill;
-    let index = Index::new(config);
+    let index = Index::new(Config::default());
     let sources: Vec<_> = (0..replicas)
         .map(|i| index.add_source(&format!("replica-{i}")))
         .collect();
@@ -273,7 +270,6 @@ fn main() {
     let mut seed = 42;
     let mut queries = 5_000;
     let mut turn = 1;
-    let mut fill = Fill::Dense;
     let mut group = 1;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -281,16 +277,6 @@ fn main() {
             "--capacity" => capacity = args.next().and_then(|v| v.parse().ok()).unwrap_or(capacity),
             "--seed" => seed = args.next().and_then(|v| v.parse().ok()).unwrap_or(seed),
             "--queries" => queries = args.next().and_then(|v| v.parse().ok()).unwrap_or(queries),
-            "--fill" => {
-                fill = match args.next().as_deref() {
-                    Some("sparse") => Fill::Sparse,
-                    Some("dense") => Fill::Dense,
-                    other => {
-                        eprintln!("--fill takes `dense` or `sparse`, not {other:?}");
-                        std::process::exit(2);
-                    }
-                }
-            }
             "--group" => {
                 group = args
                     .next()
@@ -312,14 +298,14 @@ fn main() {
         replicas = vec![64, 256, 1024];
     }
     println!(
-        "capacity {capacity} blocks per replica, seed {seed}, {turn} batch(es) of a source in a row, {fill:?} tables"
+        "capacity {capacity} blocks per replica, seed {seed}, {turn} batch(es) of a source in a row, {group} batch(es) a call"
     );
     println!(
         "| replicas | apply (block events/s, one writer) | score p50 / p99 (1,024 tokens) | resident pairs (M) | bytes per pair: what the byte budget counts (key tables and holder lists) + per-source block maps; RSS given back when the index is dropped | index bytes before → after 10× churn | blocks matched per query |"
     );
     println!("|---|---|---|---|---|---|---|");
     for r in replicas {
-        run(r, capacity, seed, queries, turn, fill, group);
+        run(r, capacity, seed, queries, turn, group);
     }
     // The floor under the apply rate once the tables outgrow the cache (about 64 MB of them
     // at 256 replicas): every block event looks up two tables at random. Measured last:

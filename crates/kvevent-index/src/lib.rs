@@ -75,7 +75,7 @@ use kvevent_proto as pb;
 use kvevent_table::Entry as TableEntry;
 use kvevent_wire as wire;
 
-pub use mapper::{Fill, KeyMode};
+pub use mapper::KeyMode;
 
 type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
@@ -101,9 +101,6 @@ pub struct Config {
     /// Default 1 GiB.
     pub byte_budget: usize,
     /// How sources map events to keys (key mode, adapters, offload tier, hybrid models).
-    /// Its `table_fill` sets how full the index's key tables get as well as its sources'
-    /// block maps: [`Fill::Sparse`] applies events about 1.4 times as fast at fleet scale
-    /// for about 1.75 times the bytes a pair (see [`Fill`]).
     pub mapping: mapper::Options,
 }
 
@@ -633,10 +630,7 @@ fn key_of(prefix_hash: &[u8]) -> u64 {
 impl Index {
     /// An empty index.
     pub fn new(config: Config) -> Self {
-        let fill = config.mapping.table_fill;
-        let mut state = State::default();
-        state.inner.young = Keys::with_fill(fill);
-        state.inner.old = Keys::with_fill(fill);
+        let state = State::default();
         Self {
             config,
             state: RwLock::new(state),
@@ -1062,7 +1056,7 @@ impl Inner {
                 let h = e.holders;
                 h.free(lists);
             }
-            let fresh = Keys::with_fill(self.young.fill());
+            let fresh = Keys::new();
             self.old = std::mem::replace(&mut self.young, fresh);
             self.old_bytes = std::mem::take(&mut self.young_bytes);
             self.young.insert_new(key, Entry { tokens, holders });

@@ -17,7 +17,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use kvevent_table::{Entry as TableEntry, Fill, Key, Table};
+use kvevent_table::{Entry as TableEntry, Key, Table};
 
 use crate::wire;
 
@@ -383,11 +383,11 @@ pub(crate) struct Blocks {
 }
 
 impl Blocks {
-    pub(crate) fn new(max: usize, fill: Fill) -> Self {
+    pub(crate) fn new(max: usize) -> Self {
         Self {
-            h8: Table::with_fill(fill),
-            h16: Table::with_fill(fill),
-            h32: Table::with_fill(fill),
+            h8: Table::new(),
+            h16: Table::new(),
+            h32: Table::new(),
             other: HashMap::default(),
             groups: Vec::new(),
             adapters: Vec::new(),
@@ -695,7 +695,7 @@ mod tests {
     fn an_int_and_its_8_bytes_are_the_same_block() {
         let int = wire::BlockHash::Int(wire::Int::U64(0x0102_0304_0506_0708));
         let bin = wire::BlockHash::Bytes(vec![1, 2, 3, 4, 5, 6, 7, 8].into());
-        let mut b = Blocks::new(10, Fill::Dense);
+        let mut b = Blocks::new(10);
         let t = Tracked::new(true, None, 16, 0, T1);
         assert_eq!(b.insert(BlockId::new(&int, 0), t), Insert::New);
         assert_eq!(b.insert(BlockId::new(&bin, 0), t), Insert::Updated);

@@ -74,7 +74,6 @@ mod mapper;
 
 pub use checkpoint::{FORMAT as CHECKPOINT_FORMAT, RestoreError};
 pub use identity::{Identity, parse_lora_adapters};
-pub use kvevent_table::Fill;
 pub use mapper::{Mapper, MapperStats, Sink, timestamp_us};
 
 /// What went wrong building a mapper.
@@ -124,10 +123,6 @@ pub struct Options {
     /// groups are (`kv_cache_spec_kind` `full_attention`, `mla_attention`, or none given): a
     /// sliding-window, chunked-local or mamba group's block is not a reusable prefix on its own.
     pub all_kv_groups: bool,
-    /// How full the block maps get before they grow: [`Fill::Dense`] (the default, about 30
-    /// bytes a block) or [`Fill::Sparse`] (about 1.75 times that, for faster stores and
-    /// removals once the maps outgrow the cache; see [`Fill`]).
-    pub table_fill: Fill,
 }
 
 impl Default for Options {
@@ -138,7 +133,6 @@ impl Default for Options {
             lora_adapters: HashMap::new(),
             max_tracked_blocks: DEFAULT_MAX_TRACKED_BLOCKS,
             all_kv_groups: false,
-            table_fill: Fill::Dense,
         }
     }
 }

@@ -210,7 +210,7 @@ fn tier_bit(tier: pb::CacheTier) -> u8 {
 impl Mapper {
     /// A mapper for one source.
     pub fn new(identity: Identity, options: Options) -> Self {
-        let blocks = Blocks::new(options.max_tracked_blocks, options.table_fill);
+        let blocks = Blocks::new(options.max_tracked_blocks);
         Self {
             identity: Arc::new(identity),
             options,

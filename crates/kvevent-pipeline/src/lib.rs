@@ -155,7 +155,6 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         max_tracked_blocks: settings.max_tracked_blocks,
         // One engine's map: dense keeps the sidecar's memory target (≤ 100 MB at 500k
         // blocks/s stored) with room; it keeps up with that rate as it is.
-        table_fill: mapper::Fill::Dense,
     };
     let client = fwd::connect(&client_config(settings)?)?;
     let sources = if settings.engine_discovery_url.is_empty() {

@@ -21,9 +21,10 @@
 //!   table's size depends only on how many keys it holds, never on its history.
 //! - Any number of buckets (a bucket is the hash scaled to the table, not masked), sized for
 //!   the slot counts 16, 20, 25, … (×1.25): grows past 9/10 full, shrinks to 3/5 full below
-//!   3/10 (a [`Fill::Sparse`] table: past 1/2, to 1/3 below 1/6, at about 1.75 times the
-//!   memory). So a growing table is 72–90 % full whatever it holds (about 1.25 slots a key,
-//!   1.33 control bytes), where a power-of-two table can be half empty.
+//!   3/10. So a growing table is 72–90 % full whatever it holds (about 1.25 slots a key, 1.33
+//!   control bytes), where a power-of-two table can be half empty. (A table kept at most half
+//!   full, which made the Robin Hood table's runs shorter, only costs memory here: a lookup
+//!   touches the same lines however full, and a larger table misses the cache more.)
 //! - A growth (or shrink, or `retain`) happens in place: the arrays grow first (or shrink
 //!   after), every entry is marked waiting, and each waiting entry is settled in its buckets
 //!   in the new size, taking the waiting entry whose slot it takes in hand next. The old and
@@ -59,37 +60,12 @@ pub fn mix(mut h: u64) -> u64 {
     h ^ (h >> 33)
 }
 
-/// How full a table may get before it grows: memory against speed.
-///
-/// At fleet scale (tables far larger than the cache) a lookup, insert or removal costs
-/// mostly the cache lines it touches, and an insert or removal touches its whole run up to
-/// the next empty slot (a dense table's runs average about 13 slots). Measured with
-/// `index-probe` (the index and its sources' block maps): dense 2.16–2.39 M block events/s
-/// at 256 replicas, 63 bytes a resident (block, replica) pair; sparse 3.32–3.45 M/s, 110.5
-/// bytes; at 4 replicas (every table in cache) 5.55–5.60 against 7.12–7.48 M/s.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Fill {
-    /// Grows ×1.25 past 9/10 full: a growing table is 72–90 % full, about 1.25 slots a key.
-    #[default]
-    Dense,
-    /// Grows ×1.25 past 1/2 full: a growing table is 40–50 % full, about 2.2 slots a key.
-    Sparse,
-}
+/// The most tenths of its slots a table holds.
+const MOST_TENTHS: usize = 9;
 
-impl Fill {
-    /// The most tenths of its slots a table holds.
-    fn max_tenths(self) -> usize {
-        match self {
-            Fill::Dense => 9,
-            Fill::Sparse => 5,
-        }
-    }
-
-    /// Slots for `n` entries at 8/9 of the most (4/5 full dense, 2/5 sparse): a rebuild's
-    /// size.
-    fn slots_for(self, n: usize) -> usize {
-        n * 10 / (self.max_tenths() * 8 / 9) + 1
-    }
+/// Slots for `n` entries at 8/9 of the most (4/5 full): a rebuild's size.
+fn slots_for(n: usize) -> usize {
+    n * 10 / (MOST_TENTHS * 8 / 9) + 1
 }
 
 /// Asks the core to bring the cache line holding `r` closer, without waiting for it.
@@ -153,34 +129,20 @@ pub struct Table<K, V> {
     /// is `stash[i]`.
     stash: Vec<(K, V)>,
     len: usize,
-    fill: Fill,
 }
 
 impl<K, V> Default for Table<K, V> {
     fn default() -> Self {
-        Self::with_fill(Fill::Dense)
-    }
-}
-
-impl<K, V> Table<K, V> {
-    /// An empty table that grows as `fill` says (no allocation until the first insert).
-    #[must_use]
-    pub fn with_fill(fill: Fill) -> Self {
         Self {
             ctrl: Vec::new(),
             slots: Vec::new(),
             stash: Vec::new(),
             len: 0,
-            fill,
         }
     }
+}
 
-    /// How full it may get.
-    #[must_use]
-    pub fn fill(&self) -> Fill {
-        self.fill
-    }
-
+impl<K, V> Table<K, V> {
     fn occupied(&self, slot: usize) -> bool {
         (self.ctrl[slot / G] >> (8 * (slot % G))) as u8 != 0
     }
@@ -245,7 +207,7 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
     }
 
     fn grows_on_insert(&self) -> bool {
-        (self.len + 1) * 10 > self.slots.len() * self.fill.max_tenths()
+        (self.len + 1) * 10 > self.slots.len() * MOST_TENTHS
     }
 
     /// Buckets after a growth: for the next of the slot counts 16, 20, 25, … (each ×1.25),
@@ -267,11 +229,16 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
     /// The slot holding `key` (in one of its two buckets).
     #[inline]
     fn find(&self, key: &K) -> Option<usize> {
+        self.find_hashed(key, key.hash())
+    }
+
+    /// [`Self::find`] for a key whose hash is `h`.
+    #[inline]
+    fn find_hashed(&self, key: &K, h: u64) -> Option<usize> {
         let n = self.ctrl.len();
         if n == 0 {
             return None;
         }
-        let h = key.hash();
         let tag = tag_of(h);
         let (a, b) = buckets(h, n);
         for c in [a, b] {
@@ -310,9 +277,14 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
     /// `key`'s entry, to read, change, remove or insert after one lookup.
     #[inline]
     pub fn entry(&mut self, key: K) -> Entry<'_, K, V> {
-        match self.find(&key) {
+        let hash = key.hash();
+        match self.find_hashed(&key, hash) {
             Some(slot) => Entry::Occupied(Occupied { table: self, slot }),
-            None => Entry::Vacant(Vacant { table: self, key }),
+            None => Entry::Vacant(Vacant {
+                table: self,
+                key,
+                hash,
+            }),
         }
     }
 
@@ -390,15 +362,22 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
 
     /// Puts an entry in one of its buckets, growing the table when no room can be made.
     fn place(&mut self, key: K, value: V) {
+        self.place_hashed(key, value, key.hash());
+    }
+
+    /// [`Self::place`] for a key whose hash is `h`.
+    fn place_hashed(&mut self, key: K, value: V, h: u64) {
         let mut hand = (key, value);
-        while let Err(left) = self.settle(hand, self.ctrl.len()) {
+        let mut h = h;
+        while let Err(left) = self.settle(hand, h, self.ctrl.len()) {
             // No room made in a table under half its most: keys crowding the same buckets at
             // every size (their hashes collide), which a growth would not part.
-            if self.len * 20 < self.slots.len() * self.fill.max_tenths() {
+            if self.len * 20 < self.slots.len() * MOST_TENTHS {
                 self.stash.push(left);
                 return;
             }
             hand = left;
+            h = hand.0.hash();
             self.resize(self.grown());
         }
     }
@@ -407,13 +386,12 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
     /// of either (the emptier bucket's) when there is one; else in a slot whose entry waits
     /// for a rebuild to move it (its byte 1), that entry taken in hand next; else in a slot of
     /// a full bucket whose entry goes to its other bucket, at most [`MAX_KICKS`] times. `Err`:
-    /// the entry in hand then (another one, maybe), for a larger table.
-    fn settle(&mut self, mut hand: (K, V), n: usize) -> Result<(), (K, V)> {
+    /// the entry in hand then (another one, maybe), for a larger table. `h` is `hand`'s hash.
+    fn settle(&mut self, mut hand: (K, V), mut h: u64, n: usize) -> Result<(), (K, V)> {
         let mut kicks = 0;
         // The bucket the entry in hand was just moved out of.
         let mut from = usize::MAX;
         loop {
-            let h = hand.0.hash();
             let (a, b) = buckets(h, n);
             let (ca, cb) = (self.ctrl[a], self.ctrl[b]);
             let (za, zb) = (matching(ca, 0), matching(cb, 0));
@@ -437,6 +415,7 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
                 let waiting = self.slots[slot];
                 self.put_at(slot, hand, h);
                 hand = waiting;
+                h = hand.0.hash();
                 from = usize::MAX;
                 continue;
             }
@@ -448,6 +427,7 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
             let out = self.slots[slot];
             self.put_at(slot, hand, h);
             hand = out;
+            h = hand.0.hash();
             from = c;
             kicks += 1;
         }
@@ -474,7 +454,7 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
         };
         self.len -= 1;
         // Below a third of the most (3/10 dense): rebuilt at two thirds of it.
-        let most = self.fill.max_tenths();
+        let most = MOST_TENTHS;
         if self.ctrl.len() > MIN_BUCKETS && self.len * 30 < self.slots.len() * most {
             self.resize(buckets_for(self.len * 15 / most));
         }
@@ -483,12 +463,12 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
 
     /// Forgets every entry; the memory goes back too.
     pub fn clear(&mut self) {
-        *self = Self::with_fill(self.fill);
+        *self = Self::default();
     }
 
     /// Room for `additional` more entries without growing.
     pub fn reserve(&mut self, additional: usize) {
-        let want = buckets_for((self.len + additional) * 10 / self.fill.max_tenths() + 1);
+        let want = buckets_for((self.len + additional) * 10 / MOST_TENTHS + 1);
         if want > self.ctrl.len() {
             self.resize(want);
         }
@@ -520,7 +500,8 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
         for slot in 0..old * G {
             if (self.ctrl[slot / G] >> (8 * (slot % G))) as u8 == 1 {
                 self.set_tag(slot, 0);
-                if let Err(e) = self.settle(self.slots[slot], n) {
+                let e = self.slots[slot];
+                if let Err(e) = self.settle(e, e.0.hash(), n) {
                     left.push(e);
                 }
             }
@@ -577,7 +558,7 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
         let before = self.stash.len();
         self.stash.retain_mut(|e| keep(&mut e.1));
         self.len -= before - self.stash.len();
-        self.resize(buckets_for(self.fill.slots_for(self.len)));
+        self.resize(buckets_for(slots_for(self.len)));
     }
 }
 
@@ -626,6 +607,8 @@ impl<'t, K: Key, V: Copy + Default> Occupied<'t, K, V> {
 pub struct Vacant<'t, K, V> {
     table: &'t mut Table<K, V>,
     key: K,
+    /// The key's hash.
+    hash: u64,
 }
 
 impl<K: Key, V: Copy + Default> Vacant<'_, K, V> {
@@ -636,7 +619,7 @@ impl<K: Key, V: Copy + Default> Vacant<'_, K, V> {
         if table.grows_on_insert() {
             table.resize(table.grown());
         }
-        table.place(self.key, value);
+        table.place_hashed(self.key, value, self.hash);
         table.len += 1;
     }
 }
@@ -712,13 +695,7 @@ mod tests {
 
     #[test]
     fn agrees_with_a_hash_map_under_random_inserts_and_removes() {
-        for fill in [Fill::Dense, Fill::Sparse] {
-            agrees_with_a_hash_map(fill);
-        }
-    }
-
-    fn agrees_with_a_hash_map(fill: Fill) {
-        let mut table: Table<K2, u32> = Table::with_fill(fill);
+        let mut table: Table<K2, u32> = Table::new();
         let mut model: HashMap<(u64, u32), u32> = HashMap::new();
         let mut x = rng(0x2545_F491_4F6C_DD1D);
         for step in 0..200_000u32 {
@@ -762,7 +739,7 @@ mod tests {
             assert_eq!(table.len(), model.len());
             if step % 20_000 == 0 {
                 check_invariant(&table);
-                assert!(table.len() * 10 <= table.slots.len() * fill.max_tenths());
+                assert!(table.len() * 10 <= table.slots.len() * MOST_TENTHS);
             }
         }
         check_invariant(&table);
@@ -784,7 +761,6 @@ mod tests {
         assert_eq!(drained, want);
         assert!(table.is_empty());
         assert_eq!(table.bytes(), 0);
-        assert_eq!(table.fill(), fill);
     }
 
     #[test]
@@ -865,13 +841,8 @@ mod tests {
 
     #[test]
     fn churn_does_not_grow_it_and_emptying_shrinks_it() {
-        for (fill, loads) in [(Fill::Dense, 0.72..=0.9), (Fill::Sparse, 0.4..=0.5)] {
-            churn_and_empty(fill, loads);
-        }
-    }
-
-    fn churn_and_empty(fill: Fill, loads: std::ops::RangeInclusive<f64>) {
-        let mut table: Table<K2, u32> = Table::with_fill(fill);
+        let loads = 0.72..=0.9;
+        let mut table: Table<K2, u32> = Table::new();
         for k in 0..20_000u64 {
             table.insert_new(K2(k, 0), 0);
         }
@@ -890,12 +861,12 @@ mod tests {
         );
         // Between 72 % and 90 % full (dense) whatever the count (no power-of-two steps).
         for n in [1_000u64, 4_096, 5_000, 33_000, 40_960, 100_000] {
-            let mut table: Table<K2, u32> = Table::with_fill(fill);
+            let mut table: Table<K2, u32> = Table::new();
             for k in 0..n {
                 table.insert_new(K2(k, 0), 0);
             }
             let load = n as f64 / table.slots.len() as f64;
-            assert!(loads.contains(&load), "{fill:?} {n}: {load}");
+            assert!(loads.contains(&load), "{n}: {load}");
             check_invariant(&table);
             // Emptied down to a tenth, it shrinks and stays under its most.
             for k in n / 10..n {
@@ -904,7 +875,7 @@ mod tests {
             let load = (n / 10) as f64 / table.slots.len() as f64;
             assert!(
                 load * 3.0 >= *loads.end() * 0.99 || table.ctrl.len() == MIN_BUCKETS,
-                "{fill:?} {n}: {load} after emptying"
+                "{n}: {load} after emptying"
             );
             check_invariant(&table);
             for k in 0..n / 10 {
@@ -956,17 +927,15 @@ mod tests {
 
     #[test]
     fn reserve_then_fill_does_not_grow() {
-        for fill in [Fill::Dense, Fill::Sparse] {
-            let mut table: Table<K2, u32> = Table::with_fill(fill);
-            table.reserve(10_000);
-            let bytes = table.bytes();
-            for k in 0..10_000u64 {
-                table.insert_new(K2(k, 1), 0);
-            }
-            assert_eq!(table.bytes(), bytes, "{fill:?}");
-            table.clear();
-            assert_eq!((table.len(), table.bytes(), table.fill()), (0, 0, fill));
+        let mut table: Table<K2, u32> = Table::new();
+        table.reserve(10_000);
+        let bytes = table.bytes();
+        for k in 0..10_000u64 {
+            table.insert_new(K2(k, 1), 0);
         }
+        assert_eq!(table.bytes(), bytes);
+        table.clear();
+        assert_eq!((table.len(), table.bytes()), (0, 0));
     }
 
     #[test]

@@ -102,20 +102,18 @@ proptest! {
         // The same stream into an index whose budget keeps dropping generations: it may
         // forget, never invent (shared holder lists are freed and reused as keys go).
         let small = Index::new(Config { byte_budget: 1_200, ..engine_keys() });
-        // And into one whose tables are sparse, fed the runs of batches between other changes
-        // together (`apply_many`): the same answers.
-        let mut sparse_config = engine_keys();
-        sparse_config.mapping.table_fill = kvevent_index::Fill::Sparse;
-        let sparse = Index::new(sparse_config);
+        // And into one fed the runs of batches between other changes together
+        // (`apply_many`): the same answers.
+        let many = Index::new(engine_keys());
         // Added out of name order: ties are broken by name, not by when a replica came.
         let replicas = ["c", "a", "b"];
         let mut sources: Vec<_> = (0..6).map(|i| index.add_source(replicas[i / 2])).collect();
         let mut small_sources: Vec<_> = (0..6).map(|i| small.add_source(replicas[i / 2])).collect();
-        let mut sparse_sources: Vec<_> = (0..6).map(|i| sparse.add_source(replicas[i / 2])).collect();
+        let mut many_sources: Vec<_> = (0..6).map(|i| many.add_source(replicas[i / 2])).collect();
         let mut held: Vec<(kvevent_index::SourceId, wire::EventBatch<'static>)> = Vec::new();
         let apply_held = |held: &mut Vec<(kvevent_index::SourceId, wire::EventBatch<'static>)>| {
             let batches: Vec<_> = held.iter().map(|(s, b)| (*s, b)).collect();
-            sparse.apply_many(&batches);
+            many.apply_many(&batches);
             held.clear();
         };
         let mut model: Vec<BTreeSet<u64>> = vec![BTreeSet::new(); 6];
@@ -126,13 +124,13 @@ proptest! {
                     let hashes: Vec<u64> = (first..first + len).collect();
                     index.apply(sources[source], &batch(vec![stored(&hashes, "GPU")]));
                     small.apply(small_sources[source], &batch(vec![stored(&hashes, "GPU")]));
-                    held.push((sparse_sources[source], batch(vec![stored(&hashes, "GPU")])));
+                    held.push((many_sources[source], batch(vec![stored(&hashes, "GPU")])));
                     model[source].extend(hashes);
                 }
                 Op::Remove { source, h } => {
                     index.apply(sources[source], &batch(vec![removed(h)]));
                     small.apply(small_sources[source], &batch(vec![removed(h)]));
-                    held.push((sparse_sources[source], batch(vec![removed(h)])));
+                    held.push((many_sources[source], batch(vec![removed(h)])));
                     model[source].remove(&h);
                 }
                 Op::Clear { source, before, after } => {
@@ -145,7 +143,7 @@ proptest! {
                     };
                     index.apply(sources[source], &clear());
                     small.apply(small_sources[source], &clear());
-                    held.push((sparse_sources[source], clear()));
+                    held.push((many_sources[source], clear()));
                     model[source].clear();
                     model[source].insert(after);
                 }
@@ -153,24 +151,24 @@ proptest! {
                     apply_held(&mut held);
                     index.reset(sources[source]);
                     small.reset(small_sources[source]);
-                    sparse.reset(sparse_sources[source]);
+                    many.reset(many_sources[source]);
                     model[source].clear();
                 }
                 Op::Fresh { source, fresh: f } => {
                     apply_held(&mut held);
                     index.set_fresh(sources[source], f);
-                    sparse.set_fresh(sparse_sources[source], f);
+                    many.set_fresh(many_sources[source], f);
                     fresh[source] = f;
                 }
                 Op::Replace { replica } => {
                     apply_held(&mut held);
                     index.remove_replica(replicas[replica]);
                     small.remove_replica(replicas[replica]);
-                    sparse.remove_replica(replicas[replica]);
+                    many.remove_replica(replicas[replica]);
                     for source in [2 * replica, 2 * replica + 1] {
                         sources[source] = index.add_source(replicas[replica]);
                         small_sources[source] = small.add_source(replicas[replica]);
-                        sparse_sources[source] = sparse.add_source(replicas[replica]);
+                        many_sources[source] = many.add_source(replicas[replica]);
                         model[source].clear();
                         fresh[source] = true;
                     }
@@ -182,8 +180,8 @@ proptest! {
             let query: Vec<u64> = (start..start + 20).collect();
             let answer = index.score(&Query { adapter: "", keys: QueryKeys::Keys(&query) });
             let scores: Vec<_> = answer.iter().collect();
-            let sparse_answer = sparse.score(&Query { adapter: "", keys: QueryKeys::Keys(&query) });
-            prop_assert_eq!(&sparse_answer.iter().collect::<Vec<_>>(), &scores);
+            let many_answer = many.score(&Query { adapter: "", keys: QueryKeys::Keys(&query) });
+            prop_assert_eq!(&many_answer.iter().collect::<Vec<_>>(), &scores);
             // Best first: most tokens, most blocks, T1 before T2, then by name.
             let order = |s: &kvevent_index::Score| {
                 (std::cmp::Reverse(s.matched_tokens), std::cmp::Reverse(s.matched_blocks), s.tier, s.replica.to_owned())
