@@ -630,10 +630,9 @@ fn key_of(prefix_hash: &[u8]) -> u64 {
 impl Index {
     /// An empty index.
     pub fn new(config: Config) -> Self {
-        let state = State::default();
         Self {
             config,
-            state: RwLock::new(state),
+            state: RwLock::new(State::default()),
         }
     }
 
@@ -729,7 +728,7 @@ impl Index {
                 mappers[source.0 as usize].map_batch_into(batch, &mut apply);
             }
             // This batch's changes are made two batches later: their control words come in
-            // meanwhile, then their slots. The batches' before are made now.
+            // meanwhile, then their slots. Those of the batch two before it are made now.
             for (_, op) in &inner.pending[inner.held..] {
                 let (Op::Store { key, .. } | Op::Evict { key }) = op;
                 inner.young.prefetch(key);

@@ -103,7 +103,7 @@ pub enum KeyMode {
 }
 
 /// The default bound of tracked blocks per source: 917,504 (2^20 × 7/8, the most the
-/// power-of-two table of earlier versions held), about 27 MB full (29.6 bytes a block). It is
+/// power-of-two table of earlier versions held), about 27 MB full (29.7 bytes a block). It is
 /// well above the ~500k blocks of an 80 GB GPU serving an 8B model.
 pub const DEFAULT_MAX_TRACKED_BLOCKS: usize = (1 << 20) / 8 * 7;
 

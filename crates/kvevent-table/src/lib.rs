@@ -39,8 +39,8 @@
 //! byte; every other control byte is 0 (between a rebuild's steps, waiting entries' bytes are
 //! 1).
 
-/// Most keys to [`Table::touch`] ahead of their lookups: loads beyond this many would leave
-/// the cache before their turn (a long batch touches its first ones only).
+/// Most keys to [`Table::prefetch`] ahead of their lookups: lines beyond this many would leave
+/// the cache before their turn (a long batch prefetches its first ones only).
 pub const TOUCH_AHEAD: usize = 64;
 
 /// A key the table can hold.
@@ -313,18 +313,9 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
         }
     }
 
-    /// Loads `key`'s buckets' control words and the slot its lookup reads into the cache, for
-    /// a lookup that follows soon. Touch at most [`TOUCH_AHEAD`] keys ahead.
-    pub fn touch(&self, key: &K) {
-        if !self.ctrl.is_empty() {
-            std::hint::black_box(self.slots[self.likely_slot(key)].0);
-        }
-    }
-
     /// Starts loading the control words of `key`'s two buckets, without waiting for them (a
-    /// prefetch: nothing is read and nothing waits for it, unlike [`Table::touch`]'s loads).
-    /// For keys whose turn comes a batch or more later; [`Table::prefetch_slot`] follows once
-    /// they came.
+    /// prefetch: nothing is read and nothing waits for it). At most [`TOUCH_AHEAD`] keys
+    /// ahead of their lookups; [`Table::prefetch_slot`] follows once the words came.
     pub fn prefetch(&self, key: &K) {
         if !self.ctrl.is_empty() {
             let (a, b) = buckets(key.hash(), self.ctrl.len());
@@ -453,10 +444,9 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
             self.stash.swap_remove(slot - self.slots.len()).1
         };
         self.len -= 1;
-        // Below a third of the most (3/10 dense): rebuilt at two thirds of it.
-        let most = MOST_TENTHS;
-        if self.ctrl.len() > MIN_BUCKETS && self.len * 30 < self.slots.len() * most {
-            self.resize(buckets_for(self.len * 15 / most));
+        // Below a third of the most (3/10): rebuilt at two thirds of it.
+        if self.ctrl.len() > MIN_BUCKETS && self.len * 30 < self.slots.len() * MOST_TENTHS {
+            self.resize(buckets_for(self.len * 15 / MOST_TENTHS));
         }
         removed
     }
