@@ -45,7 +45,8 @@ pub const TOUCH_AHEAD: usize = 64;
 
 /// A key the table can hold.
 pub trait Key: Copy + Eq + Default {
-    /// The key's hash; its high bits pick the slot, so they must be well mixed (see [`mix`]).
+    /// The key's hash: its high bits pick one bucket, its low bits the other and the tag, so
+    /// all of them must be well mixed (see [`mix`]).
     fn hash(&self) -> u64;
 }
 
@@ -117,7 +118,7 @@ fn lowest(mask: u128) -> usize {
 /// Most entries an insert moves to their other bucket before the table grows instead.
 const MAX_KICKS: usize = 256;
 
-/// The table. Empty slots hold `K::default()` and `V::default()` (never read).
+/// The table. An empty slot holds a default or a removed entry, never read.
 #[derive(Debug, Clone)]
 pub struct Table<K, V> {
     /// Per bucket of [`G`] slots: a tag byte a slot (0: empty).
@@ -142,9 +143,14 @@ impl<K, V> Default for Table<K, V> {
     }
 }
 
+/// The control byte of slot `slot` (0: empty).
+fn byte(ctrl: &[u128], slot: usize) -> u8 {
+    (ctrl[slot / G] >> (8 * (slot % G))) as u8
+}
+
 impl<K, V> Table<K, V> {
     fn occupied(&self, slot: usize) -> bool {
-        (self.ctrl[slot / G] >> (8 * (slot % G))) as u8 != 0
+        byte(&self.ctrl, slot) != 0
     }
 }
 
@@ -488,7 +494,7 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
         }
         let mut left = Vec::new();
         for slot in 0..old * G {
-            if (self.ctrl[slot / G] >> (8 * (slot % G))) as u8 == 1 {
+            if byte(&self.ctrl, slot) == 1 {
                 self.set_tag(slot, 0);
                 let e = self.slots[slot];
                 if let Err(e) = self.settle(e, e.0.hash(), n) {
@@ -532,7 +538,7 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
         std::mem::take(&mut self.slots)
             .into_iter()
             .enumerate()
-            .filter(move |(i, _)| (ctrl[i / G] >> (8 * (i % G))) as u8 != 0)
+            .filter(move |(i, _)| byte(&ctrl, *i) != 0)
             .map(|(_, e)| e)
             .chain(std::mem::take(&mut self.stash))
     }
