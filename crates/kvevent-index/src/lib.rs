@@ -563,6 +563,9 @@ struct Source {
     epoch: u16,
     live: bool,
     fresh: bool,
+    /// The adapter its last change named and its number: the mapper hands the same `Arc` for
+    /// a source's blocks of one adapter, so a pointer compare, not a string lookup, per change.
+    adapter: Option<(Arc<str>, u32)>,
 }
 
 #[derive(Debug, Default)]
@@ -675,6 +678,7 @@ impl Index {
             epoch: 0,
             live: true,
             fresh: true,
+            adapter: None,
         });
         id
     }
@@ -720,7 +724,6 @@ impl Index {
                 inner,
                 source: source.0,
                 budget: self.config.byte_budget,
-                adapter: None,
             };
             if k >= LEAD {
                 mappers[source.0 as usize].map_prefetched_into(batch, &mut apply);
@@ -790,6 +793,7 @@ impl Index {
         for (i, s) in inner.sources.iter_mut().enumerate() {
             if s.replica == id && s.live {
                 s.live = false;
+                s.adapter = None;
                 // Its tracked blocks go, and the table with them.
                 mappers[i] = Mapper::new(
                     Identity::new("index", "index", "", "index").expect("a valid identity"),
@@ -893,18 +897,17 @@ struct Apply<'a> {
     inner: &'a mut Inner,
     source: u32,
     budget: usize,
-    /// The last adapter seen and its number (the mapper hands the same `Arc` for a batch's
-    /// blocks): one string lookup per change, not per block.
-    adapter: Option<(Arc<str>, u32)>,
 }
 
 impl Apply<'_> {
+    #[inline]
     fn adapter(&mut self, name: &Arc<str>) -> u32 {
-        match &self.adapter {
+        let source = &self.inner.sources[self.source as usize];
+        match &source.adapter {
             Some((last, id)) if Arc::ptr_eq(last, name) => *id,
             _ => {
                 let id = self.inner.adapter(name);
-                self.adapter = Some((name.clone(), id));
+                self.inner.sources[self.source as usize].adapter = Some((name.clone(), id));
                 id
             }
         }

@@ -10,7 +10,8 @@
 //! buckets. Here:
 //!
 //! - Slots come in buckets of 15. Each bucket has a 16-byte control word: a tag byte a slot
-//!   (0: empty; else the top bit and seven bits of the key's hash), read 15 at a time, so a
+//!   (0: empty; else the top bit and seven bits of the key's hash), read 15 at a time (one
+//!   SSE2 compare and mask on x86-64, whose baseline has it; word arithmetic elsewhere), so a
 //!   lookup compares with its key only the entries whose tag matches (1 in 128 of the others).
 //! - A key has two buckets, one from the high bits of its hash and one from its low bits, and
 //!   sits in one of them: a lookup reads two control words, which do not depend on each other
@@ -87,32 +88,101 @@ const G: usize = 15;
 /// The fewest buckets a table that holds anything has.
 const MIN_BUCKETS: usize = 1;
 
-/// A byte of 1 in each of a control word's tag bytes (not in its unused byte).
-const ONES: u128 = (u128::MAX / 0xFF) >> 8;
-const HIGH: u128 = ONES * 0x80;
-const LOW: u128 = ONES * 0x7F;
 /// A key's tag: its hash's low seven bits, the top bit set so that no tag is 0 (an empty
 /// slot) or 1 (an entry waiting for a rebuild to move it).
 fn tag_of(h: u64) -> u8 {
     0x80 | (h as u8 & 0x7F)
 }
 
-/// The top bit of each tag byte of `ctrl` that is `tag`.
-fn matching(ctrl: u128, tag: u8) -> u128 {
-    let x = ctrl ^ (ONES * u128::from(tag));
-    // A byte's top bit ends clear only when the byte is 0 (no carry crosses bytes: 0x7F +
-    // 0x7F < 0x100).
-    !(((x & LOW) + LOW) | x | LOW) & HIGH
+/// A bucket's control word: a byte a slot (its tag, 0 when empty, 1 while a rebuild moves its
+/// entry) and one byte unused (0), aligned to be read as one vector.
+#[derive(Debug, Clone, Copy, Default)]
+#[repr(C, align(16))]
+struct Ctrl([u8; 16]);
+
+/// A set of a bucket's slots: bit `i` is slot `i`.
+type Mask = u32;
+
+/// Every slot of a bucket.
+const ALL: Mask = (1 << G) - 1;
+
+/// The slots of `ctrl` whose tag is `tag`.
+#[cfg(all(target_arch = "x86_64", target_feature = "sse2"))]
+#[inline]
+fn matching(ctrl: Ctrl, tag: u8) -> Mask {
+    use safe_arch::{cmp_eq_mask_i8_m128i, m128i, move_mask_i8_m128i, set_splat_i8_m128i};
+    let equal = cmp_eq_mask_i8_m128i(m128i::from(ctrl.0), set_splat_i8_m128i(tag as i8));
+    move_mask_i8_m128i(equal) as Mask & ALL
 }
 
-/// The top bit of each byte without it: empty slots, and those of entries waiting to move.
-fn empties(ctrl: u128) -> u128 {
-    !ctrl & HIGH
+/// The slots of `ctrl` whose byte has no top bit: empty slots, and those of entries waiting to
+/// move.
+#[cfg(all(target_arch = "x86_64", target_feature = "sse2"))]
+#[inline]
+fn empties(ctrl: Ctrl) -> Mask {
+    !(safe_arch::move_mask_i8_m128i(safe_arch::m128i::from(ctrl.0)) as Mask) & ALL
 }
 
-/// The slot within its bucket of the lowest flagged byte of `mask`.
-fn lowest(mask: u128) -> usize {
-    mask.trailing_zeros() as usize / 8
+#[cfg(not(all(target_arch = "x86_64", target_feature = "sse2")))]
+use portable::{empties, matching};
+
+/// [`matching`] and [`empties`] on 64-bit words, for targets without SSE2 (tested on all).
+#[cfg_attr(all(target_arch = "x86_64", target_feature = "sse2"), allow(dead_code))]
+mod portable {
+    use super::{Ctrl, G, Mask};
+
+    /// A byte of 1 in each of a control word's tag bytes (not in its unused byte).
+    const ONES: u128 = (u128::MAX / 0xFF) >> 8;
+    const HIGH: u128 = ONES * 0x80;
+    const LOW: u128 = ONES * 0x7F;
+
+    /// The slots of the bytes of `high` (top bits only) that have their top bit.
+    fn pack(high: u128) -> Mask {
+        // Each byte's top bit moved to bit 0, then gathered into the top byte by a multiply
+        // whose partial products never overlap.
+        let gather = |w: u64| ((w >> 7).wrapping_mul(0x0102_0408_1020_4080) >> 56) as Mask;
+        gather(high as u64) | gather((high >> 64) as u64) << 8
+    }
+
+    pub(super) fn matching(ctrl: Ctrl, tag: u8) -> Mask {
+        let x = u128::from_le_bytes(ctrl.0) ^ (ONES * u128::from(tag));
+        // A byte's top bit ends clear only when the byte is 0 (no carry crosses bytes: 0x7F +
+        // 0x7F < 0x100).
+        pack(!(((x & LOW) + LOW) | x | LOW) & HIGH)
+    }
+
+    pub(super) fn empties(ctrl: Ctrl) -> Mask {
+        pack(!u128::from_le_bytes(ctrl.0) & HIGH) & ((1 << G) - 1)
+    }
+}
+
+/// True when `a` holds at least as many slots as `b`.
+#[inline]
+fn at_least_as_many(a: Mask, b: Mask) -> bool {
+    if cfg!(target_feature = "popcnt") {
+        a.count_ones() >= b.count_ones()
+    } else {
+        let (a, b) = counts(a, b);
+        a >= b
+    }
+}
+
+/// The slots of `a` and of `b`, both counted at once, a half of a word each (without the
+/// `popcnt` instruction, which x86-64's baseline lacks, each `count_ones` is a dozen).
+#[inline]
+fn counts(a: Mask, b: Mask) -> (u32, u32) {
+    let mut x = a | b << 16;
+    x -= (x >> 1) & 0x5555_5555;
+    x = (x & 0x3333_3333) + ((x >> 2) & 0x3333_3333);
+    x = (x + (x >> 4)) & 0x0F0F_0F0F;
+    // Each half's low byte: the sum of its two bytes' counts (at most 15).
+    x += x >> 8;
+    (x & 0x1F, (x >> 16) & 0x1F)
+}
+
+/// The slot within its bucket of the lowest slot of `mask`.
+fn lowest(mask: Mask) -> usize {
+    mask.trailing_zeros() as usize
 }
 
 /// Most entries an insert moves to their other bucket before the table grows instead.
@@ -122,7 +192,7 @@ const MAX_KICKS: usize = 256;
 #[derive(Debug, Clone)]
 pub struct Table<K, V> {
     /// Per bucket of [`G`] slots: a tag byte a slot (0: empty).
-    ctrl: Vec<u128>,
+    ctrl: Vec<Ctrl>,
     slots: Vec<(K, V)>,
     /// Entries no bucket had room for in a table far from full: only keys whose hashes
     /// collide (many keys with the same two buckets at every size) end here, so they cost
@@ -144,8 +214,8 @@ impl<K, V> Default for Table<K, V> {
 }
 
 /// The control byte of slot `slot` (0: empty).
-fn byte(ctrl: &[u128], slot: usize) -> u8 {
-    (ctrl[slot / G] >> (8 * (slot % G))) as u8
+fn byte(ctrl: &[Ctrl], slot: usize) -> u8 {
+    ctrl[slot / G].0[slot % G]
 }
 
 impl<K, V> Table<K, V> {
@@ -199,14 +269,14 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
     #[must_use]
     pub fn bytes(&self) -> usize {
         (self.slots.capacity() + self.stash.capacity()) * std::mem::size_of::<(K, V)>()
-            + self.ctrl.capacity() * std::mem::size_of::<u128>()
+            + self.ctrl.capacity() * std::mem::size_of::<Ctrl>()
     }
 
     /// Bytes the table would take after one more insert.
     #[must_use]
     pub fn bytes_after_insert(&self) -> usize {
         if self.grows_on_insert() {
-            self.grown() * (G * std::mem::size_of::<(K, V)>() + std::mem::size_of::<u128>())
+            self.grown() * (G * std::mem::size_of::<(K, V)>() + std::mem::size_of::<Ctrl>())
         } else {
             self.bytes()
         }
@@ -227,9 +297,7 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
     }
 
     fn set_tag(&mut self, slot: usize, tag: u8) {
-        let shift = 8 * (slot % G);
-        let c = &mut self.ctrl[slot / G];
-        *c = *c & !(0xFF << shift) | u128::from(tag) << shift;
+        self.ctrl[slot / G].0[slot % G] = tag;
     }
 
     /// The slot holding `key` (in one of its two buckets).
@@ -312,7 +380,7 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
             a * G + lowest(ma)
         } else if mb != 0 {
             b * G + lowest(mb)
-        } else if empties(ca).count_ones() >= empties(cb).count_ones() {
+        } else if at_least_as_many(empties(ca), empties(cb)) {
             a * G + lowest(empties(ca)).min(G - 1)
         } else {
             b * G + lowest(empties(cb)).min(G - 1)
@@ -393,7 +461,7 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
             let (ca, cb) = (self.ctrl[a], self.ctrl[b]);
             let (za, zb) = (matching(ca, 0), matching(cb, 0));
             if za | zb != 0 {
-                let slot = if za.count_ones() >= zb.count_ones() {
+                let slot = if at_least_as_many(za, zb) {
                     a * G + lowest(za)
                 } else {
                     b * G + lowest(zb)
@@ -479,18 +547,21 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
         let old = self.ctrl.len();
         let stashed = std::mem::take(&mut self.stash);
         if self.len == 0 {
-            self.ctrl = vec![0; n];
+            self.ctrl = vec![Ctrl::default(); n];
             self.slots = vec![Default::default(); n * G];
             return;
         }
         if n > old {
             self.ctrl.reserve_exact(n - old);
-            self.ctrl.resize(n, 0);
+            self.ctrl.resize(n, Ctrl::default());
             self.slots.reserve_exact((n - old) * G);
             self.slots.resize(n * G, Default::default());
         }
+        // Each tag byte becomes 1 (its top bit moved down), each empty one stays 0.
         for c in &mut self.ctrl {
-            *c = (*c & HIGH) >> 7;
+            for b in &mut c.0 {
+                *b >>= 7;
+            }
         }
         let mut left = Vec::new();
         for slot in 0..old * G {
@@ -668,9 +739,9 @@ mod tests {
         assert_eq!(t.slots.len(), n * G);
         let mut held = t.stash.len();
         for (c, ctrl) in t.ctrl.iter().enumerate() {
-            assert_eq!(ctrl >> (8 * G), 0, "bucket {c}: the unused byte");
+            assert_eq!(ctrl.0[G], 0, "bucket {c}: the unused byte");
             for j in 0..G {
-                let byte = (ctrl >> (8 * j)) as u8;
+                let byte = ctrl.0[j];
                 if byte == 0 {
                     continue;
                 }
@@ -935,33 +1006,52 @@ mod tests {
     }
 
     #[test]
+    fn counts_are_count_ones() {
+        let mut x = rng(7);
+        for _ in 0..100_000 {
+            let (a, b) = (x() as Mask & ALL, x() as Mask & ALL);
+            assert_eq!(
+                counts(a, b),
+                (a.count_ones(), b.count_ones()),
+                "{a:b} {b:b}"
+            );
+        }
+        assert_eq!(counts(ALL, ALL), (15, 15));
+        assert_eq!(counts(0, ALL), (0, 15));
+    }
+
+    #[test]
     fn matching_finds_what_a_byte_by_byte_scan_finds() {
-        let mut x = rng(0x2545_F491_4F6C_DD1D);
-        for _ in 0..20_000 {
-            let bytes: [u8; 16] = std::array::from_fn(|_| match x() % 4 {
-                0 => 0,
-                1 => 1,
-                _ => 0x80 | (x() as u8 & 0x7F),
-            });
-            let ctrl = u128::from_le_bytes(bytes);
-            for tag in [0, 0x80 | (x() as u8 & 0x7F), bytes[(x() % 15) as usize]] {
-                let want: Vec<usize> = (0..G).filter(|&j| bytes[j] == tag).collect();
-                let mut m = matching(ctrl, tag);
-                let mut got = Vec::new();
-                while m != 0 {
-                    got.push(lowest(m));
-                    m &= m - 1;
-                }
-                assert_eq!(got, want, "{bytes:?} {tag}");
-            }
-            let free: Vec<usize> = (0..G).filter(|&j| bytes[j] < 0x80).collect();
-            let mut m = empties(ctrl);
+        let slots = |mut m: Mask| {
             let mut got = Vec::new();
             while m != 0 {
                 got.push(lowest(m));
                 m &= m - 1;
             }
-            assert_eq!(got, free);
+            got
+        };
+        let mut x = rng(0x2545_F491_4F6C_DD1D);
+        for _ in 0..20_000 {
+            let bytes: [u8; 16] = std::array::from_fn(|j| match x() % 4 {
+                // The unused byte is always 0.
+                _ if j == G => 0,
+                0 => 0,
+                1 => 1,
+                _ => 0x80 | (x() as u8 & 0x7F),
+            });
+            let ctrl = Ctrl(bytes);
+            for tag in [0, 0x80 | (x() as u8 & 0x7F), bytes[(x() % 15) as usize]] {
+                let want: Vec<usize> = (0..G).filter(|&j| bytes[j] == tag).collect();
+                assert_eq!(slots(matching(ctrl, tag)), want, "{bytes:?} {tag}");
+                assert_eq!(
+                    slots(portable::matching(ctrl, tag)),
+                    want,
+                    "{bytes:?} {tag}"
+                );
+            }
+            let free: Vec<usize> = (0..G).filter(|&j| bytes[j] < 0x80).collect();
+            assert_eq!(slots(empties(ctrl)), free);
+            assert_eq!(slots(portable::empties(ctrl)), free);
         }
     }
 }
