@@ -232,6 +232,7 @@ impl Router {
              # TYPE kvevent_index_pairs gauge\nkvevent_index_pairs {}\n\
              # TYPE kvevent_index_bytes gauge\nkvevent_index_bytes {}\n\
              # TYPE kvevent_index_evicted_keys_total counter\nkvevent_index_evicted_keys_total {}\n\
+             # TYPE kvevent_index_stashed gauge\nkvevent_index_stashed {}\n\
              # TYPE kvevent_index_applied_total counter\nkvevent_index_applied_total {}\n\
              # TYPE kvevent_router_feeds_total counter\nkvevent_router_feeds_total {}\n\
              # TYPE kvevent_router_fed_updates_total counter\nkvevent_router_fed_updates_total {}\n",
@@ -239,6 +240,7 @@ impl Router {
                 s.pairs,
                 s.bytes,
                 s.evicted_keys,
+                s.stashed,
                 s.applied,
                 self.feeds[0].load(Relaxed),
                 self.feeds[1].load(Relaxed),

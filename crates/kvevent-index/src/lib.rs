@@ -260,6 +260,9 @@ pub struct IndexStats {
     pub mapper_bytes: usize,
     /// Keys dropped by the byte budget.
     pub evicted_keys: u64,
+    /// Keys, and blocks in the per-source maps, whose hashes collide with many others' (kept
+    /// aside, searched after the buckets): 0 unless the hashes are crafted or broken.
+    pub stashed: usize,
     /// Block events applied.
     pub applied: u64,
 }
@@ -699,22 +702,33 @@ impl Index {
         let live = |inner: &Inner, source: SourceId| {
             inner.sources.get(source.0 as usize).is_some_and(|s| s.live)
         };
+        // Batch j's blocks, noted when their control words are asked for (two batches before
+        // their slots), in noted[j % (LEAD + 1)]; read only for a batch that is there and live.
+        let mut noted: [mapper::Prefetched; LEAD + 1] = Default::default();
+        let ask =
+            |j: usize, inner: &Inner, mappers: &[Mapper], noted: &mut [mapper::Prefetched]| {
+                if let Some(&(s, b)) = batches.get(j)
+                    && live(inner, s)
+                {
+                    mappers[s.0 as usize].prefetch(b, &mut noted[j % (LEAD + 1)]);
+                }
+            };
+        // The batches whose slots come before any control words were asked for in the loop.
+        for j in LEAD..2 * LEAD {
+            ask(j, inner, mappers, &mut noted);
+        }
         for (k, &(source, batch)) in batches.iter().enumerate() {
             if let Some(&(s, _)) = batches.get(k + 3 * LEAD)
                 && live(inner, s)
             {
                 mappers[s.0 as usize].prefetch_own();
             }
-            if let Some(&(s, b)) = batches.get(k + 2 * LEAD)
+            if let Some(&(s, _)) = batches.get(k + LEAD)
                 && live(inner, s)
             {
-                mappers[s.0 as usize].prefetch(b);
+                mappers[s.0 as usize].prefetch_slots(&noted[(k + LEAD) % (LEAD + 1)]);
             }
-            if let Some(&(s, b)) = batches.get(k + LEAD)
-                && live(inner, s)
-            {
-                mappers[s.0 as usize].prefetch_slots(b);
-            }
+            ask(k + 2 * LEAD, inner, mappers, &mut noted);
             if !live(inner, source) {
                 continue;
             }
@@ -824,6 +838,13 @@ impl Index {
             })
             .sum();
         stats.table_bytes = inner.young.bytes() + inner.old.bytes();
+        stats.stashed = inner.young.stashed()
+            + inner.old.stashed()
+            + state
+                .mappers
+                .iter()
+                .map(Mapper::stashed_blocks)
+                .sum::<usize>();
         stats.bytes = stats.table_bytes + inner.young_bytes + inner.old_bytes;
         stats.mapper_bytes = inner
             .sources

@@ -182,6 +182,15 @@ impl<'h> BlockId<'h> {
     }
 }
 
+/// A block whose map memory [`Blocks::prefetch`] asked for: its table and its hash, so that
+/// the slot's prefetch does not hash it again.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Touched {
+    /// 0, 1, 2: the table of 8-, 16-, 32-byte hashes.
+    map: u8,
+    hash: u64,
+}
+
 /// A block's identity, owned.
 #[derive(Debug, Clone)]
 pub(crate) enum OwnedId {
@@ -401,6 +410,11 @@ impl Blocks {
         self.h8.len() + self.h16.len() + self.h32.len() + self.other.len()
     }
 
+    /// Blocks kept aside in the tables (see [`Table::stashed`]).
+    pub(crate) fn stashed(&self) -> usize {
+        self.h8.stashed() + self.h16.stashed() + self.h32.stashed()
+    }
+
     /// The interned number of a group, or `None` when there are too many groups.
     pub(crate) fn group(&mut self, group: Option<i64>) -> Option<u16> {
         if let Some(i) = self.known_group(group) {
@@ -460,23 +474,47 @@ impl Blocks {
         self.get_mut(id).map(|t| *t)
     }
 
-    /// Starts loading the control words of `id`'s buckets (see [`Table::prefetch`]).
-    pub(crate) fn prefetch(&self, id: BlockId<'_>) {
-        match id {
-            BlockId::H8(hash, group) => self.h8.prefetch(&Fixed { hash, group }),
-            BlockId::H16(hash, group) => self.h16.prefetch(&Fixed { hash, group }),
-            BlockId::H32(hash, group) => self.h32.prefetch(&Fixed { hash, group }),
-            BlockId::Other(..) => {}
-        }
+    /// Starts loading the control words of `id`'s buckets (see [`Table::prefetch`]); what
+    /// [`Blocks::prefetch_slot`] needs to follow, for a block in a table.
+    pub(crate) fn prefetch(&self, id: BlockId<'_>) -> Option<Touched> {
+        let (map, hash) = match id {
+            BlockId::H8(hash, group) => (0, Fixed { hash, group }.hash()),
+            BlockId::H16(hash, group) => (1, Fixed { hash, group }.hash()),
+            BlockId::H32(hash, group) => (2, Fixed { hash, group }.hash()),
+            BlockId::Other(..) => return None,
+        };
+        let touched = Touched { map, hash };
+        self.with_table(
+            touched,
+            Table::prefetch_hashed,
+            Table::prefetch_hashed,
+            Table::prefetch_hashed,
+        );
+        Some(touched)
     }
 
-    /// Starts loading the slot `id`'s lookup reads first (see [`Table::prefetch_slot`]).
-    pub(crate) fn prefetch_slot(&self, id: BlockId<'_>) {
-        match id {
-            BlockId::H8(hash, group) => self.h8.prefetch_slot(&Fixed { hash, group }),
-            BlockId::H16(hash, group) => self.h16.prefetch_slot(&Fixed { hash, group }),
-            BlockId::H32(hash, group) => self.h32.prefetch_slot(&Fixed { hash, group }),
-            BlockId::Other(..) => {}
+    /// Starts loading the slot the block's lookup reads first (see [`Table::prefetch_slot`]).
+    pub(crate) fn prefetch_slot(&self, touched: Touched) {
+        self.with_table(
+            touched,
+            Table::prefetch_slot_hashed,
+            Table::prefetch_slot_hashed,
+            Table::prefetch_slot_hashed,
+        );
+    }
+
+    /// Calls the function for `touched`'s table with its hash.
+    fn with_table(
+        &self,
+        touched: Touched,
+        h8: fn(&Table<Fixed<8>, Tracked>, u64),
+        h16: fn(&Table<Fixed<16>, Tracked>, u64),
+        h32: fn(&Table<Fixed<32>, Tracked>, u64),
+    ) {
+        match touched.map {
+            0 => h8(&self.h8, touched.hash),
+            1 => h16(&self.h16, touched.hash),
+            _ => h32(&self.h32, touched.hash),
         }
     }
 

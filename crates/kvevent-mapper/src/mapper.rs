@@ -4,8 +4,13 @@ use std::sync::Arc;
 
 use std::time::{Duration, Instant};
 
-use crate::blocks::{BlockId, Blocks, Insert, Snapshot, T1, T2, Tracked};
+use crate::blocks::{BlockId, Blocks, Insert, Snapshot, T1, T2, Touched, Tracked};
 use crate::{Identity, KeyMode, Options, fingerprint, fingerprint_key, pb, tier_of, wire};
+
+/// The blocks of a batch whose map memory [`Mapper::prefetch`] asked for, kept for
+/// [`Mapper::prefetch_slots`]; one can be reused for batch after batch.
+#[derive(Debug, Default)]
+pub struct Prefetched(Vec<Touched>);
 
 /// What the mapper did and refused, since it was made. Plain counters: the caller exports them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -234,6 +239,12 @@ impl Mapper {
         self.blocks.len()
     }
 
+    /// Tracked blocks whose hashes collide with many others' (kept aside, searched after the
+    /// map's buckets): 0 unless the engine's hashes are crafted or broken.
+    pub fn stashed_blocks(&self) -> usize {
+        self.blocks.stashed()
+    }
+
     /// Bytes held by the tracked-block map (its tables and any long digests).
     pub fn tracked_bytes(&self) -> usize {
         self.blocks.heap_bytes()
@@ -295,8 +306,18 @@ impl Mapper {
     /// outgrows the cache. Beyond that many the first ones would leave the cache before their
     /// turn.
     fn touch(&self, batch: &wire::EventBatch<'_>) {
-        self.each_block(batch, |id| self.blocks.prefetch(id));
-        self.each_block(batch, |id| self.blocks.prefetch_slot(id));
+        let mut noted = [Touched::default(); kvevent_table::TOUCH_AHEAD];
+        let mut n = 0;
+        // At most TOUCH_AHEAD blocks.
+        self.each_block(batch, |id| {
+            if let Some(t) = self.blocks.prefetch(id) {
+                noted[n] = t;
+                n += 1;
+            }
+        });
+        for &t in &noted[..n] {
+            self.blocks.prefetch_slot(t);
+        }
     }
 
     /// Prefetches the mapper's own state a batch reads first (for a batch a little later).
@@ -308,16 +329,19 @@ impl Mapper {
 
     /// Prefetches the control words of the map buckets of the blocks `batch` names (see
     /// [`Mapper::map_batch_into`]), for a batch mapped a little later: unlike the loads a
-    /// batch makes of its own blocks first, nothing waits for them. [`Mapper::prefetch_slots`]
-    /// follows once they came.
-    pub fn prefetch(&self, batch: &wire::EventBatch<'_>) {
-        self.each_block(batch, |id| self.blocks.prefetch(id));
+    /// batch makes of its own blocks first, nothing waits for them. `noted` keeps the blocks
+    /// for [`Mapper::prefetch_slots`], which follows once the words came.
+    pub fn prefetch(&self, batch: &wire::EventBatch<'_>, noted: &mut Prefetched) {
+        noted.0.clear();
+        self.each_block(batch, |id| noted.0.extend(self.blocks.prefetch(id)));
     }
 
-    /// Prefetches the map slots of the blocks `batch` names, reading the control words
-    /// [`Mapper::prefetch`] asked for.
-    pub fn prefetch_slots(&self, batch: &wire::EventBatch<'_>) {
-        self.each_block(batch, |id| self.blocks.prefetch_slot(id));
+    /// Prefetches the map slots of the blocks [`Mapper::prefetch`] noted, reading the control
+    /// words it asked for (without reading the batch or hashing its blocks again).
+    pub fn prefetch_slots(&self, noted: &Prefetched) {
+        for &t in &noted.0 {
+            self.blocks.prefetch_slot(t);
+        }
     }
 
     /// Calls `f` with the first [`kvevent_table::TOUCH_AHEAD`] blocks the batch names, in a

@@ -265,6 +265,13 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
         self.len == 0
     }
 
+    /// Entries kept aside because no bucket had room in a table far from full: only keys whose
+    /// hashes collide end there (a crafted or broken hash), so anything but 0 is worth a look.
+    #[must_use]
+    pub fn stashed(&self) -> usize {
+        self.stash.len()
+    }
+
     /// Bytes of the slot array and its control words.
     #[must_use]
     pub fn bytes(&self) -> usize {
@@ -368,10 +375,9 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
         self.find(key).map(|i| &self.at(i).1)
     }
 
-    /// The slot a lookup of `key` reads: its tag's first slot in either bucket, else the
-    /// first empty slot of its emptier bucket (where an insert goes).
-    fn likely_slot(&self, key: &K) -> usize {
-        let h = key.hash();
+    /// The slot a lookup of a key with hash `h` reads: its tag's first slot in either bucket,
+    /// else the first empty slot of its emptier bucket (where an insert goes).
+    fn likely_slot(&self, h: u64) -> usize {
         let tag = tag_of(h);
         let (a, b) = buckets(h, self.ctrl.len());
         let (ca, cb) = (self.ctrl[a], self.ctrl[b]);
@@ -391,8 +397,13 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
     /// prefetch: nothing is read and nothing waits for it). At most [`TOUCH_AHEAD`] keys
     /// ahead of their lookups; [`Table::prefetch_slot`] follows once the words came.
     pub fn prefetch(&self, key: &K) {
+        self.prefetch_hashed(key.hash());
+    }
+
+    /// [`Table::prefetch`] for a key whose [`Key::hash`] is `h`.
+    pub fn prefetch_hashed(&self, h: u64) {
         if !self.ctrl.is_empty() {
-            let (a, b) = buckets(key.hash(), self.ctrl.len());
+            let (a, b) = buckets(h, self.ctrl.len());
             prefetch(&self.ctrl[a]);
             prefetch(&self.ctrl[b]);
         }
@@ -401,8 +412,14 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
     /// Starts loading the slot a lookup of `key` reads, reading the control words
     /// [`Table::prefetch`] brought in.
     pub fn prefetch_slot(&self, key: &K) {
+        self.prefetch_slot_hashed(key.hash());
+    }
+
+    /// [`Table::prefetch_slot`] for a key whose [`Key::hash`] is `h` (the table may have been
+    /// resized since its [`Table::prefetch_hashed`]: the slot is found at its size now).
+    pub fn prefetch_slot_hashed(&self, h: u64) {
         if !self.ctrl.is_empty() {
-            prefetch(&self.slots[self.likely_slot(key)]);
+            prefetch(&self.slots[self.likely_slot(h)]);
         }
     }
 
@@ -868,7 +885,7 @@ mod tests {
             check_invariant(&table);
         }
         assert_eq!(table.len(), 200);
-        assert!(table.stash.len() >= 200 - 2 * G, "{}", table.stash.len());
+        assert!(table.stashed() >= 200 - 2 * G, "{}", table.stashed());
         assert!(
             table.slots.len() <= 200 * 4,
             "grew to {} slots for 200 colliding keys",
