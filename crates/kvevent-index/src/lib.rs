@@ -267,6 +267,10 @@ pub struct IndexStats {
     pub applied: u64,
 }
 
+/// Key tables smaller than this (a core's share of a server's cache, roughly) are read from
+/// the cache: a pass prefetching their slots would only cost instructions.
+const CACHED_BYTES: usize = 2 << 20;
+
 /// A source holding a key, in one word: the source in bits 0–31, its epoch in 32–47, the
 /// tier in 56–63. Two holders of the same source and epoch compare by tier, so the larger
 /// is the worse tier; scoring compares and merges whole words (eight at a time).
@@ -759,6 +763,15 @@ impl Index {
             let done = inner.prior;
             inner.flush(done, self.config.byte_budget);
             inner.prior = inner.held - done;
+        }
+        // The last batch's changes (from `prior` on): their slots, their control words having
+        // been asked for; not when the tables fit in a core's cache (their lines are there).
+        if inner.young.bytes() + inner.old.bytes() > CACHED_BYTES {
+            for (_, op) in &inner.pending[inner.prior..] {
+                let (Op::Store { key, .. } | Op::Evict { key }) = op;
+                inner.young.prefetch_slot(key);
+                inner.old.prefetch_slot(key);
+            }
         }
         inner.prior = 0;
         inner.flush(inner.pending.len(), self.config.byte_budget);
