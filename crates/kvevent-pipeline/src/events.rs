@@ -273,7 +273,15 @@ impl EventsLoop {
                 for source in touched {
                     if let (Some(slot), Some(mapper)) = (stats.get_mut(source), mappers.get(source))
                     {
-                        *slot = (mapper.stats().clone(), mapper.tracked_blocks());
+                        let stashed = mapper.stashed_blocks();
+                        if stashed > 0 && slot.2 == 0 {
+                            tracing::warn!(
+                                source = %labels[source],
+                                blocks = stashed,
+                                "block hashes collide: blocks kept aside, looked up more slowly (crafted or broken hashes?)"
+                            );
+                        }
+                        *slot = (mapper.stats().clone(), mapper.tracked_blocks(), stashed);
                     }
                 }
             }

@@ -15,8 +15,9 @@ pub struct Telemetry {
     pub sources: Vec<String>,
     /// Per-source transport and state counters.
     pub source_metrics: Vec<Arc<SourceMetrics>>,
-    /// Per-source mapper counters (copied by the events thread after each batch).
-    pub mappers: Mutex<Vec<(MapperStats, usize)>>,
+    /// Per-source mapper counters, tracked blocks and stashed blocks (copied by the events
+    /// thread after each batch).
+    pub mappers: Mutex<Vec<(MapperStats, usize, usize)>>,
     /// The forwarder's counters.
     pub forwarder: Arc<fwd::Metrics>,
     /// Scrapes by outcome (`ok` or the error kind).
@@ -100,6 +101,8 @@ pub mod names {
     pub const MAPPER_SKIPPED: &str = "kvevent_mapper_skipped_total";
     /// Engine blocks tracked by the mapper, by source.
     pub const TRACKED: &str = "kvevent_mapper_tracked_blocks";
+    /// Tracked blocks kept aside because their hashes collide, by source.
+    pub const STASHED: &str = "kvevent_mapper_stashed_blocks";
     /// Prefix entries delivered to the server.
     pub const PREFIXES_SENT: &str = "kvevent_prefixes_sent_total";
     /// CacheStateUpdates delivered.
@@ -319,7 +322,7 @@ impl Telemetry {
         Self {
             sources,
             source_metrics,
-            mappers: Mutex::new(vec![(MapperStats::default(), 0); n]),
+            mappers: Mutex::new(vec![(MapperStats::default(), 0, 0); n]),
             forwarder,
             scrapes: Mutex::new(BTreeMap::new()),
             stats_reports: Mutex::new(BTreeMap::new()),
@@ -590,7 +593,7 @@ impl Telemetry {
                 "counter",
                 "Blocks or events the mapper did not report, by reason.",
             );
-            for (label, (s, _)) in self.sources.iter().zip(mappers.iter()) {
+            for (label, (s, ..)) in self.sources.iter().zip(mappers.iter()) {
                 for (reason, v) in [
                     ("placeholder_store", s.placeholder_stores),
                     ("unknown_adapter", s.unknown_adapter_drops),
@@ -608,7 +611,7 @@ impl Telemetry {
                 "counter",
                 "Blocks of hybrid-model KV-cache groups that are not full attention, not reported, by kind.",
             );
-            for (label, (s, _)) in self.sources.iter().zip(mappers.iter()) {
+            for (label, (s, ..)) in self.sources.iter().zip(mappers.iter()) {
                 for (kind, v) in &s.non_prefix_groups {
                     o.sample(NON_PREFIX_BLOCKS, &[("source", label), ("kind", kind)], v);
                 }
@@ -618,12 +621,20 @@ impl Telemetry {
                 "counter",
                 "Prefix entries re-reported so the server's TTL never expires a resident block.",
             );
-            for (label, (s, _)) in self.sources.iter().zip(mappers.iter()) {
+            for (label, (s, ..)) in self.sources.iter().zip(mappers.iter()) {
                 o.sample(REFRESHED, &[("source", label)], s.refreshed);
             }
             o.family(TRACKED, "gauge", "Engine blocks tracked by the mapper.");
-            for (label, (_, tracked)) in self.sources.iter().zip(mappers.iter()) {
+            for (label, (_, tracked, _)) in self.sources.iter().zip(mappers.iter()) {
                 o.sample(TRACKED, &[("source", label)], *tracked);
+            }
+            o.family(
+                STASHED,
+                "gauge",
+                "Tracked blocks kept aside because their hashes collide with many others' (0 unless the engine's hashes are crafted or broken).",
+            );
+            for (label, (.., stashed)) in self.sources.iter().zip(mappers.iter()) {
+                o.sample(STASHED, &[("source", label)], *stashed);
             }
         }
 
