@@ -82,6 +82,9 @@ pub fn prefetch<T>(r: &T) {
     let _ = r;
 }
 
+/// A cache line's bytes (x86-64's and most others').
+const LINE: usize = 64;
+
 /// Slots a bucket holds: its control word has a tag byte for each (and one byte unused).
 const G: usize = 15;
 
@@ -419,7 +422,17 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
     /// resized since its [`Table::prefetch_hashed`]: the slot is found at its size now).
     pub fn prefetch_slot_hashed(&self, h: u64) {
         if !self.ctrl.is_empty() {
-            prefetch(&self.slots[self.likely_slot(h)]);
+            let slot = self.likely_slot(h);
+            let entry = &self.slots[slot];
+            prefetch(entry);
+            // Entries are unpadded (25, 28 bytes…): one that crosses into the next cache line
+            // needs that line too, which the next slot starts in.
+            let offset = std::ptr::from_ref(entry) as usize % LINE;
+            if offset + std::mem::size_of::<(K, V)>() > LINE
+                && let Some(next) = self.slots.get(slot + 1)
+            {
+                prefetch(next);
+            }
         }
     }
 
