@@ -267,10 +267,6 @@ pub struct IndexStats {
     pub applied: u64,
 }
 
-/// Key tables smaller than this (a core's share of a server's cache, roughly) are read from
-/// the cache: a pass prefetching their slots would only cost instructions.
-const CACHED_BYTES: usize = 2 << 20;
-
 /// A source holding a key, in one word: the source in bits 0–31, its epoch in 32–47, the
 /// tier in 56–63. Two holders of the same source and epoch compare by tier, so the larger
 /// is the worse tier; scoring compares and merges whole words (eight at a time).
@@ -706,7 +702,7 @@ impl Index {
         let live = |inner: &Inner, source: SourceId| {
             inner.sources.get(source.0 as usize).is_some_and(|s| s.live)
         };
-        // Batch j's blocks, noted when their control words are asked for (two batches before
+        // Batch j's blocks, noted when their control words are asked for (LEAD batches before
         // their slots), in noted[j % (LEAD + 1)]; read only for a batch that is there and live.
         let mut noted: [mapper::Prefetched; LEAD + 1] = Default::default();
         let ask =
@@ -882,6 +878,10 @@ impl Index {
 /// How many batches ahead of its turn a batch's block-map slots are prefetched (their buckets'
 /// control words twice as far, its mapper's own state three times).
 const LEAD: usize = 2;
+
+/// Key tables smaller than this (a core's share of a server's cache, roughly) are read from
+/// the cache: a pass prefetching their slots would only cost instructions.
+const CACHED_BYTES: usize = 2 << 20;
 
 /// Query blocks looked up together: their keys are made (chained from token ids), then their
 /// slots loaded at once so the cache misses overlap, then they are matched in order. A query

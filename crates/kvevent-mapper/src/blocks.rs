@@ -191,6 +191,12 @@ pub(crate) struct Touched {
     hash: u64,
 }
 
+impl Touched {
+    fn new(map: u8, hash: u64) -> Self {
+        Self { map, hash }
+    }
+}
+
 /// A block's identity, owned.
 #[derive(Debug, Clone)]
 pub(crate) enum OwnedId {
@@ -477,44 +483,26 @@ impl Blocks {
     /// Starts loading the control words of `id`'s buckets (see [`Table::prefetch`]); what
     /// [`Blocks::prefetch_slot`] needs to follow, for a block in a table.
     pub(crate) fn prefetch(&self, id: BlockId<'_>) -> Option<Touched> {
-        let (map, hash) = match id {
-            BlockId::H8(hash, group) => (0, Fixed { hash, group }.hash()),
-            BlockId::H16(hash, group) => (1, Fixed { hash, group }.hash()),
-            BlockId::H32(hash, group) => (2, Fixed { hash, group }.hash()),
+        let touched = match id {
+            BlockId::H8(hash, group) => Touched::new(0, Fixed { hash, group }.hash()),
+            BlockId::H16(hash, group) => Touched::new(1, Fixed { hash, group }.hash()),
+            BlockId::H32(hash, group) => Touched::new(2, Fixed { hash, group }.hash()),
             BlockId::Other(..) => return None,
         };
-        let touched = Touched { map, hash };
-        self.with_table(
-            touched,
-            Table::prefetch_hashed,
-            Table::prefetch_hashed,
-            Table::prefetch_hashed,
-        );
+        match touched.map {
+            0 => self.h8.prefetch_hashed(touched.hash),
+            1 => self.h16.prefetch_hashed(touched.hash),
+            _ => self.h32.prefetch_hashed(touched.hash),
+        }
         Some(touched)
     }
 
     /// Starts loading the slot the block's lookup reads first (see [`Table::prefetch_slot`]).
     pub(crate) fn prefetch_slot(&self, touched: Touched) {
-        self.with_table(
-            touched,
-            Table::prefetch_slot_hashed,
-            Table::prefetch_slot_hashed,
-            Table::prefetch_slot_hashed,
-        );
-    }
-
-    /// Calls the function for `touched`'s table with its hash.
-    fn with_table(
-        &self,
-        touched: Touched,
-        h8: fn(&Table<Fixed<8>, Tracked>, u64),
-        h16: fn(&Table<Fixed<16>, Tracked>, u64),
-        h32: fn(&Table<Fixed<32>, Tracked>, u64),
-    ) {
         match touched.map {
-            0 => h8(&self.h8, touched.hash),
-            1 => h16(&self.h16, touched.hash),
-            _ => h32(&self.h32, touched.hash),
+            0 => self.h8.prefetch_slot_hashed(touched.hash),
+            1 => self.h16.prefetch_slot_hashed(touched.hash),
+            _ => self.h32.prefetch_slot_hashed(touched.hash),
         }
     }
 
