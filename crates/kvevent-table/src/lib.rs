@@ -132,7 +132,7 @@ use portable::{empties, matching};
 /// [`matching`] and [`empties`] on 64-bit words, for targets without SSE2 (tested on all).
 #[cfg_attr(all(target_arch = "x86_64", target_feature = "sse2"), allow(dead_code))]
 mod portable {
-    use super::{Ctrl, G, Mask};
+    use super::{ALL, Ctrl, Mask};
 
     /// A byte of 1 in each of a control word's tag bytes (not in its unused byte).
     const ONES: u128 = (u128::MAX / 0xFF) >> 8;
@@ -155,7 +155,7 @@ mod portable {
     }
 
     pub(super) fn empties(ctrl: Ctrl) -> Mask {
-        pack(!u128::from_le_bytes(ctrl.0) & HIGH) & ((1 << G) - 1)
+        pack(!u128::from_le_bytes(ctrl.0) & HIGH) & ALL
     }
 }
 
