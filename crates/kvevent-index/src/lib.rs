@@ -430,6 +430,10 @@ impl Holders {
         valid: impl Fn(&Holder) -> bool,
         holder: Holder,
     ) -> Self {
+        if self == Self::NONE {
+            // A new key (most stores): nothing to keep or merge.
+            return Self::one(holder);
+        }
         let kept = if self.stamped_with(lapses) {
             self
         } else {
@@ -627,9 +631,11 @@ pub struct Index {
 }
 
 fn key_of(prefix_hash: &[u8]) -> u64 {
+    if let Some(first) = prefix_hash.first_chunk::<8>() {
+        return u64::from_be_bytes(*first);
+    }
     let mut b = [0u8; 8];
-    let n = prefix_hash.len().min(8);
-    b[..n].copy_from_slice(&prefix_hash[..n]);
+    b[..prefix_hash.len()].copy_from_slice(prefix_hash);
     u64::from_be_bytes(b)
 }
 
@@ -936,15 +942,19 @@ struct Apply<'a> {
 impl Apply<'_> {
     #[inline]
     fn adapter(&mut self, name: &Arc<str>) -> u32 {
-        let source = &self.inner.sources[self.source as usize];
-        match &source.adapter {
+        match &self.inner.sources[self.source as usize].adapter {
             Some((last, id)) if Arc::ptr_eq(last, name) => *id,
-            _ => {
-                let id = self.inner.adapter(name);
-                self.inner.sources[self.source as usize].adapter = Some((name.clone(), id));
-                id
-            }
+            _ => self.new_adapter(name),
         }
+    }
+
+    /// [`Apply::adapter`] for an adapter other than the source's last.
+    #[cold]
+    #[inline(never)]
+    fn new_adapter(&mut self, name: &Arc<str>) -> u32 {
+        let id = self.inner.adapter(name);
+        self.inner.sources[self.source as usize].adapter = Some((name.clone(), id));
+        id
     }
 }
 

@@ -461,7 +461,30 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
     }
 
     /// [`Self::place`] for a key whose hash is `h`.
+    #[inline]
     fn place_hashed(&mut self, key: K, value: V, h: u64) {
+        // Nearly always an empty slot in one of its buckets: taken here, without the walk.
+        let (a, b) = buckets(h, self.ctrl.len());
+        let (za, zb) = (matching(self.ctrl[a], 0), matching(self.ctrl[b], 0));
+        if za | zb != 0 {
+            let (c, m) = if at_least_as_many(za, zb) {
+                (a, za)
+            } else {
+                (b, zb)
+            };
+            let j = lowest(m);
+            self.ctrl[c].0[j] = tag_of(h);
+            self.slots[c * G + j] = (key, value);
+            return;
+        }
+        self.place_walking(key, value, h);
+    }
+
+    /// [`Self::place_hashed`] when both buckets are full: the walk, growing the table when it
+    /// makes no room.
+    #[cold]
+    #[inline(never)]
+    fn place_walking(&mut self, key: K, value: V, h: u64) {
         let mut hand = (key, value);
         let mut h = h;
         while let Err(left) = self.settle(hand, h, self.ctrl.len()) {
