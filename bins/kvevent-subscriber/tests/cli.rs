@@ -303,3 +303,79 @@ fn a_mistyped_flag_gets_a_suggestion() {
         "suggests the flag meant: {err}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn colliding_block_hashes_are_counted_and_warned_about_once() {
+    use kvevent_wire as wire;
+    let server = RecordingServer::start().await;
+    let ctx = zmq::Context::new();
+    let engine =
+        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    let metrics_port = free_port();
+    let child = Command::new(BIN)
+        .args([
+            &format!("--engine-endpoint={}", engine.endpoint()),
+            &format!("--server=http://{}", server.addr()),
+            "--replica-id=r",
+            "--model-id=m",
+            "--key-mode=engine",
+            "--stats-interval=0",
+            &format!("--metrics-address=127.0.0.1:{metrics_port}"),
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    assert!(
+        tokio::task::block_in_place(|| engine.wait_for_subscribers(1, WAIT)),
+        "the binary subscribed"
+    );
+    // 16-byte digests whose two words undo each other in the block map's hash: every one
+    // hashes alike (a broken or hostile engine). Two buckets of 15 hold the first 30.
+    let digest = |w0: u64| {
+        let w1 = w0.rotate_left(29) ^ 0x5EED;
+        let mut d = w0.to_le_bytes().to_vec();
+        d.extend(w1.to_le_bytes());
+        wire::BlockHash::Bytes(d.into())
+    };
+    let stored = |blocks: std::ops::Range<u64>| wire::EventBatch {
+        ts: 1.0,
+        events: vec![wire::Event::BlockStored(wire::BlockStored {
+            block_hashes: blocks.clone().map(digest).collect(),
+            token_ids: (0..blocks.count() as u32 * 16).collect::<Vec<_>>().into(),
+            block_size: 16,
+            medium: Some("GPU".into()),
+            ..Default::default()
+        })],
+        data_parallel_rank: None,
+        ..Default::default()
+    };
+    let stashed = || metric(metrics_port, "kvevent_mapper_stashed_blocks{");
+    for (blocks, aside) in [(1..201, 170.0), (201..211, 180.0)] {
+        engine.publish(&stored(blocks)).expect("publish");
+        let deadline = Instant::now() + WAIT;
+        while stashed().await != Some(aside) {
+            assert!(
+                Instant::now() < deadline,
+                "kvevent_mapper_stashed_blocks never read {aside}: {:?}",
+                stashed().await
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let out = tokio::task::block_in_place(|| child.wait_with_output()).expect("wait");
+    let err = String::from_utf8_lossy(&out.stderr);
+    let warning = "block hashes collide";
+    assert_eq!(err.matches(warning).count(), 1, "warned once: {err}");
+    let line = err
+        .lines()
+        .find(|l| l.contains(warning))
+        .expect("the warning");
+    assert!(
+        line.contains(engine.endpoint()) && line.contains("170"),
+        "names the source and how many blocks: {line}"
+    );
+}
