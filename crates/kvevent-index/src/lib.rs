@@ -758,9 +758,7 @@ impl Index {
                 inner.old.prefetch(key);
             }
             for (_, op) in &inner.pending[inner.prior..inner.held] {
-                let (Op::Store { key, .. } | Op::Evict { key }) = op;
-                inner.young.prefetch_slot(key);
-                inner.old.prefetch_slot(key);
+                inner.prefetch_slots(op);
             }
             let done = inner.prior;
             inner.flush(done, self.config.byte_budget);
@@ -770,9 +768,7 @@ impl Index {
         // been asked for; not when the tables fit in a core's cache (their lines are there).
         if inner.young.bytes() + inner.old.bytes() > CACHED_BYTES {
             for (_, op) in &inner.pending[inner.prior..] {
-                let (Op::Store { key, .. } | Op::Evict { key }) = op;
-                inner.young.prefetch_slot(key);
-                inner.old.prefetch_slot(key);
+                inner.prefetch_slots(op);
             }
         }
         inner.prior = 0;
@@ -1001,6 +997,21 @@ impl Inner {
         let id = self.adapters.len() as u32;
         self.adapters.insert(name.to_owned(), id);
         id
+    }
+
+    /// Starts loading the key-table slots `op` reads and writes (its key's in either
+    /// generation; for a store, where its insert into the young one goes too).
+    fn prefetch_slots(&self, op: &Op) {
+        match op {
+            Op::Store { key, .. } => {
+                self.young.prefetch_insert(key);
+                self.old.prefetch_slot(key);
+            }
+            Op::Evict { key } => {
+                self.young.prefetch_slot(key);
+                self.old.prefetch_slot(key);
+            }
+        }
     }
 
     fn holder_valid(&self, h: &Holder) -> bool {

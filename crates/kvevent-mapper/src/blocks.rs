@@ -182,19 +182,14 @@ impl<'h> BlockId<'h> {
     }
 }
 
-/// A block whose map memory [`Blocks::prefetch`] asked for: its table and its hash, so that
-/// the slot's prefetch does not hash it again.
+/// A block whose map memory [`Blocks::prefetch`] asked for: its table, whether it is about to
+/// be stored, and its hash, so that the slot's prefetch does not hash it again.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Touched {
     /// 0, 1, 2: the table of 8-, 16-, 32-byte hashes.
     map: u8,
+    stored: bool,
     hash: u64,
-}
-
-impl Touched {
-    fn new(map: u8, hash: u64) -> Self {
-        Self { map, hash }
-    }
 }
 
 /// A block's identity, owned.
@@ -481,14 +476,16 @@ impl Blocks {
     }
 
     /// Starts loading the control words of `id`'s buckets (see [`Table::prefetch`]); what
-    /// [`Blocks::prefetch_slot`] needs to follow, for a block in a table.
-    pub(crate) fn prefetch(&self, id: BlockId<'_>) -> Option<Touched> {
-        let touched = match id {
-            BlockId::H8(hash, group) => Touched::new(0, Fixed { hash, group }.hash()),
-            BlockId::H16(hash, group) => Touched::new(1, Fixed { hash, group }.hash()),
-            BlockId::H32(hash, group) => Touched::new(2, Fixed { hash, group }.hash()),
+    /// [`Blocks::prefetch_slot`] needs to follow, for a block in a table (`stored`: one a store
+    /// names, most likely new, rather than one looked up or removed).
+    pub(crate) fn prefetch(&self, id: BlockId<'_>, stored: bool) -> Option<Touched> {
+        let (map, hash) = match id {
+            BlockId::H8(hash, group) => (0, Fixed { hash, group }.hash()),
+            BlockId::H16(hash, group) => (1, Fixed { hash, group }.hash()),
+            BlockId::H32(hash, group) => (2, Fixed { hash, group }.hash()),
             BlockId::Other(..) => return None,
         };
+        let touched = Touched { map, stored, hash };
         match touched.map {
             0 => self.h8.prefetch_hashed(touched.hash),
             1 => self.h16.prefetch_hashed(touched.hash),
@@ -497,12 +494,16 @@ impl Blocks {
         Some(touched)
     }
 
-    /// Starts loading the slot the block's lookup reads first (see [`Table::prefetch_slot`]).
+    /// Starts loading the slots the block's lookup reads, and the one its insert takes for a
+    /// block about to be stored (see [`Table::prefetch_slot`], [`Table::prefetch_insert`]).
     pub(crate) fn prefetch_slot(&self, touched: Touched) {
-        match touched.map {
-            0 => self.h8.prefetch_slot_hashed(touched.hash),
-            1 => self.h16.prefetch_slot_hashed(touched.hash),
-            _ => self.h32.prefetch_slot_hashed(touched.hash),
+        match (touched.map, touched.stored) {
+            (0, false) => self.h8.prefetch_slot_hashed(touched.hash),
+            (0, true) => self.h8.prefetch_insert_hashed(touched.hash),
+            (1, false) => self.h16.prefetch_slot_hashed(touched.hash),
+            (1, true) => self.h16.prefetch_insert_hashed(touched.hash),
+            (_, false) => self.h32.prefetch_slot_hashed(touched.hash),
+            (_, true) => self.h32.prefetch_insert_hashed(touched.hash),
         }
     }
 

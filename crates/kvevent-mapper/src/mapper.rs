@@ -309,8 +309,8 @@ impl Mapper {
         let mut noted = [Touched::default(); kvevent_table::TOUCH_AHEAD];
         let mut n = 0;
         // At most TOUCH_AHEAD blocks.
-        self.each_block(batch, |id| {
-            if let Some(t) = self.blocks.prefetch(id) {
+        self.each_block(batch, |id, stored| {
+            if let Some(t) = self.blocks.prefetch(id, stored) {
                 noted[n] = t;
                 n += 1;
             }
@@ -333,7 +333,9 @@ impl Mapper {
     /// for [`Mapper::prefetch_slots`], which follows once the words came.
     pub fn prefetch(&self, batch: &wire::EventBatch<'_>, noted: &mut Prefetched) {
         noted.0.clear();
-        self.each_block(batch, |id| noted.0.extend(self.blocks.prefetch(id)));
+        self.each_block(batch, |id, stored| {
+            noted.0.extend(self.blocks.prefetch(id, stored));
+        });
     }
 
     /// Prefetches the map slots of the blocks [`Mapper::prefetch`] noted, reading the control
@@ -345,26 +347,34 @@ impl Mapper {
     }
 
     /// Calls `f` with the first [`kvevent_table::TOUCH_AHEAD`] blocks the batch names, in a
-    /// known group: each store's parent and blocks, each removal's blocks.
-    fn each_block(&self, batch: &wire::EventBatch<'_>, mut f: impl FnMut(BlockId<'_>)) {
+    /// known group, and whether each is stored: each store's parent (looked up) and blocks
+    /// (stored), each removal's blocks (looked up).
+    fn each_block(&self, batch: &wire::EventBatch<'_>, mut f: impl FnMut(BlockId<'_>, bool)) {
         let mut left = kvevent_table::TOUCH_AHEAD;
         for event in &batch.events {
-            let (group, hashes, parent) = match event {
-                wire::Event::BlockStored(e) => {
-                    (e.group_idx, &e.block_hashes, e.parent_block_hash.as_ref())
-                }
-                wire::Event::BlockRemoved(e) => (e.group_idx, &e.block_hashes, None),
+            let (group, hashes, parent, stored) = match event {
+                wire::Event::BlockStored(e) => (
+                    e.group_idx,
+                    &e.block_hashes,
+                    e.parent_block_hash.as_ref(),
+                    true,
+                ),
+                wire::Event::BlockRemoved(e) => (e.group_idx, &e.block_hashes, None, false),
                 wire::Event::AllBlocksCleared(_) => continue,
             };
             let Some(group) = self.blocks.known_group(group) else {
                 continue;
             };
-            for hash in parent.into_iter().chain(hashes) {
+            let named = parent
+                .map(|p| (p, false))
+                .into_iter()
+                .chain(hashes.iter().map(|h| (h, stored)));
+            for (hash, stored) in named {
                 if left == 0 {
                     return;
                 }
                 left -= 1;
-                f(BlockId::new(hash, group));
+                f(BlockId::new(hash, group), stored);
             }
         }
     }

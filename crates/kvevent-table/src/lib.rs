@@ -378,24 +378,6 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
         self.find(key).map(|i| &self.at(i).1)
     }
 
-    /// The slot a lookup of a key with hash `h` reads: its tag's first slot in either bucket,
-    /// else the first empty slot of its emptier bucket (where an insert goes).
-    fn likely_slot(&self, h: u64) -> usize {
-        let tag = tag_of(h);
-        let (a, b) = buckets(h, self.ctrl.len());
-        let (ca, cb) = (self.ctrl[a], self.ctrl[b]);
-        let (ma, mb) = (matching(ca, tag), matching(cb, tag));
-        if ma != 0 {
-            a * G + lowest(ma)
-        } else if mb != 0 {
-            b * G + lowest(mb)
-        } else if at_least_as_many(empties(ca), empties(cb)) {
-            a * G + lowest(empties(ca)).min(G - 1)
-        } else {
-            b * G + lowest(empties(cb)).min(G - 1)
-        }
-    }
-
     /// Starts loading the control words of `key`'s two buckets, without waiting for them (a
     /// prefetch: nothing is read and nothing waits for it). At most [`TOUCH_AHEAD`] keys
     /// ahead of their lookups; [`Table::prefetch_slot`] follows once the words came.
@@ -412,27 +394,71 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
         }
     }
 
-    /// Starts loading the slot a lookup of `key` reads, reading the control words
-    /// [`Table::prefetch`] brought in.
+    /// Starts loading the slots a lookup of `key` reads, reading the control words
+    /// [`Table::prefetch`] brought in: every slot whose tag matches, in either bucket (the
+    /// first may be another key's, one in 128 of a bucket's keys having the same tag, and the
+    /// key's own the next); with none, the slot an insert would take.
     pub fn prefetch_slot(&self, key: &K) {
         self.prefetch_slot_hashed(key.hash());
     }
 
     /// [`Table::prefetch_slot`] for a key whose [`Key::hash`] is `h` (the table may have been
-    /// resized since its [`Table::prefetch_hashed`]: the slot is found at its size now).
+    /// resized since its [`Table::prefetch_hashed`]: the slots are found at its size now).
     pub fn prefetch_slot_hashed(&self, h: u64) {
-        if !self.ctrl.is_empty() {
-            let slot = self.likely_slot(h);
-            let entry = &self.slots[slot];
-            prefetch(entry);
-            // Entries are unpadded (25, 28 bytes…): one that crosses into the next cache line
-            // needs that line too, which the next slot starts in.
-            let offset = std::ptr::from_ref(entry) as usize % LINE;
-            if offset + std::mem::size_of::<(K, V)>() > LINE
-                && let Some(next) = self.slots.get(slot + 1)
-            {
-                prefetch(next);
+        self.prefetch_slots(h, false);
+    }
+
+    /// [`Table::prefetch_slot`] for a key about to be stored (most likely absent): the slot
+    /// its insert takes as well as the slots whose tag matches, which the insert's lookup
+    /// reads first (a key absent from both buckets meets another's tag one time in six at
+    /// these loads, and its insert then wrote a slot no prefetch asked for).
+    pub fn prefetch_insert(&self, key: &K) {
+        self.prefetch_insert_hashed(key.hash());
+    }
+
+    /// [`Table::prefetch_insert`] for a key whose [`Key::hash`] is `h`.
+    pub fn prefetch_insert_hashed(&self, h: u64) {
+        self.prefetch_slots(h, true);
+    }
+
+    /// The slots whose tag matches `h`'s; the slot an insert takes too when there are none or
+    /// `insert` says the key is about to be stored.
+    fn prefetch_slots(&self, h: u64, insert: bool) {
+        if self.ctrl.is_empty() {
+            return;
+        }
+        let tag = tag_of(h);
+        let (a, b) = buckets(h, self.ctrl.len());
+        let (ca, cb) = (self.ctrl[a], self.ctrl[b]);
+        let (ma, mb) = (matching(ca, tag), matching(cb, tag));
+        for (c, mut m) in [(a, ma), (b, mb)] {
+            while m != 0 {
+                self.prefetch_entry(c * G + lowest(m));
+                m &= m - 1;
             }
+        }
+        if insert || ma | mb == 0 {
+            let (ea, eb) = (empties(ca), empties(cb));
+            let slot = if at_least_as_many(ea, eb) {
+                a * G + lowest(ea).min(G - 1)
+            } else {
+                b * G + lowest(eb).min(G - 1)
+            };
+            self.prefetch_entry(slot);
+        }
+    }
+
+    /// Prefetches the entry in slot `slot`, both of its lines when it crosses into a second:
+    /// entries are unpadded (25, 28 bytes…), and the next slot starts in that line.
+    #[inline]
+    fn prefetch_entry(&self, slot: usize) {
+        let entry = &self.slots[slot];
+        prefetch(entry);
+        let offset = std::ptr::from_ref(entry) as usize % LINE;
+        if offset + std::mem::size_of::<(K, V)>() > LINE
+            && let Some(next) = self.slots.get(slot + 1)
+        {
+            prefetch(next);
         }
     }
 
