@@ -1072,6 +1072,42 @@ mod tests {
     }
 
     #[test]
+    fn prefetching_any_key_at_any_size_changes_nothing() {
+        // Prefetches read control words and compute slots: on an empty table, beside a stash,
+        // across resizes, for present and absent keys, they must neither panic nor change a
+        // thing.
+        let mut table: Table<Same, u64> = Table::new();
+        let mut spread: Table<K2, u64> = Table::new();
+        let probe = |t: &Table<K2, u64>, k: &K2| {
+            t.prefetch(k);
+            t.prefetch_slot(k);
+            t.prefetch_insert(k);
+        };
+        probe(&spread, &K2(1, 0));
+        for k in 0..3_000u64 {
+            spread.insert_new(K2(k, 0), k);
+            probe(&spread, &K2(k, 0));
+            probe(&spread, &K2(k + 1_000_000, 0));
+            if k < 100 {
+                table.insert_new(Same(k), k);
+                table.prefetch_slot(&Same(k));
+                table.prefetch_insert(&Same(k + 1_000));
+            }
+        }
+        for k in 0..2_900u64 {
+            spread.remove(&K2(k, 0));
+            probe(&spread, &K2(k, 0));
+        }
+        check_invariant(&spread);
+        check_invariant(&table);
+        assert_eq!(spread.len(), 100);
+        assert!(table.stashed() > 0);
+        for k in 2_900..3_000u64 {
+            assert_eq!(spread.get(&K2(k, 0)), Some(&k));
+        }
+    }
+
+    #[test]
     fn reserve_then_fill_does_not_grow() {
         let mut table: Table<K2, u32> = Table::new();
         table.reserve(10_000);
