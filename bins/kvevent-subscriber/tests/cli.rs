@@ -72,6 +72,21 @@ fn bad_configuration_exits_64_naming_every_problem() {
     assert_eq!(out.status.code(), Some(64));
 }
 
+/// The binary with `args`, its log piped, once it subscribed to `engine`.
+fn spawn_subscribed(engine: &Publisher, args: &[&str]) -> std::process::Child {
+    let child = Command::new(BIN)
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    assert!(
+        tokio::task::block_in_place(|| engine.wait_for_subscribers(1, WAIT)),
+        "the binary subscribed"
+    );
+    child
+}
+
 async fn metric(port: u16, name: &str) -> Option<f64> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
@@ -96,8 +111,9 @@ async fn end_to_end_with_go_style_flags_and_a_sigterm_drain_that_loses_nothing()
     let engine =
         Publisher::start(&ctx, PublisherConfig::loopback(Release::new(0, 26, 0))).expect("engine");
     let metrics_port = free_port();
-    let mut child = Command::new(BIN)
-        .args([
+    let mut child = spawn_subscribed(
+        &engine,
+        &[
             &format!("-engine-endpoint={}", engine.endpoint()),
             "-replay-endpoint",
             engine.replay_endpoint().expect("replay"),
@@ -112,14 +128,7 @@ async fn end_to_end_with_go_style_flags_and_a_sigterm_drain_that_loses_nothing()
             "-stats-interval=0",
             &format!("--metrics-address=127.0.0.1:{metrics_port}"),
             "-log-format=json",
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn");
-    assert!(
-        tokio::task::block_in_place(|| engine.wait_for_subscribers(1, WAIT)),
-        "the binary subscribed"
+        ],
     );
     let batches = 9u64;
     for step in 0..batches {
@@ -312,8 +321,9 @@ async fn colliding_block_hashes_are_counted_and_warned_about_once() {
     let engine =
         Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
     let metrics_port = free_port();
-    let child = Command::new(BIN)
-        .args([
+    let child = spawn_subscribed(
+        &engine,
+        &[
             &format!("--engine-endpoint={}", engine.endpoint()),
             &format!("--server=http://{}", server.addr()),
             "--replica-id=r",
@@ -321,14 +331,7 @@ async fn colliding_block_hashes_are_counted_and_warned_about_once() {
             "--key-mode=engine",
             "--stats-interval=0",
             &format!("--metrics-address=127.0.0.1:{metrics_port}"),
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn");
-    assert!(
-        tokio::task::block_in_place(|| engine.wait_for_subscribers(1, WAIT)),
-        "the binary subscribed"
+        ],
     );
     // 16-byte digests whose two words undo each other in the block map's hash: every one
     // hashes alike (a broken or hostile engine). Two buckets of 15 hold the first 30.
