@@ -188,6 +188,20 @@ fn lowest(mask: Mask) -> usize {
     mask.trailing_zeros() as usize
 }
 
+/// Where an insert goes among buckets `a` and `b` (control words `ca`, `cb`): the first free
+/// slot of the emptier, as (bucket, slot within it); `None` when both are full.
+#[inline]
+fn free_slot(a: usize, ca: Ctrl, b: usize, cb: Ctrl) -> Option<(usize, usize)> {
+    let (za, zb) = (matching(ca, 0), matching(cb, 0));
+    if za | zb == 0 {
+        None
+    } else if at_least_as_many(za, zb) {
+        Some((a, lowest(za)))
+    } else {
+        Some((b, lowest(zb)))
+    }
+}
+
 /// Most entries an insert moves to their other bucket before the table grows instead.
 const MAX_KICKS: usize = 256;
 
@@ -437,14 +451,10 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
                 m &= m - 1;
             }
         }
-        if insert || ma | mb == 0 {
-            let (ea, eb) = (empties(ca), empties(cb));
-            let slot = if at_least_as_many(ea, eb) {
-                a * G + lowest(ea).min(G - 1)
-            } else {
-                b * G + lowest(eb).min(G - 1)
-            };
-            self.prefetch_entry(slot);
+        if (insert || ma | mb == 0)
+            && let Some((c, j)) = free_slot(a, ca, b, cb)
+        {
+            self.prefetch_entry(c * G + j);
         }
     }
 
@@ -491,19 +501,10 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
     fn place_hashed(&mut self, key: K, value: V, h: u64) {
         // Nearly always an empty slot in one of its buckets: taken here, without the walk.
         let (a, b) = buckets(h, self.ctrl.len());
-        let (za, zb) = (matching(self.ctrl[a], 0), matching(self.ctrl[b], 0));
-        if za | zb != 0 {
-            let (c, m) = if at_least_as_many(za, zb) {
-                (a, za)
-            } else {
-                (b, zb)
-            };
-            let j = lowest(m);
-            self.ctrl[c].0[j] = tag_of(h);
-            self.slots[c * G + j] = (key, value);
-            return;
+        match free_slot(a, self.ctrl[a], b, self.ctrl[b]) {
+            Some((c, j)) => self.put(c, j, (key, value), h),
+            None => self.place_walking(key, value, h),
         }
-        self.place_walking(key, value, h);
     }
 
     /// [`Self::place_hashed`] when both buckets are full: the walk, growing the table when it
@@ -538,14 +539,8 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
         loop {
             let (a, b) = buckets(h, n);
             let (ca, cb) = (self.ctrl[a], self.ctrl[b]);
-            let (za, zb) = (matching(ca, 0), matching(cb, 0));
-            if za | zb != 0 {
-                let slot = if at_least_as_many(za, zb) {
-                    a * G + lowest(za)
-                } else {
-                    b * G + lowest(zb)
-                };
-                self.put_at(slot, hand, h);
+            if let Some((c, j)) = free_slot(a, ca, b, cb) {
+                self.put(c, j, hand, h);
                 return Ok(());
             }
             // No byte is 0: a byte without its top bit is an entry waiting to move.
@@ -578,8 +573,13 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
     }
 
     fn put_at(&mut self, slot: usize, e: (K, V), h: u64) {
-        self.set_tag(slot, tag_of(h));
-        self.slots[slot] = e;
+        self.put(slot / G, slot % G, e, h);
+    }
+
+    /// Puts entry `e` (hash `h`) in slot `j` of bucket `c`.
+    fn put(&mut self, c: usize, j: usize, e: (K, V), h: u64) {
+        self.ctrl[c].0[j] = tag_of(h);
+        self.slots[c * G + j] = e;
     }
 
     /// Removes `key`, returning its value.
