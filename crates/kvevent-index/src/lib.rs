@@ -750,13 +750,9 @@ impl Index {
             } else {
                 mappers[source.0 as usize].map_batch_into(batch, &mut apply);
             }
-            // This batch's changes are made two batches later: their control words come in
-            // meanwhile, then their slots. Those of the batch two before it are made now.
-            for (_, op) in &inner.pending[inner.held..] {
-                let (Op::Store { key, .. } | Op::Evict { key }) = op;
-                inner.young.prefetch(key);
-                inner.old.prefetch(key);
-            }
+            // This batch's changes are made two batches later: their control words were asked
+            // for as the mapper made them, then their slots. Those of the batch two before it
+            // are made now.
             for (_, op) in &inner.pending[inner.prior..inner.held] {
                 inner.prefetch_slots(op);
             }
@@ -965,6 +961,7 @@ impl mapper::Sink for Apply<'_> {
     ) {
         let key = KeyId::new(key_of(key), self.adapter(adapter));
         let tier = u8::from(tier != pb::CacheTier::T1);
+        self.inner.ask(&key);
         self.inner
             .pending
             .push((self.source, Op::Store { key, tier, tokens }));
@@ -974,6 +971,7 @@ impl mapper::Sink for Apply<'_> {
 
     fn evicted(&mut self, key: &[u8], adapter: &Arc<str>, _ts: i64) {
         let key = KeyId::new(key_of(key), self.adapter(adapter));
+        self.inner.ask(&key);
         self.inner.pending.push((self.source, Op::Evict { key }));
     }
 
@@ -997,6 +995,14 @@ impl Inner {
         let id = self.adapters.len() as u32;
         self.adapters.insert(name.to_owned(), id);
         id
+    }
+
+    /// Starts loading the control words of `key`'s buckets in either generation, as the
+    /// mapper makes the change: they come in while the rest of its batch is mapped.
+    #[inline]
+    fn ask(&self, key: &KeyId) {
+        self.young.prefetch(key);
+        self.old.prefetch(key);
     }
 
     /// Starts loading the key-table slots `op` reads and writes (its key's in either
