@@ -961,7 +961,7 @@ impl mapper::Sink for Apply<'_> {
     ) {
         let key = KeyId::new(key_of(key), self.adapter(adapter));
         let tier = u8::from(tier != pb::CacheTier::T1);
-        self.inner.ask(&key);
+        self.inner.prefetch_key(&key);
         self.inner
             .pending
             .push((self.source, Op::Store { key, tier, tokens }));
@@ -971,7 +971,7 @@ impl mapper::Sink for Apply<'_> {
 
     fn evicted(&mut self, key: &[u8], adapter: &Arc<str>, _ts: i64) {
         let key = KeyId::new(key_of(key), self.adapter(adapter));
-        self.inner.ask(&key);
+        self.inner.prefetch_key(&key);
         self.inner.pending.push((self.source, Op::Evict { key }));
     }
 
@@ -1000,7 +1000,7 @@ impl Inner {
     /// Starts loading the control words of `key`'s buckets in either generation, as the
     /// mapper makes the change: they come in while the rest of its batch is mapped.
     #[inline]
-    fn ask(&self, key: &KeyId) {
+    fn prefetch_key(&self, key: &KeyId) {
         self.young.prefetch(key);
         self.old.prefetch(key);
     }
