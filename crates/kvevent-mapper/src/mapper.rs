@@ -1,5 +1,6 @@
 //! The per-source mapper.
 
+use std::cell::Cell;
 use std::sync::Arc;
 
 use std::time::{Duration, Instant};
@@ -162,13 +163,19 @@ pub struct Mapper {
     pub(crate) skipped_groups: Vec<Option<i64>>,
     /// The refresh cycle under way.
     refresh: Option<RefreshCycle>,
-    /// A store's token ids and prefix fingerprints, kept for their capacity.
-    scratch_tokens: Vec<u32>,
-    scratch_prefixes: Vec<u64>,
 }
 
 /// Most elements a store's scratch buffers keep between stores (16 KiB of token ids).
 const SCRATCH_KEPT: usize = 4096;
+
+thread_local! {
+    /// A store's token ids and prefix fingerprints, kept for their capacity: one pair per
+    /// thread, not per mapper, so a writer that drives many sources' mappers (an index of 1,024
+    /// replicas) writes into buffers still in its cache rather than into each mapper's cold
+    /// ones. A store takes them out while it runs: a sink that maps a store on the same thread
+    /// gets new buffers, never a borrow panic.
+    static SCRATCH: Cell<(Vec<u32>, Vec<u64>)> = const { Cell::new((Vec::new(), Vec::new())) };
+}
 
 /// One pass of [`Mapper::refresh`] over the blocks tracked when it began.
 #[derive(Debug)]
@@ -224,8 +231,6 @@ impl Mapper {
             stats: MapperStats::default(),
             skipped_groups: Vec::new(),
             refresh: None,
-            scratch_tokens: Vec::new(),
-            scratch_prefixes: Vec::new(),
         }
     }
 
@@ -558,8 +563,7 @@ impl Mapper {
         let n = e.block_hashes.len();
         // Fingerprints need every block's tokens, and a keyable parent when there is one.
         // Buffers reused from store to store; `prefixes` stays empty when blocks are not keyed.
-        let mut token_ids = std::mem::take(&mut self.scratch_tokens);
-        let mut prefixes = std::mem::take(&mut self.scratch_prefixes);
+        let (mut token_ids, mut prefixes) = SCRATCH.take();
         token_ids.clear();
         prefixes.clear();
         if self.options.key_mode == KeyMode::Fingerprint {
@@ -619,13 +623,12 @@ impl Mapper {
             }
             self.stats.prefixes += 1;
         }
-        // Kept unless a long prompt made them large (a source may wait long for its next one).
-        if token_ids.capacity() <= SCRATCH_KEPT {
-            self.scratch_tokens = token_ids;
-        }
-        if prefixes.capacity() <= SCRATCH_KEPT {
-            self.scratch_prefixes = prefixes;
-        }
+        // Kept, cut back to a bounded size if a long prompt made them large.
+        token_ids.clear();
+        token_ids.shrink_to(SCRATCH_KEPT);
+        prefixes.clear();
+        prefixes.shrink_to(SCRATCH_KEPT);
+        SCRATCH.set((token_ids, prefixes));
         sink.end_update(ts);
     }
 

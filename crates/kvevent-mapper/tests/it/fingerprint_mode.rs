@@ -48,6 +48,38 @@ fn a_chain_continues_across_events_like_one_prompt() {
 }
 
 #[test]
+fn mappers_sharing_a_thread_key_each_store_as_if_alone() {
+    // A store's scratch buffers are shared by every mapper on a thread: interleaved stores,
+    // one long enough to outgrow what the buffers keep, must not see each other's tokens.
+    let long = tokens(0..8192); // 512 blocks of 16
+    let a1 = tokens(100..132);
+    let a2 = tokens(132..164);
+    let b1 = tokens(900..916);
+    let long_hashes: Vec<u64> = (1000..1512).collect();
+    let mut a = mapper(fp_options());
+    let mut b = mapper(fp_options());
+    let got_a1 = entries(&run(&mut a, vec![stored(&[1, 2], None, a1.clone(), 16)]));
+    let got_long = entries(&run(
+        &mut b,
+        vec![stored(&long_hashes, None, long.clone(), 16)],
+    ));
+    let got_b1 = entries(&run(&mut b, vec![stored(&[3], None, b1.clone(), 16)]));
+    let got_a2 = entries(&run(&mut a, vec![stored(&[4, 5], Some(2), a2.clone(), 16)]));
+
+    let key_list =
+        |e: &[(Vec<u8>, i32, i32, String)]| e.iter().map(|e| e.0.clone()).collect::<Vec<_>>();
+    let whole_a: Vec<u32> = a1.iter().chain(&a2).copied().collect();
+    let expect_a = keys(&fingerprint::chain(&whole_a, 16, None));
+    assert_eq!(key_list(&got_a1), expect_a[..2]);
+    assert_eq!(key_list(&got_a2), expect_a[2..]);
+    assert_eq!(
+        key_list(&got_long),
+        keys(&fingerprint::chain(&long, 16, None))
+    );
+    assert_eq!(key_list(&got_b1), keys(&fingerprint::chain(&b1, 16, None)));
+}
+
+#[test]
 fn removals_resolve_to_the_reported_fingerprint_and_unknown_ones_are_skipped() {
     let prompt = tokens(0..32);
     let whole = fingerprint::chain(&prompt, 16, None);
