@@ -172,8 +172,8 @@ thread_local! {
     /// A store's token ids and prefix fingerprints, kept for their capacity: one pair per
     /// thread, not per mapper, so a writer that drives many sources' mappers (an index of 1,024
     /// replicas) writes into buffers still in its cache rather than into each mapper's cold
-    /// ones. A store takes them out while it runs: a sink that maps a store on the same thread
-    /// gets new buffers, never a borrow panic.
+    /// ones. Empty between stores. A store that fingerprints takes them out while it runs: a
+    /// sink that maps a store on the same thread gets new buffers, never a borrow panic.
     static SCRATCH: Cell<(Vec<u32>, Vec<u64>)> = const { Cell::new((Vec::new(), Vec::new())) };
 }
 
@@ -561,15 +561,14 @@ impl Mapper {
             }
         };
         let n = e.block_hashes.len();
-        // Fingerprints need every block's tokens, and a keyable parent when there is one.
-        // Buffers reused from store to store; `prefixes` stays empty when blocks are not keyed.
-        let (mut token_ids, mut prefixes) = SCRATCH.take();
-        token_ids.clear();
-        prefixes.clear();
+        // Fingerprints need every block's tokens, and a keyable parent when there is one; the
+        // thread's buffers are taken only then (`prefixes` stays empty when blocks are not keyed).
+        let mut scratch = None;
         if self.options.key_mode == KeyMode::Fingerprint {
             let covered = e.token_ids.len() == n * e.block_size as usize;
             let parent_keyable = !matches!(parent_prefix, Some(None));
             if covered && parent_keyable {
+                let (mut token_ids, mut prefixes) = SCRATCH.take();
                 e.token_ids.extend_into(&mut token_ids);
                 let parent = parent_prefix.flatten();
                 fingerprint::prefixes_into(
@@ -578,10 +577,12 @@ impl Mapper {
                     parent,
                     &mut prefixes,
                 );
+                scratch = Some((token_ids, prefixes));
             } else {
                 self.stats.unkeyable_blocks += n as u64;
             }
         }
+        let prefixes: &[u64] = scratch.as_ref().map_or(&[], |(_, p)| p);
         // First reports of a block go as `New` (the forwarder may cancel them against an
         // eviction that finds them unsent); re-reports of tracked blocks as `Update`. Every entry
         // carries its adapter; the update-level `adapter_id` (the server's default for entries
@@ -623,12 +624,14 @@ impl Mapper {
             }
             self.stats.prefixes += 1;
         }
-        // Kept, cut back to a bounded size if a long prompt made them large.
-        token_ids.clear();
-        token_ids.shrink_to(SCRATCH_KEPT);
-        prefixes.clear();
-        prefixes.shrink_to(SCRATCH_KEPT);
-        SCRATCH.set((token_ids, prefixes));
+        // Given back empty, cut back to a bounded size if a long prompt made them large.
+        if let Some((mut token_ids, mut prefixes)) = scratch {
+            token_ids.clear();
+            token_ids.shrink_to(SCRATCH_KEPT);
+            prefixes.clear();
+            prefixes.shrink_to(SCRATCH_KEPT);
+            SCRATCH.set((token_ids, prefixes));
+        }
         sink.end_update(ts);
     }
 
