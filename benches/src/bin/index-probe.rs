@@ -14,6 +14,10 @@
 //! router reading whatever each socket holds applies several in a row when it is busy),
 //! `--group N` batches a call of `Index::apply_many` (default 1).
 //!
+//! Run with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (glibc 2.35 or later; transparent huge
+//! pages set to `madvise` or `always`) to have the tables in huge pages: each row says how much
+//! of the process was.
+//!
 //! Last, how this machine answers random loads over 4, 16 and 64 MB, alone and overlapped:
 //! at fleet scale the tables are in memory, not in cache, and an apply is bounded by those
 //! loads.
@@ -244,11 +248,16 @@ fn run(
     // The index's resident memory: what the process gives back when the index is dropped
     // (its tables are large allocations, returned to the system when freed), per pair.
     let rss_before_drop = rss();
+    // How much of it huge pages back (transparent huge pages, where the process asked for them:
+    // `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`), so a figure says which it was measured with.
+    let huge = kvevent_benches::procfs::status_kb("/proc/self/smaps_rollup", "AnonHugePages:")
+        * 1024.0
+        / rss_before_drop.max(1.0);
     let after_pairs = after.pairs.max(1);
     drop(index);
     let rss_per_pair = (rss_before_drop - rss()) / after_pairs as f64;
     println!(
-        "| {replicas} | {:.2} M/s | {:.1} / {:.1} µs | {:.3} | {:.1} B (tables {:.1} B) + mappers {:.1} B; RSS {:.1} B | {:.1} → {:.1} MB ({:+.1} %) | {:.1} |",
+        "| {replicas} | {:.2} M/s | {:.1} / {:.1} µs | {:.3} | {:.1} B (tables {:.1} B) + mappers {:.1} B; RSS {:.1} B, {:.0} % in huge pages | {:.1} → {:.1} MB ({:+.1} %) | {:.1} |",
         applied_blocks as f64 / apply_secs / 1e6,
         percentile(&mut lat, 0.5),
         percentile(&mut lat, 0.99),
@@ -257,6 +266,7 @@ fn run(
         stats.table_bytes as f64 / pairs as f64,
         stats.mapper_bytes as f64 / pairs as f64,
         rss_per_pair,
+        100.0 * huge,
         before.bytes as f64 / 1048576.0,
         after.bytes as f64 / 1048576.0,
         100.0 * (after.bytes as f64 / before.bytes.max(1) as f64 - 1.0),
@@ -301,7 +311,7 @@ fn main() {
         "capacity {capacity} blocks per replica, seed {seed}, {turn} batch(es) of a source in a row, {group} batch(es) a call"
     );
     println!(
-        "| replicas | apply (block events/s, one writer) | score p50 / p99 (1,024 tokens) | resident pairs (M) | bytes per pair: what the byte budget counts (key tables and holder lists) + per-source block maps; RSS given back when the index is dropped | index bytes before → after 10× churn | blocks matched per query |"
+        "| replicas | apply (block events/s, one writer) | score p50 / p99 (1,024 tokens) | resident pairs (M) | bytes per pair: what the byte budget counts (key tables and holder lists) + per-source block maps; RSS given back when the index is dropped, and the share of the process's RSS in huge pages | index bytes before → after 10× churn | blocks matched per query |"
     );
     println!("|---|---|---|---|---|---|---|");
     for r in replicas {
