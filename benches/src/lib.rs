@@ -7,12 +7,15 @@ pub fn shared_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata")
 }
 
-/// Every vector payload as `(release/case, bytes)`, sorted by name.
+/// Every vLLM vector payload as `(vllm-release/case, bytes)`, sorted by name.
 pub fn vector_payloads() -> std::io::Result<Vec<(String, Vec<u8>)>> {
     let mut out = Vec::new();
     for release in std::fs::read_dir(shared_dir().join("vectors"))? {
         let release = release?.path();
-        if !release.is_dir() {
+        let vllm = release
+            .file_name()
+            .is_some_and(|n| n.to_string_lossy().starts_with("vllm-"));
+        if !release.is_dir() || !vllm {
             continue;
         }
         for file in std::fs::read_dir(&release)? {

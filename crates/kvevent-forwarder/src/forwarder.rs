@@ -36,7 +36,6 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
 
-use crate::feed::{self, Feed};
 use crate::{Client, DropReason, Metrics, Retry, classify, pb};
 
 /// Most prefix entries in one `CacheStateUpdate` message (about 100–300 KB on the wire), far
@@ -110,7 +109,6 @@ pub struct Handle {
     /// Rung when the channel is half full. While a window is open the task takes its input
     /// only when the window is due (one wakeup a window, not one a report), or at this bell.
     bell: Arc<Notify>,
-    feed: Arc<feed::Shared>,
 }
 
 impl Handle {
@@ -162,13 +160,6 @@ impl Handle {
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.metrics
     }
-
-    /// Attaches a feeder that holds its input while a window waits and submits it when asked
-    /// (see [`Feed`]). While one holds, a due window waits up to a fifth of the window (at
-    /// most [`Feed::GRACE_MAX`]) for its answer.
-    pub fn feed(&self) -> Feed {
-        Feed::attach(&self.feed)
-    }
 }
 
 /// The running forwarder: shut it down to drain.
@@ -202,20 +193,10 @@ pub fn spawn(client: Client, config: Config) -> (Handle, Forwarder) {
     let (shutdown_tx, shutdown_rx) = oneshot::channel();
     let metrics = Arc::new(Metrics::default());
     let bell = Arc::new(Notify::new());
-    let feed = Arc::new(feed::Shared::default());
-    let task = tokio::spawn(Task::new(client, config, metrics.clone()).run(
-        rx,
-        bell.clone(),
-        feed.clone(),
-        shutdown_rx,
-    ));
+    let task =
+        tokio::spawn(Task::new(client, config, metrics.clone()).run(rx, bell.clone(), shutdown_rx));
     (
-        Handle {
-            tx,
-            metrics,
-            bell,
-            feed,
-        },
+        Handle { tx, metrics, bell },
         Forwarder {
             shutdown: shutdown_tx,
             task,
@@ -593,7 +574,6 @@ impl Task {
         mut self,
         mut rx: mpsc::Receiver<pb::Report>,
         bell: Arc<Notify>,
-        feed: Arc<feed::Shared>,
         mut shutdown: oneshot::Receiver<Duration>,
     ) -> DrainReport {
         let mut calls: FuturesUnordered<Call> = FuturesUnordered::new();
@@ -606,32 +586,16 @@ impl Task {
         let timer = tokio::time::sleep(Duration::ZERO);
         tokio::pin!(timer);
         let mut timer_at: Option<Instant> = None;
-        // The feeder was asked for its input (the ask's generation) and is waited for until then.
-        let mut asking: Option<(u64, Instant)> = None;
-        let grace = (self.config.window / Feed::GRACE).min(Feed::GRACE_MAX);
         loop {
             let now = Instant::now();
             if retry_at.is_some_and(|t| now >= t) {
                 retry_at = None;
             }
-            // A window that is due takes in everything that arrived while it was open, after
-            // its feeder (if one holds its input) has submitted what it held.
-            let due = input_open && self.flush_at().is_some_and(|t| now >= t);
-            if !due {
-                // The window went another way (sealed by a clear, or the input closed).
-                asking = None;
+            // A window that is due takes in everything that arrived while it was open.
+            if input_open && self.flush_at().is_some_and(|t| now >= t) {
+                input_open = self.take_queued(&mut rx, &mut drain_by);
             }
-            if due {
-                if asking.is_none() && feed.holding() {
-                    asking = Some((feed.ask(), now + grace));
-                }
-                if asking.is_none_or(|(g, by)| feed.answered(g) || now >= by) {
-                    asking = None;
-                    input_open = self.take_queued(&mut rx, &mut drain_by);
-                }
-            }
-            // A window waiting for its feeder's answer is not sealed yet.
-            if retry_at.is_none() && asking.is_none() {
+            if retry_at.is_none() {
                 self.dispatch(now, drain_by.is_some(), &mut calls);
             }
             if self.stages.is_empty() && self.flight.is_none() {
@@ -650,10 +614,7 @@ impl Task {
             }
             let log_at = self.log_due();
             let flush_at = self.flush_at();
-            feed.set_armed(input_open && flush_at.is_some() && asking.is_none());
-            // Asked, the window waits for the answer or the grace, not its (past) time.
-            let flush_wake = if asking.is_some() { None } else { flush_at };
-            let wake = [retry_at, flush_wake, drain_by, log_at, asking.map(|a| a.1)]
+            let wake = [retry_at, flush_at, drain_by, log_at]
                 .into_iter()
                 .flatten()
                 .min();
@@ -709,7 +670,6 @@ impl Task {
                 () = bell.notified(), if input_open && !eager => {
                     input_open = self.take_queued(&mut rx, &mut drain_by);
                 }
-                () = feed.answer_bell.notified(), if asking.is_some() => {}
                 () = &mut timer, if timer_at.is_some() => {
                     timer_at = None;
                     self.log_now(Instant::now(), false);
@@ -717,7 +677,6 @@ impl Task {
             }
         }
         drop(calls);
-        feed.set_armed(false);
         self.log_now(Instant::now(), true);
         self.leftovers()
     }

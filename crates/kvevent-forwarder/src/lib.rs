@@ -5,10 +5,7 @@
 //!
 //! - **Intake.** While a window is open, reports wait in the channel until it is due: the
 //!   task wakes once a window, not once a report (a handle rings a bell when the channel is
-//!   half full, so a burst never fills it unseen). A thread that reads its own input in
-//!   rounds can leave it where it is while a window waits ([`Feed`], from [`Handle::feed`]):
-//!   the task asks when the window is due and takes the channel on the answer, or after a
-//!   fifth of the window without one.
+//!   half full, so a burst never fills it unseen).
 //! - **Windows.** Adds and evictions are collected over a window (default 100 ms). Work on one
 //!   prefix is netted as it arrives: a repeated add replaces the queued one; an eviction drops
 //!   the queued adds of its prefix, and is dropped itself when the first of them was a
@@ -70,12 +67,10 @@
 //! ```
 
 mod client;
-mod feed;
 mod forwarder;
 mod metrics;
 
 pub use client::{Client, ClientConfig, Credentials, Retry, classify, connect};
-pub use feed::Feed;
 pub use forwarder::{
     Closed, Config, DrainReport, Forwarder, Handle, INITIAL_IN_FLIGHT, MAX_ENTRIES_PER_UPDATE,
     Submit, spawn,

@@ -267,30 +267,40 @@ pub struct IndexStats {
     pub applied: u64,
 }
 
-/// A source holding a key, in one word: the source in bits 0–31, its epoch in 32–47, the
-/// tier in 56–63. Two holders of the same source and epoch compare by tier, so the larger
-/// is the worse tier; scoring compares and merges whole words (eight at a time).
+/// A source holding a key, in one word: the source in bits 35–63, its epoch in 3–34, the
+/// tier in bit 2, bits 0–1 clear (where [`Holders`] keeps its kind, so one holder is kept inline
+/// as this same word). Words sort by source; two holders of the same source and epoch compare
+/// by tier, so the larger is the worse tier; scoring compares and merges whole words (eight at
+/// a time).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 struct Holder(u64);
 
 impl Holder {
+    const TIER_SHIFT: u32 = 2;
+    const EPOCH_SHIFT: u32 = 3;
+    const SOURCE_SHIFT: u32 = 35;
     /// The bits naming the source and its epoch.
-    const ID: u64 = (1 << 48) - 1;
+    const ID: u64 = !((1 << Self::EPOCH_SHIFT) - 1);
 
-    fn new(source: u32, epoch: u16, tier: u8) -> Self {
-        Self(u64::from(source) | (u64::from(epoch) << 32) | (u64::from(tier) << 56))
+    fn new(source: u32, epoch: u32, tier: u8) -> Self {
+        debug_assert!(source < MAX_SOURCES && tier <= 1);
+        Self(
+            (u64::from(source) << Self::SOURCE_SHIFT)
+                | (u64::from(epoch) << Self::EPOCH_SHIFT)
+                | (u64::from(tier & 1) << Self::TIER_SHIFT),
+        )
     }
 
     fn source(self) -> u32 {
-        self.0 as u32
+        (self.0 >> Self::SOURCE_SHIFT) as u32
     }
 
-    fn epoch(self) -> u16 {
-        (self.0 >> 32) as u16
+    fn epoch(self) -> u32 {
+        (self.0 >> Self::EPOCH_SHIFT) as u32
     }
 
     fn tier(self) -> u8 {
-        (self.0 >> 56) as u8
+        ((self.0 >> Self::TIER_SHIFT) & 1) as u8
     }
 
     fn same_id(self, other: Self) -> bool {
@@ -298,10 +308,13 @@ impl Holder {
     }
 }
 
+/// Sources an index can have been given over its life (29 bits of a [`Holder`]).
+const MAX_SOURCES: u32 = 1 << 29;
+
 /// The sources holding a key, sorted by source (one holder a source at most), in one word:
-/// none, one inline, or the number of a list in [`Lists`] (two or more) and, in bits 2–31,
-/// the [`Inner::lapses`] count (its low 30 bits) when the list was last rid of lapsed
-/// holders. Keeps a table slot at 24 bytes.
+/// none, one inline (the [`Holder`] word, its kind in bits 0–1), or the number of a list in
+/// [`Lists`] (two or more) and, in bits 2–31, the [`Inner::lapses`] count (its low 30 bits)
+/// when the list was last rid of lapsed holders. Keeps a table slot at 24 bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Holders(u64);
 
@@ -338,12 +351,7 @@ impl Holders {
     const NONE: Self = Self(0);
 
     fn one(h: Holder) -> Self {
-        Self(
-            (u64::from(h.source()) << 32)
-                | (u64::from(h.epoch()) << 16)
-                | (u64::from(h.tier()) << 8)
-                | ONE,
-        )
+        Self(h.0 | ONE)
     }
 
     fn list(i: u32) -> Self {
@@ -352,11 +360,7 @@ impl Holders {
 
     fn view(self, lists: &Lists) -> HolderView<'_> {
         match self.0 & 3 {
-            ONE => HolderView::One(Holder::new(
-                (self.0 >> 32) as u32,
-                (self.0 >> 16) as u16,
-                (self.0 >> 8) as u8,
-            )),
+            ONE => HolderView::One(Holder(self.0 & !3)),
             LIST => HolderView::Many(&lists.lists[(self.0 >> 32) as usize]),
             _ => HolderView::Many(&[]),
         }
@@ -567,7 +571,10 @@ fn entry_bytes(holders: usize) -> usize {
 #[derive(Debug)]
 struct Source {
     replica: u32,
-    epoch: u16,
+    /// Moves on at each reset or clear ([`Inner::lapse`]): holders of older epochs no longer
+    /// count. 32 bits: a source clearing every millisecond wraps it after 49 days, and a wrap
+    /// drops its holders for real.
+    epoch: u32,
     live: bool,
     fresh: bool,
     /// The adapter its last change named and its number: the mapper hands the same `Arc` for
@@ -681,6 +688,10 @@ impl Index {
                 id
             }
         };
+        assert!(
+            inner.sources.len() < MAX_SOURCES as usize,
+            "an index follows at most {MAX_SOURCES} sources over its life"
+        );
         let id = SourceId(inner.sources.len() as u32);
         inner.sources.push(Source {
             replica: replica_id,
@@ -779,15 +790,7 @@ impl Index {
         if let Some(m) = mappers.get_mut(source.0 as usize) {
             m.reset(0);
         }
-        if let Some(s) = inner.sources.get_mut(source.0 as usize) {
-            s.epoch = s.epoch.wrapping_add(1);
-            inner.lapses = inner.lapses.wrapping_add(1);
-            if s.epoch == 0 {
-                // The epoch wrapped: drop this source's holders for real.
-                let n = source.0;
-                inner.drop_holders(|h| h.source() == n);
-            }
-        }
+        inner.lapse(source.0);
     }
 
     /// Marks `source` as known incomplete (`false`: replaying, a gap not repaired) or complete.
@@ -980,11 +983,15 @@ impl mapper::Sink for Apply<'_> {
         self.inner.flush(self.inner.pending.len(), self.budget);
         self.inner.held = 0;
         self.inner.prior = 0;
-        if let Some(s) = self.inner.sources.get_mut(self.source as usize) {
-            s.epoch = s.epoch.wrapping_add(1);
-            self.inner.lapses = self.inner.lapses.wrapping_add(1);
-        }
+        self.inner.lapse(self.source);
     }
+}
+
+/// Whether `h` counts: its source is followed and has not lapsed since `h` was stored.
+fn counts(sources: &[Source], h: &Holder) -> bool {
+    sources
+        .get(h.source() as usize)
+        .is_some_and(|s| s.live && s.epoch == h.epoch())
 }
 
 impl Inner {
@@ -1020,10 +1027,18 @@ impl Inner {
         }
     }
 
-    fn holder_valid(&self, h: &Holder) -> bool {
-        self.sources
-            .get(h.source() as usize)
-            .is_some_and(|s| s.live && s.epoch == h.epoch())
+    /// Everything `source` held stops counting: its epoch moves on, so its older holders are
+    /// invalid ([`counts`]) and dropped when next touched. Should the epoch wrap, they are
+    /// dropped now, so that none can count again.
+    fn lapse(&mut self, source: u32) {
+        let Some(s) = self.sources.get_mut(source as usize) else {
+            return;
+        };
+        s.epoch = s.epoch.wrapping_add(1);
+        self.lapses = self.lapses.wrapping_add(1);
+        if s.epoch == 0 {
+            self.drop_holders(|h| h.source() == source);
+        }
     }
 
     /// Makes the first `n` pending changes, in order.
@@ -1069,11 +1084,7 @@ impl Inner {
         let epoch = self.sources[source as usize].epoch;
         let holder = Holder::new(source, epoch, tier);
         let sources = &self.sources;
-        let valid = |h: &Holder| {
-            sources
-                .get(h.source() as usize)
-                .is_some_and(|s| s.live && s.epoch == h.epoch())
-        };
+        let valid = |h: &Holder| counts(sources, h);
         let lists = &mut self.lists;
         // What the young table would take with one more key, read before its entry is borrowed.
         let young_after_insert = self.young.bytes_after_insert();
@@ -1202,7 +1213,7 @@ impl Inner {
             let view = { entry.holders }.view(&self.lists);
             let holders = view.as_slice();
             if i == 0 {
-                alive.extend(holders.iter().filter(|h| self.holder_valid(h)));
+                alive.extend(holders.iter().filter(|h| counts(&self.sources, h)));
             } else {
                 // Merge the two sorted lists in place: who holds block i too goes on, with the
                 // worse tier (the larger word: same source and epoch). The blocks of a shared
@@ -1292,5 +1303,72 @@ impl Inner {
             names: self.replicas.clone(),
             entries,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored(hash: u64) -> wire::EventBatch<'static> {
+        wire::EventBatch {
+            ts: 0.0,
+            events: vec![wire::Event::BlockStored(wire::BlockStored {
+                block_hashes: vec![wire::BlockHash::Int(wire::Int::U64(hash))],
+                token_ids: wire::TokenIds::from(vec![0u32; 4]),
+                block_size: 4,
+                ..Default::default()
+            })],
+            data_parallel_rank: None,
+            unknown_events: 0,
+        }
+    }
+
+    fn holders(index: &Index, key: u64) -> Vec<String> {
+        let answer = index.score(&Query {
+            adapter: "",
+            keys: QueryKeys::Keys(&[key]),
+        });
+        answer.iter().map(|s| s.replica.to_owned()).collect()
+    }
+
+    #[test]
+    fn a_holder_is_one_word_inline_or_in_a_list() {
+        let h = Holder::new(MAX_SOURCES - 1, u32::MAX, 1);
+        assert_eq!(
+            (h.source(), h.epoch(), h.tier()),
+            (MAX_SOURCES - 1, u32::MAX, 1)
+        );
+        let lists = Lists::default();
+        assert!(matches!(Holders::one(h).view(&lists), HolderView::One(v) if v == h));
+        // Words sort by source first, and by tier last.
+        assert!(Holder::new(1, u32::MAX, 1) < Holder::new(2, 0, 0));
+        assert!(Holder::new(2, 5, 0) < Holder::new(2, 5, 1));
+        assert!(Holder::new(2, 5, 0).same_id(Holder::new(2, 5, 1)));
+        assert!(!Holder::new(2, 5, 0).same_id(Holder::new(2, 6, 0)));
+    }
+
+    /// Should an epoch ever wrap, the source's older holders go at once: none of them can
+    /// count again when the epoch comes back round.
+    #[test]
+    fn an_epoch_that_wraps_drops_the_holders_of_its_source() {
+        let keys = Config {
+            mapping: mapper::Options {
+                key_mode: KeyMode::Engine,
+                ..mapper::Options::default()
+            },
+            ..Config::default()
+        };
+        let index = Index::new(keys);
+        let [a, b] = ["a", "b"].map(|r| index.add_source(r));
+        index.apply(b, &stored(1));
+        // `a` stores key 1 at epoch 0, then its epoch is taken to the last before the wrap.
+        index.apply(a, &stored(1));
+        index.write().inner.sources[a.0 as usize].epoch = u32::MAX;
+        assert_eq!(holders(&index, 1), ["b"]);
+        index.reset(a); // u32::MAX -> 0: the epoch `a`'s holder was stored at.
+        assert_eq!(index.read().inner.sources[a.0 as usize].epoch, 0);
+        assert_eq!(holders(&index, 1), ["b"]);
+        assert_eq!(index.stats().pairs, 1, "a's holder is gone, not lapsed");
     }
 }

@@ -27,15 +27,11 @@ pub(crate) struct EventsLoop {
     pub(crate) saver: Option<Saver>,
     /// The mappers were restored from a state file: the replica is not cleared at start.
     pub(crate) restored: bool,
-    /// The forwarder's window: while one waits for its time, a light engine's batches are
-    /// left in the sockets until the window asks for them ([`fwd::Feed`]).
-    pub(crate) window: Duration,
 }
 
-/// Over this many payload bytes in a window's time the engine is read as its batches arrive:
-/// then the wakeups are a small share of the work, and holding would only make bursts
-/// (about 15k stored blocks/s with token ids, at the default window).
-const HOLD_MAX_BYTES: usize = 128 << 10;
+/// The longest the thread waits for the engine before it looks at its timers (refresh,
+/// silence, saving) and at the stop flag.
+const POLL_WAIT: Duration = Duration::from_millis(100);
 
 /// Writes the state file: images are made on the events thread (a copy of the mappers'
 /// tables, milliseconds for 500k blocks) and written by a thread of its own, so a slow disk
@@ -126,38 +122,14 @@ fn now_us() -> i64 {
 }
 
 impl EventsLoop {
+    /// Runs until `stop` is set: each turn polls the engine, maps what came, refreshes what is
+    /// due, submits the reports and saves the state file when due; then saves it one last time.
     pub(crate) fn run(self) {
-        let EventsLoop {
-            mut subscriber,
-            mut mappers,
-            forwarder,
-            refresh_interval,
-            silence_grace,
-            stop,
-            telemetry,
-            saver,
-            restored,
-            window,
-        } = self;
-        // Each read of the sockets costs this thread and libzmq's I/O thread a wakeup and
-        // about seven system calls (40-60 us of CPU here) whatever it brings, and an engine
-        // publishes a batch every scheduler step: at 1k blocks/s that was a quarter of the
-        // sidecar's CPU. While the forwarder has a window waiting for its time, batches are
-        // left in the sockets and read when the window is due, in one go; the window waits
-        // for them and sends them (the forwarder would have held them until then anyway), so
-        // a batch goes out in the same window as before, later by the read's time (under a
-        // millisecond at these rates). An engine sending over `HOLD_MAX_BYTES` a window is
-        // read as its batches arrive.
-        let feed = forwarder.feed();
-        let hold_wait = (window * 2).min(Duration::from_millis(250));
-        let mut answering: Option<u64> = None;
-        feed.set_holding(false);
-        let (mut hold, mut light_before) = (false, false);
-        // Payload bytes read in the window's time so far (`load.1`) when the last ask came.
-        let mut asked_at = 0usize;
-        let mut load = (Instant::now(), 0usize);
-        let mut applied: Applied = vec![None; mappers.len()];
-        let writer = match saver.as_ref().map(|s| s.spawn_writer(telemetry.clone())) {
+        let writer = match self
+            .saver
+            .as_ref()
+            .map(|s| s.spawn_writer(self.telemetry.clone()))
+        {
             Some(Ok(w)) => Some(w),
             Some(Err(e)) => {
                 tracing::error!(error = %e, "cannot start the state file writer: state is not saved");
@@ -165,166 +137,198 @@ impl EventsLoop {
             }
             None => None,
         };
-        let mut last_save = Instant::now();
-        let mut reports: Vec<pb::Report> = Vec::new();
-        // The replica's server state is cleared once, at the first contact with any source.
-        let mut cleared_at_start = restored;
-        let several = mappers.len() > 1;
-        let mut warned = vec![false; mappers.len()];
-        let labels: Vec<String> = subscriber.sources().iter().map(|s| s.label()).collect();
-        while !stop.load(Relaxed) {
-            let mut wait = Duration::from_millis(100);
-            if answering.is_some() {
-                // Asked: read on without waiting until nothing is left, then answer.
-                wait = Duration::ZERO;
-            } else if !subscriber.has_pending() {
-                let elapsed = load.0.elapsed();
-                if elapsed >= window {
-                    // Busy and light: some batches, at most HOLD_MAX_BYTES a window (a rate:
-                    // a stall that read little over a long time does not count), two windows
-                    // in a row to start holding, one outside to stop. An idle engine is not
-                    // held: it costs no wakeups, and its first burst could be anything.
-                    let light = load.1 > 0
-                        && load.1 as f64 * window.as_secs_f64()
-                            <= HOLD_MAX_BYTES as f64 * elapsed.as_secs_f64();
-                    hold = light && (hold || light_before);
-                    light_before = light;
-                    feed.set_holding(hold);
-                    load = (Instant::now(), 0);
-                }
-                if hold && feed.armed() {
-                    answering = feed.wait_ask(hold_wait);
-                    asked_at = load.1;
-                    wait = Duration::ZERO;
-                }
-            }
-            let mapped = subscriber.next_with(wait, |view| match view {
-                View::Batch {
-                    source,
-                    seq,
-                    batch,
-                    payload,
-                } => {
-                    load.1 += payload.len();
-                    if let Some(last) = telemetry.last_batch_unix_ms.get(source) {
-                        last.store(crate::telemetry::unix_ms(), Relaxed);
-                    }
-                    if writer.is_some()
-                        && let Some(a) = applied.get_mut(source)
-                    {
-                        *a = Some((seq, kvevent_source::payload_digest(payload)));
-                    }
-                    let mapper = mappers.get_mut(source)?;
-                    mapper.map_batch(batch, &mut reports);
-                    Some(source)
-                }
-                View::Reset { source, reason } => {
-                    if let Some(a) = applied.get_mut(source) {
-                        *a = None;
-                    }
-                    let mapper = mappers.get_mut(source)?;
-                    let ts = now_us();
-                    match reason {
-                        ResetReason::Startup if cleared_at_start => {}
-                        ResetReason::Startup => {
-                            cleared_at_start = true;
-                            reports.push(mapper.reset(ts));
-                        }
-                        // Other ranks of the replica are still valid: evict only this one's.
-                        _ if several => reports.extend(mapper.evict_all(ts)),
-                        _ => reports.push(mapper.reset(ts)),
-                    }
-                    Some(source)
-                }
-            });
-            // A source that never sent anything within the grace is most likely misconfigured
-            // (an idle engine that did send stays quiet, and that is fine): say so once.
-            for (source, warned) in warned.iter_mut().enumerate() {
-                let never = telemetry.last_batch_unix_ms[source].load(Relaxed) == 0;
-                let silent =
-                    never && telemetry.silence_seconds(source) >= silence_grace.as_secs_f64();
-                if silent && !*warned {
-                    tracing::warn!(
-                        source = %labels[source],
-                        silent_for = ?silence_grace,
-                        "no KV events from this engine source yet: is vLLM started with --kv-events-config (publisher zmq), and does --engine-endpoint name its PUB socket (host, port, DP rank)?"
-                    );
-                    *warned = true;
-                }
-                if !never && *warned {
-                    tracing::info!(source = %labels[source], "KV events arriving");
-                    *warned = false;
-                }
-            }
-            // The share of the refresh cycle due by now, after the batch (never before an
-            // eviction it follows: the mapper refreshes only blocks it still tracks).
-            let now = Instant::now();
-            let mut refreshed = false;
-            for mapper in &mut mappers {
-                refreshed |= mapper.refresh(now, refresh_interval, now_us(), &mut reports) > 0;
-            }
-            let touched: Vec<usize> = match mapped {
-                Some(Some(source)) if !refreshed => vec![source],
-                _ if refreshed => (0..mappers.len()).collect(),
-                _ => Vec::new(),
-            };
-            if !touched.is_empty() {
-                let mut stats = telemetry.mappers.lock().unwrap_or_else(|e| e.into_inner());
-                for source in touched {
-                    if let (Some(slot), Some(mapper)) = (stats.get_mut(source), mappers.get(source))
-                    {
-                        let stashed = mapper.stashed_blocks();
-                        if stashed > 0 && slot.2 == 0 {
-                            tracing::warn!(
-                                source = %labels[source],
-                                blocks = stashed,
-                                "block hashes collide: blocks kept aside, looked up more slowly (crafted or broken hashes?)"
-                            );
-                        }
-                        *slot = (mapper.stats().clone(), mapper.tracked_blocks(), stashed);
-                    }
-                }
-            }
-            for report in reports.drain(..) {
-                // Waits only for room in the forwarder's channel, never for the network.
-                if forwarder.blocking_submit(report).is_err() {
-                    telemetry.reports_after_shutdown.fetch_add(1, Relaxed);
-                }
-            }
-            // Asked, and the sockets are empty: everything read since the ask is submitted. A
-            // held round that turns out heavy (the engine sped up) answers at once and stops
-            // holding: the rest is read as it comes.
-            let heavy = load.1.saturating_sub(asked_at) > HOLD_MAX_BYTES;
-            if (mapped.is_none() || heavy)
-                && let Some(generation) = answering.take()
-            {
-                feed.answer(generation);
-                if heavy {
-                    (hold, light_before) = (false, false);
-                    feed.set_holding(false);
-                }
-            }
-            if let (Some(saver), Some((tx, _))) = (&saver, &writer)
-                && !saver.interval.is_zero()
-                && last_save.elapsed() >= saver.interval
-            {
-                last_save = Instant::now();
-                let image = saver.image(&mappers, &applied, &subscriber, false);
-                if tx.try_send((image, last_save)).is_err() {
-                    telemetry.state_writes[2].fetch_add(1, Relaxed);
-                }
+        let sources = self.mappers.len();
+        let mut turn = Turn {
+            labels: self
+                .subscriber
+                .sources()
+                .iter()
+                .map(|s| s.label())
+                .collect(),
+            applied: vec![None; sources],
+            track_applied: writer.is_some(),
+            // The replica's server state is cleared once, at the first contact with any source.
+            cleared_at_start: self.restored,
+            warned: vec![false; sources],
+            reports: Vec::new(),
+            last_save: Instant::now(),
+        };
+        let mut lp = self;
+        while !lp.stop.load(Relaxed) {
+            let mapped = lp.poll_and_map(&mut turn);
+            lp.warn_silent(&mut turn);
+            let refreshed = lp.refresh(&mut turn);
+            lp.publish_mapper_stats(&turn, mapped, refreshed);
+            lp.submit(&mut turn);
+            if let Some((tx, _)) = &writer {
+                lp.save_if_due(&mut turn, tx);
             }
         }
-        if let (Some(saver), Some((tx, thread))) = (&saver, writer) {
-            // The last word: everything applied so far, written before the process exits.
+        lp.finish(&turn, writer);
+    }
+
+    /// Waits up to [`POLL_WAIT`] for the next batch or reset of any source and maps it into
+    /// `turn.reports`: the source it concerned, if any.
+    fn poll_and_map(&mut self, turn: &mut Turn) -> Option<usize> {
+        let several = self.mappers.len() > 1;
+        let (mappers, telemetry) = (&mut self.mappers, &self.telemetry);
+        let mapped = self.subscriber.next_with(POLL_WAIT, |view| match view {
+            View::Batch {
+                source,
+                seq,
+                batch,
+                payload,
+            } => {
+                if let Some(last) = telemetry.last_batch_unix_ms.get(source) {
+                    last.store(crate::telemetry::unix_ms(), Relaxed);
+                }
+                if turn.track_applied
+                    && let Some(a) = turn.applied.get_mut(source)
+                {
+                    *a = Some((seq, kvevent_source::payload_digest(payload)));
+                }
+                mappers.get_mut(source)?.map_batch(batch, &mut turn.reports);
+                Some(source)
+            }
+            View::Reset { source, reason } => {
+                if let Some(a) = turn.applied.get_mut(source) {
+                    *a = None;
+                }
+                let mapper = mappers.get_mut(source)?;
+                let ts = now_us();
+                match reason {
+                    ResetReason::Startup if turn.cleared_at_start => {}
+                    ResetReason::Startup => {
+                        turn.cleared_at_start = true;
+                        turn.reports.push(mapper.reset(ts));
+                    }
+                    // Other ranks of the replica are still valid: evict only this one's.
+                    _ if several => turn.reports.extend(mapper.evict_all(ts)),
+                    _ => turn.reports.push(mapper.reset(ts)),
+                }
+                Some(source)
+            }
+        });
+        mapped.flatten()
+    }
+
+    /// A source that never sent anything within the grace is most likely misconfigured (an
+    /// idle engine that did send stays quiet, and that is fine): said once per silence.
+    fn warn_silent(&self, turn: &mut Turn) {
+        for (source, warned) in turn.warned.iter_mut().enumerate() {
+            let never = self.telemetry.last_batch_unix_ms[source].load(Relaxed) == 0;
+            let silent =
+                never && self.telemetry.silence_seconds(source) >= self.silence_grace.as_secs_f64();
+            if silent && !*warned {
+                tracing::warn!(
+                    source = %turn.labels[source],
+                    silent_for = ?self.silence_grace,
+                    "no KV events from this engine source yet: is vLLM started with --kv-events-config (publisher zmq), and does --engine-endpoint name its PUB socket (host, port, DP rank)?"
+                );
+                *warned = true;
+            }
+            if !never && *warned {
+                tracing::info!(source = %turn.labels[source], "KV events arriving");
+                *warned = false;
+            }
+        }
+    }
+
+    /// Re-reports the share of each mapper's refresh cycle due by now, after the batch (never
+    /// before an eviction it follows: a mapper refreshes only blocks it still tracks). True
+    /// when anything was re-reported.
+    fn refresh(&mut self, turn: &mut Turn) -> bool {
+        let now = Instant::now();
+        let mut refreshed = false;
+        for mapper in &mut self.mappers {
+            refreshed |=
+                mapper.refresh(now, self.refresh_interval, now_us(), &mut turn.reports) > 0;
+        }
+        refreshed
+    }
+
+    /// Copies the counters of the mappers that changed for `/metrics`, and warns (once a
+    /// source) when block hashes collide.
+    fn publish_mapper_stats(&self, turn: &Turn, mapped: Option<usize>, refreshed: bool) {
+        let touched = match mapped {
+            _ if refreshed => 0..self.mappers.len(),
+            Some(source) => source..source + 1,
+            None => return,
+        };
+        let mut stats = self
+            .telemetry
+            .mappers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        for source in touched {
+            if let (Some(slot), Some(mapper)) = (stats.get_mut(source), self.mappers.get(source)) {
+                let stashed = mapper.stashed_blocks();
+                if stashed > 0 && slot.2 == 0 {
+                    tracing::warn!(
+                        source = %turn.labels[source],
+                        blocks = stashed,
+                        "block hashes collide: blocks kept aside, looked up more slowly (crafted or broken hashes?)"
+                    );
+                }
+                *slot = (mapper.stats().clone(), mapper.tracked_blocks(), stashed);
+            }
+        }
+    }
+
+    /// Hands this turn's reports to the forwarder: waits only for room in its channel, never
+    /// for the network.
+    fn submit(&self, turn: &mut Turn) {
+        for report in turn.reports.drain(..) {
+            if self.forwarder.blocking_submit(report).is_err() {
+                self.telemetry.reports_after_shutdown.fetch_add(1, Relaxed);
+            }
+        }
+    }
+
+    /// Hands an image of the mappers to the writer thread when the save interval has passed
+    /// (a writer still busy with the last one skips this one, counted).
+    fn save_if_due(&self, turn: &mut Turn, tx: &ImageSender) {
+        let Some(saver) = &self.saver else { return };
+        if saver.interval.is_zero() || turn.last_save.elapsed() < saver.interval {
+            return;
+        }
+        turn.last_save = Instant::now();
+        let image = saver.image(&self.mappers, &turn.applied, &self.subscriber, false);
+        if tx.try_send((image, turn.last_save)).is_err() {
+            self.telemetry.state_writes[2].fetch_add(1, Relaxed);
+        }
+    }
+
+    /// The last word: everything applied so far is written before the process exits; then
+    /// the sockets close.
+    fn finish(self, turn: &Turn, writer: Option<(ImageSender, std::thread::JoinHandle<()>)>) {
+        if let (Some(saver), Some((tx, thread))) = (&self.saver, writer) {
             let started = Instant::now();
-            let image = saver.image(&mappers, &applied, &subscriber, true);
+            let image = saver.image(&self.mappers, &turn.applied, &self.subscriber, true);
             let _ = tx.send((image, started));
             drop(tx);
             let _ = thread.join();
-            tracing::info!(path = %saver.path.display(), blocks = mappers.iter().map(Mapper::tracked_blocks).sum::<usize>(), "state saved");
+            tracing::info!(
+                path = %saver.path.display(),
+                blocks = self.mappers.iter().map(Mapper::tracked_blocks).sum::<usize>(),
+                "state saved"
+            );
         }
-        subscriber.shutdown();
+        self.subscriber.shutdown();
         tracing::info!("engine subscription closed");
     }
+}
+
+/// What the events thread keeps from turn to turn.
+struct Turn {
+    labels: Vec<String>,
+    /// The last batch applied to each mapper, kept only when there is a state file to save.
+    applied: Applied,
+    track_applied: bool,
+    cleared_at_start: bool,
+    /// Per source: warned that it never sent anything.
+    warned: Vec<bool>,
+    /// The reports of the turn, kept for its capacity.
+    reports: Vec<pb::Report>,
+    last_save: Instant,
 }

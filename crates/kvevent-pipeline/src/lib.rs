@@ -262,7 +262,6 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         mappers,
         forwarder: handle,
         restored,
-        window: settings.window.0,
         saver: (!settings.state_file.is_empty()).then(|| events::Saver {
             path: settings.state_file.clone().into(),
             interval: settings.state_interval.0,

@@ -288,7 +288,8 @@ pub fn read(e: &Exposition, config: &StatsConfig) -> Result<Reading, StatsError>
 pub struct Stats {
     /// Usage × configured capacity; 0 when the capacity or the usage is unknown.
     pub cache_memory_bytes: i64,
-    /// Δhits / Δqueries since the previous scrape (0 on the first and after a reset).
+    /// Δhits / Δqueries since the last scrape that had both counters (0 on the first, after a
+    /// reset, and for a scrape without them).
     pub hit_rate: f32,
     /// clamp01((running + waiting) / ceiling), an absent gauge counting 0.
     pub pressure: f32,
@@ -302,18 +303,12 @@ pub struct Stats {
     pub non_finite: u64,
 }
 
-/// Turns readings into stats, keeping the previous counters for the hit rate.
+/// Turns readings into stats, keeping the last counters read for the hit rate.
 #[derive(Debug, Default)]
 pub struct Deltas {
-    previous: Option<Reading>,
-}
-
-/// `now - before` for a counter; `None` on the first reading or a reset (it went down).
-fn delta(now: Option<f64>, before: Option<f64>) -> Option<f64> {
-    match (now, before) {
-        (Some(n), Some(b)) if n >= b => Some(n - b),
-        _ => None,
-    }
+    /// (hits, queries) of the last reading that had both: a scrape that lacks them (a partial
+    /// body) leaves it, so the next full one gives the rate since this one.
+    baseline: Option<(f64, f64)>,
 }
 
 /// A running total as the contract carries it: the engine's counter, never negative. After an
@@ -325,17 +320,16 @@ fn total(counter: Option<f64>) -> i64 {
 impl Deltas {
     /// The stats of `reading`, relative to the previous one.
     pub fn next(&mut self, reading: Reading, config: &StatsConfig) -> Stats {
-        let previous = self.previous.replace(reading.clone());
-        let before = |f: fn(&Reading) -> Option<f64>| previous.as_ref().and_then(f);
-        let hit_rate = match reading.direct_hit_rate {
-            Some(rate) => rate,
-            None => match (
-                delta(reading.hits, before(|r| r.hits)),
-                delta(reading.queries, before(|r| r.queries)),
-            ) {
-                (Some(h), Some(q)) if q > 0.0 => h / q,
-                _ => 0.0,
-            },
+        let hit_rate = match (reading.direct_hit_rate, reading.hits, reading.queries) {
+            (Some(rate), ..) => rate,
+            (None, Some(hits), Some(queries)) => {
+                match self.baseline.replace((hits, queries)) {
+                    // Counters that went down belong to a restarted engine: a new baseline.
+                    Some((h, q)) if hits >= h && queries > q => (hits - h) / (queries - q),
+                    _ => 0.0,
+                }
+            }
+            _ => 0.0,
         };
         let load = reading.running.unwrap_or(0.0) + reading.waiting.unwrap_or(0.0);
         let pressure = if config.concurrency_ceiling == 0 {

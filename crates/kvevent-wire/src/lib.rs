@@ -35,8 +35,7 @@
 //! from a plain synchronous offline tool; CI checks its dependency tree.
 //!
 //! Feature `json`: the normalized JSON form of a batch ([`json::to_json`],
-//! [`json::from_json`]), as written in `shared/vectors/README.md`. Feature `serde`: owned batch
-//! types implementing `Deserialize` (`owned`), for `rmp_serde::from_slice`.
+//! [`json::from_json`]), as written in `testdata/vectors/README.md`.
 
 mod decode;
 mod encode;
@@ -46,8 +45,6 @@ pub mod frames;
 pub mod json;
 mod model;
 mod msgpack;
-#[cfg(feature = "serde")]
-pub mod owned;
 mod release;
 
 pub use decode::{Limits, decode, decode_with};

@@ -508,6 +508,33 @@ fn a_shared_key_sheds_the_holders_that_lapsed_when_it_is_stored_again() {
     );
 }
 
+/// An engine that clears its cache often (RL weight syncs) must never bring back what it held
+/// before: 65,536 clears wrapped the 16-bit epoch this index once had, and the oldest holders
+/// counted again.
+#[test]
+fn many_clears_never_bring_back_what_a_source_held_before_them() {
+    let index = Index::new(engine_keys());
+    let [a, b] = ["a", "b"].map(|r| index.add_source(r));
+    // Both hold key 1; `a` only until its first clear. `b` keeps the list shared, so `a`'s
+    // lapsed holder stays in it (dropped only when the key is stored again).
+    index.apply(a, &batch(vec![stored(&[1], "GPU")]));
+    index.apply(b, &batch(vec![stored(&[1], "GPU")]));
+    let clear = batch(vec![wire::Event::AllBlocksCleared(Default::default())]);
+    let holders = || -> Vec<String> {
+        let answer = index.score(&Query {
+            adapter: "",
+            keys: QueryKeys::Keys(&[1]),
+        });
+        answer.iter().map(|s| s.replica.to_owned()).collect()
+    };
+    for n in 1..=(1u32 << 16) + 1 {
+        index.apply(a, &clear);
+        if n % 8192 == 0 || n >= 1 << 16 {
+            assert_eq!(holders(), ["b"], "after {n} clears");
+        }
+    }
+}
+
 /// Table bytes of an index holding `resident` blocks, after the fill and after ten times as
 /// many stored (each evicting the oldest).
 fn churned(resident: u64) -> (IndexStats, IndexStats) {

@@ -94,13 +94,16 @@ pub(crate) fn be(h: u64) -> Vec<u8> {
     h.to_be_bytes().to_vec()
 }
 
-/// Every `*.msgpack` under `testdata/vectors/<release>/`, as (path, payload).
+/// Every `*.msgpack` under `testdata/vectors/vllm-<release>/`, as (path, payload).
 pub(crate) fn vector_payloads() -> Vec<(std::path::PathBuf, Vec<u8>)> {
     let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../testdata/vectors");
     let mut out = Vec::new();
     for release in std::fs::read_dir(dir).expect("vectors") {
         let release = release.expect("entry").path();
-        if !release.is_dir() {
+        let vllm = release
+            .file_name()
+            .is_some_and(|n| n.to_string_lossy().starts_with("vllm-"));
+        if !release.is_dir() || !vllm {
             continue;
         }
         for file in std::fs::read_dir(&release).expect("release") {

@@ -69,6 +69,25 @@ fn a_counter_reset_gives_zero_not_a_negative_rate() {
     assert_eq!(after_restart.hit_rate, 0.0);
 }
 
+/// A partial body (the prefix-cache counters missing) reads 0 and keeps the baseline: the
+/// next full scrape gives the rate since the last one that had them.
+#[test]
+fn a_scrape_without_the_counters_keeps_the_last_baseline() {
+    let cfg = config();
+    let mut deltas = Deltas::default();
+    let tick1 = read("vllm-0.33-tick1.txt", &cfg).expect("tick1");
+    let partial = stats::Reading {
+        hits: None,
+        queries: None,
+        ..tick1.clone()
+    };
+    deltas.next(tick1, &cfg);
+    assert_eq!(deltas.next(partial, &cfg).hit_rate, 0.0);
+    let second = deltas.next(read("vllm-0.33-tick2.txt", &cfg).expect("tick2"), &cfg);
+    // (37976 - 30976) / (58213 - 48213), as if the partial scrape had not been.
+    assert!((second.hit_rate - 0.7).abs() < 1e-6, "{}", second.hit_rate);
+}
+
 #[test]
 fn the_model_filter_keeps_one_model() {
     let cfg = StatsConfig {

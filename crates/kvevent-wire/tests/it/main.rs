@@ -4,6 +4,7 @@ mod heap;
 mod hostile;
 mod leniency;
 mod owned;
+mod serde_model;
 mod vectors;
 
 use std::path::{Path, PathBuf};

@@ -1,6 +1,8 @@
-//! The serde types read every vector as the fast decoder does.
+//! The serde cross-check reads every vector as the decoder does.
 
-use kvevent_wire::{decode, owned};
+use kvevent_wire::decode;
+
+use crate::serde_model as owned;
 
 #[test]
 fn every_vector_decodes_the_same_with_rmp_serde_and_the_fast_decoder() {

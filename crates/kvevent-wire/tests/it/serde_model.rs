@@ -1,35 +1,17 @@
-//! Owned batch types that implement serde's `Deserialize` (feature `serde`), for routers that
-//! already decode with serde: `rmp_serde::from_slice::<owned::Batch>(payload)` reads a payload
-//! of every release (positional events up to 0.23, tagged maps from 0.24, with or without the
-//! DP rank), with the same meaning as [`crate::decode`]: unknown event types are skipped and
-//! counted, unknown fields and trailing elements ignored, a missing required field is an
-//! error. [`crate::decode`] stays the fast path (it borrows and does not copy token ids);
-//! `Batch::from(&decoded)` converts its result.
-//!
-//! ```
-//! use kvevent_wire::{owned, Event, EventBatch};
-//!
-//! // A payload as vLLM 0.26 writes it.
-//! let sent = EventBatch {
-//!     ts: 1.5,
-//!     events: vec![Event::AllBlocksCleared(Default::default())],
-//!     data_parallel_rank: Some(0),
-//!     unknown_events: 0,
-//! };
-//! let payload = kvevent_wire::encode(&sent, "0.26.0".parse()?)?;
-//! let batch: owned::Batch = rmp_serde::from_slice(&payload)?;
-//! assert_eq!(batch.events, [owned::Event::AllBlocksCleared(owned::AllBlocksCleared { medium: None })]);
-//! assert_eq!(batch, owned::Batch::from(&kvevent_wire::decode(&payload)?));
-//! # Ok::<(), Box<dyn std::error::Error>>(())
-//! ```
+//! A second decoder, written with serde (`rmp_serde`) apart from the hand-written one, as a
+//! cross-check: it reads a payload of every release (positional events up to 0.23, tagged
+//! maps from 0.24, with or without the DP rank) with the meaning `kvevent_wire::decode` gives
+//! it (unknown event types skipped and counted, unknown fields and trailing elements ignored,
+//! a missing required field an error), into owned types of its own. Test code only: the
+//! product has one decoder.
 
 use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 
-use crate::Int;
+use kvevent_wire::Int;
 
 /// A block hash: an int (as the engine's Python int) or bytes.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub enum Hash {
+pub(crate) enum Hash {
     /// An int hash.
     Int(Int),
     /// A bytes hash (a digest).
@@ -38,7 +20,7 @@ pub enum Hash {
 
 /// Any msgpack value (`extra_keys` entries).
 #[derive(Debug, Clone, PartialEq)]
-pub enum Value {
+pub(crate) enum Value {
     /// nil.
     Nil,
     /// A bool.
@@ -59,8 +41,11 @@ pub enum Value {
 
 /// `BlockStored`, every field of the newest release (absent ones `None` / empty).
 #[derive(Debug, Clone, Default, PartialEq)]
-#[allow(missing_docs, reason = "the fields are those of crate::BlockStored")]
-pub struct BlockStored {
+#[allow(
+    missing_docs,
+    reason = "the fields are those of kvevent_wire::BlockStored"
+)]
+pub(crate) struct BlockStored {
     pub block_hashes: Vec<Hash>,
     pub parent_block_hash: Option<Hash>,
     pub token_ids: Vec<u32>,
@@ -80,8 +65,11 @@ pub struct BlockStored {
 
 /// `BlockRemoved`.
 #[derive(Debug, Clone, Default, PartialEq)]
-#[allow(missing_docs, reason = "the fields are those of crate::BlockRemoved")]
-pub struct BlockRemoved {
+#[allow(
+    missing_docs,
+    reason = "the fields are those of kvevent_wire::BlockRemoved"
+)]
+pub(crate) struct BlockRemoved {
     pub block_hashes: Vec<Hash>,
     pub medium: Option<String>,
     pub group_idx: Option<i64>,
@@ -91,7 +79,7 @@ pub struct BlockRemoved {
 
 /// `AllBlocksCleared` (with the tier cleared, when one is named).
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct AllBlocksCleared {
+pub(crate) struct AllBlocksCleared {
     /// The tier cleared; `None`: everything.
     pub medium: Option<String>,
 }
@@ -101,9 +89,9 @@ pub struct AllBlocksCleared {
 #[allow(missing_docs, reason = "one variant per event type")]
 #[allow(
     clippy::large_enum_variant,
-    reason = "as crate::Event: events live in one Vec per batch"
+    reason = "as kvevent_wire::Event: events live in one Vec per batch"
 )]
-pub enum Event {
+pub(crate) enum Event {
     BlockStored(BlockStored),
     BlockRemoved(BlockRemoved),
     AllBlocksCleared(AllBlocksCleared),
@@ -111,7 +99,7 @@ pub enum Event {
 
 /// One batch, owned.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Batch {
+pub(crate) struct Batch {
     /// The engine's batch time, seconds since the epoch.
     pub ts: f64,
     /// The events of known types, in order.
@@ -262,7 +250,19 @@ fn fields(v: Value) -> Meaning<(String, Vec<(String, Value)>)> {
                 return Err("an event's first element is its type".into());
             };
             let order: &[&str] = match tag.as_str() {
-                "BlockStored" => &crate::decode::STORED_FIELDS[..11],
+                "BlockStored" => &[
+                    "block_hashes",
+                    "parent_block_hash",
+                    "token_ids",
+                    "block_size",
+                    "lora_id",
+                    "medium",
+                    "lora_name",
+                    "extra_keys",
+                    "group_idx",
+                    "kv_cache_spec_kind",
+                    "kv_cache_spec_sliding_window",
+                ],
                 "BlockRemoved" => &["block_hashes", "medium", "group_idx"],
                 "AllBlocksCleared" => &["medium"],
                 _ => &[],
@@ -454,26 +454,26 @@ fn tokens(v: Value, field: &str) -> Meaning<Vec<u32>> {
 
 // ---- From the borrowing form. ----
 
-impl From<&crate::BlockHash<'_>> for Hash {
-    fn from(h: &crate::BlockHash<'_>) -> Self {
+impl From<&kvevent_wire::BlockHash<'_>> for Hash {
+    fn from(h: &kvevent_wire::BlockHash<'_>) -> Self {
         match h {
-            crate::BlockHash::Int(i) => Hash::Int(*i),
-            crate::BlockHash::Bytes(b) => Hash::Bytes(b.to_vec()),
+            kvevent_wire::BlockHash::Int(i) => Hash::Int(*i),
+            kvevent_wire::BlockHash::Bytes(b) => Hash::Bytes(b.to_vec()),
         }
     }
 }
 
-impl From<&crate::Value<'_>> for Value {
-    fn from(v: &crate::Value<'_>) -> Self {
+impl From<&kvevent_wire::Value<'_>> for Value {
+    fn from(v: &kvevent_wire::Value<'_>) -> Self {
         match v {
-            crate::Value::Nil => Value::Nil,
-            crate::Value::Bool(b) => Value::Bool(*b),
-            crate::Value::Int(i) => Value::Int(*i),
-            crate::Value::Float(f) => Value::Float(*f),
-            crate::Value::Str(s) => Value::Str(s.to_string()),
-            crate::Value::Bytes(b) => Value::Bytes(b.to_vec()),
-            crate::Value::Array(a) => Value::Array(a.iter().map(Value::from).collect()),
-            crate::Value::Map(m) => Value::Map(
+            kvevent_wire::Value::Nil => Value::Nil,
+            kvevent_wire::Value::Bool(b) => Value::Bool(*b),
+            kvevent_wire::Value::Int(i) => Value::Int(*i),
+            kvevent_wire::Value::Float(f) => Value::Float(*f),
+            kvevent_wire::Value::Str(s) => Value::Str(s.to_string()),
+            kvevent_wire::Value::Bytes(b) => Value::Bytes(b.to_vec()),
+            kvevent_wire::Value::Array(a) => Value::Array(a.iter().map(Value::from).collect()),
+            kvevent_wire::Value::Map(m) => Value::Map(
                 m.iter()
                     .map(|(k, v)| (Value::from(k), Value::from(v)))
                     .collect(),
@@ -486,14 +486,14 @@ fn s(c: &Option<std::borrow::Cow<'_, str>>) -> Option<String> {
     c.as_ref().map(|c| c.to_string())
 }
 
-fn m(c: &Option<crate::Medium<'_>>) -> Option<String> {
+fn m(c: &Option<kvevent_wire::Medium<'_>>) -> Option<String> {
     c.as_ref().map(|c| c.0.to_string())
 }
 
-impl From<&crate::Event<'_>> for Event {
-    fn from(e: &crate::Event<'_>) -> Self {
+impl From<&kvevent_wire::Event<'_>> for Event {
+    fn from(e: &kvevent_wire::Event<'_>) -> Self {
         match e {
-            crate::Event::BlockStored(e) => Event::BlockStored(BlockStored {
+            kvevent_wire::Event::BlockStored(e) => Event::BlockStored(BlockStored {
                 block_hashes: e.block_hashes.iter().map(Hash::from).collect(),
                 parent_block_hash: e.parent_block_hash.as_ref().map(Hash::from),
                 token_ids: e.token_ids.to_vec(),
@@ -515,24 +515,24 @@ impl From<&crate::Event<'_>> for Event {
                 lookahead_token_ids: e
                     .lookahead_token_ids
                     .as_ref()
-                    .map(|l| l.iter().map(crate::TokenIds::to_vec).collect()),
+                    .map(|l| l.iter().map(kvevent_wire::TokenIds::to_vec).collect()),
             }),
-            crate::Event::BlockRemoved(e) => Event::BlockRemoved(BlockRemoved {
+            kvevent_wire::Event::BlockRemoved(e) => Event::BlockRemoved(BlockRemoved {
                 block_hashes: e.block_hashes.iter().map(Hash::from).collect(),
                 medium: m(&e.medium),
                 group_idx: e.group_idx,
                 locality: s(&e.locality),
                 ownership: s(&e.ownership),
             }),
-            crate::Event::AllBlocksCleared(e) => Event::AllBlocksCleared(AllBlocksCleared {
+            kvevent_wire::Event::AllBlocksCleared(e) => Event::AllBlocksCleared(AllBlocksCleared {
                 medium: m(&e.medium),
             }),
         }
     }
 }
 
-impl From<&crate::EventBatch<'_>> for Batch {
-    fn from(b: &crate::EventBatch<'_>) -> Self {
+impl From<&kvevent_wire::EventBatch<'_>> for Batch {
+    fn from(b: &kvevent_wire::EventBatch<'_>) -> Self {
         Batch {
             ts: b.ts,
             events: b.events.iter().map(Event::from).collect(),
