@@ -67,13 +67,18 @@
 //! ```
 
 mod client;
-mod forwarder;
+mod flight;
+mod handle;
 mod metrics;
+mod pending;
+mod task;
+#[cfg(test)]
+mod tests;
 
 pub use client::{Client, ClientConfig, Credentials, Retry, classify, connect};
-pub use forwarder::{
-    Closed, Config, DrainReport, Forwarder, Handle, INITIAL_IN_FLIGHT, MAX_ENTRIES_PER_UPDATE,
-    Submit, spawn,
+pub use flight::INITIAL_IN_FLIGHT;
+pub use handle::{
+    Closed, Config, DrainReport, Forwarder, Handle, MAX_ENTRIES_PER_UPDATE, Submit, spawn,
 };
 pub use metrics::{DropReason, Histogram, Histograms, Metrics};
 
