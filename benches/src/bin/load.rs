@@ -54,6 +54,7 @@ fn usage() -> &'static str {
     "usage: load [--rates 1000,10000,25000] [--store-only 500000] [--duration 10] [--warmup 2]\n\
      \x20           [--repeat 1] [--sidecars rust,python] [--python .venv/bin/python] [--window 100ms]\n\
      \x20           [-- extra kvevent-subscriber flags]\n\
+     sidecars: rust, python, or rust@PATH (another build of the sidecar, run side by side)\n\
      rates are stored blocks/s; steady-state runs remove as many (resident set = 1 s of stores)"
 }
 
@@ -489,9 +490,15 @@ fn sidecar_command(
     server: std::net::SocketAddr,
 ) -> anyhow::Result<Command> {
     let mut c = match kind {
-        "rust" => {
-            let exe = std::env::current_exe()?;
-            let bin = exe.parent().context("exe dir")?.join("kvevent-subscriber");
+        _ if kind == "rust" || kind.starts_with("rust@") => {
+            // `rust@PATH` runs another build of the sidecar (the code before a change, say).
+            let bin = match kind.strip_prefix("rust@") {
+                Some(path) => PathBuf::from(path),
+                None => std::env::current_exe()?
+                    .parent()
+                    .context("exe dir")?
+                    .join("kvevent-subscriber"),
+            };
             if !bin.exists() {
                 bail!(
                     "{} not found: cargo build --release -p kvevent-subscriber",

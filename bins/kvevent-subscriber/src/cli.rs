@@ -6,6 +6,7 @@
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
+use kvevent_pipeline as pipeline;
 use serde::Serialize;
 
 /// `--version`: the version, the commit it was built from, the vLLM releases it decodes.
@@ -31,7 +32,7 @@ const LONG_VERSION: &str = concat!(
 pub(crate) struct Cli {
     #[command(subcommand)]
     pub(crate) command: Option<Command>,
-    /// TOML file with options (env: KVEVENT_CONFIG).
+    /// TOML file with options.
     #[arg(long, env = "KVEVENT_CONFIG", value_name = "FILE")]
     pub(crate) config: Option<PathBuf>,
     #[command(flatten)]
@@ -52,206 +53,247 @@ pub(crate) enum Command {
 /// Every option; `None` when the flag was not given.
 #[derive(Debug, Default, clap::Args, Serialize)]
 pub(crate) struct Options {
-    /// Engine KV-event PUB endpoint [default: tcp://127.0.0.1:5557] [env: KVEVENT_ENGINE_ENDPOINT]
+    /// Engine KV-event PUB endpoint
     #[arg(long, value_name = "ENDPOINT")]
     #[serde(skip_serializing_if = "Option::is_none")]
     engine_endpoint: Option<String>,
-    /// vLLM 0.31+ endpoint listing, e.g. http://127.0.0.1:8000/kv_event_sources: every DP rank's PUB and replay endpoints are read from it (replacing --engine-endpoint, --replay-endpoint and --dp-size), and read again when a rank's connection is lost for good [default: ""] [env: KVEVENT_ENGINE_DISCOVERY_URL]
+    /// vLLM 0.31+ endpoint listing, e.g. http://127.0.0.1:8000/kv_event_sources: every DP rank's PUB and replay endpoints are read from it (replacing --engine-endpoint, --replay-endpoint and --dp-size), and read again when a rank's connection is lost for good
     #[arg(long, value_name = "URL")]
     #[serde(skip_serializing_if = "Option::is_none")]
     engine_discovery_url: Option<String>,
-    /// How long to wait at start for the discovery listing to answer [default: 5m] [env: KVEVENT_ENGINE_DISCOVERY_TIMEOUT]
+    /// How long to wait at start for the discovery listing to answer
     #[arg(long, value_name = "DURATION")]
     #[serde(skip_serializing_if = "Option::is_none")]
     engine_discovery_timeout: Option<String>,
-    /// With discovery: a rank disconnected with no batch this long is lost for good and the listing is read again; if it names other endpoints the sidecar drains and exits 75 to start again on them [default: 30s] [env: KVEVENT_ENGINE_DISCOVERY_RECHECK]
+    /// With discovery: a rank disconnected with no batch this long is lost for good and the listing is read again; if it names other endpoints the sidecar drains and exits 75 to start again on them
     #[arg(long, value_name = "DURATION")]
     #[serde(skip_serializing_if = "Option::is_none")]
     engine_discovery_recheck: Option<String>,
-    /// Bind the SUB socket; for engines whose endpoint has no wildcard (they connect) [default: false] [env: KVEVENT_ENGINE_BIND]
+    /// Bind the SUB socket; for engines whose endpoint has no wildcard (they connect)
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
     #[serde(skip_serializing_if = "Option::is_none")]
-    engine_bind: Option<bool>,
-    /// Engine replay ROUTER endpoint; empty: no replay [default: ""] [env: KVEVENT_REPLAY_ENDPOINT]
+    engine_bind: Option<String>,
+    /// Engine replay ROUTER endpoint; empty: no replay
     #[arg(long, value_name = "ENDPOINT")]
     #[serde(skip_serializing_if = "Option::is_none")]
     replay_endpoint: Option<String>,
-    /// Topic prefix to subscribe to [default: kv-events] [env: KVEVENT_TOPIC]
+    /// Topic prefix to subscribe to
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     topic: Option<String>,
-    /// Data-parallel ranks 0..N-1, endpoints by vLLM's port offset from the two base endpoints [default: 1] [env: KVEVENT_DP_SIZE]
+    /// Data-parallel ranks 0..N-1, endpoints by vLLM's port offset from the two base endpoints
     #[arg(long, value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]
-    dp_size: Option<u32>,
-    /// InferenceCache server: host:port, http://… or https://… [default: 127.0.0.1:9090] [env: KVEVENT_SERVER]
+    dp_size: Option<String>,
+    /// InferenceCache server: host:port, http://… or https://…
     #[arg(long, value_name = "ADDRESS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     server: Option<String>,
-    /// This replica's id (required) [env: KVEVENT_REPLICA_ID]
+    /// This replica's id (required)
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     replica_id: Option<String>,
-    /// The served model's id (required) [env: KVEVENT_MODEL_ID]
+    /// The served model's id (required)
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     model_id: Option<String>,
-    /// Tenant id [default: ""] [env: KVEVENT_TENANT_ID]
+    /// Tenant id
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     tenant_id: Option<String>,
-    /// Hash scheme reported with every prefix (the server's comparison domain) [default: vllm] [env: KVEVENT_HASH_SCHEME]
+    /// Hash scheme reported with every prefix (the server's comparison domain)
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     hash_scheme: Option<String>,
-    /// Prefix keys: fingerprint (content fingerprints of token ids, what the inference-cache server matches LookupRoute token_ids against, as the Go sidecar sends) or engine (the engine's block hashes, for gateways that send those) [default: fingerprint] [env: KVEVENT_KEY_MODE]
+    /// Prefix keys: fingerprint (content fingerprints of token ids, what the inference-cache server matches LookupRoute token_ids against, as the Go sidecar sends) or engine (the engine's block hashes, for gateways that send those)
     #[arg(long, value_name = "MODE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     key_mode: Option<String>,
-    /// Window over which adds and evictions are collected, netted and sent [default: 100ms] [env: KVEVENT_WINDOW]
+    /// Window over which adds and evictions are collected, netted and sent
     #[arg(long, value_name = "DURATION")]
     #[serde(skip_serializing_if = "Option::is_none")]
     window: Option<String>,
-    /// Engine Prometheus endpoint; empty: no stats [default: http://127.0.0.1:8000/metrics] [env: KVEVENT_ENGINE_METRICS_URL]
+    /// Engine Prometheus endpoint; empty: no stats
     #[arg(long, value_name = "URL")]
     #[serde(skip_serializing_if = "Option::is_none")]
     engine_metrics_url: Option<String>,
-    /// Interval of stats reports; 0: none [default: 10s] [env: KVEVENT_STATS_INTERVAL]
+    /// Interval of stats reports; 0: none
     #[arg(long, value_name = "DURATION")]
     #[serde(skip_serializing_if = "Option::is_none")]
     stats_interval: Option<String>,
-    /// Engine KV cache size in bytes, for cache_memory_bytes; 0: unknown [default: 0] [env: KVEVENT_ENGINE_CACHE_SIZE_BYTES]
+    /// Engine KV cache size in bytes, for cache_memory_bytes; 0: unknown
     #[arg(long, value_name = "BYTES")]
     #[serde(skip_serializing_if = "Option::is_none")]
-    engine_cache_size_bytes: Option<u64>,
-    /// Running + waiting requests that count as full pressure [default: 256] [env: KVEVENT_MAX_CONCURRENCY_CEILING]
+    engine_cache_size_bytes: Option<String>,
+    /// Running + waiting requests that count as full pressure
     #[arg(long, value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]
-    max_concurrency_ceiling: Option<u32>,
-    /// Cache usage gauge: auto (kv → gpu → cpu), kv, gpu, cpu [default: auto] [env: KVEVENT_CACHE_TIER]
+    max_concurrency_ceiling: Option<String>,
+    /// Cache usage gauge: auto (kv → gpu → cpu), kv, gpu, cpu
     #[arg(long, value_name = "TIER")]
     #[serde(skip_serializing_if = "Option::is_none")]
     cache_tier: Option<String>,
-    /// Keep only metric series with this model_name label [default: ""] [env: KVEVENT_ENGINE_MODEL_NAME]
+    /// Keep only metric series with this model_name label
     #[arg(long, value_name = "NAME")]
     #[serde(skip_serializing_if = "Option::is_none")]
     engine_model_name: Option<String>,
-    /// Engine metrics profile: auto, vllm, vllm-legacy, sglang [default: auto] [env: KVEVENT_ENGINE_PROFILE]
+    /// Engine metrics profile: auto, vllm, vllm-legacy, sglang
     #[arg(long, value_name = "PROFILE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     engine_profile: Option<String>,
-    /// The engine has an offload tier: GPU removals re-report the prefix at T2 [default: false] [env: KVEVENT_IGNORE_BLOCK_REMOVED]
+    /// The engine has an offload tier: GPU removals re-report the prefix at T2
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
     #[serde(skip_serializing_if = "Option::is_none")]
-    ignore_block_removed: Option<bool>,
-    /// Hybrid models: report blocks of every KV-cache group, not only full-attention ones (sliding-window, chunked-local and mamba groups are not reusable prefixes on their own) [default: false] [env: KVEVENT_ALL_KV_GROUPS]
+    ignore_block_removed: Option<String>,
+    /// Hybrid models: report blocks of every KV-cache group, not only full-attention ones (sliding-window, chunked-local and mamba groups are not reusable prefixes on their own)
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
     #[serde(skip_serializing_if = "Option::is_none")]
-    all_kv_groups: Option<bool>,
-    /// Every resident block is re-reported at least once per this interval, spread evenly, so the server's TTL (30m by default) never expires a prefix the engine still holds; a restarted server gets our state back within one interval (0: off) [default: 10m] [env: KVEVENT_REFRESH_INTERVAL]
+    all_kv_groups: Option<String>,
+    /// Every resident block is re-reported at least once per this interval, spread evenly, so the server's TTL (30m by default) never expires a prefix the engine still holds; a restarted server gets our state back within one interval (0: off)
     #[arg(long, value_name = "DURATION")]
     #[serde(skip_serializing_if = "Option::is_none")]
     refresh_interval: Option<String>,
-    /// Save the per-source state here (tracked blocks, last seq; periodically and at shutdown, atomically) and resume from it at start: a restarted sidecar keeps every block the engine still holds instead of clearing the replica and rebuilding from the engine's replay buffer. A file of another replica, model or layout, corrupt, or older than the engine's buffer is discarded with a warning. Put it on a volume that outlives the container (an emptyDir) [env: KVEVENT_STATE_FILE]
+    /// Save the per-source state here (tracked blocks, last seq; periodically and at shutdown, atomically) and resume from it at start: a restarted sidecar keeps every block the engine still holds instead of clearing the replica and rebuilding from the engine's replay buffer. A file of another replica, model or layout, corrupt, or older than the engine's buffer is discarded with a warning. Put it on a volume that outlives the container (an emptyDir)
     #[arg(long, value_name = "PATH")]
     #[serde(skip_serializing_if = "Option::is_none")]
     state_file: Option<String>,
-    /// How often the state file is written (0: only at shutdown) [default: 30s] [env: KVEVENT_STATE_INTERVAL]
+    /// How often the state file is written (0: only at shutdown)
     #[arg(long, value_name = "DURATION")]
     #[serde(skip_serializing_if = "Option::is_none")]
     state_interval: Option<String>,
-    /// A source that sent no batch this long after the start is reported: a warning naming its endpoint and the usual causes, and /readyz says so while no source has sent anything [default: 1m] [env: KVEVENT_ENGINE_SILENCE_GRACE]
+    /// A source that sent no batch this long after the start is reported: a warning naming its endpoint and the usual causes, and /readyz says so while no source has sent anything
     #[arg(long, value_name = "DURATION")]
     #[serde(skip_serializing_if = "Option::is_none")]
     engine_silence_grace: Option<String>,
-    /// Adapter names for LoRA ids, for engines without lora_name: 1=a,2=b [default: ""] [env: KVEVENT_LORA_ADAPTER_NAMES]
+    /// Adapter names for LoRA ids, for engines without lora_name: 1=a,2=b
     #[arg(long, value_name = "MAP")]
     #[serde(skip_serializing_if = "Option::is_none")]
     lora_adapter_names: Option<String>,
-    /// Our HTTP endpoint for /metrics, /healthz, /readyz; empty: none [default: 0.0.0.0:9095] [env: KVEVENT_METRICS_ADDRESS]
+    /// Our HTTP endpoint for /metrics, /healthz, /readyz; empty: none
     #[arg(long, value_name = "HOST:PORT")]
     #[serde(skip_serializing_if = "Option::is_none")]
     metrics_address: Option<String>,
-    /// Deadline to flush pending reports on SIGTERM/SIGINT [default: 5s] [env: KVEVENT_DRAIN_TIMEOUT]
+    /// Deadline to flush pending reports on SIGTERM/SIGINT
     #[arg(long, value_name = "DURATION")]
     #[serde(skip_serializing_if = "Option::is_none")]
     drain_timeout: Option<String>,
-    /// Log format: text or json [default: text] [env: KVEVENT_LOG_FORMAT]
+    /// Log format: text or json
     #[arg(long, value_name = "FORMAT")]
     #[serde(skip_serializing_if = "Option::is_none")]
     log_format: Option<String>,
-    /// Log level or filter, e.g. info, debug, kvevent_source=debug [default: info] [env: KVEVENT_LOG_LEVEL]
+    /// Log level or filter, e.g. info, debug, kvevent_source=debug
     #[arg(long, value_name = "LEVEL")]
     #[serde(skip_serializing_if = "Option::is_none")]
     log_level: Option<String>,
-    /// Deadline of every RPC to the server [default: 5s] [env: KVEVENT_RPC_TIMEOUT]
+    /// Deadline of every RPC to the server
     #[arg(long, value_name = "DURATION")]
     #[serde(skip_serializing_if = "Option::is_none")]
     rpc_timeout: Option<String>,
-    /// Deadline of a connection attempt to the server [default: 5s] [env: KVEVENT_CONNECT_TIMEOUT]
+    /// Deadline of a connection attempt to the server
     #[arg(long, value_name = "DURATION")]
     #[serde(skip_serializing_if = "Option::is_none")]
     connect_timeout: Option<String>,
-    /// Most prefix entries plus events waiting behind the work in flight (a server outage, overload); beyond, the oldest are dropped and counted [default: 100000] [env: KVEVENT_MAX_PENDING]
+    /// Most prefix entries plus events waiting behind the work in flight (a server outage, overload); beyond, the oldest are dropped and counted
     #[arg(long, value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]
-    max_pending: Option<usize>,
-    /// Most RPCs in flight at once on the server connection (evictions go as concurrent PublishEvent calls; the forwarder adapts its own limit from 64 up to this one as the rate needs) [default: 256] [env: KVEVENT_MAX_IN_FLIGHT]
+    max_pending: Option<String>,
+    /// Most RPCs in flight at once on the server connection (evictions go as concurrent PublishEvent calls; the forwarder adapts its own limit from 64 up to this one as the rate needs)
     #[arg(long, value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]
-    max_in_flight: Option<usize>,
-    /// Longest delay between retries to the server [default: 10s] [env: KVEVENT_MAX_BACKOFF]
+    max_in_flight: Option<String>,
+    /// Longest delay between retries to the server
     #[arg(long, value_name = "DURATION")]
     #[serde(skip_serializing_if = "Option::is_none")]
     max_backoff: Option<String>,
-    /// Engine blocks tracked per source for cumulative counts and fingerprint chains [default: 917504, about 30 bytes a block: ~27 MB] [env: KVEVENT_MAX_TRACKED_BLOCKS]
+    /// Engine blocks tracked per source for cumulative counts and fingerprint chains (about 30 bytes a block)
     #[arg(long, value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]
-    max_tracked_blocks: Option<usize>,
-    /// A replay with no reply for this long is over [default: 3s] [env: KVEVENT_REPLAY_TIMEOUT]
+    max_tracked_blocks: Option<String>,
+    /// A replay with no reply for this long is over
     #[arg(long, value_name = "DURATION")]
     #[serde(skip_serializing_if = "Option::is_none")]
     replay_timeout: Option<String>,
-    /// SUB receive high-water mark, in batches; past it the engine's PUB drops (and we replay) [default: 100000] [env: KVEVENT_ENGINE_RCVHWM]
+    /// SUB receive high-water mark, in batches; past it the engine's PUB drops (and we replay)
     #[arg(long, value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]
-    engine_rcvhwm: Option<i32>,
-    /// ZMTP heartbeat interval to the engine; 0: none [default: 5s] [env: KVEVENT_ENGINE_HEARTBEAT_INTERVAL]
+    engine_rcvhwm: Option<String>,
+    /// ZMTP heartbeat interval to the engine; 0: none
     #[arg(long, value_name = "DURATION")]
     #[serde(skip_serializing_if = "Option::is_none")]
     engine_heartbeat_interval: Option<String>,
-    /// An engine silent this long after a heartbeat is reconnected [default: 15s] [env: KVEVENT_ENGINE_HEARTBEAT_TIMEOUT]
+    /// An engine silent this long after a heartbeat is reconnected
     #[arg(long, value_name = "DURATION")]
     #[serde(skip_serializing_if = "Option::is_none")]
     engine_heartbeat_timeout: Option<String>,
-    /// Longest delay between reconnection attempts to the engine [default: 5s] [env: KVEVENT_ENGINE_RECONNECT_MAX]
+    /// Longest delay between reconnection attempts to the engine
     #[arg(long, value_name = "DURATION")]
     #[serde(skip_serializing_if = "Option::is_none")]
     engine_reconnect_max: Option<String>,
-    /// Deadline of an engine metrics scrape [default: 5s] [env: KVEVENT_SCRAPE_TIMEOUT]
+    /// Deadline of an engine metrics scrape
     #[arg(long, value_name = "DURATION")]
     #[serde(skip_serializing_if = "Option::is_none")]
     scrape_timeout: Option<String>,
-    /// CA bundle (PEM) to verify the server; empty: system roots (implies TLS) [default: ""] [env: KVEVENT_TLS_CA_FILE]
+    /// CA bundle (PEM) to verify the server; empty: system roots (implies TLS)
     #[arg(long, value_name = "FILE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     tls_ca_file: Option<String>,
-    /// Client certificate (PEM) for mTLS [default: ""] [env: KVEVENT_TLS_CERT_FILE]
+    /// Client certificate (PEM) for mTLS
     #[arg(long, value_name = "FILE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     tls_cert_file: Option<String>,
-    /// Client key (PEM) for mTLS [default: ""] [env: KVEVENT_TLS_KEY_FILE]
+    /// Client key (PEM) for mTLS
     #[arg(long, value_name = "FILE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     tls_key_file: Option<String>,
-    /// Name to verify the server certificate against [default: the host of --server] [env: KVEVENT_TLS_SERVER_NAME]
+    /// Name to verify the server certificate against; empty: the host of --server
     #[arg(long, value_name = "NAME")]
     #[serde(skip_serializing_if = "Option::is_none")]
     tls_server_name: Option<String>,
-    /// File with a bearer token sent as authorization metadata; re-read when it changes [default: ""] [env: KVEVENT_TOKEN_FILE]
+    /// File with a bearer token sent as authorization metadata; re-read when it changes
     #[arg(long, value_name = "FILE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     token_file: Option<String>,
+}
+
+/// The command line with each option's default and environment variable in its help, taken
+/// from [`pipeline::Settings::default`] (the one place defaults are written).
+pub(crate) fn command() -> clap::Command {
+    use clap::CommandFactory;
+    let defaults = pipeline::settings::defaults();
+    let mut command = Cli::command();
+    for (option, default) in defaults {
+        let id = option.as_str();
+        if command.get_arguments().all(|a| a.get_id() != id) {
+            continue;
+        }
+        let env = format!(
+            "{}{}",
+            pipeline::settings::ENV_PREFIX,
+            option.to_uppercase()
+        );
+        let default = match default.as_str() {
+            "" if matches!(id, "replica_id" | "model_id") => None,
+            "" => Some("\"\"".to_owned()),
+            _ => Some(default),
+        };
+        command = command.mut_arg(id, |a| {
+            let help = a.get_help().map(ToString::to_string).unwrap_or_default();
+            let help = match default {
+                Some(d) => format!("{help} [default: {d}] [env: {env}]"),
+                None => format!("{help} [env: {env}]"),
+            };
+            // `--max-pending -3` is a bad value to report, not an unknown flag.
+            a.help(help).allow_negative_numbers(true)
+        });
+    }
+    command
+}
+
+/// Parses the command line (Go-style single-dash flags accepted).
+pub(crate) fn parse(args: impl IntoIterator<Item = String>) -> Result<Cli, clap::Error> {
+    use clap::FromArgMatches;
+    let matches = command().try_get_matches_from(go_style(args))?;
+    Cli::from_arg_matches(&matches)
 }
 
 /// Rewrites Go-style single-dash long flags (`-replica-id=x`, `-window 50ms`) to `--`.
@@ -293,16 +335,51 @@ pub(crate) fn go_style(args: impl IntoIterator<Item = String>) -> Vec<String> {
 
 #[cfg(test)]
 mod tests {
-    use clap::Parser;
     use proptest::prelude::*;
 
-    use super::{Cli, go_style};
+    use super::Cli;
 
     fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
         let argv = std::iter::once("kvevent-subscriber")
             .chain(args.iter().copied())
             .map(str::to_owned);
-        Cli::try_parse_from(go_style(argv))
+        super::parse(argv)
+    }
+
+    /// Every option's `--help` names its default as `Settings::default()` has it, and its
+    /// environment variable.
+    #[test]
+    fn every_help_default_is_the_settings_default() {
+        let command = super::command();
+        for (option, default) in kvevent_pipeline::settings::defaults() {
+            let arg = command
+                .get_arguments()
+                .find(|a| a.get_long() == Some(&option.replace('_', "-")))
+                .unwrap_or_else(|| panic!("no flag for the option {option}"));
+            let help = arg.get_help().map(ToString::to_string).unwrap_or_default();
+            let env = format!("[env: KVEVENT_{}]", option.to_uppercase());
+            assert!(help.ends_with(&env), "{option}: {help}");
+            if !matches!(option.as_str(), "replica_id" | "model_id") {
+                let shown = if default.is_empty() {
+                    "\"\"".to_owned()
+                } else {
+                    default
+                };
+                assert!(
+                    help.contains(&format!(" [default: {shown}] ")),
+                    "{option} shows another default: {help}"
+                );
+            }
+        }
+        // Every flag but --config is an option of the settings.
+        let options = kvevent_pipeline::settings::known_options();
+        for arg in command.get_arguments() {
+            let id = arg.get_id().as_str();
+            assert!(
+                options.iter().any(|o| o == id) || matches!(id, "config" | "help" | "version"),
+                "--{id} is not an option of the settings"
+            );
+        }
     }
 
     #[test]
@@ -327,7 +404,14 @@ mod tests {
         ])
         .expect("parses");
         assert_eq!(cli.options.window.as_deref(), Some("2s"));
-        assert_eq!(cli.options.dp_size, Some(3));
+        assert_eq!(cli.options.dp_size.as_deref(), Some("3"));
+    }
+
+    /// A negative number is a value to report, not a flag.
+    #[test]
+    fn a_negative_number_is_a_value() {
+        let cli = parse(&["--max-pending", "-3"]).expect("parses");
+        assert_eq!(cli.options.max_pending.as_deref(), Some("-3"));
     }
 
     proptest! {
@@ -348,7 +432,7 @@ mod tests {
             0..8,
         )) {
             let argv = std::iter::once("kvevent-subscriber".to_owned()).chain(args);
-            let _ = Cli::try_parse_from(go_style(argv));
+            let _ = super::parse(argv);
         }
     }
 }

@@ -7,7 +7,6 @@ mod cli;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::Parser;
 use kvevent_pipeline::{self as pipeline, Settings};
 
 /// Bad configuration (EX_USAGE).
@@ -19,7 +18,7 @@ const EXIT_TEMPFAIL: u8 = 75;
 /// A second signal: stop now.
 const EXIT_INTERRUPTED: i32 = 130;
 
-fn init_tracing(format: &str, level: &str) {
+fn init_tracing(format: pipeline::settings::LogFormat, level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_new(level)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     // Colours only for a person at a terminal, never into a log file or collector.
@@ -27,16 +26,15 @@ fn init_tracing(format: &str, level: &str) {
         .with_env_filter(filter)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
-    if format == "json" {
-        builder.json().init();
-    } else {
-        builder.init();
+    match format {
+        pipeline::settings::LogFormat::Json => builder.json().init(),
+        pipeline::settings::LogFormat::Text => builder.init(),
     }
 }
 
 /// One thread runs every task (forwarder, its connection, stats, HTTP endpoint): the work per
-/// RPC is small, and wakeups between worker threads cost more than the work (measured: the
-/// load benchmark's CPU per block fell by half against two workers).
+/// RPC is small, and wakeups between worker threads cost more than the work (the load
+/// benchmark measured it).
 fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -44,7 +42,7 @@ fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
 }
 
 fn main() -> ExitCode {
-    let cli = match cli::Cli::try_parse_from(cli::go_style(std::env::args())) {
+    let cli = match cli::parse(std::env::args()) {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => {
             let _ = e.print();
@@ -56,7 +54,7 @@ fn main() -> ExitCode {
         }
     };
     if let Some(cli::Command::Demo { batches }) = cli.command {
-        init_tracing("text", "warn");
+        init_tracing(pipeline::settings::LogFormat::Text, "warn");
         // The demo also runs the engine stand-in, which blocks: it needs worker threads.
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -81,7 +79,7 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    init_tracing(&settings.log_format, &settings.log_level);
+    init_tracing(settings.log_format, &settings.log_level);
     for adjustment in &settings.adjustments {
         tracing::warn!("{adjustment}");
     }

@@ -73,14 +73,14 @@ impl fwd::Credentials for TokenFile {
 
 /// What went wrong reading TLS material.
 #[derive(Debug, thiserror::Error)]
-#[error("cannot read {path}")]
+#[error("cannot read {}", path.display())]
 pub struct TlsFileError {
-    path: String,
+    path: PathBuf,
     #[source]
     source: std::io::Error,
 }
 
-fn read(path: &str) -> Result<Vec<u8>, TlsFileError> {
+fn read(path: &std::path::Path) -> Result<Vec<u8>, TlsFileError> {
     std::fs::read(path).map_err(|source| TlsFileError {
         path: path.to_owned(),
         source,
@@ -95,7 +95,7 @@ pub fn check_tls_files(settings: &Settings) -> Vec<(&'static str, String)> {
     use rustls_pki_types::pem::PemObject;
     use rustls_pki_types::{CertificateDer, PrivateKeyDer};
     let mut problems = Vec::new();
-    let certs = |path: &str| -> Option<Vec<CertificateDer<'static>>> {
+    let certs = |path: &std::path::Path| -> Option<Vec<CertificateDer<'static>>> {
         let bytes = std::fs::read(path).ok()?;
         Some(
             CertificateDer::pem_slice_iter(&bytes)
@@ -103,26 +103,27 @@ pub fn check_tls_files(settings: &Settings) -> Vec<(&'static str, String)> {
                 .collect(),
         )
     };
-    if !settings.tls_ca_file.is_empty()
-        && let Some(ca) = certs(&settings.tls_ca_file)
+    if let Some(ca_file) = &settings.tls_ca_file
+        && let Some(ca) = certs(ca_file)
         && ca.is_empty()
     {
         problems.push((
             "tls_ca_file",
-            format!("{} holds no PEM certificate", settings.tls_ca_file),
+            format!("{} holds no PEM certificate", ca_file.display()),
         ));
     }
-    if settings.tls_cert_file.is_empty() || settings.tls_key_file.is_empty() {
+    let (Some(cert_file), Some(key_file)) = (&settings.tls_cert_file, &settings.tls_key_file)
+    else {
         return problems;
-    }
-    let chain = certs(&settings.tls_cert_file);
+    };
+    let chain = certs(cert_file);
     if chain.as_ref().is_some_and(Vec::is_empty) {
         problems.push((
             "tls_cert_file",
-            format!("{} holds no PEM certificate", settings.tls_cert_file),
+            format!("{} holds no PEM certificate", cert_file.display()),
         ));
     }
-    let Ok(key_bytes) = std::fs::read(&settings.tls_key_file) else {
+    let Ok(key_bytes) = std::fs::read(key_file) else {
         return problems;
     };
     let key = match PrivateKeyDer::from_pem_slice(&key_bytes) {
@@ -132,7 +133,7 @@ pub fn check_tls_files(settings: &Settings) -> Vec<(&'static str, String)> {
                 "tls_key_file",
                 format!(
                     "{} holds no usable PEM private key ({e})",
-                    settings.tls_key_file
+                    key_file.display()
                 ),
             ));
             return problems;
@@ -143,7 +144,7 @@ pub fn check_tls_files(settings: &Settings) -> Vec<(&'static str, String)> {
         Err(e) => {
             problems.push((
                 "tls_key_file",
-                format!("{}: unsupported private key ({e})", settings.tls_key_file),
+                format!("{}: unsupported private key ({e})", key_file.display()),
             ));
             return problems;
         }
@@ -155,7 +156,8 @@ pub fn check_tls_files(settings: &Settings) -> Vec<(&'static str, String)> {
             "tls_key_file",
             format!(
                 "{} does not belong to the certificate in {} ({e})",
-                settings.tls_key_file, settings.tls_cert_file
+                key_file.display(),
+                cert_file.display()
             ),
         ));
     }
@@ -168,16 +170,12 @@ pub fn tls_config(settings: &Settings) -> Result<Option<ClientTlsConfig>, TlsFil
         return Ok(None);
     }
     let mut tls = ClientTlsConfig::new();
-    if settings.tls_ca_file.is_empty() {
-        tls = tls.with_native_roots();
-    } else {
-        tls = tls.ca_certificate(Certificate::from_pem(read(&settings.tls_ca_file)?));
+    match &settings.tls_ca_file {
+        None => tls = tls.with_native_roots(),
+        Some(ca_file) => tls = tls.ca_certificate(Certificate::from_pem(read(ca_file)?)),
     }
-    if !settings.tls_cert_file.is_empty() {
-        tls = tls.identity(Identity::from_pem(
-            read(&settings.tls_cert_file)?,
-            read(&settings.tls_key_file)?,
-        ));
+    if let (Some(cert_file), Some(key_file)) = (&settings.tls_cert_file, &settings.tls_key_file) {
+        tls = tls.identity(Identity::from_pem(read(cert_file)?, read(key_file)?));
     }
     if !settings.tls_server_name.is_empty() {
         tls = tls.domain_name(settings.tls_server_name.clone());

@@ -38,7 +38,7 @@ use kvevent_mapper as mapper;
 use kvevent_source as source;
 use kvevent_zmq as transport;
 
-pub use settings::{ConfigError, Settings};
+pub use settings::{ConfigError, Settings, Words};
 pub use stats_reporter::CLIENT_VERSION;
 pub use telemetry::Telemetry;
 
@@ -111,27 +111,16 @@ fn client_config(s: &Settings) -> Result<fwd::ClientConfig, StartError> {
     config.rpc_timeout = s.rpc_timeout.0;
     config.connect_timeout = s.connect_timeout.0;
     config.tls = tls;
-    if !s.token_file.is_empty() {
-        config.credentials = Some(Arc::new(credentials::TokenFile::new(&s.token_file)));
+    if let Some(token_file) = &s.token_file {
+        config.credentials = Some(Arc::new(credentials::TokenFile::new(token_file)));
     }
     Ok(config)
 }
 
 fn stats_config(s: &Settings) -> kvevent_scrape::StatsConfig {
-    use kvevent_scrape::{CacheTier, Profile};
     kvevent_scrape::StatsConfig {
-        profile: match s.engine_profile.as_str() {
-            "vllm" => Some(Profile::Vllm),
-            "vllm-legacy" => Some(Profile::VllmLegacy),
-            "sglang" => Some(Profile::Sglang),
-            _ => None,
-        },
-        cache_tier: match s.cache_tier.as_str() {
-            "kv" => CacheTier::Kv,
-            "gpu" => CacheTier::Gpu,
-            "cpu" => CacheTier::Cpu,
-            _ => CacheTier::Auto,
-        },
+        profile: s.engine_profile,
+        cache_tier: s.cache_tier,
         model_name: (!s.engine_model_name.is_empty()).then(|| s.engine_model_name.clone()),
         cache_size_bytes: s.engine_cache_size_bytes,
         concurrency_ceiling: s.max_concurrency_ceiling,
@@ -144,11 +133,7 @@ fn stats_config(s: &Settings) -> kvevent_scrape::StatsConfig {
 pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, StartError> {
     let identity = identity(settings)?;
     let options = mapper::Options {
-        key_mode: if settings.key_mode == "fingerprint" {
-            mapper::KeyMode::Fingerprint
-        } else {
-            mapper::KeyMode::Engine
-        },
+        key_mode: settings.key_mode,
         engine_has_offload_tier: settings.ignore_block_removed,
         all_kv_groups: settings.all_kv_groups,
         lora_adapters: mapper::parse_lora_adapters(&settings.lora_adapter_names)?,
@@ -196,15 +181,10 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
     let (handle, forwarder) = fwd::spawn(client.clone(), fwd_config);
 
     let labels: Vec<String> = sources.iter().map(transport::Source::label).collect();
-    let key_mode = if options.key_mode == mapper::KeyMode::Fingerprint {
-        "fingerprint"
-    } else {
-        "engine"
-    };
-    let restored = if settings.state_file.is_empty() {
-        None
-    } else {
-        restore(settings, &identity, key_mode, &labels, &options)?
+    let key_mode = settings.key_mode.word();
+    let restored = match &settings.state_file {
+        Some(path) => restore(path, &identity, key_mode, &labels, &options)?,
+        None => None,
     };
     let mut sub_config = source::Config::new(sources.clone());
     // One engine's ranks, decoded and mapped on the events thread anyway: read there too (no
@@ -262,8 +242,8 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         mappers,
         forwarder: handle,
         restored,
-        saver: (!settings.state_file.is_empty()).then(|| events::Saver {
-            path: settings.state_file.clone().into(),
+        saver: settings.state_file.as_ref().map(|path| events::Saver {
+            path: path.clone(),
             interval: settings.state_interval.0,
             header: state_file::Header {
                 written_unix_ms: 0,
@@ -318,7 +298,7 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         server = %settings.server,
         replica = %settings.replica_id,
         model = %settings.model_id,
-        key_mode = %settings.key_mode,
+        key_mode = key_mode,
         "pipeline started"
     );
     Ok(Running {
@@ -338,15 +318,14 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
 /// logged with the reason and the start goes on as without one (clear + rebuild). A path
 /// where no file can be created fails the start.
 fn restore(
-    settings: &Settings,
+    path: &std::path::Path,
     identity: &mapper::Identity,
     key_mode: &str,
     labels: &[String],
     options: &mapper::Options,
 ) -> Result<Option<state_file::Loaded>, StartError> {
-    let path = std::path::Path::new(&settings.state_file);
     state_file::check_writable(path)
-        .map_err(|e| StartError::StateFile(settings.state_file.clone(), e))?;
+        .map_err(|e| StartError::StateFile(path.display().to_string(), e))?;
     let expected = state_file::Expected {
         identity,
         key_mode,

@@ -251,7 +251,7 @@ fn keys_are_fingerprints_by_default_as_the_go_sidecar_sends_them() {
     Jail::expect_with(|_jail| {
         let s =
             Settings::load(None, flags(&[("replica_id", "r"), ("model_id", "m")])).expect("valid");
-        assert_eq!(s.key_mode, "fingerprint");
+        assert_eq!(s.key_mode, kvevent_mapper::KeyMode::Fingerprint);
         Ok(())
     });
 }

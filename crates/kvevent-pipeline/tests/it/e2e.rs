@@ -294,7 +294,7 @@ async fn a_dp_rank_restart_evicts_only_that_rank() {
         replay_endpoint: "inproc://dp-test-replay".into(),
         dp_size: 2,
         // The assertions name engine block hashes.
-        key_mode: "engine".into(),
+        key_mode: kvevent_mapper::KeyMode::Engine,
         ..settings(&engines[0], &server)
     };
     let running = start(&s, &ctx).await.expect("start");

@@ -31,7 +31,7 @@ fn settings(engine: &Publisher, server: &RecordingServer, state: &std::path::Pat
         metrics_address: String::new(),
         engine_metrics_url: String::new(),
         window: GoDuration::ms(20),
-        state_file: state.display().to_string(),
+        state_file: Some(state.to_path_buf()),
         state_interval: GoDuration::ms(100),
         ..Settings::default()
     }

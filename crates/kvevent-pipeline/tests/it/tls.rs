@@ -44,10 +44,10 @@ fn pki(name: &str) -> Pki {
 }
 
 impl Pki {
-    fn write(&self, name: &str, content: &str) -> String {
+    fn write(&self, name: &str, content: &str) -> Option<std::path::PathBuf> {
         let p = self.dir.join(name);
         std::fs::write(&p, content).expect("write");
-        p.display().to_string()
+        Some(p)
     }
 }
 
@@ -133,10 +133,10 @@ async fn the_bearer_token_is_sent_and_rotates_with_its_file() {
     let ctx = zmq::Context::new();
     let engine =
         Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
-    let token = pki.write("token", "secret-1\n");
+    let token = pki.write("token", "secret-1\n").expect("written");
     let s = Settings {
         tls_ca_file: pki.write("ca.pem", &pki.ca_pem),
-        token_file: token.clone(),
+        token_file: Some(token.clone()),
         ..base(&engine, &server)
     };
     let running = deliver_one(&s, &engine, &ctx).await;
@@ -148,8 +148,9 @@ async fn the_bearer_token_is_sent_and_rotates_with_its_file() {
             .all(|h| h.as_deref() == Some("Bearer secret-1"))
     );
     // The mounted secret rotates (a new file, as Kubernetes swaps it).
-    std::fs::write(format!("{token}.new"), "secret-2-longer\n").expect("write");
-    std::fs::rename(format!("{token}.new"), &token).expect("rename");
+    let new = token.with_extension("new");
+    std::fs::write(&new, "secret-2-longer\n").expect("write");
+    std::fs::rename(&new, &token).expect("rename");
     // The file is looked at again at most once a second.
     tokio::time::sleep(Duration::from_millis(1_100)).await;
     let calls = server.calls();

@@ -2,134 +2,20 @@
 
 use std::fmt;
 use std::path::PathBuf;
-use std::time::Duration;
 
 use figment::Figment;
 use figment::providers::{Env, Format, Serialized, Toml};
+use kvevent_mapper::KeyMode;
+use kvevent_scrape::{CacheTier, Profile};
 use serde::{Deserialize, Serialize};
+
+mod value;
+
+use value::lenient_string;
+pub use value::{GoDuration, LogFormat, Words, parse_duration};
 
 /// Prefix of every environment variable (`KVEVENT_REPLICA_ID`, ...).
 pub const ENV_PREFIX: &str = "KVEVENT_";
-
-/// A duration written Go's way: `100ms`, `10s`, `1m30s`, `1h`, `250us`; `0` is zero.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
-pub struct GoDuration(pub Duration);
-
-impl GoDuration {
-    /// From milliseconds.
-    pub const fn ms(ms: u64) -> Self {
-        Self(Duration::from_millis(ms))
-    }
-
-    /// From seconds.
-    pub const fn secs(s: u64) -> Self {
-        Self(Duration::from_secs(s))
-    }
-}
-
-/// Parses a Go-style duration.
-///
-/// ```
-/// use kvevent_pipeline::settings::parse_duration;
-/// use std::time::Duration;
-/// assert_eq!(parse_duration("1m30s")?, Duration::from_secs(90));
-/// assert_eq!(parse_duration("50ms")?, Duration::from_millis(50));
-/// assert_eq!(parse_duration("1.5s")?, Duration::from_millis(1500));
-/// assert!(parse_duration("10").is_err());
-/// # Ok::<(), String>(())
-/// ```
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    if s == "0" {
-        return Ok(Duration::ZERO);
-    }
-    let bad = || format!("`{s}` is not a duration (use e.g. 100ms, 10s, 1m30s)");
-    if s.is_empty() {
-        return Err(bad());
-    }
-    let mut total = 0f64;
-    let mut rest = s;
-    while !rest.is_empty() {
-        let num_end = rest
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .ok_or_else(bad)?;
-        let value: f64 = rest[..num_end].parse().map_err(|_| bad())?;
-        rest = &rest[num_end..];
-        let unit_end = rest
-            .find(|c: char| c.is_ascii_digit() || c == '.')
-            .unwrap_or(rest.len());
-        let scale = match &rest[..unit_end] {
-            "ns" => 1e-9,
-            "us" | "µs" => 1e-6,
-            "ms" => 1e-3,
-            "s" => 1.0,
-            "m" => 60.0,
-            "h" => 3600.0,
-            _ => return Err(bad()),
-        };
-        total += value * scale;
-        rest = &rest[unit_end..];
-    }
-    Duration::try_from_secs_f64(total).map_err(|_| bad())
-}
-
-impl fmt::Display for GoDuration {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let d = self.0;
-        if d.is_zero() {
-            f.write_str("0s")
-        } else if d.subsec_nanos() == 0 {
-            write!(f, "{}s", d.as_secs())
-        } else if d.as_nanos().is_multiple_of(1_000_000) {
-            write!(f, "{}ms", d.as_millis())
-        } else {
-            write!(f, "{}us", d.as_micros())
-        }
-    }
-}
-
-impl Serialize for GoDuration {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
-
-impl<'de> Deserialize<'de> for GoDuration {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        parse_duration(&s)
-            .map(GoDuration)
-            .map_err(serde::de::Error::custom)
-    }
-}
-
-/// A string option that the environment layer may have parsed as a number or a bool
-/// (`KVEVENT_REPLICA_ID=7`): taken back as the text it was.
-fn lenient_string<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
-    struct Lenient;
-    impl serde::de::Visitor<'_> for Lenient {
-        type Value = String;
-        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str("a string")
-        }
-        fn visit_str<E>(self, v: &str) -> Result<String, E> {
-            Ok(v.to_owned())
-        }
-        fn visit_u64<E>(self, v: u64) -> Result<String, E> {
-            Ok(v.to_string())
-        }
-        fn visit_i64<E>(self, v: i64) -> Result<String, E> {
-            Ok(v.to_string())
-        }
-        fn visit_f64<E>(self, v: f64) -> Result<String, E> {
-            Ok(v.to_string())
-        }
-        fn visit_bool<E>(self, v: bool) -> Result<String, E> {
-            Ok(v.to_string())
-        }
-    }
-    d.deserialize_any(Lenient)
-}
 
 /// Every option, with the Go sidecar's names and defaults where it has them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -148,6 +34,7 @@ pub struct Settings {
     /// A rank disconnected with no batch this long is lost for good: the listing is read again.
     pub engine_discovery_recheck: GoDuration,
     /// Bind the SUB socket instead of connecting (for engines with a non-wildcard endpoint).
+    #[serde(with = "value::switch")]
     pub engine_bind: bool,
     /// The engine's replay ROUTER endpoint; empty: no replay.
     #[serde(deserialize_with = "lenient_string")]
@@ -156,6 +43,7 @@ pub struct Settings {
     #[serde(deserialize_with = "lenient_string")]
     pub topic: String,
     /// Data-parallel ranks to subscribe to (endpoints by vLLM's port-offset rule).
+    #[serde(with = "value::number")]
     pub dp_size: u32,
     /// The InferenceCache server: `host:port`, `http://…` or `https://…`.
     #[serde(deserialize_with = "lenient_string")]
@@ -173,8 +61,8 @@ pub struct Settings {
     #[serde(deserialize_with = "lenient_string")]
     pub hash_scheme: String,
     /// Key mode: `engine` (engine block hashes) or `fingerprint` (content fingerprints).
-    #[serde(deserialize_with = "lenient_string")]
-    pub key_mode: String,
+    #[serde(with = "value::words")]
+    pub key_mode: KeyMode,
     /// Window over which adds and evictions are collected, netted and sent. `0` means the
     /// default, as in the Go sidecar (with a warning, see [`Settings::adjustments`]).
     pub window: GoDuration,
@@ -188,21 +76,25 @@ pub struct Settings {
     /// Interval of stats reports; 0: no stats.
     pub stats_interval: GoDuration,
     /// The engine's KV cache size in bytes (0: unknown).
+    #[serde(with = "value::number")]
     pub engine_cache_size_bytes: u64,
     /// Running + waiting requests that count as full pressure.
+    #[serde(with = "value::number")]
     pub max_concurrency_ceiling: u32,
     /// Which usage gauge: auto, kv, gpu, cpu.
-    #[serde(deserialize_with = "lenient_string")]
-    pub cache_tier: String,
+    #[serde(with = "value::words")]
+    pub cache_tier: CacheTier,
     /// Keep only metric series with this `model_name` label.
     #[serde(deserialize_with = "lenient_string")]
     pub engine_model_name: String,
     /// Engine metrics profile: auto, vllm, vllm-legacy, sglang.
-    #[serde(deserialize_with = "lenient_string")]
-    pub engine_profile: String,
+    #[serde(with = "value::words")]
+    pub engine_profile: Option<Profile>,
     /// The engine has an offload tier: GPU removals are re-reported at T2.
+    #[serde(with = "value::switch")]
     pub ignore_block_removed: bool,
     /// Report blocks of every KV-cache group of a hybrid model, not only full-attention ones.
+    #[serde(with = "value::switch")]
     pub all_kv_groups: bool,
     /// A source that sent no batch this long after the start is reported (a warning naming it;
     /// `/readyz` says so while no source has sent anything).
@@ -212,8 +104,8 @@ pub struct Settings {
     pub refresh_interval: GoDuration,
     /// Where the per-source state is saved (periodically and at shutdown) and resumed from at
     /// start; empty: not saved (a restart clears the replica and rebuilds from the replay).
-    #[serde(deserialize_with = "lenient_string")]
-    pub state_file: String,
+    #[serde(with = "value::path")]
+    pub state_file: Option<PathBuf>,
     /// How often the state file is written (0: only at shutdown).
     pub state_interval: GoDuration,
     /// Adapter names for LoRA ids: `1=a,2=b`.
@@ -225,8 +117,8 @@ pub struct Settings {
     /// Deadline to flush pending reports on shutdown.
     pub drain_timeout: GoDuration,
     /// Log format: text or json.
-    #[serde(deserialize_with = "lenient_string")]
-    pub log_format: String,
+    #[serde(with = "value::words")]
+    pub log_format: LogFormat,
     /// Log level or filter (`info`, `kvevent=debug`).
     #[serde(deserialize_with = "lenient_string")]
     pub log_level: String,
@@ -236,16 +128,20 @@ pub struct Settings {
     pub connect_timeout: GoDuration,
     /// Most prefix entries plus events waiting behind the work in flight; beyond, the oldest
     /// queued work is dropped.
+    #[serde(with = "value::number")]
     pub max_pending: usize,
     /// Most RPCs in flight at once on the server connection.
+    #[serde(with = "value::number")]
     pub max_in_flight: usize,
     /// Longest delay between retries to the server.
     pub max_backoff: GoDuration,
     /// Engine blocks tracked per source (cumulative counts, fingerprint chains).
+    #[serde(with = "value::number")]
     pub max_tracked_blocks: usize,
     /// A replay with no reply for this long is over.
     pub replay_timeout: GoDuration,
     /// SUB receive high-water mark, in batches.
+    #[serde(with = "value::number")]
     pub engine_rcvhwm: i32,
     /// ZMTP heartbeat interval to the engine (0: none).
     pub engine_heartbeat_interval: GoDuration,
@@ -256,20 +152,20 @@ pub struct Settings {
     /// Deadline of a metrics scrape.
     pub scrape_timeout: GoDuration,
     /// CA bundle (PEM) to verify the server with; empty: system roots.
-    #[serde(deserialize_with = "lenient_string")]
-    pub tls_ca_file: String,
+    #[serde(with = "value::path")]
+    pub tls_ca_file: Option<PathBuf>,
     /// Client certificate (PEM) for mTLS.
-    #[serde(deserialize_with = "lenient_string")]
-    pub tls_cert_file: String,
+    #[serde(with = "value::path")]
+    pub tls_cert_file: Option<PathBuf>,
     /// Client key (PEM) for mTLS.
-    #[serde(deserialize_with = "lenient_string")]
-    pub tls_key_file: String,
+    #[serde(with = "value::path")]
+    pub tls_key_file: Option<PathBuf>,
     /// Name to verify the server's certificate against, if not the host in `server`.
     #[serde(deserialize_with = "lenient_string")]
     pub tls_server_name: String,
     /// File holding a bearer token sent as `authorization`; re-read when it changes.
-    #[serde(deserialize_with = "lenient_string")]
-    pub token_file: String,
+    #[serde(with = "value::path")]
+    pub token_file: Option<PathBuf>,
 }
 
 impl Default for Settings {
@@ -288,26 +184,26 @@ impl Default for Settings {
             model_id: String::new(),
             tenant_id: String::new(),
             hash_scheme: "vllm".into(),
-            key_mode: "fingerprint".into(),
+            key_mode: KeyMode::Fingerprint,
             window: GoDuration::ms(100),
             adjustments: Vec::new(),
             engine_metrics_url: "http://127.0.0.1:8000/metrics".into(),
             stats_interval: GoDuration::secs(10),
             engine_cache_size_bytes: 0,
             max_concurrency_ceiling: 256,
-            cache_tier: "auto".into(),
+            cache_tier: CacheTier::Auto,
             engine_model_name: String::new(),
-            engine_profile: "auto".into(),
+            engine_profile: None,
             ignore_block_removed: false,
             all_kv_groups: false,
             refresh_interval: GoDuration::secs(600),
-            state_file: String::new(),
+            state_file: None,
             state_interval: GoDuration::secs(30),
             engine_silence_grace: GoDuration::secs(60),
             lora_adapter_names: String::new(),
             metrics_address: "0.0.0.0:9095".into(),
             drain_timeout: GoDuration::secs(5),
-            log_format: "text".into(),
+            log_format: LogFormat::Text,
             log_level: "info".into(),
             rpc_timeout: GoDuration::secs(5),
             connect_timeout: GoDuration::secs(5),
@@ -321,13 +217,39 @@ impl Default for Settings {
             engine_heartbeat_timeout: GoDuration::secs(15),
             engine_reconnect_max: GoDuration::secs(5),
             scrape_timeout: GoDuration::secs(5),
-            tls_ca_file: String::new(),
-            tls_cert_file: String::new(),
-            tls_key_file: String::new(),
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
             tls_server_name: String::new(),
-            token_file: String::new(),
+            token_file: None,
         }
     }
+}
+
+/// Every option with its default as text (`""` for an empty one), as in the TOML file: the one
+/// source of the defaults that `--help` and the docs show.
+pub fn defaults() -> Vec<(String, String)> {
+    let Some(dict) = figment::value::Value::serialize(Settings::default())
+        .ok()
+        .and_then(|v| v.into_dict())
+    else {
+        return Vec::new();
+    };
+    dict.into_iter()
+        .map(|(k, v)| {
+            let text = match v {
+                figment::value::Value::String(_, s) => s,
+                figment::value::Value::Bool(_, b) => b.to_string(),
+                figment::value::Value::Num(_, n) => n
+                    .to_u128()
+                    .map(|n| n.to_string())
+                    .or_else(|| n.to_i128().map(|n| n.to_string()))
+                    .unwrap_or_default(),
+                other => format!("{other:?}"),
+            };
+            (k, text)
+        })
+        .collect()
 }
 
 /// The names of every option, as in the TOML file.
@@ -639,38 +561,8 @@ impl Settings {
                 format!("`{server}` is not host:port or an http(s):// URI"),
             );
         }
-        if !matches!(self.key_mode.as_str(), "engine" | "fingerprint") {
-            bad(
-                "key_mode",
-                format!("`{}` is not engine or fingerprint", self.key_mode),
-            );
-        }
-        if !matches!(self.cache_tier.as_str(), "auto" | "kv" | "gpu" | "cpu") {
-            bad(
-                "cache_tier",
-                format!("`{}` is not auto, kv, gpu or cpu", self.cache_tier),
-            );
-        }
-        if !matches!(
-            self.engine_profile.as_str(),
-            "auto" | "vllm" | "vllm-legacy" | "sglang"
-        ) {
-            bad(
-                "engine_profile",
-                format!(
-                    "`{}` is not auto, vllm, vllm-legacy or sglang",
-                    self.engine_profile
-                ),
-            );
-        }
         if let Err(why) = check_log_filter(&self.log_level) {
             bad("log_level", why);
-        }
-        if !matches!(self.log_format.as_str(), "text" | "json") {
-            bad(
-                "log_format",
-                format!("`{}` is not text or json", self.log_format),
-            );
         }
         if let Err(e) = kvevent_mapper::parse_lora_adapters(&self.lora_adapter_names) {
             bad("lora_adapter_names", e.to_string());
@@ -738,7 +630,7 @@ impl Settings {
         if self.max_in_flight == 0 || self.max_in_flight > 1024 {
             bad("max_in_flight", "must be 1 to 1024".into());
         }
-        if self.tls_cert_file.is_empty() != self.tls_key_file.is_empty() {
+        if self.tls_cert_file.is_some() != self.tls_key_file.is_some() {
             bad(
                 "tls_key_file",
                 "a client certificate and its key go together: set both or neither".into(),
@@ -750,8 +642,10 @@ impl Settings {
             ("tls_key_file", &self.tls_key_file),
             ("token_file", &self.token_file),
         ] {
-            if !path.is_empty() && !std::path::Path::new(path).is_file() {
-                bad(option, format!("no such file {path}"));
+            if let Some(path) = path
+                && !path.is_file()
+            {
+                bad(option, format!("no such file {}", path.display()));
             }
         }
         for (option, message) in crate::credentials::check_tls_files(self) {
@@ -767,8 +661,8 @@ impl Settings {
     /// True when the server is reached over TLS.
     pub fn uses_tls(&self) -> bool {
         self.server.trim().starts_with("https://")
-            || !self.tls_ca_file.is_empty()
-            || !self.tls_cert_file.is_empty()
+            || self.tls_ca_file.is_some()
+            || self.tls_cert_file.is_some()
             || !self.tls_server_name.is_empty()
     }
 }

@@ -1,0 +1,332 @@
+//! How option values are read and written: Go durations, words, numbers, switches and paths,
+//! each from a string (a flag, the environment) or the TOML file's own type, each refused in
+//! our words (`` `5x` is not a duration ``), never serde's.
+
+use std::fmt;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// A duration written Go's way: `100ms`, `10s`, `1m30s`, `1h`, `250us`; `0` is zero.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
+pub struct GoDuration(pub Duration);
+
+impl GoDuration {
+    /// From milliseconds.
+    pub const fn ms(ms: u64) -> Self {
+        Self(Duration::from_millis(ms))
+    }
+
+    /// From seconds.
+    pub const fn secs(s: u64) -> Self {
+        Self(Duration::from_secs(s))
+    }
+}
+
+/// Parses a Go-style duration.
+///
+/// ```
+/// use kvevent_pipeline::settings::parse_duration;
+/// use std::time::Duration;
+/// assert_eq!(parse_duration("1m30s")?, Duration::from_secs(90));
+/// assert_eq!(parse_duration("50ms")?, Duration::from_millis(50));
+/// assert_eq!(parse_duration("1.5s")?, Duration::from_millis(1500));
+/// assert!(parse_duration("10").is_err());
+/// # Ok::<(), String>(())
+/// ```
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    if s == "0" {
+        return Ok(Duration::ZERO);
+    }
+    let bad = || format!("`{s}` is not a duration (use e.g. 100ms, 10s, 1m30s)");
+    if s.is_empty() {
+        return Err(bad());
+    }
+    let mut total = 0f64;
+    let mut rest = s;
+    while !rest.is_empty() {
+        let num_end = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .ok_or_else(bad)?;
+        let value: f64 = rest[..num_end].parse().map_err(|_| bad())?;
+        rest = &rest[num_end..];
+        let unit_end = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
+        let scale = match &rest[..unit_end] {
+            "ns" => 1e-9,
+            "us" | "µs" => 1e-6,
+            "ms" => 1e-3,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            _ => return Err(bad()),
+        };
+        total += value * scale;
+        rest = &rest[unit_end..];
+    }
+    Duration::try_from_secs_f64(total).map_err(|_| bad())
+}
+
+impl fmt::Display for GoDuration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let d = self.0;
+        if d.is_zero() {
+            f.write_str("0s")
+        } else if d.subsec_nanos() == 0 && d.as_secs().is_multiple_of(3600) {
+            write!(f, "{}h", d.as_secs() / 3600)
+        } else if d.subsec_nanos() == 0 && d.as_secs().is_multiple_of(60) {
+            write!(f, "{}m", d.as_secs() / 60)
+        } else if d.subsec_nanos() == 0 {
+            write!(f, "{}s", d.as_secs())
+        } else if d.as_nanos().is_multiple_of(1_000_000) {
+            write!(f, "{}ms", d.as_millis())
+        } else {
+            write!(f, "{}us", d.as_micros())
+        }
+    }
+}
+
+impl Serialize for GoDuration {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for GoDuration {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        parse_duration(&s)
+            .map(GoDuration)
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// A string option that the environment layer may have parsed as a number or a bool
+/// (`KVEVENT_REPLICA_ID=7`): taken back as the text it was.
+pub(crate) fn lenient_string<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    struct Lenient;
+    impl serde::de::Visitor<'_> for Lenient {
+        type Value = String;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a string")
+        }
+        fn visit_str<E>(self, v: &str) -> Result<String, E> {
+            Ok(v.to_owned())
+        }
+        fn visit_u64<E>(self, v: u64) -> Result<String, E> {
+            Ok(v.to_string())
+        }
+        fn visit_i64<E>(self, v: i64) -> Result<String, E> {
+            Ok(v.to_string())
+        }
+        fn visit_f64<E>(self, v: f64) -> Result<String, E> {
+            Ok(v.to_string())
+        }
+        fn visit_bool<E>(self, v: bool) -> Result<String, E> {
+            Ok(v.to_string())
+        }
+    }
+    d.deserialize_any(Lenient)
+}
+
+/// An option whose values are a few words (`--key-mode engine`).
+pub trait Words: Sized + Copy + PartialEq + 'static {
+    /// Every value, with its word.
+    const WORDS: &'static [(Self, &'static str)];
+
+    /// The value's word.
+    fn word(self) -> &'static str {
+        Self::WORDS
+            .iter()
+            .find(|(v, _)| *v == self)
+            .map_or("", |(_, w)| w)
+    }
+
+    /// The value a word names, or why it names none.
+    fn from_word(word: &str) -> Result<Self, String> {
+        let word = word.trim();
+        Self::WORDS
+            .iter()
+            .find(|(_, w)| w.eq_ignore_ascii_case(word))
+            .map(|(v, _)| *v)
+            .ok_or_else(|| {
+                format!(
+                    "`{word}` is not {}",
+                    one_of(Self::WORDS.iter().map(|(_, w)| *w))
+                )
+            })
+    }
+}
+
+/// `a`, `a or b`, `a, b or c`.
+fn one_of<'a>(words: impl Iterator<Item = &'a str>) -> String {
+    let words: Vec<&str> = words.collect();
+    match words.split_last() {
+        Some((last, [])) => (*last).to_owned(),
+        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+        None => String::new(),
+    }
+}
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object a line.
+    Json,
+}
+
+impl Words for LogFormat {
+    const WORDS: &'static [(Self, &'static str)] = &[(Self::Text, "text"), (Self::Json, "json")];
+}
+
+impl Words for kvevent_mapper::KeyMode {
+    const WORDS: &'static [(Self, &'static str)] =
+        &[(Self::Engine, "engine"), (Self::Fingerprint, "fingerprint")];
+}
+
+impl Words for kvevent_scrape::CacheTier {
+    const WORDS: &'static [(Self, &'static str)] = &[
+        (Self::Auto, "auto"),
+        (Self::Kv, "kv"),
+        (Self::Gpu, "gpu"),
+        (Self::Cpu, "cpu"),
+    ];
+}
+
+/// The engine metrics profile; `None` is `auto` (read off the metric names).
+impl Words for Option<kvevent_scrape::Profile> {
+    const WORDS: &'static [(Self, &'static str)] = &[
+        (None, "auto"),
+        (Some(kvevent_scrape::Profile::Vllm), "vllm"),
+        (Some(kvevent_scrape::Profile::VllmLegacy), "vllm-legacy"),
+        (Some(kvevent_scrape::Profile::Sglang), "sglang"),
+    ];
+}
+
+/// Serde for a [`Words`] option (`#[serde(with = "value::words")]`).
+pub(crate) mod words {
+    use super::Words;
+
+    pub(crate) fn serialize<T: Words, S: serde::Serializer>(
+        v: &T,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        s.serialize_str(v.word())
+    }
+
+    pub(crate) fn deserialize<'de, T: Words, D: serde::Deserializer<'de>>(
+        d: D,
+    ) -> Result<T, D::Error> {
+        let text = super::lenient_string(d)?;
+        T::from_word(&text).map_err(serde::de::Error::custom)
+    }
+}
+
+/// A whole number type an option can have, with its range.
+pub(crate) trait Whole: Sized + TryFrom<i128> + serde::Serialize {
+    const LO: i128;
+    const HI: i128;
+}
+
+macro_rules! whole {
+    ($($t:ty),*) => {$(
+        impl Whole for $t {
+            const LO: i128 = <$t>::MIN as i128;
+            const HI: i128 = <$t>::MAX as i128;
+        }
+    )*};
+}
+whole!(u32, u64, usize, i32);
+
+/// Serde for a whole number option, from a number or its text (`KVEVENT_DP_SIZE=2`), refused
+/// in our words.
+pub(crate) mod number {
+    use super::Whole;
+
+    pub(crate) fn serialize<T: Whole, S: serde::Serializer>(
+        v: &T,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        v.serialize(s)
+    }
+
+    pub(crate) fn deserialize<'de, T: Whole, D: serde::Deserializer<'de>>(
+        d: D,
+    ) -> Result<T, D::Error> {
+        let text = super::lenient_string(d)?;
+        let text = text.trim();
+        let n: i128 = text
+            .parse()
+            .map_err(|_| serde::de::Error::custom(format!("`{text}` is not a whole number")))?;
+        T::try_from(n).map_err(|_| {
+            serde::de::Error::custom(format!("`{text}` is out of range ({} to {})", T::LO, T::HI))
+        })
+    }
+}
+
+/// Serde for a switch: `true` or `false` (a flag given alone is `true`).
+pub(crate) mod switch {
+    pub(crate) fn serialize<S: serde::Serializer>(v: &bool, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_bool(*v)
+    }
+
+    pub(crate) fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+        let text = super::lenient_string(d)?;
+        match text.trim().to_ascii_lowercase().as_str() {
+            "true" | "1" | "yes" | "on" => Ok(true),
+            "false" | "0" | "no" | "off" => Ok(false),
+            other => Err(serde::de::Error::custom(format!(
+                "`{other}` is not true or false"
+            ))),
+        }
+    }
+}
+
+/// Serde for a file option: empty (or unset) is none, as the Go sidecar's flags have it.
+pub(crate) mod path {
+    use std::path::PathBuf;
+
+    pub(crate) fn serialize<S: serde::Serializer>(
+        v: &Option<PathBuf>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        s.collect_str(
+            &v.as_deref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default(),
+        )
+    }
+
+    pub(crate) fn deserialize<'de, D: serde::Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<PathBuf>, D::Error> {
+        let text = super::lenient_string(d)?;
+        Ok((!text.trim().is_empty()).then(|| PathBuf::from(text)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn words_are_read_in_any_case_and_refused_naming_the_choices() {
+        assert_eq!(LogFormat::from_word(" JSON "), Ok(LogFormat::Json));
+        assert_eq!(
+            kvevent_mapper::KeyMode::from_word("magic"),
+            Err("`magic` is not engine or fingerprint".to_owned())
+        );
+        assert_eq!(
+            <Option<kvevent_scrape::Profile>>::from_word("x"),
+            Err("`x` is not auto, vllm, vllm-legacy or sglang".to_owned())
+        );
+        for (v, w) in kvevent_scrape::CacheTier::WORDS {
+            assert_eq!(v.word(), *w);
+        }
+    }
+}
