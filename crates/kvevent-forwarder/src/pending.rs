@@ -41,6 +41,9 @@ pub(crate) enum Adds {
 pub(crate) struct Interner<T> {
     pub(crate) values: Vec<T>,
     index: Map<T, u32>,
+    /// The value asked for last: reports come in runs from one identity, so most lookups are
+    /// one compare, not a hash.
+    last: Option<u32>,
 }
 
 impl<T: Clone + Eq + std::hash::Hash> Interner<T> {
@@ -48,16 +51,26 @@ impl<T: Clone + Eq + std::hash::Hash> Interner<T> {
         Self {
             values: Vec::new(),
             index: Map::default(),
+            last: None,
         }
     }
 
     pub(crate) fn id(&mut self, value: &T) -> u32 {
-        if let Some(&id) = self.index.get(value) {
-            return id;
+        if let Some(last) = self.last
+            && self.values[last as usize] == *value
+        {
+            return last;
         }
-        let id = self.values.len() as u32;
-        self.values.push(value.clone());
-        self.index.insert(value.clone(), id);
+        let id = match self.index.get(value) {
+            Some(&id) => id,
+            None => {
+                let id = self.values.len() as u32;
+                self.values.push(value.clone());
+                self.index.insert(value.clone(), id);
+                id
+            }
+        };
+        self.last = Some(id);
         id
     }
 
@@ -68,6 +81,7 @@ impl<T: Clone + Eq + std::hash::Hash> Interner<T> {
     pub(crate) fn clear(&mut self) {
         self.values.clear();
         self.index.clear();
+        self.last = None;
     }
 }
 
@@ -378,12 +392,13 @@ impl Pending {
             std::mem::take(&mut update.model_id),
             std::mem::take(&mut update.tenant_id),
         ));
-        let group = self.groups.id(&(
+        let group = (
             scope,
             std::mem::take(&mut update.hash_scheme),
-            update.adapter_id.clone(),
-        ));
-        let update_adapter = self.adapters.id(&update.adapter_id);
+            std::mem::take(&mut update.adapter_id),
+        );
+        let update_adapter = self.adapters.id(&group.2);
+        let group = self.groups.id(&group);
         let entries: Vec<(Key, u32, pb::PrefixEntry)> = update
             .prefixes
             .into_iter()
@@ -551,12 +566,20 @@ impl Pending {
             .fetch_add(superseded as u64, Relaxed);
     }
 
+    /// The live work waiting behind the stage on the wire (all of it when none is).
+    pub(crate) fn queued(&self, in_flight: bool) -> usize {
+        let on_the_wire = match self.stages.front() {
+            Some(stage) if in_flight => stage.size(),
+            _ => 0,
+        };
+        self.count - on_the_wire
+    }
+
     /// Sheds the oldest queued work (never what is in flight, never a barrier) until at most
     /// `max_pending` waits behind the flight: the (prefixes, events) shed.
     pub(crate) fn enforce_bound(&mut self, max_pending: usize, in_flight: bool) -> (u64, u64) {
         let skip = usize::from(in_flight);
-        let on_the_wire: usize = self.stages.iter().take(skip).map(Stage::size).sum();
-        let mut queued = self.count - on_the_wire;
+        let mut queued = self.queued(in_flight);
         if queued <= max_pending {
             return (0, 0);
         }

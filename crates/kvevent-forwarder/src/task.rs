@@ -18,6 +18,9 @@ use crate::flight::{Call, Flight, in_flight_floor};
 use crate::pending::{Pending, Stage};
 use crate::{Client, Config, DrainReport, DropReason, Metrics, pb};
 
+/// Reports taken in between two checks of the bound.
+const INTAKE_CHUNK: usize = 256;
+
 /// Where the task sends its calls.
 pub(crate) trait Deliver: Send + 'static {
     /// One `ReportCacheState` client stream of these updates.
@@ -65,6 +68,9 @@ pub(crate) struct LogGate {
     pub(crate) rpc_failures: u64,
     pub(crate) last_failure: Option<(tonic::Code, String)>,
     pub(crate) failing: bool,
+    /// The input-full drops (prefixes, events) already taken into the log: a handle counts
+    /// them where it drops them, the task logs them.
+    input_full_seen: (u64, u64),
 }
 
 /// Where the task is in its life.
@@ -122,9 +128,27 @@ impl<D: Deliver> Task<D> {
         self.pending.seal_all();
     }
 
-    /// Takes one report in.
+    /// Takes one report in. Past the bound, while the server answers (so this thread is what
+    /// limits delivery: every entry taken in costs it work whether it is sent or shed later)
+    /// an add or eviction is dropped as it arrives, and the thread's time goes to sending
+    /// what is queued, in order. While calls fail or time out (an outage) it is taken in and
+    /// the oldest queued work is shed instead ([`Task::bound`]), so the server gets the
+    /// newest state when it is back. Both are counted as `overflow`. A clear always gets in.
     fn take(&mut self, report: pb::Report) {
         let in_flight = self.flight.is_some();
+        let barrier = matches!(&report, pb::Report::Event(e)
+            if e.r#type != pb::cache_event::Type::PrefixEvicted as i32);
+        if !self.log.failing
+            && !barrier
+            && self.pending.queued(in_flight) >= self.config.max_pending
+        {
+            let (prefixes, events) = match &report {
+                pb::Report::Update(u) | pb::Report::New(u) => (u.prefixes.len() as u64, 0),
+                pb::Report::Event(_) => (0, 1),
+            };
+            self.dropped(DropReason::Overflow, prefixes, events);
+            return;
+        }
         self.pending.push(report, in_flight, &self.metrics);
     }
 
@@ -149,7 +173,7 @@ impl<D: Deliver> Task<D> {
         let mut calls: FuturesUnordered<Call> = FuturesUnordered::new();
         let mut retry_at: Option<Instant> = None;
         let mut backoff = self.config.backoff_initial;
-        let mut batch = Vec::with_capacity(256);
+        let mut batch = Vec::with_capacity(INTAKE_CHUNK);
         // One timer, moved when the next wakeup changes (not a new one every turn).
         let timer = tokio::time::sleep(Duration::ZERO);
         tokio::pin!(timer);
@@ -184,6 +208,7 @@ impl<D: Deliver> Task<D> {
             let flush_at = self
                 .pending
                 .flush_at(self.config.window, self.flight.is_some());
+            self.collect_input_full();
             let wake = [retry_at, flush_at, self.drain_by(), self.log_due()]
                 .into_iter()
                 .flatten()
@@ -212,7 +237,7 @@ impl<D: Deliver> Task<D> {
                         backoff = self.config.backoff_initial;
                     }
                 }
-                n = rx.recv_many(&mut batch, 256), if eager => {
+                n = rx.recv_many(&mut batch, INTAKE_CHUNK), if eager => {
                     if n == 0 {
                         self.close(Instant::now() + self.config.drain_timeout);
                     } else {
@@ -243,14 +268,17 @@ impl<D: Deliver> Task<D> {
             }
         }
         drop(calls);
+        self.collect_input_full();
         self.log_now(Instant::now(), true);
         self.leftovers()
     }
 
-    /// Takes every report queued in the channel without waiting; closes the input when the
-    /// channel is closed.
+    /// Takes the reports queued in the channel without waiting, at most a channel's worth (a
+    /// sender that refills it as fast as it is emptied would otherwise keep the task here for
+    /// good), shedding past the bound every [`INTAKE_CHUNK`] reports so the queue never
+    /// outgrows it while it is filled; closes the input when the channel is closed.
     fn take_queued(&mut self, rx: &mut mpsc::Receiver<pb::Report>) {
-        loop {
+        for taken in 1..=rx.max_capacity() {
             match rx.try_recv() {
                 Ok(report) => self.take(report),
                 Err(mpsc::error::TryRecvError::Empty) => break,
@@ -259,6 +287,9 @@ impl<D: Deliver> Task<D> {
                     self.close(Instant::now() + self.config.drain_timeout);
                     return;
                 }
+            }
+            if taken % INTAKE_CHUNK == 0 {
+                self.bound();
             }
         }
         self.bound();
@@ -278,6 +309,29 @@ impl<D: Deliver> Task<D> {
             .unwrap_or_default();
         self.log.dropped_prefixes[i] += prefixes;
         self.log.dropped_events[i] += events;
+        if self.log.last.is_none() {
+            self.log_now(Instant::now(), true);
+        }
+    }
+
+    /// Takes the reports the handles dropped at a full channel since the last look into the
+    /// next log line (the first at once).
+    fn collect_input_full(&mut self) {
+        let now = (
+            self.metrics.dropped_prefixes(DropReason::InputFull),
+            self.metrics.dropped_events(DropReason::InputFull),
+        );
+        let (seen_p, seen_e) = std::mem::replace(&mut self.log.input_full_seen, now);
+        let (p, e) = (now.0 - seen_p, now.1 - seen_e);
+        if p + e == 0 {
+            return;
+        }
+        let i = DropReason::ALL
+            .iter()
+            .position(|r| *r == DropReason::InputFull)
+            .unwrap_or_default();
+        self.log.dropped_prefixes[i] += p;
+        self.log.dropped_events[i] += e;
         if self.log.last.is_none() {
             self.log_now(Instant::now(), true);
         }

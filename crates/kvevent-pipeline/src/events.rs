@@ -275,11 +275,22 @@ impl EventsLoop {
         }
     }
 
-    /// Hands this turn's reports to the forwarder: waits only for room in its channel, never
-    /// for the network.
+    /// Hands this turn's reports to the forwarder, never waiting for it with adds and
+    /// evictions: a full channel means the forwarder cannot keep up, and waiting would move
+    /// the backlog into the engine's socket (bounded in batches, not bytes) until the engine
+    /// dropped whole batches. Such a report is dropped and counted (`input_full`; the
+    /// forwarder logs it at a bounded rate). A clear waits for room: losing it would leave
+    /// the server holding what the engine dropped.
     fn submit(&self, turn: &mut Turn) {
         for report in turn.reports.drain(..) {
-            if self.forwarder.blocking_submit(report).is_err() {
+            let barrier = matches!(&report, pb::Report::Event(e)
+                if e.r#type != pb::cache_event::Type::PrefixEvicted as i32);
+            let closed = if barrier {
+                self.forwarder.blocking_submit(report).is_err()
+            } else {
+                self.forwarder.try_submit(report) == fwd::Submit::Closed
+            };
+            if closed {
                 self.telemetry.reports_after_shutdown.fetch_add(1, Relaxed);
             }
         }

@@ -335,8 +335,19 @@ async fn server_down_then_up_loses_nothing_within_the_bound() {
     f.shutdown(WAIT).await;
 }
 
+/// Waits until the forwarder has seen a call fail.
+async fn wait_failing(h: &fwd::Handle) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while h.metrics().rpc_errors(tonic::Code::Unavailable) == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "no call failed");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// While the server is down, past the bound the oldest queued work is shed: when it is back
+/// it gets the newest state.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn past_the_bound_the_oldest_work_is_dropped_and_counted() {
+async fn during_an_outage_past_the_bound_the_oldest_work_is_dropped_and_counted() {
     let mut server = RecordingServer::start().await;
     server.stop().await;
     let cfg = fwd::Config {
@@ -344,32 +355,61 @@ async fn past_the_bound_the_oldest_work_is_dropped_and_counted() {
         ..config(20)
     };
     let (h, f) = fwd::spawn(client(&server, 300), cfg);
-    for i in 0..25u8 {
+    // The first window goes on the wire and fails: the server is down.
+    submit(&h, adds(&[0]));
+    submit(&h, evict(100));
+    wait_failing(&h).await;
+    for i in 1..25u8 {
         submit(&h, adds(&[i]));
         submit(&h, evict(100 + i));
     }
-    tokio::time::sleep(Duration::from_millis(200)).await;
     let m = h.metrics().clone();
-    assert_eq!(m.dropped_prefixes(DropReason::Overflow), 20);
-    assert_eq!(m.dropped_events(DropReason::Overflow), 20);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while m.dropped_prefixes(DropReason::Overflow) + m.dropped_events(DropReason::Overflow) < 38 {
+        assert!(tokio::time::Instant::now() < deadline, "not shed");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(m.dropped_prefixes(DropReason::Overflow), 19);
+    assert_eq!(m.dropped_events(DropReason::Overflow), 19);
     server.restart().await;
-    server.wait_for(WAIT, |r| r.len() >= 6).await;
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    // The newest work survived: adds 20–24 (one update), evictions 120–124.
+    server.wait_for(WAIT, |r| r.len() >= 8).await;
+    assert_eq!(f.shutdown(WAIT).await, fwd::DrainReport::default());
+    // The window on the wire (add 0, eviction 100) is retried, never shed; of the queued work
+    // the newest survived: adds 20–24 (one update), evictions 120–124.
     let mut t = trace(&server);
     t.sort();
     assert_eq!(
         t,
         [
+            "E100",
             "E120",
             "E121",
             "E122",
             "E123",
             "E124",
+            "U[0]",
             "U[20, 21, 22, 23, 24]"
         ]
     );
-    f.shutdown(WAIT).await;
+}
+
+/// While the server answers, past the bound new work is dropped as it arrives (this thread,
+/// not the server, is what falls behind): what was queued goes out in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_the_server_answers_past_the_bound_new_work_is_dropped_as_it_arrives() {
+    let server = RecordingServer::start().await;
+    let cfg = fwd::Config {
+        max_pending: 10,
+        ..config(60_000)
+    };
+    let (h, f) = fwd::spawn(client(&server, 2000), cfg);
+    // The window is a minute: everything waits in it, and the bound holds at 10.
+    for i in 0..25u8 {
+        submit(&h, adds(&[i]));
+    }
+    assert_eq!(f.shutdown(WAIT).await, fwd::DrainReport::default());
+    assert_eq!(h.metrics().dropped_prefixes(DropReason::Overflow), 15);
+    assert_eq!(trace(&server), ["U[0, 1, 2, 3, 4, 5, 6, 7, 8, 9]"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
