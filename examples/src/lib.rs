@@ -5,3 +5,9 @@
 //! [`router`] is the example router's service, a library so tests can start it in-process.
 
 pub mod router;
+
+/// The README's embedding snippet, compiled and run as a doctest (`cargo test --doc -p
+/// kvevent-examples`).
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct ReadmeDoctests;

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use kvevent_forwarder as fwd;
-use kvevent_pipeline::demo::RecordingServer;
 use kvevent_proto as pb;
+use kvevent_test_support::RecordingServer;
 
 fn evict(i: u64) -> pb::CacheEvent {
     pb::CacheEvent {

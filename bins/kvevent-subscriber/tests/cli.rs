@@ -260,45 +260,116 @@ fn version_names_the_commit_and_the_vllm_releases() {
     assert!(text.contains(&releases), "{text} lacks {releases}");
 }
 
+/// A child's stderr, read on a thread as it is written.
+struct Stderr(std::sync::Arc<std::sync::Mutex<String>>);
+
+impl Stderr {
+    fn of(child: &mut std::process::Child) -> Self {
+        use std::io::Read;
+        let text = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let mut pipe = child.stderr.take().expect("stderr piped");
+        let sink = text.clone();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = pipe.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                let chunk = String::from_utf8_lossy(&buf[..n]).into_owned();
+                sink.lock().expect("lock").push_str(&chunk);
+            }
+        });
+        Self(text)
+    }
+
+    fn text(&self) -> String {
+        self.0.lock().expect("lock").clone()
+    }
+
+    /// Waits until every needle has been written (bounded by `WAIT`).
+    fn wait_for(&self, needles: &[&str]) -> String {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let text = self.text();
+            if needles.iter().all(|n| text.contains(n)) {
+                return text;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "waited for {needles:?} in:\n{text}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
 #[test]
-fn a_silent_engine_source_is_named_in_a_warning() {
-    // Nothing publishes on this port: a wrong --engine-endpoint, or vLLM without
-    // --kv-events-config.
+fn with_nothing_listening_at_either_end_both_addresses_are_named_within_seconds() {
+    // Nothing listens on these ports: a wrong --engine-endpoint and --server, or vLLM and the
+    // server not started yet.
     let nothing = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let nothing_either = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let endpoint = format!(
         "tcp://127.0.0.1:{}",
         nothing.local_addr().expect("addr").port()
     );
-    drop(nothing);
-    let child = Command::new(BIN)
+    let server = format!(
+        "127.0.0.1:{}",
+        nothing_either.local_addr().expect("addr").port()
+    );
+    drop((nothing, nothing_either));
+    let metrics = free_port();
+    let mut child = Command::new(BIN)
         .args([
             &format!("--engine-endpoint={endpoint}"),
+            &format!("--server={server}"),
             "--replica-id=r",
             "--model-id=m",
             "--stats-interval=0",
-            "--metrics-address=",
+            &format!("--metrics-address=127.0.0.1:{metrics}"),
             "--engine-silence-grace=200ms",
         ])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn");
-    std::thread::sleep(Duration::from_millis(1_000));
+    let stderr = Stderr::of(&mut child);
+    let started = Instant::now();
+    let err = stderr.wait_for(&[
+        "no connection to the engine's KV-event socket",
+        "the InferenceCache server cannot be reached",
+        "no KV events from this engine source yet",
+    ]);
+    let took = started.elapsed();
+    // `/readyz` names both.
+    let readyz = {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", metrics)).expect("connect");
+        s.write_all(b"GET /readyz HTTP/1.0\r\n\r\n").expect("write");
+        let mut body = String::new();
+        s.read_to_string(&mut body).expect("read");
+        body
+    };
     let _ = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status();
-    let out = child.wait_with_output().expect("wait");
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("no KV events from this engine source yet"),
-        "{err}"
-    );
+    let _ = child.wait();
+    assert!(took < Duration::from_secs(15), "took {took:?}");
     assert!(err.contains(&endpoint), "names the endpoint: {err}");
+    assert!(err.contains(&server), "names the server: {err}");
     assert_eq!(
         err.matches("no KV events from this engine source yet")
             .count(),
         1,
-        "once: {err}"
+        "the silence is told once: {err}"
+    );
+    assert!(
+        readyz.starts_with("HTTP/1.0 503") || readyz.starts_with("HTTP/1.1 503"),
+        "{readyz}"
+    );
+    assert!(
+        readyz.contains(&endpoint) && readyz.contains("server cannot be reached"),
+        "{readyz}"
     );
 }
 

@@ -160,6 +160,21 @@ pub(crate) fn run(args: &DoctorArgs) -> anyhow::Result<bool> {
     for source in &sources {
         let label = source.label();
         let mut seen: Option<Vec<u8>> = None;
+        // Nothing listening is a different fault from an idle engine: say which.
+        let listening = match listens(&source.endpoint, args.timeout) {
+            Some(Ok(())) => {
+                r.ok(&format!("socket {label}"), "something listens there");
+                true
+            }
+            Some(Err(e)) => {
+                r.fail(
+                    &format!("socket {label}"),
+                    format!("nothing listens there ({e}): is vLLM started with --kv-events-config, on this host and port?"),
+                );
+                false
+            }
+            None => true,
+        };
         match &source.replay_endpoint {
             None => r.warn(
                 &format!("replay {label}"),
@@ -182,12 +197,16 @@ pub(crate) fn run(args: &DoctorArgs) -> anyhow::Result<bool> {
                 r.ok(&format!("live {label}"), "a batch arrived");
                 seen = Some(payload);
             }
-            Ok(None) => r.warn(
+            Ok(None) if listening => r.warn(
                 &format!("live {label}"),
                 format!(
-                    "no batch within {:?} (an idle engine publishes nothing; send a request)",
+                    "the socket is up but no batch came within {:?}: an idle engine publishes nothing (send a request)",
                     args.timeout
                 ),
+            ),
+            Ok(None) => r.fail(
+                &format!("live {label}"),
+                format!("no batch within {:?}: nothing listens there", args.timeout),
             ),
             Err(e) => r.fail(&format!("live {label}"), format!("{e:#}")),
         }
@@ -304,6 +323,31 @@ fn replay_round_trip(
             frames::ReplayReply::End => return Ok((n, newest, with_topic, started.elapsed())),
         }
     }
+}
+
+/// Whether a TCP endpoint accepts a connection (`None`: not a TCP endpoint one can dial, such
+/// as `ipc://` or a wildcard host).
+fn listens(endpoint: &str, timeout: Duration) -> Option<std::io::Result<()>> {
+    use std::net::ToSocketAddrs;
+    let rest = endpoint.strip_prefix("tcp://")?;
+    let (host, port) = rest.rsplit_once(':')?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host == "*" {
+        return None;
+    }
+    let port: u16 = port.parse().ok()?;
+    let addrs = match (host, port).to_socket_addrs() {
+        Ok(a) => a.collect::<Vec<_>>(),
+        Err(e) => return Some(Err(e)),
+    };
+    let mut last = std::io::Error::other("no address");
+    for addr in addrs {
+        match std::net::TcpStream::connect_timeout(&addr, timeout) {
+            Ok(_) => return Some(Ok(())),
+            Err(e) => last = e,
+        }
+    }
+    Some(Err(last))
 }
 
 /// Waits for one live batch; `None` when none came in time.

@@ -1,12 +1,17 @@
-//! `kvevents`: offline and manual tooling for vLLM KV events.
+//! `kvevents`: tooling for vLLM KV events.
 //!
+//! Offline:
 //! - `decode`: payloads to normalized JSON lines;
 //! - `encode`: JSON back to the exact bytes a given vLLM release sends;
-//! - `publish`: a fake engine speaking any release (PUB + replay ROUTER);
 //! - `fingerprint`: the content-fingerprint chain of token ids, to check that a gateway and the
-//!   subscriber agree;
-//! - `doctor`: checks an engine's KV-event setup, one line per check.
+//!   subscriber agree.
+//!
+//! Over the network:
+//! - `publish`: a fake engine speaking any release (PUB + replay ROUTER);
+//! - `doctor` (feature `doctor`, on by default): checks an engine's KV-event setup, one line
+//!   per check.
 
+#[cfg(feature = "doctor")]
 mod doctor;
 
 use std::io::{self, Read, Write};
@@ -25,7 +30,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Decode payload files (the third ZMQ frame; `-` for stdin) to one JSON line each.
+    /// Decode payload files (the third ZMQ frame; `-` for stdin) to one JSON line each. Offline.
     ///
     /// Exits 0 when every file decodes; otherwise reports each bad file on stderr (file,
     /// byte offset, reason), goes on with the rest and exits 1.
@@ -34,7 +39,7 @@ enum Command {
         #[arg(required = true)]
         files: Vec<PathBuf>,
     },
-    /// Encode one normalized JSON batch as the payload bytes a vLLM release sends.
+    /// Encode one normalized JSON batch as the payload bytes a vLLM release sends. Offline.
     Encode {
         /// The vLLM release to speak, e.g. 0.26.0 (0.9.0 or later; newer than 0.33 is
         /// written as 0.33).
@@ -50,14 +55,16 @@ enum Command {
         out: Option<PathBuf>,
     },
     /// Act as a vLLM engine: publish batches on ZMQ and serve replays, as that release does.
+    /// Binds network sockets.
     ///
     /// Publishes the JSON batches given (one per file, in order), or a scripted workload.
     Publish(PublishArgs),
-    /// Check an engine's KV-event setup: endpoints (discovered or given), exposure beyond
-    /// loopback, block size and hash algorithm, replay round trip, a live batch. One line per
-    /// check; exits 1 when one failed.
+    /// Check an engine's KV-event setup over the network: endpoints (discovered or given),
+    /// exposure beyond loopback, block size and hash algorithm, whether anything listens,
+    /// replay round trip, a live batch. One line per check; exits 1 when one failed.
+    #[cfg(feature = "doctor")]
     Doctor(doctor::DoctorArgs),
-    /// Print the fingerprint chain of token ids (XXH3-64, seed 1337).
+    /// Print the fingerprint chain of token ids (XXH3-64, seed 1337). Offline.
     Fingerprint {
         /// Tokens per block.
         #[arg(long)]
@@ -283,6 +290,7 @@ fn main() -> ExitCode {
             out,
         } => report(encode(release, lenient, &file, out.as_ref())),
         Command::Publish(args) => report(publish(args)),
+        #[cfg(feature = "doctor")]
         Command::Doctor(args) => match doctor::run(&args) {
             Ok(true) => ExitCode::SUCCESS,
             Ok(false) => ExitCode::FAILURE,

@@ -138,6 +138,44 @@ impl Client {
         &self.address
     }
 
+    /// Whether the server can be reached now: a gRPC health check (`grpc.health.v1.Health/Check`,
+    /// no side effects) within `within`, which makes the connection (TCP, TLS, HTTP/2) if it is
+    /// not up. Any answer the server gives, even "unimplemented", means it was reached. `Err`
+    /// says why it was not.
+    pub async fn probe(&self, within: Duration) -> Result<(), String> {
+        // An empty `Ack` encodes as an empty message: a `HealthCheckRequest` for the whole
+        // server. The answer is not read.
+        let mut request = self
+            .request(pb::Ack::default())
+            .map_err(|s| s.message().to_owned())?;
+        request
+            .extensions_mut()
+            .insert(GrpcMethod::new("grpc.health.v1.Health", "Check"));
+        let mut grpc = self.grpc.clone();
+        let call = async move {
+            grpc.ready()
+                .await
+                .map_err(|e| Status::unavailable(innermost(&e)))?;
+            let path = PathAndQuery::from_static(HEALTH_CHECK);
+            grpc.unary::<_, pb::Ack, _>(request, path, SmallCodec::default())
+                .await
+        };
+        match tokio::time::timeout(within, call).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(status)) => match status.code() {
+                tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Internal => {
+                    Err(match std::error::Error::source(&status) {
+                        Some(source) => innermost(source),
+                        None => status.message().to_owned(),
+                    })
+                }
+                // The server answered (unimplemented, not found, unauthenticated...).
+                _ => Ok(()),
+            },
+            Err(_) => Err(format!("no answer within {within:?}")),
+        }
+    }
+
     fn request<T>(&self, message: T) -> Result<Request<T>, Status> {
         let mut request = Request::new(message);
         request
@@ -198,6 +236,16 @@ impl Client {
 
 const SERVICE: &str = "inferencecache.v1alpha1.InferenceCache";
 const PUBLISH_EVENT: &str = "/inferencecache.v1alpha1.InferenceCache/PublishEvent";
+const HEALTH_CHECK: &str = "/grpc.health.v1.Health/Check";
+
+/// An error's innermost cause, which says it best ("Connection refused").
+fn innermost(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut cause = e;
+    while let Some(next) = cause.source() {
+        cause = next;
+    }
+    cause.to_string()
+}
 
 /// The prost codec with buffers sized for one small message. tonic's default codec allocates
 /// 8 KiB to encode each call and 8 KiB to decode its answer, for a ~100-byte `CacheEvent` and

@@ -53,6 +53,36 @@ fn route(path: &str, telemetry: &Telemetry, readiness: Readiness) -> hyper::Resp
             let engine_silent = !telemetry.any_batch()
                 && now_ms().saturating_sub(telemetry.started_unix_ms)
                     >= readiness.silence_grace.as_millis() as u64;
+            let unconnected: Vec<&str> = telemetry
+                .sources
+                .iter()
+                .zip(&telemetry.source_metrics)
+                .filter(|(_, m)| !m.connected.load(Relaxed))
+                .map(|(label, _)| label.as_str())
+                .collect();
+            let unreachable = telemetry
+                .server_unreachable
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            if subscribed
+                && (engine_silent || !recent)
+                && (!unconnected.is_empty() || unreachable.is_some())
+            {
+                let mut why = String::from("not ready:");
+                if !unconnected.is_empty() {
+                    why.push_str(&format!(
+                        " no connection to the engine socket(s) {}: nothing listens there or the host cannot be reached;",
+                        unconnected.join(", ")
+                    ));
+                }
+                if let Some(e) = unreachable {
+                    why.push_str(&format!(" the server cannot be reached ({e});"));
+                }
+                why.pop();
+                why.push('\n');
+                return respond(503, "text/plain", why);
+            }
             if subscribed && engine_silent {
                 return respond(
                     503,

@@ -27,6 +27,7 @@ pub mod settings;
 pub mod state_file;
 mod stats_reporter;
 pub mod telemetry;
+mod watch;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -81,6 +82,8 @@ pub struct Running {
     forwarder: fwd::Forwarder,
     stop_stats: tokio::sync::watch::Sender<bool>,
     stats: Option<tokio::task::JoinHandle<()>>,
+    /// Says what does not answer (engine sockets, the server).
+    watch: Option<tokio::task::JoinHandle<()>>,
     http: Option<(SocketAddr, tokio::task::JoinHandle<()>)>,
     telemetry: Arc<Telemetry>,
     /// Set (with what changed) when the discovered endpoint layout changed.
@@ -281,6 +284,15 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         )
     });
     let (stop_stats, stop_rx) = tokio::sync::watch::channel(false);
+    let watch = tokio::spawn(
+        watch::Watch {
+            client: client.clone(),
+            telemetry: telemetry.clone(),
+            engine_binds: settings.engine_bind,
+            connect_timeout: settings.connect_timeout.0,
+        }
+        .run(stop_rx.clone()),
+    );
     let stats = scraper.map(|scraper| {
         tokio::spawn(
             stats_reporter::StatsReporter {
@@ -307,6 +319,7 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         forwarder,
         stop_stats,
         stats,
+        watch: Some(watch),
         http,
         telemetry,
         layout,
@@ -399,6 +412,9 @@ impl Running {
         }
         if let Some(watcher) = self.watcher.take() {
             watcher.abort();
+        }
+        if let Some(watch) = self.watch.take() {
+            watch.abort();
         }
         let report = self.forwarder.shutdown(drain).await;
         if let Some((_, task)) = self.http.take() {

@@ -46,6 +46,11 @@ pub struct Telemetry {
     pub state_write_us: AtomicU64,
     /// Engine `/metrics` scrape durations.
     pub scrape_seconds: fwd::Histogram,
+    /// Why the server could not be reached at the last probe (`None`: reached, or not probed
+    /// yet).
+    pub server_unreachable: Mutex<Option<String>>,
+    /// The server was probed at least once.
+    pub server_probed: AtomicBool,
 }
 
 /// Bounds of the scrape duration histogram, in seconds.
@@ -115,6 +120,8 @@ pub mod names {
     pub const DROPPED: &str = "kvevent_dropped_total";
     /// Pending prefix entries plus events.
     pub const QUEUE_DEPTH: &str = "kvevent_queue_depth";
+    /// 1 when the last probe reached the server, 0 when it did not.
+    pub const SERVER_REACHABLE: &str = "kvevent_server_reachable";
     /// RPCs the forwarder lets be in flight now (adapted up to `--max-in-flight`).
     pub const IN_FLIGHT_LIMIT: &str = "kvevent_in_flight_limit";
     /// Time a window took to send, first call to last answer.
@@ -337,6 +344,8 @@ impl Telemetry {
             state_bytes: AtomicU64::new(0),
             state_write_us: AtomicU64::new(0),
             scrape_seconds: fwd::Histogram::new(SCRAPE_SECONDS),
+            server_unreachable: Mutex::new(None),
+            server_probed: AtomicBool::new(false),
         }
     }
 
@@ -702,6 +711,21 @@ impl Telemetry {
         );
         o.family(QUEUE_DEPTH, "gauge", "Pending prefix entries plus events.");
         o.sample(QUEUE_DEPTH, &[], f.queue_depth.load(Relaxed));
+        o.family(
+            SERVER_REACHABLE,
+            "gauge",
+            "1 when the last probe reached the server (TCP, TLS, HTTP/2), 0 when it did not.",
+        );
+        let unreachable = self
+            .server_unreachable
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some();
+        o.sample(
+            SERVER_REACHABLE,
+            &[],
+            u64::from(self.server_probed.load(Relaxed) && !unreachable),
+        );
         o.family(
             IN_FLIGHT_LIMIT,
             "gauge",

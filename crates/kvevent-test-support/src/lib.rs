@@ -2,20 +2,24 @@
 //!
 //! - [`RecordingServer`]: a real tonic InferenceCache server on `127.0.0.1:0` that records every
 //!   `CacheStateUpdate` and `CacheEvent` in arrival order, and can be told to refuse, delay or
-//!   hang, or be stopped and started again on the same port (re-exported from the pipeline's
-//!   demo, which runs it too).
+//!   hang, or be stopped and started again on the same port.
 //!
+//! With feature `engine` (on by default; it builds libzmq):
 //! - [`Publisher`]: the Rust fake engine (re-exported from `kvevent-zmq`).
 //! - [`PythonPublisher`]: a publisher built on msgspec + pyzmq exactly as vLLM's is, run as a
 //!   child process, so both sides' libzmq really talk.
 //!
 //! Used only as a dev-dependency. Every wait is bounded by a timeout.
 
+#[cfg(feature = "engine")]
 mod python;
+mod server;
 
-pub use kvevent_pipeline::demo::{Behaviour, Received, RecordingServer, distinct_prefixes};
+#[cfg(feature = "engine")]
 pub use kvevent_zmq::publisher::{Publisher, PublisherConfig};
+#[cfg(feature = "engine")]
 pub use python::{PythonPublisher, python};
+pub use server::{Behaviour, Received, RecordingServer, distinct_prefixes};
 
 /// The repository's `testdata/` (vectors, metrics fixtures, golden fingerprints; see its
 /// README for where each comes from).

@@ -1,8 +1,6 @@
 //! A self-contained demo: an in-process engine speaking vLLM's wire (PUB + replay, a
 //! scripted workload), the real pipeline over loopback sockets, a recording InferenceCache
 //! server, and a served `/metrics` fixture. [`run`] prints what flowed.
-//!
-//! [`RecordingServer`] is also what the tests use.
 
 mod server;
 
@@ -18,7 +16,7 @@ use kvevent_proto as pb;
 use kvevent_wire::Release;
 use kvevent_zmq::publisher::{Publisher, PublisherConfig, scripted_batch};
 
-pub use server::{Behaviour, Received, RecordingServer, distinct_prefixes};
+pub use server::{Received, RecordingServer};
 
 use crate::Settings;
 
@@ -96,7 +94,7 @@ fn summarize(received: &[Received], batches_published: u64) -> Summary {
 /// Runs the demo: `batches` scripted engine steps, then a drain. Prints what flowed.
 pub async fn run(batches: u64) -> Result<Summary, Box<dyn std::error::Error + Send + Sync>> {
     let started = Instant::now();
-    let server = RecordingServer::start().await;
+    let server = RecordingServer::start().await?;
     let (metrics_addr, metrics_task) = serve_metrics(METRICS_FIXTURE).await?;
     let ctx = zmq::Context::new();
     let engine = Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN))?;
@@ -114,16 +112,17 @@ pub async fn run(batches: u64) -> Result<Summary, Box<dyn std::error::Error + Se
         ..Settings::default()
     };
     settings.validate()?;
+    println!("the demo's parts, on loopback until it ends (a second or two):");
     println!(
-        "engine (vLLM {}) publishing on {}",
+        "  engine (vLLM {}) publishing on {}",
         engine.release(),
         engine.endpoint()
     );
-    println!("InferenceCache server (recording) on {}", server.addr());
-    println!("engine /metrics fixture on http://{metrics_addr}/metrics");
+    println!("  InferenceCache server (recording) on {}", server.addr());
+    println!("  engine /metrics fixture on http://{metrics_addr}/metrics");
     let running = crate::start(&settings, &ctx).await?;
     if let Some(addr) = running.metrics_addr() {
-        println!("our /metrics, /healthz, /readyz on http://{addr}");
+        println!("  the sidecar's /metrics, /healthz, /readyz on http://{addr}");
     }
     if !tokio::task::block_in_place(|| engine.wait_for_subscribers(1, Duration::from_secs(10))) {
         return Err("the pipeline did not subscribe within 10 s".into());
@@ -175,8 +174,9 @@ pub async fn run(batches: u64) -> Result<Summary, Box<dyn std::error::Error + Se
     println!("  prefixes added                    {}", summary.prefixes);
     println!("  evictions                         {}", summary.evictions);
     println!(
-        "  clears                            {} (1 at startup)",
-        summary.clears
+        "  clears                            {} (1 at startup: the sidecar clears its replica's old state on the server; {} the engine sent)",
+        summary.clears,
+        summary.clears.saturating_sub(1)
     );
     println!(
         "  stats reports                     {}",

@@ -291,7 +291,7 @@ impl FileLayer {
             } else {
                 let message = match suggest(&key, &known) {
                     Some(meant) => format!("unknown key: did you mean `{meant}`?"),
-                    None => "unknown key (the README's flag reference lists the keys: a flag's name with `_` for `-`)".to_owned(),
+                    None => "unknown key (docs/operating.md lists the keys: a flag's name with `_` for `-`)".to_owned(),
                 };
                 unknown.push(Problem {
                     // TOML allows an empty quoted key: show it as written.

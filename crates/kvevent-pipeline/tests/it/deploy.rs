@@ -57,7 +57,7 @@ fn the_example_configuration_loads() {
 
 #[test]
 fn dashboards_and_alerts_name_only_exported_metrics() {
-    let exported = crate::e2e::readme_metrics();
+    let exported = crate::docs::listed_metrics();
     let dashboard =
         std::fs::read_to_string(deploy("grafana/kvevent-dashboard.json")).expect("read");
     let json: serde_json::Value = serde_json::from_str(&dashboard).expect("the dashboard is JSON");

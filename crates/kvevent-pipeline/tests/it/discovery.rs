@@ -4,10 +4,10 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvevent_pipeline::demo::{RecordingServer, distinct_prefixes};
 use kvevent_pipeline::settings::GoDuration;
 use kvevent_pipeline::{Settings, start};
 use kvevent_test_support::{Publisher, PublisherConfig};
+use kvevent_test_support::{RecordingServer, distinct_prefixes};
 use kvevent_wire::Release;
 use kvevent_zmq::publisher::scripted_batch;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

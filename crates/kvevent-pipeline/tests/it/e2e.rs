@@ -3,11 +3,12 @@
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
-use kvevent_pipeline::demo::{self, Received, RecordingServer, distinct_prefixes};
+use kvevent_pipeline::demo;
 use kvevent_pipeline::settings::GoDuration;
 use kvevent_pipeline::{Settings, start};
 use kvevent_proto as pb;
 use kvevent_test_support::{Publisher, PublisherConfig};
+use kvevent_test_support::{Received, RecordingServer, distinct_prefixes};
 use kvevent_wire::Release;
 use kvevent_zmq::publisher::scripted_batch;
 
@@ -378,31 +379,8 @@ async fn resident_blocks_are_refreshed_within_the_interval() {
     running.shutdown(Duration::from_secs(2)).await;
 }
 
-/// Metric names in the README's metrics reference (first column, split at commas).
-pub(crate) fn readme_metrics() -> std::collections::BTreeSet<String> {
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md"))
-        .expect("README");
-    let section = readme
-        .split("### Metrics reference")
-        .nth(1)
-        .and_then(|s| s.split("\n#").next())
-        .expect("a metrics reference section");
-    section
-        .lines()
-        .filter(|l| l.starts_with("| `kvevent_"))
-        .flat_map(|l| {
-            l.split('|')
-                .nth(1)
-                .unwrap_or_default()
-                .split(',')
-                .map(|m| m.trim().trim_matches('`').to_owned())
-                .collect::<Vec<_>>()
-        })
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_metric_the_readme_lists_is_exported_and_every_exported_one_is_listed() {
+async fn every_metric_the_docs_list_is_exported_and_every_exported_one_is_listed() {
     let server = RecordingServer::start().await;
     let ctx = zmq::Context::new();
     let engine =
@@ -430,16 +408,16 @@ async fn every_metric_the_readme_lists_is_exported_and_every_exported_one_is_lis
             })
         })
         .collect();
-    let listed = readme_metrics();
+    let listed = crate::docs::listed_metrics();
     let missing: Vec<_> = listed.difference(&exported).collect();
     let unlisted: Vec<_> = exported.difference(&listed).collect();
     assert!(
         missing.is_empty(),
-        "listed in the README, not exported: {missing:?}"
+        "listed in docs/operating.md, not exported: {missing:?}"
     );
     assert!(
         unlisted.is_empty(),
-        "exported, not in the README: {unlisted:?}"
+        "exported, not in docs/operating.md: {unlisted:?}"
     );
     running.shutdown(Duration::from_secs(2)).await;
 }

@@ -3,6 +3,7 @@
 mod config;
 mod deploy;
 mod discovery;
+mod docs;
 mod e2e;
 mod state_file;
 mod tls;

@@ -3,12 +3,12 @@
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
-use kvevent_pipeline::demo::{Received, RecordingServer};
 use kvevent_pipeline::settings::GoDuration;
 use kvevent_pipeline::{Settings, StartError, start};
 use kvevent_proto as pb;
 use kvevent_source::ResetReason;
 use kvevent_test_support::{Publisher, PublisherConfig};
+use kvevent_test_support::{Received, RecordingServer};
 use kvevent_wire::Release;
 use kvevent_zmq::publisher::scripted_batch;
 
@@ -90,7 +90,7 @@ async fn first_life(
     engine.publish(&scripted_batch(0)).expect("publish");
     engine.publish(&scripted_batch(1)).expect("publish");
     server
-        .wait_for(WAIT, |r| kvevent_pipeline::demo::distinct_prefixes(r) >= 6)
+        .wait_for(WAIT, |r| kvevent_test_support::distinct_prefixes(r) >= 6)
         .await;
     assert_eq!(
         clears(&server),
@@ -166,7 +166,7 @@ async fn a_state_file_a_new_engine_process_cannot_continue_is_refused_and_rebuil
         .await
         .expect("restart");
     server
-        .wait_for(WAIT, |r| kvevent_pipeline::demo::distinct_prefixes(r) >= 4)
+        .wait_for(WAIT, |r| kvevent_test_support::distinct_prefixes(r) >= 4)
         .await;
     assert_eq!(clears(&server), 1, "the stale state is cleared");
     let metrics = &running.telemetry().source_metrics[0];
@@ -204,7 +204,7 @@ async fn a_damaged_or_foreign_state_file_is_not_used_and_the_start_goes_on() {
         };
         let running = start(&s, &ctx).await.expect("start goes on");
         server
-            .wait_for(WAIT, |r| kvevent_pipeline::demo::distinct_prefixes(r) >= 6)
+            .wait_for(WAIT, |r| kvevent_test_support::distinct_prefixes(r) >= 6)
             .await;
         assert_eq!(
             clears(&server),

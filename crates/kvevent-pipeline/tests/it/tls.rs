@@ -2,10 +2,10 @@
 
 use std::time::Duration;
 
-use kvevent_pipeline::demo::{Received, RecordingServer};
 use kvevent_pipeline::settings::GoDuration;
 use kvevent_pipeline::{Settings, start};
 use kvevent_test_support::{Publisher, PublisherConfig};
+use kvevent_test_support::{Received, RecordingServer};
 use kvevent_wire::Release;
 use kvevent_zmq::publisher::scripted_batch;
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
