@@ -13,6 +13,24 @@ use std::sync::Arc;
 use anyhow::{Context as _, bail};
 use kvevent_examples::router::{self, Engine, Router, RouterConfig};
 
+const HELP: &str = "\
+An example router: follows vLLM engines' KV events into an in-process prefix index and answers
+POST /score with the replicas that hold the longest prefix of a request, best first.
+
+Usage: router --model M --engine NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,dp=N]... [options]
+
+Options:
+  --listen ADDR          where to serve POST /score and GET /metrics [default: 127.0.0.1:8080]
+  --model M              the served model (requests for another are refused)
+  --block-size N         the engines' block size (else each request names its block_size)
+  --engine SPEC          an engine to follow: NAME=tcp://HOST:PORT, with ,replay=tcp://HOST:PORT
+                         for its replay endpoint and ,dp=N for N data-parallel ranks (repeatable)
+  --source-threads yes|no  read each source on a thread of its own [default: no]
+  -h, --help             print this
+
+POST /score takes {\"model\", \"adapter\", \"token_ids\", \"block_size\"?}.
+";
+
 fn main() -> anyhow::Result<()> {
     let mut listen = "127.0.0.1:8080".to_owned();
     let mut config = RouterConfig {
@@ -25,6 +43,10 @@ fn main() -> anyhow::Result<()> {
     while let Some(flag) = args.next() {
         let mut value = || args.next().with_context(|| format!("{flag} needs a value"));
         match flag.as_str() {
+            "-h" | "--help" => {
+                print!("{HELP}");
+                return Ok(());
+            }
             "--listen" => listen = value()?,
             "--model" => config.model = value()?,
             "--block-size" => config.block_size = Some(value()?.parse().context("--block-size")?),
@@ -37,7 +59,7 @@ fn main() -> anyhow::Result<()> {
                 }
             }
             other => bail!(
-                "unknown flag {other}: --listen ADDR --model M [--block-size N] --engine NAME=tcp://host:port[,replay=...][,dp=N]... [--source-threads yes|no]"
+                "unknown flag {other} (router --help lists them): --listen ADDR --model M [--block-size N] --engine NAME=tcp://host:port[,replay=...][,dp=N]... [--source-threads yes|no]"
             ),
         }
     }

@@ -93,7 +93,7 @@ impl Saver {
                 for (image, started) in rx {
                     match state_file::write(&path, &image) {
                         Ok(_) => {
-                            telemetry.state_writes[0].fetch_add(1, Relaxed);
+                            telemetry.state_writes.written.fetch_add(1, Relaxed);
                             telemetry.state_bytes.store(image.len() as u64, Relaxed);
                             telemetry
                                 .state_write_us
@@ -103,7 +103,7 @@ impl Saver {
                             }
                         }
                         Err(e) => {
-                            telemetry.state_writes[1].fetch_add(1, Relaxed);
+                            telemetry.state_writes.failed.fetch_add(1, Relaxed);
                             if !std::mem::replace(&mut failing, true) {
                                 tracing::warn!(path = %path.display(), error = %e, "cannot write the state file: a restart will clear the replica and rebuild (kvevent_state_file_writes_total counts the failures)");
                             }
@@ -263,14 +263,18 @@ impl EventsLoop {
         for source in touched {
             if let (Some(slot), Some(mapper)) = (stats.get_mut(source), self.mappers.get(source)) {
                 let stashed = mapper.stashed_blocks();
-                if stashed > 0 && slot.2 == 0 {
+                if stashed > 0 && slot.stashed == 0 {
                     tracing::warn!(
                         source = %turn.labels[source],
                         blocks = stashed,
                         "block hashes collide: blocks kept aside, looked up more slowly (crafted or broken hashes?)"
                     );
                 }
-                *slot = (mapper.stats().clone(), mapper.tracked_blocks(), stashed);
+                *slot = crate::telemetry::MapperView {
+                    stats: mapper.stats().clone(),
+                    tracked: mapper.tracked_blocks(),
+                    stashed,
+                };
             }
         }
     }
@@ -306,7 +310,7 @@ impl EventsLoop {
         turn.last_save = Instant::now();
         let image = saver.image(&self.mappers, &turn.applied, &self.subscriber, false);
         if tx.try_send((image, turn.last_save)).is_err() {
-            self.telemetry.state_writes[2].fetch_add(1, Relaxed);
+            self.telemetry.state_writes.skipped.fetch_add(1, Relaxed);
         }
     }
 

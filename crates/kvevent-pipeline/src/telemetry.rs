@@ -15,9 +15,8 @@ pub struct Telemetry {
     pub sources: Vec<String>,
     /// Per-source transport and state counters.
     pub source_metrics: Vec<Arc<SourceMetrics>>,
-    /// Per-source mapper counters, tracked blocks and stashed blocks (copied by the events
-    /// thread after each batch).
-    pub mappers: Mutex<Vec<(MapperStats, usize, usize)>>,
+    /// Per-source mapper counters and sizes (copied by the events thread after each batch).
+    pub mappers: Mutex<Vec<MapperView>>,
     /// The forwarder's counters.
     pub forwarder: Arc<fwd::Metrics>,
     /// Scrapes by outcome (`ok` or the error kind).
@@ -38,8 +37,8 @@ pub struct Telemetry {
     pub last_batch_unix_ms: Vec<AtomicU64>,
     /// Unix ms the pipeline started.
     pub started_unix_ms: u64,
-    /// State file writes: written, failed, skipped (the previous write still running).
-    pub state_writes: [AtomicU64; 3],
+    /// State file writes by outcome.
+    pub state_writes: StateWrites,
     /// Size of the last state file written, in bytes.
     pub state_bytes: AtomicU64,
     /// Time the last state file write took (encode, write, fsync, rename), in microseconds.
@@ -51,6 +50,39 @@ pub struct Telemetry {
     pub server_unreachable: Mutex<Option<String>>,
     /// The server was probed at least once.
     pub server_probed: AtomicBool,
+}
+
+/// A mapper's counters and sizes, as `/metrics` shows them.
+#[derive(Debug, Clone, Default)]
+pub struct MapperView {
+    /// What it skipped, by reason.
+    pub stats: MapperStats,
+    /// Engine blocks it tracks.
+    pub tracked: usize,
+    /// Tracked blocks kept aside because their hashes collide.
+    pub stashed: usize,
+}
+
+/// State file writes by outcome.
+#[derive(Debug, Default)]
+pub struct StateWrites {
+    /// Written.
+    pub written: AtomicU64,
+    /// Failed (the disk, the path).
+    pub failed: AtomicU64,
+    /// Skipped: the previous write was still running.
+    pub skipped: AtomicU64,
+}
+
+impl StateWrites {
+    /// Each outcome's label, as `/metrics` names it, with its count.
+    pub fn by_outcome(&self) -> [(&'static str, &AtomicU64); 3] {
+        [
+            ("written", &self.written),
+            ("failed", &self.failed),
+            ("skipped", &self.skipped),
+        ]
+    }
 }
 
 /// Bounds of the scrape duration histogram, in seconds.
@@ -329,7 +361,7 @@ impl Telemetry {
         Self {
             sources,
             source_metrics,
-            mappers: Mutex::new(vec![(MapperStats::default(), 0, 0); n]),
+            mappers: Mutex::new(vec![MapperView::default(); n]),
             forwarder,
             scrapes: Mutex::new(BTreeMap::new()),
             stats_reports: Mutex::new(BTreeMap::new()),
@@ -409,14 +441,11 @@ impl Telemetry {
             "Events received from the engine, by type.",
         );
         for (label, m) in self.sources.iter().zip(&self.source_metrics) {
-            for (i, t) in ["stored", "removed", "cleared", "unknown"]
-                .iter()
-                .enumerate()
-            {
+            for (t, count) in m.events.by_type() {
                 o.sample(
                     EVENTS,
                     &[("source", label), ("type", t)],
-                    m.events[i].load(Relaxed),
+                    count.load(Relaxed),
                 );
             }
         }
@@ -494,10 +523,7 @@ impl Telemetry {
             "counter",
             "State file writes by outcome (skipped: the previous write was still running).",
         );
-        for (outcome, c) in ["written", "failed", "skipped"]
-            .into_iter()
-            .zip(&self.state_writes)
-        {
+        for (outcome, c) in self.state_writes.by_outcome() {
             o.sample(STATE_WRITES, &[("outcome", outcome)], c.load(Relaxed));
         }
         o.family(STATE_BYTES, "gauge", "Size of the last state file written.");
@@ -602,7 +628,7 @@ impl Telemetry {
                 "counter",
                 "Blocks or events the mapper did not report, by reason.",
             );
-            for (label, (s, ..)) in self.sources.iter().zip(mappers.iter()) {
+            for (label, MapperView { stats: s, .. }) in self.sources.iter().zip(mappers.iter()) {
                 for (reason, v) in [
                     ("placeholder_store", s.placeholder_stores),
                     ("unknown_adapter", s.unknown_adapter_drops),
@@ -620,7 +646,7 @@ impl Telemetry {
                 "counter",
                 "Blocks of hybrid-model KV-cache groups that are not full attention, not reported, by kind.",
             );
-            for (label, (s, ..)) in self.sources.iter().zip(mappers.iter()) {
+            for (label, MapperView { stats: s, .. }) in self.sources.iter().zip(mappers.iter()) {
                 for (kind, v) in &s.non_prefix_groups {
                     o.sample(NON_PREFIX_BLOCKS, &[("source", label), ("kind", kind)], v);
                 }
@@ -630,11 +656,11 @@ impl Telemetry {
                 "counter",
                 "Prefix entries re-reported so the server's TTL never expires a resident block.",
             );
-            for (label, (s, ..)) in self.sources.iter().zip(mappers.iter()) {
+            for (label, MapperView { stats: s, .. }) in self.sources.iter().zip(mappers.iter()) {
                 o.sample(REFRESHED, &[("source", label)], s.refreshed);
             }
             o.family(TRACKED, "gauge", "Engine blocks tracked by the mapper.");
-            for (label, (_, tracked, _)) in self.sources.iter().zip(mappers.iter()) {
+            for (label, MapperView { tracked, .. }) in self.sources.iter().zip(mappers.iter()) {
                 o.sample(TRACKED, &[("source", label)], *tracked);
             }
             o.family(
@@ -642,7 +668,7 @@ impl Telemetry {
                 "gauge",
                 "Tracked blocks kept aside because their hashes collide with many others' (0 unless the engine's hashes are crafted or broken).",
             );
-            for (label, (.., stashed)) in self.sources.iter().zip(mappers.iter()) {
+            for (label, MapperView { stashed, .. }) in self.sources.iter().zip(mappers.iter()) {
                 o.sample(STASHED, &[("source", label)], *stashed);
             }
         }

@@ -62,6 +62,6 @@ mod metrics;
 mod state;
 mod subscriber;
 
-pub use metrics::{DECODE_FAILURE_KINDS, SourceMetrics};
+pub use metrics::{DECODE_FAILURE_KINDS, EventCounts, SourceMetrics};
 pub use state::{ReplayEnd, ResetReason, Resume, SourceState, StateConfig, Step, payload_digest};
 pub use subscriber::{Batch, Config, Subscriber, Update, View};

@@ -20,8 +20,8 @@ pub const DECODE_FAILURE_KINDS: [&str; 6] = [
 pub struct SourceMetrics {
     /// Batches delivered (live and replayed).
     pub batches: AtomicU64,
-    /// Events in delivered batches, by type: stored, removed, cleared, unknown.
-    pub events: [AtomicU64; 4],
+    /// Events in delivered batches, by type.
+    pub events: EventCounts,
     /// Batches whose seq was already delivered (replay overlap).
     pub duplicates: AtomicU64,
     /// Gaps in the seq (seq > last + 1).
@@ -98,5 +98,30 @@ impl SourceMetrics {
     /// Decode failures so far, all kinds.
     pub fn decode_failures_total(&self) -> u64 {
         self.decode_failures.iter().map(|c| c.load(Relaxed)).sum()
+    }
+}
+
+/// Events in delivered batches, by type.
+#[derive(Debug, Default)]
+pub struct EventCounts {
+    /// `BlockStored`.
+    pub stored: AtomicU64,
+    /// `BlockRemoved`.
+    pub removed: AtomicU64,
+    /// `AllBlocksCleared`.
+    pub cleared: AtomicU64,
+    /// Events of a type this build does not know (skipped).
+    pub unknown: AtomicU64,
+}
+
+impl EventCounts {
+    /// Each type's label, as `/metrics` names it, with its count.
+    pub fn by_type(&self) -> [(&'static str, &AtomicU64); 4] {
+        [
+            ("stored", &self.stored),
+            ("removed", &self.removed),
+            ("cleared", &self.cleared),
+            ("unknown", &self.unknown),
+        ]
     }
 }

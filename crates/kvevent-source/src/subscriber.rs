@@ -500,19 +500,22 @@ impl Subscriber {
         match wire::decode_with(&b.payload, &self.limits) {
             Ok(batch) => {
                 let mut cleared = false;
+                let counts = &metrics.events;
                 for e in &batch.events {
-                    let i = match e {
-                        wire::Event::BlockStored(_) => 0,
-                        wire::Event::BlockRemoved(_) => 1,
+                    let count = match e {
+                        wire::Event::BlockStored(_) => &counts.stored,
+                        wire::Event::BlockRemoved(_) => &counts.removed,
                         wire::Event::AllBlocksCleared(c) => {
                             // Only a clear of everything makes the state known again.
                             cleared |= c.medium.is_none();
-                            2
+                            &counts.cleared
                         }
                     };
-                    metrics.events[i].fetch_add(1, Relaxed);
+                    count.fetch_add(1, Relaxed);
                 }
-                metrics.events[3].fetch_add(batch.unknown_events as u64, Relaxed);
+                counts
+                    .unknown
+                    .fetch_add(batch.unknown_events as u64, Relaxed);
                 if cleared {
                     self.states[b.source].mark_whole();
                 }

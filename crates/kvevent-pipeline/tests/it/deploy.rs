@@ -32,6 +32,10 @@ fn metric_names(text: &str) -> BTreeSet<String> {
 /// The example TOML loads as written, every value it sets taken (its TLS CA and token files
 /// exist only in a pod: they are pointed at files that exist here, nothing else changes).
 #[test]
+#[allow(
+    clippy::result_large_err,
+    reason = "figment::Jail fixes the closure's error type"
+)]
 fn the_example_configuration_loads() {
     figment::Jail::expect_with(|jail| {
         let text = std::fs::read_to_string(deploy("kvevent-subscriber.toml")).expect("read");

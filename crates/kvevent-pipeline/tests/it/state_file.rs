@@ -143,7 +143,7 @@ async fn a_restarted_sidecar_resumes_from_its_state_file_without_a_clear() {
     assert!(!metrics.degraded.load(Relaxed));
     // The periodic save runs too.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(running.telemetry().state_writes[0].load(Relaxed) >= 1);
+    assert!(running.telemetry().state_writes.written.load(Relaxed) >= 1);
     running.shutdown(Duration::from_secs(5)).await;
     engine.shutdown();
     let _ = std::fs::remove_dir_all(dir);
@@ -172,7 +172,7 @@ async fn a_state_file_a_new_engine_process_cannot_continue_is_refused_and_rebuil
     let metrics = &running.telemetry().source_metrics[0];
     assert_eq!(metrics.resumes_refused.load(Relaxed), 1);
     assert_eq!(metrics.resets(ResetReason::StaleCheckpoint), 1);
-    let tracked = running.telemetry().mappers.lock().expect("lock")[0].1;
+    let tracked = running.telemetry().mappers.lock().expect("lock")[0].tracked;
     assert_eq!(tracked, 4, "only the new process's blocks");
     running.shutdown(Duration::from_secs(5)).await;
     engine.shutdown();

@@ -99,7 +99,7 @@ fn live_batches_flow_in_order(threads: bool) {
     assert_eq!(seen, ["R0:startup", "B0:0", "B0:1", "B0:2", "B0:3", "B0:4"]);
     let m = &sub.metrics()[0];
     assert_eq!(
-        (m.events[0].load(Relaxed), m.last_seq.load(Relaxed)),
+        (m.events.stored.load(Relaxed), m.last_seq.load(Relaxed)),
         (5, 4)
     );
     assert!(!m.degraded.load(Relaxed));
