@@ -75,7 +75,7 @@ pub struct RouterConfig {
 }
 
 /// Most updates the feeding thread takes from the subscriber at once: batches applied together
-/// have their memory prefetched a batch or two ahead (`Index::apply_many`).
+/// take the index's write lock once (`Index::apply_many`).
 const FEED_MAX: usize = 64;
 
 /// The running service: its index and the thread feeding it.

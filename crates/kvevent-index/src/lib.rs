@@ -608,10 +608,6 @@ struct Inner {
     /// Changes, in order, with their sources, waiting for [`Inner::flush`] (kept for its
     /// capacity).
     pending: Vec<(u32, Op)>,
-    /// How many of `pending` came before the batch being mapped.
-    held: usize,
-    /// How many of `pending` came before the batch mapped last.
-    prior: usize,
 }
 
 /// One change of the index, as the mapper makes it.
@@ -708,78 +704,27 @@ impl Index {
         self.apply_many(&[(source, batch)]);
     }
 
-    /// Applies decoded batches, in order (each source's in seq order): the same as applying
-    /// them one by one, faster when the tables outgrow the cache. The memory a batch will
-    /// touch is prefetched a batch or two before its turn, so its cache misses are paid while
-    /// the batches before it are applied, not one after another.
+    /// Applies decoded batches, in order (each source's in seq order), under one write lock:
+    /// the same as applying them one by one. Each batch's map memory is prefetched before it
+    /// is mapped, and its key-table control words as the mapper makes each change.
     pub fn apply_many(&self, batches: &[(SourceId, &wire::EventBatch<'_>)]) {
         let mut state = self.write();
         let State { inner, mappers } = &mut *state;
-        // Every source has its mapper (both are made together).
-        let live = |inner: &Inner, source: SourceId| {
-            inner.sources.get(source.0 as usize).is_some_and(|s| s.live)
-        };
-        // Batch j's blocks, noted when their control words are asked for (LEAD batches before
-        // their slots), in noted[j % (LEAD + 1)]; read only for a batch that is there and live.
-        let mut noted: [mapper::Prefetched; LEAD + 1] = Default::default();
-        let ask =
-            |j: usize, inner: &Inner, mappers: &[Mapper], noted: &mut [mapper::Prefetched]| {
-                if let Some(&(s, b)) = batches.get(j)
-                    && live(inner, s)
-                {
-                    mappers[s.0 as usize].prefetch(b, &mut noted[j % (LEAD + 1)]);
-                }
-            };
-        // The batches whose slots come before any control words were asked for in the loop.
-        for j in LEAD..2 * LEAD {
-            ask(j, inner, mappers, &mut noted);
-        }
-        for (k, &(source, batch)) in batches.iter().enumerate() {
-            if let Some(&(s, _)) = batches.get(k + 3 * LEAD)
-                && live(inner, s)
-            {
-                mappers[s.0 as usize].prefetch_own();
-            }
-            if let Some(&(s, _)) = batches.get(k + LEAD)
-                && live(inner, s)
-            {
-                mappers[s.0 as usize].prefetch_slots(&noted[(k + LEAD) % (LEAD + 1)]);
-            }
-            ask(k + 2 * LEAD, inner, mappers, &mut noted);
-            if !live(inner, source) {
+        let budget = self.config.byte_budget;
+        for &(source, batch) in batches {
+            if !inner.sources.get(source.0 as usize).is_some_and(|s| s.live) {
                 continue;
             }
-            inner.held = inner.pending.len();
             // The mapper writes keys straight in: no report is made.
             let mut apply = Apply {
                 inner,
                 source: source.0,
-                budget: self.config.byte_budget,
+                budget,
             };
-            if k >= LEAD {
-                mappers[source.0 as usize].map_prefetched_into(batch, &mut apply);
-            } else {
-                mappers[source.0 as usize].map_batch_into(batch, &mut apply);
-            }
-            // This batch's changes are made two batches later: their control words were asked
-            // for as the mapper made them, then their slots. Those of the batch two before it
-            // are made now.
-            for (_, op) in &inner.pending[inner.prior..inner.held] {
-                inner.prefetch_slots(op);
-            }
-            let done = inner.prior;
-            inner.flush(done, self.config.byte_budget);
-            inner.prior = inner.held - done;
+            mappers[source.0 as usize].map_batch_into(batch, &mut apply);
+            let n = inner.pending.len();
+            inner.flush(n, budget);
         }
-        // The last batch's changes (from `prior` on): their slots, their control words having
-        // been asked for; not when the tables fit in a core's cache (their lines are there).
-        if inner.young.bytes() + inner.old.bytes() > CACHED_BYTES {
-            for (_, op) in &inner.pending[inner.prior..] {
-                inner.prefetch_slots(op);
-            }
-        }
-        inner.prior = 0;
-        inner.flush(inner.pending.len(), self.config.byte_budget);
     }
 
     /// Everything known of `source` is stale (an engine restart, a gap that could not be
@@ -875,14 +820,6 @@ impl Index {
         self.read().inner.score(&query.keys, query.adapter)
     }
 }
-
-/// How many batches ahead of its turn a batch's block-map slots are prefetched (their buckets'
-/// control words twice as far, its mapper's own state three times).
-const LEAD: usize = 2;
-
-/// Key tables smaller than this (a core's share of a server's cache, roughly) are read from
-/// the cache: a pass prefetching their slots would only cost instructions.
-const CACHED_BYTES: usize = 2 << 20;
 
 /// Query blocks looked up together: their keys are made (chained from token ids), then their
 /// slots loaded at once so the cache misses overlap, then they are matched in order. A query
@@ -981,8 +918,6 @@ impl mapper::Sink for Apply<'_> {
     /// An engine clear: the source's entries stop counting (after the changes before it).
     fn cleared(&mut self, _ts: i64) {
         self.inner.flush(self.inner.pending.len(), self.budget);
-        self.inner.held = 0;
-        self.inner.prior = 0;
         self.inner.lapse(self.source);
     }
 }
@@ -1010,21 +945,6 @@ impl Inner {
     fn prefetch_key(&self, key: &KeyId) {
         self.young.prefetch(key);
         self.old.prefetch(key);
-    }
-
-    /// Starts loading the key-table slots `op` reads and writes (its key's in either
-    /// generation; for a store, where its insert into the young one goes too).
-    fn prefetch_slots(&self, op: &Op) {
-        match op {
-            Op::Store { key, .. } => {
-                self.young.prefetch_insert(key);
-                self.old.prefetch_slot(key);
-            }
-            Op::Evict { key } => {
-                self.young.prefetch_slot(key);
-                self.old.prefetch_slot(key);
-            }
-        }
     }
 
     /// Everything `source` held stops counting: its epoch moves on, so its older holders are

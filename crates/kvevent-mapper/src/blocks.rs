@@ -507,13 +507,6 @@ impl Blocks {
         }
     }
 
-    /// Prefetches the fields a batch reads first (the tables' headers, the groups).
-    pub(crate) fn prefetch_own(&self) {
-        kvevent_table::prefetch(&self.h8);
-        kvevent_table::prefetch(&self.groups);
-        kvevent_table::prefetch(&self.last_adapter);
-    }
-
     pub(crate) fn get_mut(&mut self, id: BlockId<'_>) -> Option<&mut Tracked> {
         with_map!(self, id, |map, key| map.get_mut(&key))
     }

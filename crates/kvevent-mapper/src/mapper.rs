@@ -8,11 +8,6 @@ use std::time::{Duration, Instant};
 use crate::blocks::{BlockId, Blocks, Insert, Snapshot, T1, T2, Touched, Tracked};
 use crate::{Identity, KeyMode, Options, fingerprint, fingerprint_key, pb, tier_of, wire};
 
-/// The blocks of a batch whose map memory [`Mapper::prefetch`] asked for, kept for
-/// [`Mapper::prefetch_slots`]; one can be reused for batch after batch.
-#[derive(Debug, Default)]
-pub struct Prefetched(Vec<Touched>);
-
 /// What the mapper did and refused, since it was made. Plain counters: the caller exports them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MapperStats {
@@ -275,12 +270,6 @@ impl Mapper {
     /// [`Mapper::map_batch`] reports, with no message made.
     pub fn map_batch_into(&mut self, batch: &wire::EventBatch<'_>, sink: &mut impl Sink) {
         self.touch(batch);
-        self.map_prefetched_into(batch, sink);
-    }
-
-    /// [`Mapper::map_batch_into`] for a batch whose slots [`Mapper::prefetch`] asked for a
-    /// little earlier: without loading them first.
-    pub fn map_prefetched_into(&mut self, batch: &wire::EventBatch<'_>, sink: &mut impl Sink) {
         self.stats.batches += 1;
         self.stats.unknown_events += batch.unknown_events as u64;
         let ts = timestamp_us(batch.ts);
@@ -321,32 +310,6 @@ impl Mapper {
             }
         });
         for &t in &noted[..n] {
-            self.blocks.prefetch_slot(t);
-        }
-    }
-
-    /// Prefetches the mapper's own state a batch reads first (for a batch a little later).
-    pub fn prefetch_own(&self) {
-        kvevent_table::prefetch(&self.stats);
-        kvevent_table::prefetch(&self.options);
-        self.blocks.prefetch_own();
-    }
-
-    /// Prefetches the control words of the map buckets of the blocks `batch` names (see
-    /// [`Mapper::map_batch_into`]), for a batch mapped a little later: unlike the loads a
-    /// batch makes of its own blocks first, nothing waits for them. `noted` keeps the blocks
-    /// for [`Mapper::prefetch_slots`], which follows once the words came.
-    pub fn prefetch(&self, batch: &wire::EventBatch<'_>, noted: &mut Prefetched) {
-        noted.0.clear();
-        self.each_block(batch, |id, stored| {
-            noted.0.extend(self.blocks.prefetch(id, stored));
-        });
-    }
-
-    /// Prefetches the map slots of the blocks [`Mapper::prefetch`] noted, reading the control
-    /// words it asked for (without reading the batch or hashing its blocks again).
-    pub fn prefetch_slots(&self, noted: &Prefetched) {
-        for &t in &noted.0 {
             self.blocks.prefetch_slot(t);
         }
     }

@@ -298,8 +298,8 @@ impl Subscriber {
     /// `max` of them (at least one): the first waits at most `timeout`, the rest are those
     /// already read (and, with nothing left, whatever the sockets hold, without waiting). For
     /// a consumer that applies many batches at once, such as
-    /// `kvevent_index::Index::apply_many`, whose prefetches need batches ahead of the one
-    /// applied. `None` on timeout, as for [`Subscriber::next`].
+    /// `kvevent_index::Index::apply_many` (one write lock for them all). `None` on timeout,
+    /// as for [`Subscriber::next`].
     pub fn next_many<R>(
         &mut self,
         timeout: Duration,
