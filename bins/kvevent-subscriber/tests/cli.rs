@@ -9,13 +9,6 @@ use kvevent_wire::Release;
 const BIN: &str = env!("CARGO_BIN_EXE_kvevent-subscriber");
 const WAIT: Duration = Duration::from_secs(20);
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("port")
-        .port()
-}
-
 fn run(args: &[&str]) -> std::process::Output {
     Command::new(BIN)
         .args(args)
@@ -110,7 +103,6 @@ async fn end_to_end_with_go_style_flags_and_a_sigterm_drain_that_loses_nothing()
     let ctx = zmq::Context::new();
     let engine =
         Publisher::start(&ctx, PublisherConfig::loopback(Release::new(0, 26, 0))).expect("engine");
-    let metrics_port = free_port();
     let mut child = spawn_subscribed(
         &engine,
         &[
@@ -126,10 +118,12 @@ async fn end_to_end_with_go_style_flags_and_a_sigterm_drain_that_loses_nothing()
             // Long enough that only the drain can send the adds.
             "-window=1m",
             "-stats-interval=0",
-            &format!("--metrics-address=127.0.0.1:{metrics_port}"),
+            "--metrics-address=127.0.0.1:0",
             "-log-format=json",
         ],
     );
+    let stderr = Stderr::of(&mut child);
+    let metrics_port = metrics_port(&stderr);
     let batches = 9u64;
     for step in 0..batches {
         engine
@@ -163,9 +157,7 @@ async fn end_to_end_with_go_style_flags_and_a_sigterm_drain_that_loses_nothing()
             std::thread::sleep(Duration::from_millis(20));
         }
     });
-    let mut log = String::new();
-    std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut log)
-        .expect("log");
+    let log = stderr.wait_for(&["everything pending was sent"]);
     assert_eq!(status.code(), Some(0), "{log}");
     assert!(log.contains("everything pending was sent"), "{log}");
     assert!(log.lines().all(|l| l.starts_with('{')), "json logs: {log}");
@@ -303,6 +295,22 @@ impl Stderr {
     }
 }
 
+/// The port the binary's `/metrics` took (`--metrics-address=127.0.0.1:0`), from its log
+/// line, text or JSON.
+fn metrics_port(stderr: &Stderr) -> u16 {
+    let text = stderr.wait_for(&["serving /metrics"]);
+    let line = text
+        .lines()
+        .find(|l| l.contains("serving /metrics"))
+        .expect("the line");
+    let at = line.find("127.0.0.1:").expect("an address") + "127.0.0.1:".len();
+    let digits: String = line[at..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits.parse().expect("a port")
+}
+
 #[test]
 fn with_nothing_listening_at_either_end_both_addresses_are_named_within_seconds() {
     // Nothing listens on these ports: a wrong --engine-endpoint and --server, or vLLM and the
@@ -318,7 +326,6 @@ fn with_nothing_listening_at_either_end_both_addresses_are_named_within_seconds(
         nothing_either.local_addr().expect("addr").port()
     );
     drop((nothing, nothing_either));
-    let metrics = free_port();
     let mut child = Command::new(BIN)
         .args([
             &format!("--engine-endpoint={endpoint}"),
@@ -326,7 +333,7 @@ fn with_nothing_listening_at_either_end_both_addresses_are_named_within_seconds(
             "--replica-id=r",
             "--model-id=m",
             "--stats-interval=0",
-            &format!("--metrics-address=127.0.0.1:{metrics}"),
+            "--metrics-address=127.0.0.1:0",
             "--engine-silence-grace=200ms",
         ])
         .stdout(Stdio::null())
@@ -334,6 +341,7 @@ fn with_nothing_listening_at_either_end_both_addresses_are_named_within_seconds(
         .spawn()
         .expect("spawn");
     let stderr = Stderr::of(&mut child);
+    let metrics = metrics_port(&stderr);
     let started = Instant::now();
     let err = stderr.wait_for(&[
         "no connection to the engine's KV-event socket",
@@ -391,8 +399,7 @@ async fn colliding_block_hashes_are_counted_and_warned_about_once() {
     let ctx = zmq::Context::new();
     let engine =
         Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
-    let metrics_port = free_port();
-    let child = spawn_subscribed(
+    let mut child = spawn_subscribed(
         &engine,
         &[
             &format!("--engine-endpoint={}", engine.endpoint()),
@@ -401,9 +408,11 @@ async fn colliding_block_hashes_are_counted_and_warned_about_once() {
             "--model-id=m",
             "--key-mode=engine",
             "--stats-interval=0",
-            &format!("--metrics-address=127.0.0.1:{metrics_port}"),
+            "--metrics-address=127.0.0.1:0",
         ],
     );
+    let stderr = Stderr::of(&mut child);
+    let metrics_port = metrics_port(&stderr);
     // 16-byte digests whose two words undo each other in the block map's hash: every one
     // hashes alike (a broken or hostile engine). Two buckets of 15 hold the first 30.
     let digest = |w0: u64| {
@@ -440,8 +449,8 @@ async fn colliding_block_hashes_are_counted_and_warned_about_once() {
     let _ = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status();
-    let out = tokio::task::block_in_place(|| child.wait_with_output()).expect("wait");
-    let err = String::from_utf8_lossy(&out.stderr);
+    tokio::task::block_in_place(|| child.wait()).expect("wait");
+    let err = stderr.wait_for(&["engine subscription closed"]);
     let warning = "block hashes collide";
     assert_eq!(err.matches(warning).count(), 1, "warned once: {err}");
     let line = err

@@ -28,8 +28,7 @@ struct Sidecar {
 
 impl Sidecar {
     fn start(engine: &str, replay: &str, server: &RecordingServer, extra: &[&str]) -> Self {
-        let metrics_port = free_port();
-        let child = Command::new(BIN)
+        let mut child = Command::new(BIN)
             .args([
                 &format!("--engine-endpoint={engine}"),
                 &format!("--replay-endpoint={replay}"),
@@ -38,16 +37,38 @@ impl Sidecar {
                 "--model-id=llama",
                 "--key-mode=engine",
                 "--stats-interval=0",
-                "--log-level=warn",
-                &format!("--metrics-address=127.0.0.1:{metrics_port}"),
+                // The pipeline's info lines name the port /metrics took.
+                "--log-level=warn,kvevent_pipeline=info",
+                "--metrics-address=127.0.0.1:0",
             ])
             .args(extra)
             .env_remove("KVEVENT_REPLICA_ID")
             .env_remove("KVEVENT_MODEL_ID")
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
+            .stderr(Stdio::piped())
             .spawn()
             .expect("spawn the sidecar");
+        // Its log goes on to ours; the line naming /metrics' address gives the port.
+        let (port_tx, port_rx) = std::sync::mpsc::channel();
+        let pipe = child.stderr.take().expect("stderr piped");
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(pipe).lines().map_while(Result::ok) {
+                eprintln!("{line}");
+                if line.contains("serving /metrics")
+                    && let Some(at) = line.find("127.0.0.1:")
+                {
+                    let digits: String = line[at + "127.0.0.1:".len()..]
+                        .chars()
+                        .take_while(char::is_ascii_digit)
+                        .collect();
+                    let _ = port_tx.send(digits.parse::<u16>().expect("a port"));
+                }
+            }
+        });
+        let metrics_port = port_rx
+            .recv_timeout(WAIT)
+            .expect("the sidecar said where /metrics is");
         Self {
             child,
             metrics_port,
@@ -251,6 +272,8 @@ fn python_held(base: u64, count: u64) -> BTreeSet<Vec<u8>> {
 async fn an_engine_killed_and_restarted_on_its_ports_is_cleared_each_time_and_nothing_old_returns()
 {
     use kvevent_test_support::PythonPublisher;
+    // The engine is killed and started again on the same ports, so they are chosen here (a
+    // port another process takes between the pick and the first bind fails the start loudly).
     let (port, replay_port) = (free_port(), free_port());
     let server = RecordingServer::start().await;
     let endpoint = format!("tcp://127.0.0.1:{port}");
