@@ -425,6 +425,22 @@ impl Telemetry {
         o.family(BUILD_INFO, "gauge", "Build information.");
         o.sample(BUILD_INFO, &[("version", env!("CARGO_PKG_VERSION"))], 1);
 
+        self.render_sources(&mut o);
+        self.render_state_file(&mut o);
+        self.render_mappers(&mut o);
+        self.render_forwarder(&mut o);
+        self.render_scrapes(&mut o);
+        let mut registry = prometheus_client::registry::Registry::default();
+        registry.register_collector(Box::new(o));
+        let mut text = String::with_capacity(32 * 1024);
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut text, &registry);
+        text
+    }
+
+    /// The engine sources: events, batches, sequence state, replays, connections.
+    fn render_sources(&self, o: &mut Out) {
+        use names::*;
         let per_source = |o: &mut Out,
                           name: &'static str,
                           kind: &'static str,
@@ -450,7 +466,7 @@ impl Telemetry {
             }
         }
         per_source(
-            &mut o,
+            o,
             BATCHES,
             "counter",
             "Batches received and applied.",
@@ -470,15 +486,11 @@ impl Telemetry {
                 );
             }
         }
+        per_source(o, GAPS, "counter", "Gaps in the sequence numbers.", &|m| {
+            m.gaps.load(Relaxed)
+        });
         per_source(
-            &mut o,
-            GAPS,
-            "counter",
-            "Gaps in the sequence numbers.",
-            &|m| m.gaps.load(Relaxed),
-        );
-        per_source(
-            &mut o,
+            o,
             MISSING,
             "counter",
             "Sequence numbers missing across gaps.",
@@ -518,28 +530,8 @@ impl Telemetry {
                 );
             }
         }
-        o.family(
-            STATE_WRITES,
-            "counter",
-            "State file writes by outcome (skipped: the previous write was still running).",
-        );
-        for (outcome, c) in self.state_writes.by_outcome() {
-            o.sample(STATE_WRITES, &[("outcome", outcome)], c.load(Relaxed));
-        }
-        o.family(STATE_BYTES, "gauge", "Size of the last state file written.");
-        o.sample(STATE_BYTES, &[], self.state_bytes.load(Relaxed));
-        o.family(
-            STATE_WRITE_SECONDS,
-            "gauge",
-            "Duration of the last state file write (encode, write, fsync, rename).",
-        );
-        o.sample(
-            STATE_WRITE_SECONDS,
-            &[],
-            self.state_write_us.load(Relaxed) as f64 / 1e6,
-        );
         per_source(
-            &mut o,
+            o,
             RESTARTS,
             "counter",
             "Engine restarts detected (sequence regressions).",
@@ -558,21 +550,21 @@ impl Telemetry {
             );
         }
         per_source(
-            &mut o,
+            o,
             DISCONNECTS,
             "counter",
             "Connection drops to the engine (libzmq reconnects by itself).",
             &|m| m.disconnects.load(Relaxed),
         );
         per_source(
-            &mut o,
+            o,
             DUPLICATES,
             "counter",
             "Duplicate batches dropped.",
             &|m| m.duplicates.load(Relaxed),
         );
         per_source(
-            &mut o,
+            o,
             MALFORMED,
             "counter",
             "Malformed ZMQ messages skipped.",
@@ -593,34 +585,63 @@ impl Telemetry {
             }
         }
         per_source(
-            &mut o,
+            o,
             LAST_SEQ,
             "gauge",
             "Last sequence number applied.",
             &|m| m.last_seq.load(Relaxed),
         );
         per_source(
-            &mut o,
+            o,
             DEGRADED,
             "gauge",
             "1 while the source's state is known to be incomplete.",
             &|m| u64::from(m.degraded.load(Relaxed)),
         );
         per_source(
-            &mut o,
+            o,
             CONNECTED,
             "gauge",
             "1 while the source's socket has a connection to the engine (not proof it publishes: see kvevent_source_last_batch_age_seconds).",
             &|m| u64::from(m.connected.load(Relaxed)),
         );
         per_source(
-            &mut o,
+            o,
             HOLD_OVERFLOWS,
             "counter",
             "Live batches dropped from the hold buffer during replays.",
             &|m| m.buffer_overflows.load(Relaxed),
         );
+    }
 
+    /// The state file: writes, size, time.
+    fn render_state_file(&self, o: &mut Out) {
+        use names::*;
+        o.family(
+            STATE_WRITES,
+            "counter",
+            "State file writes by outcome (skipped: the previous write was still running).",
+        );
+        for (outcome, c) in self.state_writes.by_outcome() {
+            o.sample(STATE_WRITES, &[("outcome", outcome)], c.load(Relaxed));
+        }
+        o.family(STATE_BYTES, "gauge", "Size of the last state file written.");
+        o.sample(STATE_BYTES, &[], self.state_bytes.load(Relaxed));
+        o.family(
+            STATE_WRITE_SECONDS,
+            "gauge",
+            "Duration of the last state file write (encode, write, fsync, rename).",
+        );
+        o.sample(
+            STATE_WRITE_SECONDS,
+            &[],
+            self.state_write_us.load(Relaxed) as f64 / 1e6,
+        );
+    }
+
+    /// The mappers: what they skipped, refreshed and track.
+    fn render_mappers(&self, o: &mut Out) {
+        use names::*;
         {
             let mappers = lock(&self.mappers);
             o.family(
@@ -672,7 +693,12 @@ impl Telemetry {
                 o.sample(STASHED, &[("source", label)], *stashed);
             }
         }
+    }
 
+    /// The forwarder: what was sent, dropped, failed; its queue, limit and timings; and
+    /// whether the server can be reached.
+    fn render_forwarder(&self, o: &mut Out) {
+        use names::*;
         let f = &self.forwarder;
         o.family(
             PREFIXES_SENT,
@@ -820,6 +846,11 @@ impl Telemetry {
             "Time a window took to send, first call to last answer (over the window: falling behind).",
         );
         o.histogram(WINDOW_SEND, &[], &h.window_send_seconds);
+    }
+
+    /// Engine `/metrics` scrapes and the stats reports made from them.
+    fn render_scrapes(&self, o: &mut Out) {
+        use names::*;
         o.family(
             SCRAPE_SECONDS,
             "histogram",
@@ -848,12 +879,6 @@ impl Telemetry {
         for (outcome, v) in lock(&self.stats_reports).iter() {
             o.sample(STATS_REPORTS, &[("outcome", outcome)], v);
         }
-        let mut registry = prometheus_client::registry::Registry::default();
-        registry.register_collector(Box::new(o));
-        let mut text = String::with_capacity(32 * 1024);
-        // Writing into a String cannot fail.
-        let _ = prometheus_client::encoding::text::encode(&mut text, &registry);
-        text
     }
 }
 
