@@ -193,7 +193,7 @@ pub(crate) struct Options {
     #[arg(long, value_name = "DURATION")]
     #[serde(skip_serializing_if = "Option::is_none")]
     connect_timeout: Option<String>,
-    /// Most prefix entries plus events waiting behind the work in flight (a server outage, overload); beyond, the oldest are dropped and counted
+    /// Most prefix entries plus events waiting behind the work in flight (a server outage, overload); beyond, work is dropped and counted: new adds and evictions while the server answers, the oldest queued while calls fail; never a clear
     #[arg(long, value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]
     max_pending: Option<String>,

@@ -18,8 +18,9 @@ pub const MAX_ENTRIES_PER_UPDATE: usize = 8192;
 pub struct Config {
     /// Adds and evictions are collected over this window before they are sent. Default 100 ms.
     pub window: Duration,
-    /// Most prefix entries plus events waiting behind the work in flight; past it the oldest
-    /// queued work is dropped. Default 100,000.
+    /// Most prefix entries plus events waiting behind the work in flight; past it new adds and
+    /// evictions are dropped while the server answers, the oldest queued work while calls
+    /// fail. Default 100,000.
     pub max_pending: usize,
     /// Capacity of the input channel. Default 4,096 reports.
     pub input_capacity: usize,

@@ -26,8 +26,11 @@
 //! - **Outages and overload.** Retryable failures ([`classify`]) keep the work and retry with
 //!   exponential backoff; the contract's additive semantics make a re-send harmless. The work
 //!   waiting behind the window in flight is bounded ([`Config::max_pending`], counting prefix
-//!   entries and events); past it the oldest queued work is dropped, so delivery continues at
-//!   what the server takes. Drops are counted by [`DropReason`] and logged at most once per
+//!   entries and events). Past it, while the server answers, new adds and evictions are
+//!   dropped as they arrive (the task is what falls behind, and the queue goes out in order);
+//!   while calls fail, the oldest queued work is shed, so the newest goes first when the
+//!   server is back. Clears are never dropped. Drops are counted by [`DropReason`] and logged
+//!   at most once per
 //!   [`Config::log_interval`], as are failing RPCs (recovery is logged once).
 //! - **Drain.** [`Forwarder::shutdown`] stops intake, flushes everything within a deadline and
 //!   returns what could not be sent ([`DrainReport`]).

@@ -7,7 +7,8 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 pub enum DropReason {
     /// The input channel was full ([`Handle::try_submit`](crate::Handle::try_submit)).
     InputFull,
-    /// Pending work exceeded its bound: the oldest was dropped.
+    /// Pending work reached its bound: new work dropped as it arrived while the server
+    /// answered, the oldest queued work while calls failed.
     Overflow,
     /// The server answered with a status that retrying cannot fix.
     GaveUp,
