@@ -184,10 +184,7 @@ pub(crate) fn spawn_with<D: Deliver>(deliver: D, config: Config) -> (Handle, For
 }
 
 pub(crate) fn count_drop(metrics: &Metrics, report: &pb::Report, reason: DropReason) {
-    match report {
-        pb::Report::Update(u) | pb::Report::New(u) => {
-            metrics.drop_prefixes(reason, u.prefixes.len() as u64)
-        }
-        pb::Report::Event(_) => metrics.drop_events(reason, 1),
-    }
+    let (prefixes, events) = report.entries();
+    metrics.drop_prefixes(reason, prefixes);
+    metrics.drop_events(reason, events);
 }

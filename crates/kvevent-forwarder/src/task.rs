@@ -136,16 +136,11 @@ impl<D: Deliver> Task<D> {
     /// newest state when it is back. Both are counted as `overflow`. A clear always gets in.
     fn take(&mut self, report: pb::Report) {
         let in_flight = self.flight.is_some();
-        let barrier = matches!(&report, pb::Report::Event(e)
-            if e.r#type != pb::cache_event::Type::PrefixEvicted as i32);
         if !self.log.failing
-            && !barrier
+            && !report.is_barrier()
             && self.pending.queued(in_flight) >= self.config.max_pending
         {
-            let (prefixes, events) = match &report {
-                pb::Report::Update(u) | pb::Report::New(u) => (u.prefixes.len() as u64, 0),
-                pb::Report::Event(_) => (0, 1),
-            };
+            let (prefixes, events) = report.entries();
             self.dropped(DropReason::Overflow, prefixes, events);
             return;
         }

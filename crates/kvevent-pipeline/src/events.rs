@@ -287,9 +287,7 @@ impl EventsLoop {
     /// the server holding what the engine dropped.
     fn submit(&self, turn: &mut Turn) {
         for report in turn.reports.drain(..) {
-            let barrier = matches!(&report, pb::Report::Event(e)
-                if e.r#type != pb::cache_event::Type::PrefixEvicted as i32);
-            let closed = if barrier {
+            let closed = if report.is_barrier() {
                 self.forwarder.blocking_submit(report).is_err()
             } else {
                 self.forwarder.try_submit(report) == fwd::Submit::Closed

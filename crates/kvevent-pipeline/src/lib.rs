@@ -39,7 +39,8 @@ use kvevent_mapper as mapper;
 use kvevent_source as source;
 use kvevent_zmq as transport;
 
-pub use settings::{ConfigError, Settings, Words};
+use settings::Words as _;
+pub use settings::{ConfigError, Settings};
 pub use stats_reporter::CLIENT_VERSION;
 pub use telemetry::Telemetry;
 

@@ -766,7 +766,7 @@ impl Telemetry {
         o.family(
             SERVER_REACHABLE,
             "gauge",
-            "1 when the last probe reached the server (TCP, TLS, HTTP/2), 0 when it did not.",
+            "1 when the last probe (a gRPC health check; any answer counts) reached the server, 0 when it did not.",
         );
         let unreachable = self
             .server_unreachable

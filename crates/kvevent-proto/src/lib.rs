@@ -37,6 +37,20 @@ impl Report {
         }
     }
 
+    /// A clear or any event other than an eviction: it orders everything around it, and is
+    /// never dropped for being over a bound.
+    pub fn is_barrier(&self) -> bool {
+        matches!(self, Self::Event(e) if e.r#type != cache_event::Type::PrefixEvicted as i32)
+    }
+
+    /// (prefix entries, events) the report carries, as drops are counted.
+    pub fn entries(&self) -> (u64, u64) {
+        match self {
+            Self::Update(u) | Self::New(u) => (u.prefixes.len() as u64, 0),
+            Self::Event(_) => (0, 1),
+        }
+    }
+
     /// The event of an [`Report::Event`].
     pub fn as_event(&self) -> Option<&CacheEvent> {
         match self {
