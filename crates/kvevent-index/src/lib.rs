@@ -139,6 +139,32 @@ pub struct Query<'a> {
     pub keys: QueryKeys<'a>,
 }
 
+/// A change already keyed, for [`Index::apply_keys`]: what a sidecar's feed carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyChange<'a> {
+    /// The source holds the prefix `key` (its fingerprint) of `adapter` ("" for the base model)
+    /// covering `tokens` tokens, at `tier`.
+    Stored {
+        /// The prefix key.
+        key: u64,
+        /// Cumulative token count.
+        tokens: u32,
+        /// Where it is held.
+        tier: Tier,
+        /// The LoRA adapter, "" for the base model.
+        adapter: &'a str,
+    },
+    /// The source no longer holds the prefix.
+    Evicted {
+        /// The prefix key.
+        key: u64,
+        /// The LoRA adapter, "" for the base model.
+        adapter: &'a str,
+    },
+    /// Everything the source held is gone.
+    Cleared,
+}
+
 /// One replica's match, as `LookupRouteResponse.replica_scores` means it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Score<'a> {
@@ -576,6 +602,9 @@ struct Source {
     /// drops its holders for real.
     epoch: u32,
     live: bool,
+    /// False while a snapshot loads into it ([`Index::add_loading_source`]): it takes changes
+    /// but counts in no answer until [`Index::promote`].
+    counting: bool,
     fresh: bool,
     /// The adapter its last change named and its number: the mapper hands the same `Arc` for
     /// a source's blocks of one adapter, so a pointer compare, not a string lookup, per change.
@@ -661,6 +690,71 @@ impl Index {
 
     /// Starts following a source of `replica` (its engine, or one DP rank of it).
     pub fn add_source(&self, replica: &str) -> SourceId {
+        self.add(replica, true)
+    }
+
+    /// A source of `replica` that takes changes but counts in no answer until
+    /// [`Index::promote`]: a snapshot loads into it while the replica's previous source goes
+    /// on counting, so no answer ever sees half a replica.
+    pub fn add_loading_source(&self, replica: &str) -> SourceId {
+        self.add(replica, false)
+    }
+
+    /// Makes a loading source count and, in the same step, stops `retire` (the source the
+    /// snapshot replaces) from counting: one write lock, so an answer sees the old state or
+    /// the new, never a mix. The retired source's entries are dropped as they are touched.
+    pub fn promote(&self, source: SourceId, retire: Option<SourceId>) {
+        let mut state = self.write();
+        let State { inner, mappers } = &mut *state;
+        if let Some(s) = inner.sources.get_mut(source.0 as usize) {
+            s.counting = true;
+        }
+        if let Some(old) = retire.filter(|old| *old != source) {
+            inner.retire(old.0, mappers, &self.config);
+        }
+    }
+
+    /// Stops following `source` (one of a replica's): its entries stop counting at once and
+    /// are dropped as they are touched.
+    pub fn remove_source(&self, source: SourceId) {
+        let mut state = self.write();
+        let State { inner, mappers } = &mut *state;
+        inner.retire(source.0, mappers, &self.config);
+    }
+
+    /// Applies changes already keyed (a sidecar's feed: prefix fingerprints, not engine
+    /// events), in order.
+    pub fn apply_keys(&self, source: SourceId, changes: &[KeyChange<'_>]) {
+        let mut state = self.write();
+        let inner = &mut state.inner;
+        if !inner.sources.get(source.0 as usize).is_some_and(|s| s.live) {
+            return;
+        }
+        let budget = self.config.byte_budget;
+        for change in changes {
+            match *change {
+                KeyChange::Stored {
+                    key,
+                    tokens,
+                    tier,
+                    adapter,
+                } => {
+                    let key = KeyId::new(key, inner.adapter(adapter));
+                    let tier = u8::from(tier != Tier::T1);
+                    inner.store(key, source.0, tier, tokens, budget);
+                }
+                KeyChange::Evicted { key, adapter } => {
+                    let Some(&adapter) = inner.adapters.get(adapter) else {
+                        continue;
+                    };
+                    inner.evict(KeyId::new(key, adapter), source.0);
+                }
+                KeyChange::Cleared => inner.lapse(source.0),
+            }
+        }
+    }
+
+    fn add(&self, replica: &str, counting: bool) -> SourceId {
         let mut state = self.write();
         let state = &mut *state;
         state.mappers.push(Mapper::new(
@@ -693,6 +787,7 @@ impl Index {
             replica: replica_id,
             epoch: 0,
             live: true,
+            counting,
             fresh: true,
             adapter: None,
         });
@@ -926,7 +1021,7 @@ impl mapper::Sink for Apply<'_> {
 fn counts(sources: &[Source], h: &Holder) -> bool {
     sources
         .get(h.source() as usize)
-        .is_some_and(|s| s.live && s.epoch == h.epoch())
+        .is_some_and(|s| s.live && s.counting && s.epoch == h.epoch())
 }
 
 impl Inner {
@@ -945,6 +1040,29 @@ impl Inner {
     fn prefetch_key(&self, key: &KeyId) {
         self.young.prefetch(key);
         self.old.prefetch(key);
+    }
+
+    /// `source` is no longer followed: it stops counting at once, its holders are dropped as
+    /// they are touched, its mapper's memory goes.
+    fn retire(&mut self, source: u32, mappers: &mut [Mapper], config: &Config) {
+        let Some(s) = self.sources.get_mut(source as usize) else {
+            return;
+        };
+        if !s.live {
+            return;
+        }
+        if !s.fresh {
+            self.stale_sources[s.replica as usize] -= 1;
+        }
+        s.live = false;
+        s.adapter = None;
+        self.lapses = self.lapses.wrapping_add(1);
+        if let Some(m) = mappers.get_mut(source as usize) {
+            *m = Mapper::new(
+                Identity::new("index", "index", "", "index").expect("a valid identity"),
+                config.mapping.clone(),
+            );
+        }
     }
 
     /// Everything `source` held stops counting: its epoch moves on, so its older holders are

@@ -563,3 +563,58 @@ fn the_key_tables_do_not_grow_under_churn() {
         );
     }
 }
+
+fn keyed(keys: std::ops::Range<u64>) -> Vec<kvevent_index::KeyChange<'static>> {
+    keys.map(|k| kvevent_index::KeyChange::Stored {
+        key: k,
+        tokens: 16 * k as u32,
+        tier: Tier::T1,
+        adapter: "",
+    })
+    .collect()
+}
+
+fn matched(index: &Index, keys: &[u64]) -> Vec<(String, u32)> {
+    index
+        .score(&Query {
+            adapter: "",
+            keys: QueryKeys::Keys(keys),
+        })
+        .iter()
+        .map(|s| (s.replica.to_owned(), s.matched_blocks))
+        .collect()
+}
+
+#[test]
+fn a_loading_source_counts_only_once_promoted_and_replaces_the_old_one_at_once() {
+    use kvevent_index::KeyChange;
+    let index = Index::new(Config::default());
+    let old = index.add_source("a");
+    index.apply_keys(old, &keyed(1..5));
+    assert_eq!(matched(&index, &[1, 2, 3, 4]), [("a".to_owned(), 4)]);
+    // A new snapshot loads: the old state still answers, the half-loaded one does not.
+    let new = index.add_loading_source("a");
+    index.apply_keys(new, &keyed(1..3));
+    assert_eq!(matched(&index, &[1, 2, 3, 4]), [("a".to_owned(), 4)]);
+    index.apply_keys(new, &keyed(7..9));
+    index.promote(new, Some(old));
+    // Only the new snapshot counts now: 1, 2 (and 7, 8), not 3, 4.
+    assert_eq!(matched(&index, &[1, 2, 3, 4]), [("a".to_owned(), 2)]);
+    assert_eq!(matched(&index, &[7, 8]), [("a".to_owned(), 2)]);
+    index.apply_keys(
+        new,
+        &[
+            KeyChange::Evicted { key: 2, adapter: "" },
+            KeyChange::Evicted { key: 99, adapter: "nobody" },
+        ],
+    );
+    assert_eq!(matched(&index, &[1, 2]), [("a".to_owned(), 1)]);
+    index.apply_keys(new, &[KeyChange::Cleared]);
+    assert!(matched(&index, &[1]).is_empty());
+    // Changes to a retired source are ignored.
+    index.apply_keys(old, &keyed(1..3));
+    assert!(matched(&index, &[1]).is_empty());
+    index.remove_source(new);
+    index.apply_keys(new, &keyed(1..3));
+    assert!(matched(&index, &[1]).is_empty());
+}
