@@ -872,6 +872,16 @@ impl Index {
         inner.drop_holders(|h| gone.contains(&h.source()));
     }
 
+    /// Engine blocks `source` holds now, as its mapper tracks them (0 for a source fed keys
+    /// with [`Index::apply_keys`], which has no mapper state, and for one no longer followed).
+    pub fn source_blocks(&self, source: SourceId) -> usize {
+        let state = self.read();
+        match state.inner.sources.get(source.0 as usize) {
+            Some(s) if s.live => state.mappers[source.0 as usize].tracked_blocks(),
+            _ => 0,
+        }
+    }
+
     /// Sizes and counters.
     pub fn stats(&self) -> IndexStats {
         let state = self.read();

@@ -604,8 +604,14 @@ fn a_loading_source_counts_only_once_promoted_and_replaces_the_old_one_at_once()
     index.apply_keys(
         new,
         &[
-            KeyChange::Evicted { key: 2, adapter: "" },
-            KeyChange::Evicted { key: 99, adapter: "nobody" },
+            KeyChange::Evicted {
+                key: 2,
+                adapter: "",
+            },
+            KeyChange::Evicted {
+                key: 99,
+                adapter: "nobody",
+            },
         ],
     );
     assert_eq!(matched(&index, &[1, 2]), [("a".to_owned(), 1)]);

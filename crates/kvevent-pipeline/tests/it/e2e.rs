@@ -231,7 +231,10 @@ async fn readyz_waits_for_the_server_to_accept_something() {
         if !body.contains("engine socket") {
             break body;
         }
-        assert!(Instant::now() < deadline, "engine never seen connected: {body}");
+        assert!(
+            Instant::now() < deadline,
+            "engine never seen connected: {body}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     assert!(

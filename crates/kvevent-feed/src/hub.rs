@@ -1,0 +1,436 @@
+//! The sidecar's side of the feed: every prefix its replica holds, the epoch, and a bounded
+//! ring of encoded changes that followers resume from.
+//!
+//! The events thread calls [`Hub::apply`] with each report it makes and [`Hub::commit`] once a
+//! turn: the turn's changes are encoded once, into one message that every follower is sent
+//! (the same bytes). It never waits on a follower: the hub only takes a lock that followers
+//! hold to copy what they need.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvevent_proto as ic;
+use prost::Message;
+
+use crate::pb;
+
+type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
+/// How the hub serves its followers.
+#[derive(Debug, Clone)]
+pub struct HubConfig {
+    /// The replica's name, as `Hello` says it and a follower may ask for it.
+    pub replica: String,
+    /// The served model.
+    pub model: String,
+    /// Most bytes of encoded changes kept for followers to resume from (the oldest go first).
+    /// A follower whose position is older gets a snapshot. Default 64 MiB.
+    pub ring_bytes: usize,
+    /// A heartbeat goes to each follower after this long without a change. Default 1 s.
+    pub heartbeat: Duration,
+    /// Blocks per snapshot message. Default 8,192 (about 200 KB).
+    pub snapshot_chunk: usize,
+    /// Messages queued for one follower's connection; a follower that stays this far behind
+    /// until the ring has moved past it is cut off. Default 64.
+    pub follower_queue: usize,
+}
+
+impl HubConfig {
+    /// Defaults for `replica` serving `model`.
+    pub fn new(replica: impl Into<String>, model: impl Into<String>) -> Self {
+        Self {
+            replica: replica.into(),
+            model: model.into(),
+            ring_bytes: 64 << 20,
+            heartbeat: Duration::from_secs(1),
+            snapshot_chunk: 8192,
+            follower_queue: 64,
+        }
+    }
+}
+
+/// What the hub and its followers did, for `/metrics`.
+#[derive(Debug, Default)]
+pub struct HubMetrics {
+    /// Followers connected now.
+    pub followers: AtomicU64,
+    /// Snapshots sent.
+    pub snapshots: AtomicU64,
+    /// Streams that went on from a follower's resume position.
+    pub resumes: AtomicU64,
+    /// Followers cut off for falling behind (their position left the ring).
+    pub cut_off: AtomicU64,
+    /// Streams refused: another replica or model asked for, or a missing or wrong token.
+    pub refused: AtomicU64,
+    /// Changes published.
+    pub changes: AtomicU64,
+    /// Epochs started after the first.
+    pub new_epochs: AtomicU64,
+    /// Prefix entries whose key is not an 8-byte fingerprint (not published).
+    pub unkeyed: AtomicU64,
+    /// Bytes in the ring now.
+    pub ring_bytes: AtomicU64,
+    /// Blocks held now.
+    pub blocks: AtomicU64,
+}
+
+/// A resident prefix as the hub keys it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct BlockKey {
+    key: u64,
+    adapter: u32,
+    rank: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Held {
+    tokens: u32,
+    tier: pb::Tier,
+}
+
+/// One sealed message of changes: seqs `first..=last`.
+#[derive(Debug)]
+struct Sealed {
+    first: u64,
+    last: u64,
+    bytes: Bytes,
+}
+
+#[derive(Debug)]
+struct State {
+    epoch: u64,
+    seq: u64,
+    blocks: Map<BlockKey, Held>,
+    adapters: Vec<Arc<str>>,
+    adapter_ids: Map<Arc<str>, u32>,
+    pending: Vec<pb::Change>,
+    ring: VecDeque<Sealed>,
+    ring_bytes: usize,
+    block_size: u32,
+}
+
+/// The sidecar's feed state. Share it (`Arc<Hub>`) between the events thread and the server.
+#[derive(Debug)]
+pub struct Hub {
+    config: HubConfig,
+    state: Mutex<State>,
+    /// The newest (epoch, seq): followers wait on it.
+    changed: tokio::sync::watch::Sender<(u64, u64)>,
+    metrics: HubMetrics,
+}
+
+/// A new epoch: the wall clock in nanoseconds, so a restarted sidecar never reuses one, and
+/// always past the last.
+fn next_epoch(last: u64) -> u64 {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    now.max(last + 1)
+}
+
+/// What a follower at some position is to be sent next.
+#[derive(Debug)]
+pub(crate) enum Next {
+    /// Everything, as of (epoch, seq).
+    Snapshot(Snapshot),
+    /// The sealed messages after the position, and the position they end at.
+    Changes(Vec<Bytes>, (u64, u64)),
+    /// The position is the newest.
+    Nothing((u64, u64)),
+    /// The position is of this epoch but older than the ring: the follower fell behind.
+    Behind,
+}
+
+/// A copy of what the replica holds, taken under the lock and encoded outside it.
+#[derive(Debug)]
+pub(crate) struct Snapshot {
+    pub(crate) epoch: u64,
+    pub(crate) seq: u64,
+    blocks: Vec<(BlockKey, Held)>,
+    adapters: Vec<Arc<str>>,
+}
+
+impl Snapshot {
+    pub(crate) fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// The `chunk`-th message of `size` blocks.
+    pub(crate) fn chunk(&self, from: usize, size: usize) -> pb::Blocks {
+        let to = (from + size).min(self.blocks.len());
+        pb::Blocks {
+            blocks: self.blocks[from..to]
+                .iter()
+                .map(|(k, h)| block(k, h, &self.adapters))
+                .collect(),
+        }
+    }
+}
+
+fn block(k: &BlockKey, h: &Held, adapters: &[Arc<str>]) -> pb::Block {
+    pb::Block {
+        key: k.key,
+        tokens: h.tokens,
+        tier: h.tier as i32,
+        adapter: adapters
+            .get(k.adapter as usize)
+            .map(|a| a.to_string())
+            .unwrap_or_default(),
+        dp_rank: k.rank,
+    }
+}
+
+fn change(kind: pb::change::Kind) -> pb::Change {
+    pb::Change { kind: Some(kind) }
+}
+
+impl Hub {
+    /// An empty hub at a new epoch.
+    pub fn new(config: HubConfig) -> Arc<Self> {
+        let epoch = next_epoch(0);
+        Arc::new(Self {
+            config,
+            state: Mutex::new(State {
+                epoch,
+                seq: 0,
+                blocks: Map::default(),
+                adapters: vec![Arc::from("")],
+                adapter_ids: std::iter::once((Arc::from(""), 0)).collect(),
+                pending: Vec::new(),
+                ring: VecDeque::new(),
+                ring_bytes: 0,
+                block_size: 0,
+            }),
+            changed: tokio::sync::watch::channel((epoch, 0)).0,
+            metrics: HubMetrics::default(),
+        })
+    }
+
+    /// Its configuration.
+    pub fn config(&self) -> &HubConfig {
+        &self.config
+    }
+
+    /// Its counters.
+    pub fn metrics(&self) -> &HubMetrics {
+        &self.metrics
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The current (epoch, seq).
+    pub fn position(&self) -> (u64, u64) {
+        let s = self.lock();
+        (s.epoch, s.seq)
+    }
+
+    /// Blocks held now.
+    pub fn blocks(&self) -> usize {
+        self.lock().blocks.len()
+    }
+
+    /// The engine's block size, from its stored events; said in `Hello`.
+    pub fn note_block_size(&self, block_size: u32) {
+        if block_size > 0 {
+            self.lock().block_size = block_size;
+        }
+    }
+
+    /// The block size said in `Hello` (0 until known).
+    pub fn block_size(&self) -> u32 {
+        self.lock().block_size
+    }
+
+    /// Takes one report of DP rank `rank`'s mapper into the turn's changes. Prefix keys must be
+    /// fingerprints (8 bytes); others are counted (`unkeyed`) and skipped. A clear of the
+    /// replica (`ALL_CLEARED`) starts a new epoch: the changes before it are dropped with the
+    /// old one, followers are sent a new snapshot.
+    pub fn apply(&self, rank: u32, report: &ic::Report) {
+        let mut guard = self.lock();
+        let s = &mut *guard;
+        match report {
+            ic::Report::Update(u) | ic::Report::New(u) => {
+                for p in &u.prefixes {
+                    let Ok(key) = <[u8; 8]>::try_from(p.prefix_hash.as_slice()) else {
+                        self.metrics.unkeyed.fetch_add(1, Relaxed);
+                        continue;
+                    };
+                    let adapter = if p.adapter_id.is_empty() {
+                        &u.adapter_id
+                    } else {
+                        &p.adapter_id
+                    };
+                    let adapter = s.adapter(adapter);
+                    let k = BlockKey {
+                        key: u64::from_be_bytes(key),
+                        adapter,
+                        rank,
+                    };
+                    let tier = if p.tier == ic::CacheTier::T1 as i32 {
+                        pb::Tier::T1
+                    } else {
+                        pb::Tier::T2
+                    };
+                    let h = Held {
+                        tokens: u32::try_from(p.token_count).unwrap_or(0),
+                        tier,
+                    };
+                    match s.blocks.insert(k, h) {
+                        None => s.pending.push(change(pb::change::Kind::Stored(block(
+                            &k,
+                            &h,
+                            &s.adapters,
+                        )))),
+                        Some(before) if before != h => s
+                            .pending
+                            .push(change(pb::change::Kind::Moved(block(&k, &h, &s.adapters)))),
+                        // A refresh: nothing changed.
+                        Some(_) => {}
+                    }
+                }
+            }
+            ic::Report::Event(e) if e.r#type == ic::cache_event::Type::PrefixEvicted as i32 => {
+                let Ok(key) = <[u8; 8]>::try_from(e.prefix_hash.as_slice()) else {
+                    self.metrics.unkeyed.fetch_add(1, Relaxed);
+                    return;
+                };
+                let Some(&adapter) = s.adapter_ids.get(e.adapter_id.as_str()) else {
+                    return;
+                };
+                let k = BlockKey {
+                    key: u64::from_be_bytes(key),
+                    adapter,
+                    rank,
+                };
+                if s.blocks.remove(&k).is_some() {
+                    s.pending
+                        .push(change(pb::change::Kind::Removed(pb::Removed {
+                            key: k.key,
+                            adapter: e.adapter_id.clone(),
+                            dp_rank: rank,
+                        })));
+                }
+            }
+            ic::Report::Event(e) if e.r#type == ic::cache_event::Type::AllCleared as i32 => {
+                self.new_epoch(s);
+            }
+            ic::Report::Event(_) => {}
+        }
+    }
+
+    /// Starts a new epoch with nothing held: for a clear of the replica, and at a rebuild.
+    pub fn clear(&self) {
+        let mut guard = self.lock();
+        self.new_epoch(&mut guard);
+    }
+
+    fn new_epoch(&self, s: &mut State) {
+        s.epoch = next_epoch(s.epoch);
+        s.seq = 0;
+        s.blocks.clear();
+        s.pending.clear();
+        s.ring.clear();
+        s.ring_bytes = 0;
+        self.metrics.new_epochs.fetch_add(1, Relaxed);
+        self.metrics.ring_bytes.store(0, Relaxed);
+        self.metrics.blocks.store(0, Relaxed);
+        self.changed.send_replace((s.epoch, s.seq));
+    }
+
+    /// Seals the turn's changes into one message for every follower and wakes them.
+    pub fn commit(&self) {
+        let mut guard = self.lock();
+        let s = &mut *guard;
+        self.metrics.blocks.store(s.blocks.len() as u64, Relaxed);
+        if s.pending.is_empty() {
+            return;
+        }
+        let n = s.pending.len() as u64;
+        let first = s.seq + 1;
+        s.seq += n;
+        let message = pb::FeedMessage {
+            epoch: s.epoch,
+            seq: s.seq,
+            body: Some(pb::feed_message::Body::Changes(pb::Changes {
+                changes: std::mem::take(&mut s.pending),
+            })),
+        };
+        let bytes = Bytes::from(message.encode_to_vec());
+        s.ring_bytes += bytes.len();
+        s.ring.push_back(Sealed {
+            first,
+            last: s.seq,
+            bytes,
+        });
+        while s.ring_bytes > self.config.ring_bytes && s.ring.len() > 1 {
+            if let Some(old) = s.ring.pop_front() {
+                s.ring_bytes -= old.bytes.len();
+            }
+        }
+        self.metrics.changes.fetch_add(n, Relaxed);
+        self.metrics.ring_bytes.store(s.ring_bytes as u64, Relaxed);
+        self.changed.send_replace((s.epoch, s.seq));
+    }
+
+    /// Waits for a change after (epoch, seq).
+    pub(crate) fn subscribe(&self) -> tokio::sync::watch::Receiver<(u64, u64)> {
+        self.changed.subscribe()
+    }
+
+    /// What a follower at `at` (epoch, seq of its last change; `None`: nothing yet) needs.
+    pub(crate) fn next(&self, at: Option<(u64, u64)>) -> Next {
+        let s = self.lock();
+        let Some((epoch, seq)) = at.filter(|(e, q)| *e == s.epoch && *q <= s.seq) else {
+            return Next::Snapshot(Snapshot {
+                epoch: s.epoch,
+                seq: s.seq,
+                blocks: s.blocks.iter().map(|(k, h)| (*k, *h)).collect(),
+                adapters: s.adapters.clone(),
+            });
+        };
+        if seq == s.seq {
+            return Next::Nothing((epoch, seq));
+        }
+        // The ring holds seqs first..=last of each message, contiguous, ending at s.seq.
+        let Some(from) = s.ring.iter().position(|m| m.last > seq) else {
+            return Next::Behind;
+        };
+        // Older than the ring (or, never from this hub, inside a message: positions are
+        // message ends).
+        if s.ring[from].first != seq + 1 {
+            return Next::Behind;
+        }
+        let out = s.ring.iter().skip(from).map(|m| m.bytes.clone()).collect();
+        Next::Changes(out, (s.epoch, s.seq))
+    }
+
+    /// The `Hello` for a stream.
+    pub(crate) fn hello(&self, resumed: bool) -> pb::Hello {
+        pb::Hello {
+            replica: self.config.replica.clone(),
+            model: self.config.model.clone(),
+            block_size: self.block_size(),
+            resumed,
+            heartbeat_ms: self.config.heartbeat.as_millis() as u32,
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+        }
+    }
+}
+
+impl State {
+    fn adapter(&mut self, name: &str) -> u32 {
+        if let Some(&id) = self.adapter_ids.get(name) {
+            return id;
+        }
+        let id = self.adapters.len() as u32;
+        let name: Arc<str> = Arc::from(name);
+        self.adapters.push(name.clone());
+        self.adapter_ids.insert(name, id);
+        id
+    }
+}
