@@ -173,6 +173,26 @@ pub(crate) struct Options {
     #[arg(long, value_name = "HOST:PORT")]
     #[serde(skip_serializing_if = "Option::is_none")]
     metrics_address: Option<String>,
+    /// Serve the router feed (a snapshot of every resident prefix, then changes) here; empty: off
+    #[arg(long, value_name = "HOST:PORT")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    feed_address: Option<String>,
+    /// Bytes of changes kept for feed followers to resume from
+    #[arg(long, value_name = "BYTES")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    feed_ring_bytes: Option<String>,
+    /// Serve the feed over TLS with this certificate (PEM)
+    #[arg(long, value_name = "FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    feed_tls_cert_file: Option<String>,
+    /// The feed's TLS key (PEM)
+    #[arg(long, value_name = "FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    feed_tls_key_file: Option<String>,
+    /// File holding the bearer token feed followers must send
+    #[arg(long, value_name = "FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    feed_token_file: Option<String>,
     /// Deadline to flush pending reports on SIGTERM/SIGINT
     #[arg(long, value_name = "DURATION")]
     #[serde(skip_serializing_if = "Option::is_none")]

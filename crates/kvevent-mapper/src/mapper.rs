@@ -408,26 +408,9 @@ impl Mapper {
         cycle.next = due;
         let mut update = self.identity.update(timestamp_us);
         for owned in (from..due).filter_map(|i| ids.get(i)) {
-            let id = owned.id();
-            let Some(t) = self.blocks.get(id) else {
-                continue;
-            };
-            let Some(key) = self.key_of(id, t) else {
-                continue;
-            };
-            let key = key.bytes().to_vec();
-            let tier = if t.tiers() & T1 != 0 {
-                pb::CacheTier::T1
-            } else {
-                pb::CacheTier::T2
-            };
-            update.prefixes.push(pb::PrefixEntry {
-                prefix_hash: key,
-                token_count: i32::try_from(t.tokens()).unwrap_or(i32::MAX),
-                tier: tier as i32,
-                adapter_id: self.blocks.adapter(t.adapter()).to_string(),
-                ..Default::default()
-            });
+            if let Some(entry) = self.entry(owned.id()) {
+                update.prefixes.push(entry);
+            }
         }
         if let Some(cycle) = self.refresh.as_mut() {
             cycle.ids = ids;
@@ -438,6 +421,38 @@ impl Mapper {
             out.push(pb::Report::Update(update));
         }
         n
+    }
+
+    /// The entry that reports tracked block `id` as it is now (`None`: untracked or unkeyed).
+    fn entry(&mut self, id: BlockId<'_>) -> Option<pb::PrefixEntry> {
+        let t = self.blocks.get(id)?;
+        let key = self.key_of(id, t)?;
+        let tier = if t.tiers() & T1 != 0 {
+            pb::CacheTier::T1
+        } else {
+            pb::CacheTier::T2
+        };
+        Some(pb::PrefixEntry {
+            prefix_hash: key.bytes().to_vec(),
+            token_count: i32::try_from(t.tokens()).unwrap_or(i32::MAX),
+            tier: tier as i32,
+            adapter_id: self.blocks.adapter(t.adapter()).to_string(),
+            ..Default::default()
+        })
+    }
+
+    /// Every keyed block tracked, as one `Update` (never `New`; `None` when there is none):
+    /// what a consumer that knows nothing of the source needs, such as the router feed after
+    /// the mapper was restored from a state file.
+    pub fn resident(&mut self, timestamp_us: i64) -> Option<pb::Report> {
+        let mut update = self.identity.update(timestamp_us);
+        let ids = self.blocks.snapshot();
+        update.prefixes.extend(
+            (0..ids.len())
+                .filter_map(|i| ids.get(i))
+                .filter_map(|owned| self.entry(owned.id())),
+        );
+        (!update.prefixes.is_empty()).then_some(pb::Report::Update(update))
     }
 
     /// The adapter a store belongs to: its `lora_name`, else the configured name of its

@@ -80,7 +80,7 @@ pub struct TlsFileError {
     source: std::io::Error,
 }
 
-fn read(path: &std::path::Path) -> Result<Vec<u8>, TlsFileError> {
+pub(crate) fn read(path: &std::path::Path) -> Result<Vec<u8>, TlsFileError> {
     std::fs::read(path).map_err(|source| TlsFileError {
         path: path.to_owned(),
         source,

@@ -27,6 +27,31 @@ pub(crate) struct EventsLoop {
     pub(crate) saver: Option<Saver>,
     /// The mappers were restored from a state file: the replica is not cleared at start.
     pub(crate) restored: bool,
+    /// The router feed, when served.
+    pub(crate) feed: Option<Feed>,
+}
+
+/// The router feed's side of the events thread: every mapped change goes to the hub (refreshes
+/// do not: they change nothing), one sealed message a turn.
+pub(crate) struct Feed {
+    pub(crate) hub: Arc<kvevent_feed::Hub>,
+    /// Fingerprint-key mappers, one per source, when the server is sent engine keys: the feed
+    /// always carries the fingerprints a router computes from token ids.
+    pub(crate) mappers: Option<Vec<Mapper>>,
+    /// Each source's DP rank.
+    pub(crate) ranks: Vec<u32>,
+    /// The fingerprint mappers' reports of this turn (kept for capacity).
+    pub(crate) reports: Vec<kvevent_proto::Report>,
+}
+
+impl Feed {
+    /// Hands `reports` (the turn's, of `source`) to the hub.
+    fn take(&self, source: usize, reports: &[kvevent_proto::Report]) {
+        let rank = self.ranks.get(source).copied().unwrap_or(0);
+        for r in reports {
+            self.hub.apply(rank, r);
+        }
+    }
 }
 
 /// The longest the thread waits for the engine before it looks at its timers (refresh,
@@ -156,6 +181,9 @@ impl EventsLoop {
         let mut lp = self;
         while !lp.stop.load(Relaxed) {
             let mapped = lp.poll_and_map(&mut turn);
+            if let Some(feed) = &lp.feed {
+                feed.hub.commit();
+            }
             lp.warn_silent(&mut turn);
             let refreshed = lp.refresh(&mut turn);
             lp.publish_mapper_stats(&turn, mapped, refreshed);
@@ -171,7 +199,8 @@ impl EventsLoop {
     /// `turn.reports`: the source it concerned, if any.
     fn poll_and_map(&mut self, turn: &mut Turn) -> Option<usize> {
         let several = self.mappers.len() > 1;
-        let (mappers, telemetry) = (&mut self.mappers, &self.telemetry);
+        let (mappers, telemetry, feed) = (&mut self.mappers, &self.telemetry, &mut self.feed);
+        let before = turn.reports.len();
         let mapped = self.subscriber.next_with(POLL_WAIT, |view| match view {
             View::Batch {
                 source,
@@ -188,6 +217,24 @@ impl EventsLoop {
                     *a = Some((seq, kvevent_source::payload_digest(payload)));
                 }
                 mappers.get_mut(source)?.map_batch(batch, &mut turn.reports);
+                if let Some(feed) = feed.as_mut() {
+                    if let Some(size) = batch.events.iter().find_map(|e| match e {
+                        kvevent_wire::Event::BlockStored(s) => Some(s.block_size),
+                        _ => None,
+                    }) {
+                        feed.hub.note_block_size(size);
+                    }
+                    match feed.mappers.as_mut().and_then(|m| m.get_mut(source)) {
+                        Some(m) => {
+                            let mut reports = std::mem::take(&mut feed.reports);
+                            m.map_batch(batch, &mut reports);
+                            feed.take(source, &reports);
+                            reports.clear();
+                            feed.reports = reports;
+                        }
+                        None => feed.take(source, &turn.reports[before..]),
+                    }
+                }
                 Some(source)
             }
             View::Reset { source, reason } => {
@@ -196,6 +243,7 @@ impl EventsLoop {
                 }
                 let mapper = mappers.get_mut(source)?;
                 let ts = now_us();
+                let startup_kept = matches!(reason, ResetReason::Startup) && turn.cleared_at_start;
                 match reason {
                     ResetReason::Startup if turn.cleared_at_start => {}
                     ResetReason::Startup => {
@@ -205,6 +253,21 @@ impl EventsLoop {
                     // Other ranks of the replica are still valid: evict only this one's.
                     _ if several => turn.reports.extend(mapper.evict_all(ts)),
                     _ => turn.reports.push(mapper.reset(ts)),
+                }
+                if let Some(feed) = feed.as_mut()
+                    && !startup_kept
+                {
+                    match feed.mappers.as_mut().and_then(|m| m.get_mut(source)) {
+                        Some(m) => {
+                            let reports = if several {
+                                m.evict_all(ts)
+                            } else {
+                                vec![m.reset(ts)]
+                            };
+                            feed.take(source, &reports);
+                        }
+                        None => feed.take(source, &turn.reports[before..]),
+                    }
                 }
                 Some(source)
             }

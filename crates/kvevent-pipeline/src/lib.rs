@@ -74,6 +74,9 @@ pub enum StartError {
     /// The state file cannot be written where `--state-file` says.
     #[error("--state-file {0}: cannot create a file there")]
     StateFile(String, #[source] std::io::Error),
+    /// The router feed cannot be served.
+    #[error("--feed-address")]
+    Feed(#[from] kvevent_feed::ServeError),
 }
 
 /// The running pipeline.
@@ -90,6 +93,8 @@ pub struct Running {
     /// Set (with what changed) when the discovered endpoint layout changed.
     layout: tokio::sync::watch::Receiver<Option<String>>,
     watcher: Option<tokio::task::JoinHandle<()>>,
+    /// The router feed: where it listens, its server task, and what stops it.
+    feed: Option<FeedServer>,
 }
 
 impl std::fmt::Debug for Running {
@@ -129,6 +134,83 @@ fn stats_config(s: &Settings) -> kvevent_scrape::StatsConfig {
         cache_size_bytes: s.engine_cache_size_bytes,
         concurrency_ceiling: s.max_concurrency_ceiling,
     }
+}
+
+/// The feed's server: where it listens, its task, what stops it.
+type FeedServer = (
+    SocketAddr,
+    tokio::task::JoinHandle<()>,
+    tokio::sync::oneshot::Sender<()>,
+);
+
+/// Starts the router feed: its hub, holding what restored mappers hold, and its server.
+async fn start_feed(
+    settings: &Settings,
+    sources: &[transport::Source],
+    identity: &mapper::Identity,
+    options: &mapper::Options,
+    mappers: &mut [mapper::Mapper],
+    restored: bool,
+) -> Result<(events::Feed, FeedServer), StartError> {
+    let hub = kvevent_feed::Hub::new(kvevent_feed::HubConfig {
+        ring_bytes: settings.feed_ring_bytes,
+        ..kvevent_feed::HubConfig::new(&settings.replica_id, &settings.model_id)
+    });
+    let ranks: Vec<u32> = sources.iter().map(|s| s.dp_rank).collect();
+    // The feed carries fingerprints: with engine keys for the server, mappers of its own.
+    let own = (settings.key_mode != mapper::KeyMode::Fingerprint).then(|| {
+        let options = mapper::Options {
+            key_mode: mapper::KeyMode::Fingerprint,
+            ..options.clone()
+        };
+        sources
+            .iter()
+            .map(|_| mapper::Mapper::new(identity.clone(), options.clone()))
+            .collect::<Vec<_>>()
+    });
+    if restored {
+        if own.is_some() {
+            tracing::warn!(
+                "the state file holds engine keys: the router feed starts empty and fills as the engine stores blocks (use --key-mode fingerprint for a feed that resumes whole)"
+            );
+        } else {
+            for (m, rank) in mappers.iter_mut().zip(&ranks) {
+                if let Some(report) = m.resident(0) {
+                    hub.apply(*rank, &report);
+                }
+            }
+            hub.commit();
+        }
+    }
+    let mut options = kvevent_feed::ServeOptions::default();
+    if let (Some(cert), Some(key)) = (&settings.feed_tls_cert_file, &settings.feed_tls_key_file) {
+        let identity =
+            tonic::transport::Identity::from_pem(credentials::read(cert)?, credentials::read(key)?);
+        options.tls = Some(tonic::transport::ServerTlsConfig::new().identity(identity));
+    }
+    if let Some(path) = &settings.feed_token_file {
+        use fwd::Credentials as _;
+        let file = credentials::TokenFile::new(path);
+        options.token = Some(Arc::new(move || file.bearer_token()));
+    }
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let address = settings
+        .feed_socket_addr()
+        .map_or_else(|| settings.feed_address.clone(), |a| a.to_string());
+    let (bound, task) = kvevent_feed::serve(&address, hub.clone(), options, async {
+        let _ = stopped.await;
+    })
+    .await?;
+    tracing::info!(address = %bound, "serving the router feed");
+    Ok((
+        events::Feed {
+            hub,
+            mappers: own,
+            ranks,
+            reports: Vec::new(),
+        },
+        (bound, task, stop),
+    ))
 }
 
 /// Starts the pipeline on the current tokio runtime. `settings` must be valid
@@ -199,7 +281,7 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
     sub_config.socket.heartbeat_interval = settings.engine_heartbeat_interval.0;
     sub_config.socket.heartbeat_timeout = settings.engine_heartbeat_timeout.0;
     sub_config.socket.reconnect_interval_max = settings.engine_reconnect_max.0;
-    let (mappers, restored) = match restored {
+    let (mut mappers, restored) = match restored {
         Some(loaded) => {
             sub_config.resume = loaded.resume;
             (loaded.mappers, true)
@@ -240,6 +322,22 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         Some(served)
     };
 
+    let (feed, feed_server) = if settings.feed_address.is_empty() {
+        (None, None)
+    } else {
+        let (feed, served) = start_feed(
+            settings,
+            &sources,
+            &identity,
+            &options,
+            &mut mappers,
+            restored,
+        )
+        .await?;
+        telemetry.set_feed(feed.hub.clone());
+        (Some(feed), Some(served))
+    };
+
     let stop_events = Arc::new(AtomicBool::new(false));
     let events = events::EventsLoop {
         subscriber,
@@ -264,6 +362,7 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         silence_grace: settings.engine_silence_grace.0,
         stop: stop_events.clone(),
         telemetry: telemetry.clone(),
+        feed,
     };
     let events = std::thread::Builder::new()
         .name("kvevent-events".into())
@@ -325,6 +424,7 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         telemetry,
         layout,
         watcher,
+        feed: feed_server,
     })
 }
 
@@ -379,6 +479,11 @@ impl Running {
         self.http.as_ref().map(|(a, _)| *a)
     }
 
+    /// Where the router feed listens, when served.
+    pub fn feed_addr(&self) -> Option<SocketAddr> {
+        self.feed.as_ref().map(|(a, ..)| *a)
+    }
+
     /// Every counter.
     pub fn telemetry(&self) -> &Arc<Telemetry> {
         &self.telemetry
@@ -416,6 +521,10 @@ impl Running {
         }
         if let Some(watch) = self.watch.take() {
             watch.abort();
+        }
+        if let Some((_, task, stop)) = self.feed.take() {
+            let _ = stop.send(());
+            let _ = tokio::time::timeout(Duration::from_secs(2), task).await;
         }
         let report = self.forwarder.shutdown(drain).await;
         if let Some((_, task)) = self.http.take() {

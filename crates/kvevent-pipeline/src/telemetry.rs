@@ -50,6 +50,8 @@ pub struct Telemetry {
     pub server_unreachable: Mutex<Option<String>>,
     /// The server was probed at least once.
     pub server_probed: AtomicBool,
+    /// The router feed's hub, when the feed is served.
+    pub feed: std::sync::OnceLock<Arc<kvevent_feed::Hub>>,
 }
 
 /// A mapper's counters and sizes, as `/metrics` shows them.
@@ -92,6 +94,26 @@ const SCRAPE_SECONDS: &[f64] = &[
 
 /// Metric names, one scheme: `kvevent_<what>_<unit>_total`.
 pub mod names {
+    /// Routers following the feed now.
+    pub const FEED_FOLLOWERS: &str = "kvevent_feed_followers";
+    /// Snapshots sent.
+    pub const FEED_SNAPSHOTS: &str = "kvevent_feed_snapshots";
+    /// Streams resumed without a snapshot.
+    pub const FEED_RESUMES: &str = "kvevent_feed_resumes";
+    /// Followers cut off.
+    pub const FEED_CUT_OFF: &str = "kvevent_feed_followers_cut_off";
+    /// Streams refused.
+    pub const FEED_REFUSED: &str = "kvevent_feed_streams_refused";
+    /// Changes published.
+    pub const FEED_CHANGES: &str = "kvevent_feed_changes";
+    /// New epochs.
+    pub const FEED_EPOCHS: &str = "kvevent_feed_epochs";
+    /// Entries not published (not fingerprint keys).
+    pub const FEED_UNKEYED: &str = "kvevent_feed_unkeyed_entries";
+    /// Ring bytes.
+    pub const FEED_RING_BYTES: &str = "kvevent_feed_ring_bytes";
+    /// Prefixes held.
+    pub const FEED_BLOCKS: &str = "kvevent_feed_blocks";
     /// Build information (gauge, 1).
     pub const BUILD_INFO: &str = "kvevent_build_info";
     /// Events received, by source and type.
@@ -378,7 +400,13 @@ impl Telemetry {
             scrape_seconds: fwd::Histogram::new(SCRAPE_SECONDS),
             server_unreachable: Mutex::new(None),
             server_probed: AtomicBool::new(false),
+            feed: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Exports the router feed's counters.
+    pub fn set_feed(&self, hub: Arc<kvevent_feed::Hub>) {
+        let _ = self.feed.set(hub);
     }
 
     /// Seconds since `source`'s last batch, or since the start when it sent none.
@@ -430,6 +458,7 @@ impl Telemetry {
         self.render_mappers(&mut o);
         self.render_forwarder(&mut o);
         self.render_scrapes(&mut o);
+        self.render_feed(&mut o);
         let mut registry = prometheus_client::registry::Registry::default();
         registry.register_collector(Box::new(o));
         let mut text = String::with_capacity(32 * 1024);
@@ -637,6 +666,80 @@ impl Telemetry {
             &[],
             self.state_write_us.load(Relaxed) as f64 / 1e6,
         );
+    }
+
+    /// The router feed, when served.
+    fn render_feed(&self, o: &mut Out) {
+        use names::*;
+        let Some(hub) = self.feed.get() else {
+            return;
+        };
+        let m = hub.metrics();
+        for (name, kind, help, value) in [
+            (
+                FEED_FOLLOWERS,
+                "gauge",
+                "Routers following the feed now.",
+                &m.followers,
+            ),
+            (
+                FEED_SNAPSHOTS,
+                "counter",
+                "Snapshots sent to feed followers.",
+                &m.snapshots,
+            ),
+            (
+                FEED_RESUMES,
+                "counter",
+                "Feed streams that went on from the follower's position (no snapshot).",
+                &m.resumes,
+            ),
+            (
+                FEED_CUT_OFF,
+                "counter",
+                "Feed followers cut off for not keeping up (they come back with a snapshot).",
+                &m.cut_off,
+            ),
+            (
+                FEED_REFUSED,
+                "counter",
+                "Feed streams refused: another replica or model asked for, or a wrong token.",
+                &m.refused,
+            ),
+            (
+                FEED_CHANGES,
+                "counter",
+                "Changes published to the feed.",
+                &m.changes,
+            ),
+            (
+                FEED_EPOCHS,
+                "counter",
+                "New feed epochs after the first (engine clears and restarts, gaps not repaired).",
+                &m.new_epochs,
+            ),
+            (
+                FEED_UNKEYED,
+                "counter",
+                "Prefix entries not published to the feed: their key is not a fingerprint.",
+                &m.unkeyed,
+            ),
+            (
+                FEED_RING_BYTES,
+                "gauge",
+                "Bytes of changes kept for followers to resume from.",
+                &m.ring_bytes,
+            ),
+            (
+                FEED_BLOCKS,
+                "gauge",
+                "Prefixes the feed holds (what a snapshot sends).",
+                &m.blocks,
+            ),
+        ] {
+            o.family(name, kind, help);
+            o.sample(name, &[], value.load(Relaxed));
+        }
     }
 
     /// The mappers: what they skipped, refreshed and track.

@@ -114,6 +114,22 @@ pub struct Settings {
     /// Our own HTTP endpoint (`/metrics`, `/healthz`, `/readyz`); empty: none.
     #[serde(deserialize_with = "lenient_string")]
     pub metrics_address: String,
+    /// Where routers follow this replica's feed (`kvevent.feed.v1`: a snapshot of every resident
+    /// prefix, then its changes); empty: off.
+    #[serde(deserialize_with = "lenient_string")]
+    pub feed_address: String,
+    /// Most bytes of encoded changes kept for feed followers to resume from.
+    #[serde(with = "value::number")]
+    pub feed_ring_bytes: usize,
+    /// Serve the feed over TLS with this certificate (PEM) and `feed_tls_key_file`.
+    #[serde(with = "value::path")]
+    pub feed_tls_cert_file: Option<PathBuf>,
+    /// The feed's TLS key (PEM).
+    #[serde(with = "value::path")]
+    pub feed_tls_key_file: Option<PathBuf>,
+    /// File holding the bearer token a feed follower must send; re-read for each stream.
+    #[serde(with = "value::path")]
+    pub feed_token_file: Option<PathBuf>,
     /// Deadline to flush pending reports on shutdown.
     pub drain_timeout: GoDuration,
     /// Log format: text or json.
@@ -202,6 +218,11 @@ impl Default for Settings {
             engine_silence_grace: GoDuration::secs(60),
             lora_adapter_names: String::new(),
             metrics_address: "0.0.0.0:9095".into(),
+            feed_address: String::new(),
+            feed_ring_bytes: 64 << 20,
+            feed_tls_cert_file: None,
+            feed_tls_key_file: None,
+            feed_token_file: None,
             drain_timeout: GoDuration::secs(5),
             log_format: LogFormat::Text,
             log_level: "info".into(),
@@ -462,17 +483,12 @@ impl Settings {
     /// Where `/metrics` listens: `host:port` with an IP address, or Go's listen-address forms
     /// `:port` (every address) and `localhost:port`. `None` when off or not an address.
     pub fn metrics_socket_addr(&self) -> Option<std::net::SocketAddr> {
-        let a = self.metrics_address.trim();
-        if a.is_empty() {
-            return None;
-        }
-        if let Some(port) = a.strip_prefix(':') {
-            return port.parse::<u16>().ok().map(|p| ([0, 0, 0, 0], p).into());
-        }
-        if let Some(port) = a.strip_prefix("localhost:") {
-            return port.parse::<u16>().ok().map(|p| ([127, 0, 0, 1], p).into());
-        }
-        a.parse().ok()
+        listen_addr(&self.metrics_address)
+    }
+
+    /// Where the router feed listens, in the forms of [`Settings::metrics_socket_addr`].
+    pub fn feed_socket_addr(&self) -> Option<std::net::SocketAddr> {
+        listen_addr(&self.feed_address)
     }
 
     /// Checks every option; reports every problem at once.
@@ -603,6 +619,24 @@ impl Settings {
                 ),
             );
         }
+        if !self.feed_address.is_empty() && self.feed_socket_addr().is_none() {
+            bad(
+                "feed_address",
+                format!(
+                    "`{}` is not host:port (an IP address or localhost, and a port; `:7070` listens on every address)",
+                    self.feed_address
+                ),
+            );
+        }
+        if self.feed_ring_bytes == 0 {
+            bad("feed_ring_bytes", "must be at least 1".into());
+        }
+        if self.feed_tls_cert_file.is_some() != self.feed_tls_key_file.is_some() {
+            bad(
+                "feed_tls_key_file",
+                "the feed's certificate and its key go together: set both or neither".into(),
+            );
+        }
         for (option, d) in [
             ("window", self.window),
             ("engine_discovery_timeout", self.engine_discovery_timeout),
@@ -641,6 +675,9 @@ impl Settings {
             ("tls_cert_file", &self.tls_cert_file),
             ("tls_key_file", &self.tls_key_file),
             ("token_file", &self.token_file),
+            ("feed_tls_cert_file", &self.feed_tls_cert_file),
+            ("feed_tls_key_file", &self.feed_tls_key_file),
+            ("feed_token_file", &self.feed_token_file),
         ] {
             if let Some(path) = path
                 && !path.is_file()
@@ -687,4 +724,20 @@ fn check_log_filter(filter: &str) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// A listen address: `host:port` with an IP address, or Go's forms `:port` (every address) and
+/// `localhost:port`. `None` when empty or not an address.
+fn listen_addr(address: &str) -> Option<std::net::SocketAddr> {
+    let a = address.trim();
+    if a.is_empty() {
+        return None;
+    }
+    if let Some(port) = a.strip_prefix(':') {
+        return port.parse::<u16>().ok().map(|p| ([0, 0, 0, 0], p).into());
+    }
+    if let Some(port) = a.strip_prefix("localhost:") {
+        return port.parse::<u16>().ok().map(|p| ([127, 0, 0, 1], p).into());
+    }
+    a.parse().ok()
 }

@@ -401,9 +401,12 @@ async fn every_metric_the_docs_list_is_exported_and_every_exported_one_is_listed
     let ctx = zmq::Context::new();
     let engine =
         Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
-    let running = start(&settings(&engine, &server), &ctx)
-        .await
-        .expect("start");
+    // With the router feed on, so that its families are exported too.
+    let s = Settings {
+        feed_address: "127.0.0.1:0".into(),
+        ..settings(&engine, &server)
+    };
+    let running = start(&s, &ctx).await.expect("start");
     let addr = running.metrics_addr().expect("metrics address");
     let (_, body) = http_get(addr, "/metrics").await;
     assert!(

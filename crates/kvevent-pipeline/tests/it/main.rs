@@ -5,6 +5,7 @@ mod deploy;
 mod discovery;
 mod docs;
 mod e2e;
+mod feed;
 mod state_file;
 mod tls;
 

@@ -1,0 +1,165 @@
+//! The router feed end to end: an engine stand-in, the sidecar's pipeline serving its feed, and
+//! a `Fleet` following it beside a router following the engine directly.
+
+use std::time::{Duration, Instant};
+
+use kvevent_feed::{
+    EngineSockets, Fleet, FleetConfig, Query, QueryKeys, ReplicaSource, ReplicaState, SidecarFeed,
+};
+use kvevent_pipeline::settings::GoDuration;
+use kvevent_pipeline::{Settings, start};
+use kvevent_test_support::RecordingServer;
+use kvevent_wire::{self as wire, Release};
+use kvevent_zmq::publisher::{Publisher, PublisherConfig};
+
+const WAIT: Duration = Duration::from_secs(20);
+const BLOCK: usize = 16;
+
+fn prompt(seed: u64) -> Vec<u32> {
+    (0..(2 * BLOCK) as u32)
+        .map(|t| seed as u32 * 1000 + t)
+        .collect()
+}
+
+/// One prompt of two blocks stored.
+fn stored(seed: u64) -> wire::EventBatch<'static> {
+    wire::EventBatch {
+        ts: 1.0,
+        events: vec![wire::Event::BlockStored(wire::BlockStored {
+            block_hashes: (0..2)
+                .map(|h| wire::BlockHash::Int(wire::Int::U64(seed * 10 + h + 1)))
+                .collect(),
+            token_ids: prompt(seed).into(),
+            block_size: BLOCK as u32,
+            ..Default::default()
+        })],
+        data_parallel_rank: None,
+        unknown_events: 0,
+    }
+}
+
+fn blocks_matched(fleet: &Fleet, replica: &str, seed: u64) -> u32 {
+    let ids = prompt(seed);
+    fleet
+        .score_among(
+            &Query {
+                adapter: "",
+                keys: QueryKeys::Tokens {
+                    ids: &ids,
+                    block_size: BLOCK,
+                },
+            },
+            &[replica],
+        )
+        .expect("score")
+        .first()
+        .map_or(0, |s| s.matched_blocks)
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_router_following_the_sidecar_knows_every_resident_prefix() {
+    let server = RecordingServer::start().await;
+    let ctx = zmq::Context::new();
+    // A replay buffer of 10 batches: a router joining late learns only those from the engine.
+    let engine = Publisher::start(
+        &ctx,
+        PublisherConfig {
+            buffer_steps: 10,
+            ..PublisherConfig::loopback(Release::NEWEST_KNOWN)
+        },
+    )
+    .expect("engine");
+    let s = Settings {
+        engine_endpoint: engine.endpoint().to_owned(),
+        replay_endpoint: engine.replay_endpoint().unwrap_or_default().to_owned(),
+        server: server.addr().to_string(),
+        replica_id: "r1".into(),
+        model_id: "llama".into(),
+        metrics_address: String::new(),
+        engine_metrics_url: String::new(),
+        window: GoDuration::ms(20),
+        feed_address: "127.0.0.1:0".into(),
+        ..Settings::default()
+    };
+    let running = start(&s, &ctx).await.expect("start");
+    let feed_url = format!("http://{}", running.feed_addr().expect("feed address"));
+    tokio::task::block_in_place(|| {
+        assert!(engine.wait_for_subscribers(1, WAIT));
+        for seed in 0..50 {
+            engine.publish(&stored(seed)).expect("publish");
+        }
+        let hub = running.telemetry().feed.get().expect("hub").clone();
+        wait_until("the sidecar holds them", || hub.blocks() == 100);
+
+        let fleet = Fleet::new(FleetConfig::default()).expect("fleet");
+        fleet
+            .ensure_replica(
+                "via-sidecar",
+                ReplicaSource::Sidecar(SidecarFeed {
+                    replica: "r1".into(),
+                    model: "llama".into(),
+                    ..SidecarFeed::new(feed_url.clone())
+                }),
+            )
+            .expect("sidecar");
+        fleet
+            .ensure_replica(
+                "direct",
+                ReplicaSource::Engine(EngineSockets {
+                    replay: engine.replay_endpoint().map(str::to_owned),
+                    ..EngineSockets::new(engine.endpoint())
+                }),
+            )
+            .expect("engine");
+        wait_until("the snapshot", || {
+            fleet
+                .replicas()
+                .iter()
+                .any(|r| r.name == "via-sidecar" && r.state == ReplicaState::Exact)
+        });
+        // Every resident prefix through the sidecar.
+        let via_sidecar = (0..50)
+            .filter(|s| blocks_matched(&fleet, "via-sidecar", *s) == 2)
+            .count();
+        assert_eq!(via_sidecar, 50);
+        // The engine's replay buffer held the last 10 batches only.
+        wait_until("the direct replay", || {
+            blocks_matched(&fleet, "direct", 49) == 2
+        });
+        let direct = (0..50)
+            .filter(|s| blocks_matched(&fleet, "direct", *s) == 2)
+            .count();
+        assert_eq!(direct, 10);
+
+        // Live changes reach both.
+        engine.publish(&stored(77)).expect("publish");
+        wait_until("a live change", || {
+            blocks_matched(&fleet, "via-sidecar", 77) == 2
+                && blocks_matched(&fleet, "direct", 77) == 2
+        });
+
+        // The engine restarts: the sidecar clears (a new epoch) and the follower drops the old
+        // process's prefixes with the new snapshot.
+        engine.restart();
+        engine.publish(&stored(200)).expect("publish");
+        wait_until("the new epoch", || {
+            blocks_matched(&fleet, "via-sidecar", 200) == 2
+                && blocks_matched(&fleet, "via-sidecar", 3) == 0
+        });
+        assert!(
+            hub.metrics()
+                .new_epochs
+                .load(std::sync::atomic::Ordering::Relaxed)
+                >= 1
+        );
+    });
+    running.shutdown(Duration::from_secs(2)).await;
+}
