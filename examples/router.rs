@@ -1,34 +1,43 @@
-//! An example router: follows engines into an in-process prefix index and answers
-//! `POST /score` (`{"model", "adapter", "token_ids", "block_size"?}` → replicas best first) and
-//! `GET /metrics`.
+//! An example router: follows replicas, through their sidecars' feeds or their engines, into an
+//! in-process prefix index and answers `POST /score` (`{"model", "adapter", "token_ids",
+//! "block_size"?, "candidates"?}` → replicas best first, each with its state), `GET /replicas`
+//! and `GET /metrics`.
 //!
 //! ```text
 //! cargo run --release -p kvevent-examples --example router -- --listen 127.0.0.1:8080 \
-//!   --model meta-llama/Llama-3.1-8B-Instruct --block-size 16 \
-//!   --engine a=tcp://10.0.0.1:5557,replay=tcp://10.0.0.1:5558 --engine b=tcp://10.0.0.2:5557,dp=2
+//!   --model meta-llama/Llama-3.1-8B-Instruct \
+//!   --sidecar a=http://10.0.0.1:7070 --engine b=tcp://10.0.0.2:5557,replay=tcp://10.0.0.2:5558,dp=2
 //! ```
 
 use std::sync::Arc;
 
 use anyhow::{Context as _, bail};
-use kvevent_examples::router::{self, Engine, Router, RouterConfig};
+use kvevent_examples::router::{self, Engine, Router, RouterConfig, Sidecar};
 
 const HELP: &str = "\
-An example router: follows vLLM engines' KV events into an in-process prefix index and answers
-POST /score with the replicas that hold the longest prefix of a request, best first.
+An example router: follows vLLM replicas' KV caches, through their sidecars' feeds or their
+engines' KV events, into an in-process prefix index, and answers POST /score with the replicas
+that hold the longest prefix of a request, best first.
 
-Usage: router --model M --engine NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,dp=N]... [options]
+Usage: router --model M (--sidecar NAME=http://HOST:PORT | --engine NAME=tcp://HOST:PORT[,...])... [options]
 
 Options:
-  --listen ADDR          where to serve POST /score and GET /metrics [default: 127.0.0.1:8080]
+  --listen ADDR          where to serve POST /score, GET /replicas and GET /metrics
+                         [default: 127.0.0.1:8080]
   --model M              the served model (requests for another are refused)
-  --block-size N         the engines' block size (else each request names its block_size)
-  --engine SPEC          an engine to follow: NAME=tcp://HOST:PORT, with ,replay=tcp://HOST:PORT
-                         for its replay endpoint and ,dp=N for N data-parallel ranks (repeatable)
-  --source-threads yes|no  read each source on a thread of its own [default: no]
+  --block-size N         the model's block size (else the request's block_size, else the one
+                         the replicas' events use)
+  --sidecar SPEC         a replica followed through its sidecar's feed (kvevent-subscriber
+                         --feed-address): NAME=http://HOST:PORT; it knows every resident
+                         prefix at once (repeatable)
+  --engine SPEC          a replica followed through its engine: NAME=tcp://HOST:PORT, with
+                         ,replay=tcp://HOST:PORT for its replay endpoint and ,dp=N for N
+                         data-parallel ranks; it knows what the replay buffer holds (repeatable)
   -h, --help             print this
 
-POST /score takes {\"model\", \"adapter\", \"token_ids\", \"block_size\"?}.
+POST /score takes {\"model\", \"adapter\", \"token_ids\", \"block_size\"?, \"candidates\"?}; each
+score says the replica's state: exact, degraded (connecting, loading a snapshot, replaying) or
+stale (its source lost), and fresh (true only when exact).
 ";
 
 fn main() -> anyhow::Result<()> {
@@ -37,7 +46,7 @@ fn main() -> anyhow::Result<()> {
         model: String::new(),
         block_size: None,
         engines: Vec::new(),
-        source_threads: false,
+        sidecars: Vec::new(),
     };
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
@@ -51,29 +60,24 @@ fn main() -> anyhow::Result<()> {
             "--model" => config.model = value()?,
             "--block-size" => config.block_size = Some(value()?.parse().context("--block-size")?),
             "--engine" => config.engines.push(value()?.parse::<Engine>()?),
-            "--source-threads" => {
-                config.source_threads = match value()?.as_str() {
-                    "yes" => true,
-                    "no" => false,
-                    v => bail!("--source-threads takes yes or no, not `{v}`"),
-                }
-            }
+            "--sidecar" => config.sidecars.push(value()?.parse::<Sidecar>()?),
             other => bail!(
-                "unknown flag {other} (router --help lists them): --listen ADDR --model M [--block-size N] --engine NAME=tcp://host:port[,replay=...][,dp=N]... [--source-threads yes|no]"
+                "unknown flag {other} (router --help lists them): --listen ADDR --model M [--block-size N] (--sidecar NAME=http://host:port | --engine NAME=tcp://host:port[,replay=...][,dp=N])..."
             ),
         }
     }
-    if config.model.is_empty() || config.engines.is_empty() {
-        bail!("--model and at least one --engine are required");
+    if config.model.is_empty() || (config.engines.is_empty() && config.sidecars.is_empty()) {
+        bail!("--model and at least one --sidecar or --engine are required");
     }
-    let ctx = zmq::Context::new();
-    let router = Arc::new(Router::start(&ctx, config)?);
+    let router = Arc::new(Router::start(config)?);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     rt.block_on(async {
         let (addr, server) = router::bind(&listen, router.clone()).await?;
-        eprintln!("scoring on http://{addr}/score, metrics on http://{addr}/metrics");
+        eprintln!(
+            "scoring on http://{addr}/score, replicas on http://{addr}/replicas, metrics on http://{addr}/metrics"
+        );
         tokio::select! {
             _ = server => {}
             _ = tokio::signal::ctrl_c() => {}

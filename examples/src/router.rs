@@ -1,22 +1,22 @@
-//! A router's scoring service: follows engines (with their replay and DP ranks) into a
-//! [`kvevent_index::Index`] and answers `POST /score` and `GET /metrics` over HTTP.
+//! A router's scoring service: follows replicas through their sidecars' feeds or their engines
+//! (with replay and DP ranks) into a [`kvevent_feed::Fleet`] and answers `POST /score`,
+//! `GET /replicas` and `GET /metrics` over HTTP.
 //!
 //! `examples/router.rs` is its command line; tests start it in-process.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
-use kvevent_index::{Index, Query, QueryKeys, Tier};
-use kvevent_source::{Config, Subscriber, View};
-use kvevent_zmq as transport;
+use kvevent_feed::{
+    EngineSockets, Fleet, FleetConfig, Query, QueryKeys, ReplicaSource, ReplicaState, SidecarFeed,
+    Tier,
+};
 
 /// One `--engine NAME=tcp://host:port[,replay=tcp://host:port][,dp=N]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -60,115 +60,81 @@ impl std::str::FromStr for Engine {
     }
 }
 
+/// One `--sidecar NAME=http://host:port`: a replica followed through its sidecar's feed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sidecar {
+    /// The replica's name in the scores.
+    pub name: String,
+    /// The sidecar's `--feed-address`, as `http://host:port`.
+    pub url: String,
+}
+
+impl std::str::FromStr for Sidecar {
+    type Err = anyhow::Error;
+
+    fn from_str(s: &str) -> anyhow::Result<Self> {
+        let (name, url) = s
+            .split_once('=')
+            .context("a sidecar is NAME=http://host:port (its --feed-address)")?;
+        if name.is_empty() || !(url.starts_with("http://") || url.starts_with("https://")) {
+            bail!("`{s}`: a sidecar is NAME=http://host:port (its --feed-address)");
+        }
+        Ok(Sidecar {
+            name: name.to_owned(),
+            url: url.to_owned(),
+        })
+    }
+}
+
 /// What the service is set up with.
 #[derive(Debug, Clone)]
 pub struct RouterConfig {
     /// The model it routes; a query for another is refused.
     pub model: String,
-    /// The model's block size, for queries that do not say.
+    /// The model's block size, for queries that do not say (else the one the events use).
     pub block_size: Option<usize>,
-    /// The engines followed.
+    /// The engines followed directly.
     pub engines: Vec<Engine>,
-    /// Each engine source read by a thread of its own (true), or all of them by the thread
-    /// applying events ([`kvevent_source::Config::threads`]).
-    pub source_threads: bool,
+    /// The replicas followed through their sidecars' feeds.
+    pub sidecars: Vec<Sidecar>,
 }
 
-/// Most updates the feeding thread takes from the subscriber at once: batches applied together
-/// take the index's write lock once (`Index::apply_many`).
-const FEED_MAX: usize = 64;
-
-/// The running service: its index and the thread feeding it.
+/// The running service: a [`Fleet`] of the replicas.
 pub struct Router {
-    index: Arc<Index>,
-    /// Per source: its label and counters.
-    sources: Vec<(String, Arc<kvevent_source::SourceMetrics>)>,
+    fleet: Fleet,
     config: RouterConfig,
-    stop: Arc<AtomicBool>,
-    /// Calls of the feeding thread that took updates, and the updates they took.
-    feeds: Arc<[AtomicU64; 2]>,
-    feeder: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Router {
-    /// Subscribes to every engine and starts the thread applying their events to the index.
-    pub fn start(ctx: &zmq::Context, config: RouterConfig) -> anyhow::Result<Self> {
-        let index = Arc::new(Index::new(kvevent_index::Config::default()));
-        let mut sources = Vec::new();
-        let mut ids = Vec::new();
+    /// Follows every engine and sidecar.
+    pub fn start(config: RouterConfig) -> anyhow::Result<Self> {
+        let fleet = Fleet::new(FleetConfig::default())?;
         for e in &config.engines {
-            for s in transport::dp_sources(&e.endpoint, e.replay.as_deref(), e.dp, b"", false)? {
-                ids.push(index.add_source(&e.name));
-                sources.push(s);
-            }
+            fleet.ensure_replica(
+                &e.name,
+                ReplicaSource::Engine(EngineSockets {
+                    endpoint: e.endpoint.clone(),
+                    replay: e.replay.clone(),
+                    dp: e.dp,
+                    topic: Vec::new(),
+                }),
+            )?;
         }
-        let labels: Vec<String> = sources.iter().map(transport::Source::label).collect();
-        let mut sub_config = Config::new(sources);
-        sub_config.threads = config.source_threads;
-        let mut subscriber = Subscriber::start(ctx, sub_config)?;
-        let source_metrics = labels
-            .into_iter()
-            .zip(subscriber.metrics().iter().cloned())
-            .collect();
-        let stop = Arc::new(AtomicBool::new(false));
-        let feeds = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
-        let feeder = {
-            let (index, stop, feeds) = (index.clone(), stop.clone(), feeds.clone());
-            std::thread::Builder::new()
-                .name("router-events".into())
-                .spawn(move || {
-                    // Per call: the sources whose updates were applied (kept for capacity).
-                    let mut touched: Vec<usize> = Vec::new();
-                    while !stop.load(Relaxed) {
-                        let applied =
-                            subscriber.next_many(Duration::from_millis(100), FEED_MAX, |views| {
-                                // Runs of batches go in together (their memory prefetched
-                                // ahead); a reset applies between them, in order.
-                                let mut run = Vec::with_capacity(views.len());
-                                touched.clear();
-                                for view in views {
-                                    match view {
-                                        View::Batch { source, batch, .. } => {
-                                            run.push((ids[*source], *batch));
-                                            touched.push(*source);
-                                        }
-                                        View::Reset { source, .. } => {
-                                            index.apply_many(&run);
-                                            run.clear();
-                                            index.reset(ids[*source]);
-                                            touched.push(*source);
-                                        }
-                                    }
-                                }
-                                index.apply_many(&run);
-                                feeds[0].fetch_add(1, Relaxed);
-                                feeds[1].fetch_add(views.len() as u64, Relaxed);
-                            });
-                        if applied.is_some() {
-                            touched.sort_unstable();
-                            touched.dedup();
-                            for &source in &touched {
-                                let degraded = subscriber.metrics()[source].degraded.load(Relaxed);
-                                index.set_fresh(ids[source], !degraded);
-                            }
-                        }
-                    }
-                    subscriber.shutdown();
-                })?
-        };
-        Ok(Self {
-            index,
-            sources: source_metrics,
-            config,
-            stop,
-            feeds,
-            feeder: Some(feeder),
-        })
+        for s in &config.sidecars {
+            fleet.ensure_replica(
+                &s.name,
+                ReplicaSource::Sidecar(SidecarFeed {
+                    model: config.model.clone(),
+                    ..SidecarFeed::new(s.url.clone())
+                }),
+            )?;
+        }
+        Ok(Self { fleet, config })
     }
 
-    /// The index, for embedding.
-    pub fn index(&self) -> &Arc<Index> {
-        &self.index
+    /// The fleet, for embedding.
+    pub fn fleet(&self) -> &Fleet {
+        &self.fleet
     }
 
     /// Answers one `/score` body.
@@ -188,8 +154,11 @@ impl Router {
             .as_u64()
             .map(|b| b as usize)
             .or(self.config.block_size)
+            .or(self.fleet.block_size().map(|b| b as usize))
             .filter(|b| *b > 0)
-            .ok_or_else(|| bad("`block_size` is needed: the model's is not configured".into()))?;
+            .ok_or_else(|| {
+                bad("`block_size` is needed: none is configured and no replica has stored a block yet".into())
+            })?;
         let tokens: Vec<u32> = v["token_ids"]
             .as_array()
             .ok_or_else(|| bad("`token_ids` must be an array of token ids".into()))?
@@ -197,62 +166,79 @@ impl Router {
             .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
             .collect::<Option<_>>()
             .ok_or_else(|| bad("`token_ids` must hold unsigned 32-bit integers".into()))?;
-        let scores = self.index.score(&Query {
+        let query = Query {
             adapter,
             keys: QueryKeys::Tokens {
                 ids: &tokens,
                 block_size,
             },
-        });
+        };
+        let candidates: Option<Vec<&str>> = v["candidates"]
+            .as_array()
+            .map(|c| c.iter().filter_map(|n| n.as_str()).collect());
+        let scores = match &candidates {
+            Some(c) => self.fleet.score_among(&query, c),
+            None => self.fleet.score(&query),
+        }
+        .map_err(|e| bad(e.to_string()))?;
         Ok(serde_json::json!({
             "scores": scores.iter().map(|s| serde_json::json!({
                 "replica": s.replica,
                 "matched_tokens": s.matched_tokens,
                 "matched_blocks": s.matched_blocks,
                 "tier": match s.tier { Tier::T1 => "T1", Tier::T2 => "T2" },
-                "fresh": s.fresh,
+                "state": s.state.as_str(),
+                "fresh": s.state == ReplicaState::Exact,
+                "newest_change_ms": s.newest_change.map(|d| d.as_millis() as u64),
             })).collect::<Vec<_>>()
         }))
     }
 
-    /// The index's counters in the Prometheus text format.
+    /// Every replica: its state (and why, when degraded), blocks held, age of its newest change.
+    pub fn replicas(&self) -> serde_json::Value {
+        serde_json::json!({
+            "replicas": self.fleet.replicas().iter().map(|r| serde_json::json!({
+                "name": r.name,
+                "state": r.state.as_str(),
+                "reason": match r.state {
+                    ReplicaState::Degraded(d) => Some(d.as_str()),
+                    _ => None,
+                },
+                "stale_for_ms": match r.state {
+                    ReplicaState::Stale(since) => Some(since.elapsed().as_millis() as u64),
+                    _ => None,
+                },
+                "blocks": r.blocks,
+                "newest_change_ms": r.newest_change.map(|d| d.as_millis() as u64),
+                "block_size": r.block_size,
+            })).collect::<Vec<_>>()
+        })
+    }
+
+    /// The index's and replicas' counters in the Prometheus text format.
     pub fn metrics(&self) -> String {
-        let s = self.index.stats();
-        let mut per_source = String::from("# TYPE kvevent_batches_received_total counter\n");
-        for (label, m) in &self.sources {
-            per_source.push_str(&format!(
-                "kvevent_batches_received_total{{source=\"{label}\"}} {}\nkvevent_source_degraded{{source=\"{label}\"}} {}\n",
-                m.batches.load(Relaxed),
-                u8::from(m.degraded.load(Relaxed))
+        let s = self.fleet.index().stats();
+        let mut out = String::from(
+            "# TYPE kvevent_batches_received_total counter\n# TYPE kvevent_replica_exact gauge\n",
+        );
+        for r in self.fleet.replicas() {
+            out.push_str(&format!(
+                "kvevent_batches_received_total{{replica=\"{name}\"}} {}\nkvevent_replica_exact{{replica=\"{name}\"}} {}\nkvevent_replica_blocks{{replica=\"{name}\"}} {}\n",
+                r.batches,
+                u8::from(r.state == ReplicaState::Exact),
+                r.blocks,
+                name = r.name,
             ));
         }
-        per_source
-            + &format!(
-                "# TYPE kvevent_index_keys gauge\nkvevent_index_keys {}\n\
+        out + &format!(
+            "# TYPE kvevent_index_keys gauge\nkvevent_index_keys {}\n\
              # TYPE kvevent_index_pairs gauge\nkvevent_index_pairs {}\n\
              # TYPE kvevent_index_bytes gauge\nkvevent_index_bytes {}\n\
              # TYPE kvevent_index_evicted_keys_total counter\nkvevent_index_evicted_keys_total {}\n\
              # TYPE kvevent_index_stashed gauge\nkvevent_index_stashed {}\n\
-             # TYPE kvevent_index_applied_total counter\nkvevent_index_applied_total {}\n\
-             # TYPE kvevent_router_feeds_total counter\nkvevent_router_feeds_total {}\n\
-             # TYPE kvevent_router_fed_updates_total counter\nkvevent_router_fed_updates_total {}\n",
-                s.keys,
-                s.pairs,
-                s.bytes,
-                s.evicted_keys,
-                s.stashed,
-                s.applied,
-                self.feeds[0].load(Relaxed),
-                self.feeds[1].load(Relaxed),
-            )
-    }
-
-    /// Stops the feeding thread and closes the engine sockets.
-    pub fn shutdown(mut self) {
-        self.stop.store(true, Relaxed);
-        if let Some(t) = self.feeder.take() {
-            let _ = t.join();
-        }
+             # TYPE kvevent_index_applied_total counter\nkvevent_index_applied_total {}\n",
+            s.keys, s.pairs, s.bytes, s.evicted_keys, s.stashed, s.applied,
+        )
     }
 }
 
@@ -296,7 +282,14 @@ pub async fn serve(listener: tokio::net::TcpListener, router: Arc<Router>) {
                         (false, "/metrics") => {
                             respond(200, "text/plain; version=0.0.4", router.metrics())
                         }
-                        _ => respond(404, "text/plain", "POST /score, GET /metrics\n".into()),
+                        (false, "/replicas") => {
+                            respond(200, "application/json", router.replicas().to_string())
+                        }
+                        _ => respond(
+                            404,
+                            "text/plain",
+                            "POST /score, GET /replicas, GET /metrics\n".into(),
+                        ),
                     })
                 }
             });

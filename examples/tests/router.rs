@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvevent_examples::router::{self, Engine, Router, RouterConfig};
+use kvevent_examples::router::{self, Engine, Router, RouterConfig, Sidecar};
 use kvevent_test_support::PythonPublisher;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -41,17 +41,13 @@ async fn python_publishers_into_the_router_and_scores_out() {
         })
         .collect::<Result<Vec<_>, _>>()
         .expect("engines");
-    let ctx = zmq::Context::new();
     let router = Arc::new(
-        Router::start(
-            &ctx,
-            RouterConfig {
-                model: "m".into(),
-                block_size: Some(16),
-                engines,
-                source_threads: true,
-            },
-        )
+        Router::start(RouterConfig {
+            model: "m".into(),
+            block_size: Some(16),
+            engines,
+            sidecars: Vec::new(),
+        })
         .expect("router"),
     );
     let (addr, _server) = router::bind("127.0.0.1:0", router.clone())
@@ -103,7 +99,6 @@ async fn python_publishers_into_the_router_and_scores_out() {
         "{}",
         router.metrics()
     );
-    // Each replica's startup reset and its batch went through the feeder's calls.
     let metrics = router.metrics();
     let value = |name: &str| {
         metrics
@@ -111,17 +106,48 @@ async fn python_publishers_into_the_router_and_scores_out() {
             .find_map(|l| l.strip_prefix(name)?.trim().parse::<u64>().ok())
             .unwrap_or_else(|| panic!("no {name} in {metrics}"))
     };
-    let (feeds, fed) = (
-        value("kvevent_router_feeds_total "),
-        value("kvevent_router_fed_updates_total "),
-    );
-    assert!((1..=fed).contains(&feeds) && fed >= 4, "{metrics}");
     // Real engine hashes never collide enough to be kept aside.
     assert_eq!(value("kvevent_index_stashed "), 0, "{metrics}");
-    drop(_server);
-    if let Ok(router) = Arc::try_unwrap(router) {
-        router.shutdown();
+    assert_eq!(
+        value("kvevent_replica_exact{replica=\"a\"} "),
+        1,
+        "{metrics}"
+    );
+    // GET /replicas: both exact, two blocks each, the block size from their events.
+    let replicas = router.replicas();
+    for r in replicas["replicas"].as_array().expect("replicas") {
+        assert_eq!(r["state"], "exact", "{r}");
+        assert_eq!(r["blocks"], 2, "{r}");
+        assert_eq!(r["block_size"], 16, "{r}");
     }
+    // A query with another block size than the events use is an error, not an empty answer.
+    let (status, v) = post(
+        addr,
+        "/score",
+        &serde_json::json!({"model": "m", "token_ids": tokens, "block_size": 32}).to_string(),
+    )
+    .await;
+    assert_eq!(status, 400, "{v}");
+    // Candidates: only the replicas asked about.
+    let only_b = serde_json::json!({"model": "m", "token_ids": tokens, "candidates": ["b"]});
+    let (_, v) = post(addr, "/score", &only_b.to_string()).await;
+    assert_eq!(v["scores"].as_array().map(Vec::len), Some(1), "{v}");
+    assert_eq!(v["scores"][0]["replica"], "b", "{v}");
+    drop(_server);
+}
+
+#[test]
+fn sidecar_flags_parse() {
+    let s: Sidecar = "a=http://10.0.0.1:7070".parse().expect("sidecar");
+    assert_eq!(
+        s,
+        Sidecar {
+            name: "a".into(),
+            url: "http://10.0.0.1:7070".into()
+        }
+    );
+    assert!("a=10.0.0.1:7070".parse::<Sidecar>().is_err());
+    assert!("http://10.0.0.1:7070".parse::<Sidecar>().is_err());
 }
 
 #[test]

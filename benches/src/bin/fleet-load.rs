@@ -10,9 +10,8 @@
 //! cargo run --release -p kvevent-benches --bin fleet-load [-- ENGINES RATE SECONDS]   # 256 1000 10
 //! ```
 //!
-//! `SOURCE_THREADS=yes` runs the router with a thread per source (`--source-threads yes`);
 //! `ROUTER_BIN` names another router binary. The engines have no replay endpoint: a lost
-//! batch shows as a reset (a degraded source), not a repair.
+//! batch shows as a reset (a replica not exact), not a repair.
 
 use std::io::{Read, Write};
 use std::process::{Child, Command, Stdio};
@@ -191,9 +190,6 @@ fn main() -> anyhow::Result<()> {
     let addr = format!("127.0.0.1:{port}");
     let mut cmd = Command::new(&router_bin);
     cmd.args(["--listen", &addr, "--model", "m", "--block-size", "16"]);
-    if let Ok(v) = std::env::var("SOURCE_THREADS") {
-        cmd.args(["--source-threads", &v]);
-    }
     for (i, e) in fleet.iter().enumerate() {
         cmd.arg("--engine").arg(format!("e{i}={}", e.endpoint));
     }
@@ -264,7 +260,7 @@ fn main() -> anyhow::Result<()> {
     let own = kvevent_benches::procfs::cpu_seconds("/proc/self/stat") - own0;
     let applied = sum(&text, "kvevent_index_applied_total") as u64;
     let received = sum(&text, "kvevent_batches_received_total") as u64;
-    let degraded = sum(&text, "kvevent_source_degraded") as u64;
+    let degraded = (engines as u64).saturating_sub(sum(&text, "kvevent_replica_exact") as u64);
     let rss = kvevent_benches::procfs::status_kb(&status, "VmHWM:") / 1024.0;
     println!(
         "{engines} engines x {rate} blocks/s stored (+ as many evicted) for {:.1} s, router pid {pid}:",
@@ -277,7 +273,7 @@ fn main() -> anyhow::Result<()> {
         counts.send_errors.load(Relaxed)
     );
     println!(
-        "  router applied {applied} block events ({} lost), received {received} batches ({} lost), {degraded} sources degraded",
+        "  router applied {applied} block events ({} lost), received {received} batches ({} lost), {degraded} replicas not exact",
         expected.saturating_sub(applied),
         batches.saturating_sub(received)
     );
@@ -288,12 +284,5 @@ fn main() -> anyhow::Result<()> {
         (drained_in - published_in).as_secs_f64(),
         100.0 * own / published_in.as_secs_f64(),
     );
-    let feeds = sum(&text, "kvevent_router_feeds_total");
-    if feeds > 0.0 {
-        println!(
-            "  the router took {:.1} updates a call from its subscriber ({feeds} calls)",
-            sum(&text, "kvevent_router_fed_updates_total") / feeds
-        );
-    }
     Ok(())
 }

@@ -199,6 +199,8 @@ pub struct ReplicaStatus {
     pub newest_change: Option<Duration>,
     /// Tokens per block, from its events (`None` until its first stored block).
     pub block_size: Option<u32>,
+    /// Engine batches received (all ranks), or feed messages of changes applied.
+    pub batches: u64,
 }
 
 /// One replica's match.
@@ -259,6 +261,8 @@ struct Status {
     blocks: u64,
     newest: Option<Instant>,
     block_size: u32,
+    /// Engine batches received, or feed messages of changes applied.
+    batches: u64,
 }
 
 type Shared = Arc<Mutex<Status>>;
@@ -463,6 +467,7 @@ impl Fleet {
                     blocks: s.blocks,
                     newest_change: s.newest.map(|t| t.elapsed()),
                     block_size: (s.block_size > 0).then_some(s.block_size),
+                    batches: s.batches,
                 }
             })
             .collect();
@@ -772,6 +777,7 @@ impl FeedFollower {
                 let mut s = lock(&self.status);
                 s.blocks = blocks.max(0) as u64;
                 s.newest = Some(Instant::now());
+                s.batches += 1;
             }
             Some(Body::Heartbeat(_)) | None => {}
         }
@@ -822,9 +828,13 @@ struct Rank {
 /// Most updates applied under one write lock.
 const APPLY_MAX: usize = 64;
 
+/// How often the engine thread sets each replica's state from its sockets.
+const STATUS_EVERY: Duration = Duration::from_millis(100);
+
 impl Engines {
     fn run(&self, index: &Index, drop_after: Duration) {
         let mut subscriber: Option<Subscriber> = None;
+        let mut last_pass = Instant::now();
         // By subscriber source number.
         let mut ranks: Vec<Option<Rank>> = Vec::new();
         while !self.stop.load(Relaxed) {
@@ -923,32 +933,39 @@ impl Engines {
                 }
             }
             let now = Instant::now();
-            if let Some(touched) = &applied {
-                for &source in touched {
+            if let Some(mut touched) = applied {
+                touched.dedup();
+                for source in touched {
                     if let Some(Some(r)) = ranks.get(source) {
                         lock(&r.status).newest = Some(now);
                     }
                 }
             }
+            if now.duration_since(last_pass) < STATUS_EVERY {
+                continue;
+            }
+            last_pass = now;
             // Each replica's status from its ranks: lost when any rank's socket is, degraded
             // when any is.
-            let mut by_status: HashMap<*const Mutex<Status>, (Shared, bool, bool, u64)> =
+            let mut by_status: HashMap<*const Mutex<Status>, (Shared, bool, bool, u64, u64)> =
                 HashMap::new();
             for (i, slot) in ranks.iter().enumerate() {
                 let Some(r) = slot else { continue };
                 let m = &sub.metrics()[i];
                 let e = by_status
                     .entry(Arc::as_ptr(&r.status))
-                    .or_insert_with(|| (r.status.clone(), true, false, 0));
+                    .or_insert_with(|| (r.status.clone(), true, false, 0, 0));
                 e.1 &= m.connected.load(Relaxed);
                 e.2 |= m.degraded.load(Relaxed);
                 e.3 += index.source_blocks(r.id) as u64;
+                e.4 += m.batches.load(Relaxed);
                 index.set_fresh(r.id, !m.degraded.load(Relaxed));
             }
             let mut expired = Vec::new();
-            for (_, (status, connected, degraded, blocks)) in by_status {
+            for (_, (status, connected, degraded, blocks, batches)) in by_status {
                 let mut s = lock(&status);
                 s.blocks = blocks;
+                s.batches = batches;
                 s.degraded = degraded.then_some(Degraded::Replaying);
                 if connected {
                     s.lost_since = None;
