@@ -61,7 +61,11 @@ async fn python_publishers_into_the_router_and_scores_out() {
     let scores = loop {
         let (status, v) = post(addr, "/score", &query).await;
         assert_eq!(status, 200, "{v}");
-        if v["scores"].as_array().is_some_and(|s| s.len() == 2) {
+        // Both, and each replica's state set from its socket (exact: fresh).
+        if v["scores"]
+            .as_array()
+            .is_some_and(|s| s.len() == 2 && s.iter().all(|s| s["fresh"] == true))
+        {
             break v;
         }
         assert!(

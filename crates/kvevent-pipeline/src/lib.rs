@@ -276,6 +276,8 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
     // One engine's ranks, decoded and mapped on the events thread anyway: read there too (no
     // thread handoff a batch; see `source::Config::threads`).
     sub_config.threads = false;
+    // The engine is local: a reconnect that no replay can check is most likely a restart.
+    sub_config.state.reset_on_unverified_reconnect = true;
     sub_config.socket.replay_idle_timeout = settings.replay_timeout.0;
     sub_config.socket.rcvhwm = settings.engine_rcvhwm;
     sub_config.socket.heartbeat_interval = settings.engine_heartbeat_interval.0;

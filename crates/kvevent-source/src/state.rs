@@ -96,11 +96,18 @@ pub struct StateConfig {
     pub replay_backoff_max: Duration,
     /// The source's name in log lines (its endpoint and rank).
     pub label: String,
+    /// Without a replay endpoint nothing can tell a reconnect to the same engine process from
+    /// a new process whose seqs happen to continue ours: reset at every reconnect (true: a
+    /// sidecar beside its engine, where a reconnect is rare and most likely a restart) or mark
+    /// the source degraded until something clears it (false, the default: a router, which
+    /// fails open on degraded replicas).
+    pub reset_on_unverified_reconnect: bool,
 }
 
 impl Default for StateConfig {
     fn default() -> Self {
         Self {
+            reset_on_unverified_reconnect: false,
             has_replay: false,
             max_buffered: 20_000,
             replay_backoff_initial: Duration::from_secs(1),
@@ -130,8 +137,10 @@ pub fn payload_digest(payload: &[u8]) -> u64 {
 struct Replay {
     from: u64,
     first: Option<u64>,
-    /// A resume: the first batch must be `from`, with this digest.
+    /// A resume or a reconnect: the first batch must be `from`, with this digest.
     verify: Option<u64>,
+    /// The check is of a reconnect (not of a saved state).
+    reconnect: bool,
     /// The resume failed: the rest of this replay is ignored, and a bootstrap from 0 follows.
     abandoned: bool,
     /// This replay rebuilds the source from nothing (first message, restart).
@@ -147,6 +156,9 @@ struct Replay {
 pub struct SourceState {
     config: StateConfig,
     last: Option<u64>,
+    /// [`payload_digest`] of the last batch delivered (kept with a replay endpoint, to check
+    /// the engine's identity after a reconnect).
+    last_digest: Option<u64>,
     replay: Option<Replay>,
     buffered: VecDeque<(u64, Vec<u8>)>,
     /// Seqs at or above this that are not above `last` are replay duplicates, not a restart.
@@ -168,6 +180,7 @@ impl SourceState {
         Self {
             config,
             last: None,
+            last_digest: None,
             replay: None,
             buffered: VecDeque::new(),
             dup_floor: None,
@@ -206,6 +219,7 @@ impl SourceState {
         }
         self.started = true;
         self.last = Some(resume.last_seq);
+        self.last_digest = Some(resume.digest);
         self.metrics.last_seq.store(resume.last_seq, Relaxed);
         self.metrics.degraded.store(resume.degraded, Relaxed);
         self.reconnected = true;
@@ -259,6 +273,9 @@ impl SourceState {
 
     fn deliver(&mut self, seq: u64, payload: Vec<u8>, out: &mut Vec<Step>) {
         self.last = Some(seq);
+        if self.config.has_replay {
+            self.last_digest = Some(payload_digest(&payload));
+        }
         self.metrics.last_seq.store(seq, Relaxed);
         self.metrics.batches.fetch_add(1, Relaxed);
         if let Some(r) = self.replay.as_mut() {
@@ -278,6 +295,7 @@ impl SourceState {
             from,
             first: None,
             verify: None,
+            reconnect: false,
             abandoned: false,
             bootstrap,
             lossy: false,
@@ -302,6 +320,65 @@ impl SourceState {
     pub fn on_disconnected(&mut self) {
         self.reconnected = true;
         self.metrics.disconnects.fetch_add(1, Relaxed);
+    }
+
+    /// The connection to the engine is up. After a disconnect, seqs alone cannot tell the same
+    /// engine process from a new one whose seqs happen to continue ours (it published as many
+    /// batches before we were back). With a replay endpoint the engine is asked for our last
+    /// batch: the same seq with the same payload digest proves the same process (what it
+    /// published meanwhile follows); anything else is a restart, and the source is reset and
+    /// rebuilt from its replay buffer. Without one, the source is reset or marked degraded
+    /// ([`StateConfig::reset_on_unverified_reconnect`]).
+    pub fn on_connected(&mut self, now: Instant, out: &mut Vec<Step>) {
+        let Some(last) = self.last.filter(|_| self.reconnected) else {
+            return;
+        };
+        if self.replay.is_some() {
+            return;
+        }
+        match self.last_digest {
+            Some(digest) if self.can_replay(now) => {
+                self.start_replay(last, false, out);
+                if let Some(r) = self.replay.as_mut() {
+                    r.verify = Some(digest);
+                    r.reconnect = true;
+                }
+            }
+            _ if self.config.has_replay => {}
+            _ if self.config.reset_on_unverified_reconnect => {
+                tracing::info!(
+                    source = %self.config.label,
+                    "reconnected to an engine with no replay endpoint: it may be a new process, so the source is cleared and rebuilt"
+                );
+                self.reconnected = false;
+                self.reset(ResetReason::Reconnect, out);
+                self.last = None;
+                self.last_digest = None;
+                self.dup_floor = None;
+                self.mark_degraded();
+            }
+            _ => {
+                self.reconnected = false;
+                self.mark_degraded();
+            }
+        }
+    }
+
+    /// A reconnect's check failed: the engine is a new process. Reset; the replay from seq 0
+    /// follows when the check's replay ends.
+    fn reconnected_to_new_process(&mut self, why: &str, out: &mut Vec<Step>) {
+        tracing::info!(
+            source = %self.config.label,
+            last = self.last.unwrap_or_default(),
+            why,
+            "engine restarted across a reconnect: clearing and rebuilding from its replay buffer"
+        );
+        self.metrics.restarts.fetch_add(1, Relaxed);
+        self.reset(ResetReason::Restart, out);
+        self.last = None;
+        self.last_digest = None;
+        self.reconnected = false;
+        self.metrics.degraded.store(false, Relaxed);
     }
 
     /// A live batch arrived.
@@ -416,25 +493,39 @@ impl SourceState {
             && let Some(digest) = replay.verify
         {
             replay.first = Some(seq);
+            let reconnect = replay.reconnect;
             if seq == replay.from && payload_digest(&payload) == digest {
-                // The saved last batch, as saved: the state continues after it.
-                self.metrics.resumes_verified.fetch_add(1, Relaxed);
+                // The last batch, as we had it: the same process, the state continues.
                 self.metrics.duplicates.fetch_add(1, Relaxed);
                 self.reconnected = false;
-                tracing::info!(
-                    source = %self.config.label,
-                    seq,
-                    "saved state resumed: the engine still holds its last batch"
-                );
+                if reconnect {
+                    tracing::debug!(source = %self.config.label, seq, "the same engine process after the reconnect");
+                } else {
+                    self.metrics.resumes_verified.fetch_add(1, Relaxed);
+                    tracing::info!(
+                        source = %self.config.label,
+                        seq,
+                        "saved state resumed: the engine still holds its last batch"
+                    );
+                }
             } else if seq == replay.from {
                 replay.abandoned = true;
-                self.abandon_resume(
-                    "the engine's batch at the saved seq differs (a new engine process)",
-                    out,
-                );
+                let why = "the engine's batch at our last seq differs (a new engine process)";
+                if reconnect {
+                    self.reconnected_to_new_process(why, out);
+                } else {
+                    self.abandon_resume(why, out);
+                }
             } else {
                 replay.abandoned = true;
-                self.abandon_resume("the engine's buffer no longer holds the saved seq", out);
+                if reconnect {
+                    self.reconnected_to_new_process(
+                        "the engine's buffer no longer holds our last seq",
+                        out,
+                    );
+                } else {
+                    self.abandon_resume("the engine's buffer no longer holds the saved seq", out);
+                }
             }
             return;
         }
@@ -479,11 +570,13 @@ impl SourceState {
             return;
         };
         if replay.verify.is_some() && replay.first.is_none() && end == ReplayEnd::Complete {
-            // Nothing at or after the saved seq: this engine's seqs are all below ours.
-            self.abandon_resume(
-                "the engine has published less than the saved seq (a new engine process)",
-                out,
-            );
+            // Nothing at or after our last seq: this engine's seqs are all below ours.
+            let why = "the engine has published less than our last seq (a new engine process)";
+            if replay.reconnect {
+                self.reconnected_to_new_process(why, out);
+            } else {
+                self.abandon_resume(why, out);
+            }
         }
         if replay.verify.is_some() && (replay.abandoned || self.last.is_none()) {
             // Rebuild from nothing; the live batches held meanwhile wait for it.

@@ -437,7 +437,10 @@ impl Subscriber {
                 metrics.connected.store(false, Relaxed);
                 state.on_disconnected();
             }
-            transport::Delivery::Connected => metrics.connected.store(true, Relaxed),
+            transport::Delivery::Connected => {
+                metrics.connected.store(true, Relaxed);
+                state.on_connected(now, &mut self.steps);
+            }
             transport::Delivery::ReplayDone(outcome) => {
                 let end = match outcome {
                     transport::ReplayOutcome::Complete => ReplayEnd::Complete,

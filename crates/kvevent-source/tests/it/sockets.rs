@@ -331,6 +331,18 @@ fn malformed_frames_and_payloads_are_counted_and_skipped(threads: bool) {
 }
 
 fn a_gap_across_a_reconnect_is_rebuilt_from_the_new_process(threads: bool) {
+    // Seq 6 is above our last (2): without the check it would pass for a gap of 3..=5.
+    restarted_across_a_reconnect(threads, 6);
+}
+
+fn a_restart_whose_seqs_continue_ours_is_caught_at_the_reconnect(threads: bool) {
+    // The new process's seq 3 continues our last (2): only its payload digest at seq 2 tells.
+    restarted_across_a_reconnect(threads, 3);
+}
+
+/// The engine process dies after seqs 0..=2; a new one on the same ports publishes `lost`
+/// batches (seqs 0..lost) before we are back, then one more live.
+fn restarted_across_a_reconnect(threads: bool, lost: u64) {
     let release = Release::NEWEST_KNOWN;
     let (ctx, first) = engine(release);
     let endpoint = first.endpoint().to_owned();
@@ -341,8 +353,6 @@ fn a_gap_across_a_reconnect_is_rebuilt_from_the_new_process(threads: bool) {
         first.publish(&batch(i)).expect("publish");
     }
     collect(&mut sub, has("B0:2"));
-    // The engine process dies; a new one comes up on the same ports and publishes seqs 0..=5
-    // before we are back: they are only in its replay buffer.
     first.shutdown();
     // libzmq closes the old listeners asynchronously: retry the bind for a bounded time.
     let deadline = Instant::now() + WAIT;
@@ -362,7 +372,7 @@ fn a_gap_across_a_reconnect_is_rebuilt_from_the_new_process(threads: bool) {
             Err(e) => panic!("second engine: {e}"),
         }
     };
-    for i in 10..16 {
+    for i in 10..10 + lost {
         second.publish_lost(payload(release, i));
     }
     // Read meanwhile: a socket read by the caller's thread attaches its new connection only
@@ -375,15 +385,15 @@ fn a_gap_across_a_reconnect_is_rebuilt_from_the_new_process(threads: bool) {
         );
         step(&mut sub, &mut early, Duration::from_millis(10));
     }
-    second.publish(&batch(16)).expect("publish");
-    // Seq 6 is above our last (2): without the reconnect it would pass for a gap of 3..=5.
+    second.publish(&batch(10 + lost)).expect("publish");
     let mut seen = early;
-    seen.extend(collect(&mut sub, has("B0:6")));
-    let want: Vec<String> = std::iter::once("R0:reconnect".to_owned())
-        .chain((0..=6).map(|i| format!("B0:{i}")))
+    seen.extend(collect(&mut sub, has(&format!("B0:{lost}"))));
+    let want: Vec<String> = std::iter::once("R0:restart".to_owned())
+        .chain((0..=lost).map(|i| format!("B0:{i}")))
         .collect();
     assert_eq!(seen, want);
     assert_eq!(sub.metrics()[0].disconnects.load(Relaxed), 1);
+    assert_eq!(sub.metrics()[0].restarts.load(Relaxed), 1);
 }
 
 fn next_with_hands_over_the_decoded_batch_and_corrupt_ones_as_resets(threads: bool) {
@@ -600,6 +610,7 @@ both_ways!(
     two_dp_ranks_are_kept_apart,
     malformed_frames_and_payloads_are_counted_and_skipped,
     a_gap_across_a_reconnect_is_rebuilt_from_the_new_process,
+    a_restart_whose_seqs_continue_ours_is_caught_at_the_reconnect,
     next_with_hands_over_the_decoded_batch_and_corrupt_ones_as_resets,
     next_many_hands_over_what_is_ready_in_order_and_at_most_max,
     sources_come_and_go_at_run_time_without_disturbing_the_others,

@@ -14,8 +14,15 @@ fn state(has_replay: bool) -> (SourceState, Arc<SourceMetrics>) {
         replay_backoff_initial: Duration::from_secs(1),
         replay_backoff_max: Duration::from_secs(8),
         label: "tcp://engine:5557".into(),
+        reset_on_unverified_reconnect: false,
     };
     (SourceState::new(config, metrics.clone()), metrics)
+}
+
+fn connected(s: &mut SourceState, now: Instant) -> Vec<String> {
+    let mut out = Vec::new();
+    s.on_connected(now, &mut out);
+    short(&out)
 }
 
 fn p(seq: u64) -> Vec<u8> {
@@ -209,6 +216,80 @@ fn a_gap_across_a_reconnect_rebuilds_instead_of_patching() {
     assert!(!m.degraded.load(Relaxed), "rebuilt from seq 0");
     // Without a disconnect, the same gap is patched by a replay from last + 1.
     assert_eq!(live(&mut s, 10, now), ["P8"]);
+}
+
+#[test]
+fn a_reconnect_asks_the_engine_for_our_last_batch_and_continues_when_it_is_the_same() {
+    let (mut s, m) = state(true);
+    let now = Instant::now();
+    live(&mut s, 0, now);
+    live(&mut s, 1, now);
+    // The first connection checks nothing.
+    assert!(connected(&mut s, now).is_empty());
+    s.on_disconnected();
+    assert_eq!(connected(&mut s, now), ["P1"]);
+    assert!(live(&mut s, 3, now).is_empty(), "held during the check");
+    // Our batch 1, as we had it: the same process; what it published meanwhile follows.
+    assert!(replayed(&mut s, 1).is_empty());
+    assert_eq!(replayed(&mut s, 2), ["D2"]);
+    assert_eq!(
+        done(&mut s, ReplayEnd::Complete, now),
+        ["D3"],
+        "the batch held meanwhile"
+    );
+    assert_eq!(m.restarts.load(Relaxed), 0);
+    assert!(!m.degraded.load(Relaxed));
+}
+
+#[test]
+fn a_reconnect_to_a_new_process_whose_seqs_continue_ours_resets_and_rebuilds() {
+    let (mut s, m) = state(true);
+    let now = Instant::now();
+    live(&mut s, 0, now);
+    live(&mut s, 1, now);
+    s.on_disconnected();
+    assert_eq!(connected(&mut s, now), ["P1"]);
+    // Seq 2 would have looked like a continuation.
+    assert!(live(&mut s, 2, now).is_empty());
+    // The engine's batch 1 is another payload: a new process.
+    assert_eq!(replayed_with(&mut s, 1, vec![9, 9]), ["R:restart"]);
+    assert_eq!(done(&mut s, ReplayEnd::Complete, now), ["P0"]);
+    assert_eq!(replayed(&mut s, 0), ["D0"]);
+    assert_eq!(replayed(&mut s, 1), ["D1"]);
+    assert_eq!(done(&mut s, ReplayEnd::Complete, now), ["D2"]);
+    assert_eq!(m.restarts.load(Relaxed), 1);
+    assert!(!m.degraded.load(Relaxed), "rebuilt from seq 0");
+}
+
+#[test]
+fn a_reconnect_with_no_replay_resets_in_a_sidecar_and_degrades_in_a_router() {
+    let (mut router, m) = state(false);
+    let now = Instant::now();
+    live(&mut router, 0, now);
+    router.on_disconnected();
+    assert!(connected(&mut router, now).is_empty());
+    assert!(
+        m.degraded.load(Relaxed),
+        "nothing can confirm the same process"
+    );
+    assert_eq!(live(&mut router, 1, now), ["D1"]);
+
+    let metrics = Arc::new(SourceMetrics::default());
+    let mut sidecar = SourceState::new(
+        StateConfig {
+            reset_on_unverified_reconnect: true,
+            ..StateConfig::default()
+        },
+        metrics.clone(),
+    );
+    live(&mut sidecar, 0, now);
+    sidecar.on_disconnected();
+    assert_eq!(connected(&mut sidecar, now), ["R:reconnect"]);
+    assert_eq!(live(&mut sidecar, 1, now), ["D1"]);
+    assert!(
+        metrics.degraded.load(Relaxed),
+        "seq 1 without seq 0: not whole"
+    );
 }
 
 #[test]
