@@ -34,6 +34,55 @@ pub fn vector_payloads() -> std::io::Result<Vec<(String, Vec<u8>)>> {
     Ok(out)
 }
 
+/// Plain HTTP/1.1 against the example router and the sidecar's endpoints.
+pub mod http {
+    use std::io::{Read, Write};
+    use std::time::Duration;
+
+    /// `METHOD path` with `body` to `addr` (`host:port`); the response's body.
+    pub fn call(addr: &str, method: &str, path: &str, body: &str) -> std::io::Result<String> {
+        let mut s = std::net::TcpStream::connect(addr)?;
+        s.set_read_timeout(Some(Duration::from_secs(30)))?;
+        write!(
+            s,
+            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )?;
+        let mut text = String::new();
+        s.read_to_string(&mut text)?;
+        Ok(text
+            .split_once("\r\n\r\n")
+            .map_or(String::new(), |(_, b)| b.to_owned()))
+    }
+
+    /// `GET path`.
+    pub fn get(addr: &str, path: &str) -> std::io::Result<String> {
+        call(addr, "GET", path, "")
+    }
+
+    /// Sum of a Prometheus family's samples in `text`.
+    pub fn sum(text: &str, family: &str) -> f64 {
+        text.lines()
+            .filter(|l| {
+                l.strip_prefix(family)
+                    .is_some_and(|r| r.starts_with(' ') || r.starts_with('{'))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    /// Kills and reaps a child process when dropped.
+    #[derive(Debug)]
+    pub struct Guard(pub std::process::Child);
+
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
 /// Readings from `/proc` for the probes: CPU time and memory of a process or thread.
 pub mod procfs {
     /// utime + stime, in seconds, of the process or thread whose `stat` file is `stat_path`

@@ -13,13 +13,13 @@
 //! `ROUTER_BIN` names another router binary. The engines have no replay endpoint: a lost
 //! batch shows as a reset (a replica not exact), not a repair.
 
-use std::io::{Read, Write};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
+use kvevent_benches::http::{self, Guard, sum};
 use kvevent_wire as wire;
 
 const STEP: Duration = Duration::from_millis(10);
@@ -118,36 +118,9 @@ struct Counts {
     send_errors: AtomicU64,
 }
 
-/// The router's `/metrics`, by a plain HTTP/1.1 GET.
+/// The router's `/metrics`.
 fn metrics(addr: &str) -> anyhow::Result<String> {
-    let mut s = std::net::TcpStream::connect(addr)?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(
-        s,
-        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )?;
-    let mut body = String::new();
-    s.read_to_string(&mut body)?;
-    Ok(body)
-}
-
-/// Sum of a family's samples.
-fn sum(text: &str, family: &str) -> f64 {
-    text.lines()
-        .filter(|l| {
-            l.strip_prefix(family)
-                .is_some_and(|r| r.starts_with(' ') || r.starts_with('{'))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
-struct Guard(Child);
-impl Drop for Guard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
+    Ok(http::get(addr, "/metrics")?)
 }
 
 fn main() -> anyhow::Result<()> {

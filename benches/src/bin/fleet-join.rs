@@ -1,0 +1,411 @@
+//! A router joining a fleet late: S engine stand-ins (vLLM 0.33's wire, replay buffers of BUF
+//! batches) have each stored B blocks (prompts of 16 blocks of 16 tokens) through S release
+//! sidecars (`kvevent-subscriber --feed-address`, reporting to a sink in this process). Then
+//! the release example router starts twice, one after the other in the same run: following the
+//! sidecars' feeds (`--sidecar`), and following the engines directly (`--engine`, with
+//! replay). For each: the time from its start until it has every replica with what it can
+//! learn (following feeds: every replica exact with every resident block; following engines:
+//! every replica connected and its replay in, its blocks steady for 500 ms), the share of resident prompts it scores whole (recall), its peak RSS and its index's
+//! bytes per (key, replica) pair.
+//!
+//! ```text
+//! cargo build --release -p kvevent-subscriber -p kvevent-examples --example router -p kvevent-benches --bin fleet-join
+//! target/release/fleet-join [SIDECARS BLOCKS [BUFFER]]       # 8 16384 1000
+//! ```
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use kvevent_benches::http::{self, Guard, sum};
+use kvevent_proto as pb;
+use kvevent_wire as wire;
+use kvevent_zmq::publisher::{Publisher, PublisherConfig};
+use pb::inference_cache_server::{InferenceCache, InferenceCacheServer};
+use tonic::{Request, Response, Status, Streaming};
+
+const BLOCK: u32 = 16;
+/// Blocks a prompt (and a batch) stores.
+const PROMPT_BLOCKS: u32 = 16;
+const RELEASE: wire::Release = wire::Release::new(0, 33, 0);
+/// Prompts per replica scored for recall.
+const SAMPLE: u64 = 64;
+
+/// Token ids of prompt `p` of replica `r`: distinct across the fleet.
+fn prompt(r: u64, p: u64) -> Vec<u32> {
+    let base = ((r << 20) | p) as u32 * 1000;
+    (0..BLOCK * PROMPT_BLOCKS).map(|t| base.wrapping_add(t)).collect()
+}
+
+fn batch(r: u64, p: u64) -> wire::EventBatch<'static> {
+    wire::EventBatch {
+        ts: 1.0,
+        events: vec![wire::Event::BlockStored(wire::BlockStored {
+            block_hashes: (0..u64::from(PROMPT_BLOCKS))
+                .map(|b| wire::BlockHash::Int(wire::Int::U64((r << 40) | (p << 8) | b)))
+                .collect(),
+            token_ids: prompt(r, p).into(),
+            block_size: BLOCK,
+            medium: Some("GPU".into()),
+            ..Default::default()
+        })],
+        data_parallel_rank: None,
+        unknown_events: 0,
+    }
+}
+
+/// A server that takes everything and keeps nothing.
+struct Sink;
+
+fn accepted() -> Response<pb::Ack> {
+    Response::new(pb::Ack {
+        accepted: true,
+        ..Default::default()
+    })
+}
+
+type Stream<T> = std::pin::Pin<Box<dyn futures_util::Stream<Item = Result<T, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl InferenceCache for Sink {
+    async fn render_template(
+        &self,
+        _: Request<pb::RenderTemplateRequest>,
+    ) -> Result<Response<pb::RenderTemplateResponse>, Status> {
+        Err(Status::unimplemented("sink"))
+    }
+    async fn lookup_route(
+        &self,
+        _: Request<pb::LookupRouteRequest>,
+    ) -> Result<Response<pb::LookupRouteResponse>, Status> {
+        Err(Status::unimplemented("sink"))
+    }
+    async fn lookup_pd_route(
+        &self,
+        _: Request<pb::LookupPdRouteRequest>,
+    ) -> Result<Response<pb::LookupPdRouteResponse>, Status> {
+        Err(Status::unimplemented("sink"))
+    }
+    async fn get_cache_state(
+        &self,
+        _: Request<pb::GetCacheStateRequest>,
+    ) -> Result<Response<pb::GetCacheStateResponse>, Status> {
+        Err(Status::unimplemented("sink"))
+    }
+    async fn report_cache_state(
+        &self,
+        request: Request<Streaming<pb::CacheStateUpdate>>,
+    ) -> Result<Response<pb::Ack>, Status> {
+        let mut stream = request.into_inner();
+        while stream.message().await?.is_some() {}
+        Ok(accepted())
+    }
+    async fn publish_event(
+        &self,
+        _: Request<pb::CacheEvent>,
+    ) -> Result<Response<pb::Ack>, Status> {
+        Ok(accepted())
+    }
+    type StreamCacheEventsStream = Stream<pb::CacheEvent>;
+    async fn stream_cache_events(
+        &self,
+        _: Request<pb::StreamEventsRequest>,
+    ) -> Result<Response<Self::StreamCacheEventsStream>, Status> {
+        Err(Status::unimplemented("sink"))
+    }
+    type StreamMetricsStream = Stream<pb::Metric>;
+    async fn stream_metrics(
+        &self,
+        _: Request<pb::StreamMetricsRequest>,
+    ) -> Result<Response<Self::StreamMetricsStream>, Status> {
+        Err(Status::unimplemented("sink"))
+    }
+}
+
+/// Serves the sink on a loopback port from a thread of its own.
+fn serve_sink() -> anyhow::Result<std::net::SocketAddr> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    listener.set_nonblocking(true)?;
+    let addr = listener.local_addr()?;
+    std::thread::Builder::new().name("sink".into()).spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("sink runtime");
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
+            let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+            let _ = tonic::transport::Server::builder()
+                .add_service(InferenceCacheServer::new(Sink).max_decoding_message_size(64 << 20))
+                .serve_with_incoming(incoming)
+                .await;
+        });
+    })?;
+    Ok(addr)
+}
+
+/// A loopback port nothing listens on now (a benchmark, not a test: the race is harmless).
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn release_bin(name: &str) -> anyhow::Result<String> {
+    let dir = std::env::current_exe()?
+        .parent()
+        .context("exe dir")?
+        .to_owned();
+    let path = [dir.join(name), dir.join("examples").join(name)]
+        .into_iter()
+        .find(|p| p.exists())
+        .with_context(|| {
+            format!("{name} not found beside {}: build it with --release", dir.display())
+        })?;
+    Ok(path.display().to_string())
+}
+
+struct Replica {
+    engine: Publisher,
+    feed: String,
+    metrics: String,
+    _sidecar: Guard,
+}
+
+/// What one router learned, and how fast.
+struct Joined {
+    how: &'static str,
+    join: Duration,
+    /// Replicas exact at the end (the others degraded: their replay began late).
+    exact: usize,
+    recall: f64,
+    scored_short: u64,
+    blocks: u64,
+    rss_mb: f64,
+    bytes_per_pair: f64,
+}
+
+/// Starts the router with `args`, waits until every replica is exact and its blocks stop
+/// growing, then scores a sample of every replica's prompts.
+fn join(
+    router_bin: &str,
+    how: &'static str,
+    args: &[String],
+    replicas: usize,
+    prompts: u64,
+    want_blocks: Option<u64>,
+) -> anyhow::Result<Joined> {
+    let addr = format!("127.0.0.1:{}", free_port()?);
+    let started = Instant::now();
+    let child = Command::new(router_bin)
+        .args(["--listen", &addr, "--model", "m", "--block-size", "16"])
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let pid = child.id();
+    let router = Guard(child);
+    let deadline = started + Duration::from_secs(300);
+    // Exact, and (without a target) no more blocks for 500 ms: the replays are in.
+    let (mut last, mut steady_since) = (0u64, Instant::now());
+    let states;
+    let joined_at = loop {
+        if Instant::now() > deadline {
+            bail!("{how}: the replicas were not all exact within 300 s");
+        }
+        let Ok(text) = http::get(&addr, "/replicas") else {
+            std::thread::sleep(Duration::from_millis(5));
+            continue;
+        };
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+        let list = v["replicas"].as_array().cloned().unwrap_or_default();
+        let exact = list.len() == replicas && list.iter().all(|r| r["state"] == "exact");
+        // Following engines whose replay buffers lost the start, a replica is rightly never
+        // exact (degraded): it is in once connected and replayed.
+        let connected = list.len() == replicas
+            && list
+                .iter()
+                .all(|r| r["state"] != "stale" && r["reason"] != "connecting");
+        let blocks: u64 = list.iter().filter_map(|r| r["blocks"].as_u64()).sum();
+        let now = Instant::now();
+        if blocks != last {
+            (last, steady_since) = (blocks, now);
+        }
+        match want_blocks {
+            Some(want) if exact && blocks >= want => {
+                states = replicas;
+                break now;
+            }
+            None if connected && blocks > 0 && now - steady_since >= Duration::from_millis(500) => {
+                states = list.iter().filter(|r| r["state"] == "exact").count();
+                break steady_since;
+            }
+            _ => {}
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let join = joined_at - started;
+    let (mut whole, mut short) = (0u64, 0u64);
+    for r in 0..replicas as u64 {
+        for i in 0..SAMPLE.min(prompts) {
+            let p = i * prompts / SAMPLE.min(prompts);
+            let body = serde_json::json!({
+                "model": "m", "token_ids": prompt(r, p), "candidates": [format!("r{r}")],
+            })
+            .to_string();
+            let v: serde_json::Value =
+                serde_json::from_str(&http::call(&addr, "POST", "/score", &body)?)?;
+            let matched = v["scores"][0]["matched_blocks"].as_u64().unwrap_or(0);
+            if matched == u64::from(PROMPT_BLOCKS) {
+                whole += 1;
+            } else {
+                short += 1;
+            }
+        }
+    }
+    let text = http::get(&addr, "/metrics")?;
+    let rss_mb = kvevent_benches::procfs::status_kb(&format!("/proc/{pid}/status"), "VmHWM:") / 1024.0;
+    drop(router);
+    Ok(Joined {
+        how,
+        join,
+        exact: states,
+        recall: whole as f64 / (whole + short).max(1) as f64,
+        scored_short: short,
+        blocks: last,
+        rss_mb,
+        bytes_per_pair: sum(&text, "kvevent_index_bytes") / sum(&text, "kvevent_index_pairs").max(1.0),
+    })
+}
+
+fn main() -> anyhow::Result<()> {
+    let mut args = std::env::args().skip(1);
+    let sidecars: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(8);
+    let blocks: u64 = args.next().map(|a| a.parse()).transpose()?.unwrap_or(16_384);
+    let buffer: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(1_000);
+    let prompts = blocks / u64::from(PROMPT_BLOCKS);
+    let sidecar_bin = release_bin("kvevent-subscriber")?;
+    let router_bin = release_bin("router")?;
+    let sink = serve_sink()?;
+    let ctx = zmq::Context::new();
+    println!(
+        "{sidecars} sidecars x {blocks} resident blocks ({prompts} prompts of {PROMPT_BLOCKS} blocks), engine replay buffers of {buffer} batches"
+    );
+    let mut fleet = Vec::with_capacity(sidecars);
+    for r in 0..sidecars {
+        let engine = Publisher::start(
+            &ctx,
+            PublisherConfig {
+                buffer_steps: buffer,
+                ..PublisherConfig::loopback(RELEASE)
+            },
+        )?;
+        let (feed, metrics) = (
+            format!("127.0.0.1:{}", free_port()?),
+            format!("127.0.0.1:{}", free_port()?),
+        );
+        let child = Command::new(&sidecar_bin)
+            .args([
+                "--engine-endpoint",
+                engine.endpoint(),
+                "--replay-endpoint",
+                engine.replay_endpoint().unwrap_or_default(),
+                "--server",
+                &sink.to_string(),
+                "--replica-id",
+                &format!("r{r}"),
+                "--model-id",
+                "m",
+                "--stats-interval",
+                "0s",
+                "--refresh-interval",
+                "0s",
+                "--feed-address",
+                &feed,
+                "--metrics-address",
+                &metrics,
+                "--log-level",
+                "warn",
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()?;
+        fleet.push(Replica {
+            engine,
+            feed,
+            metrics,
+            _sidecar: Guard(child),
+        });
+    }
+    let t = Instant::now();
+    for (r, replica) in fleet.iter().enumerate() {
+        if !replica.engine.wait_for_subscribers(1, Duration::from_secs(60)) {
+            bail!("sidecar r{r} did not subscribe within 60 s");
+        }
+        for p in 0..prompts {
+            replica.engine.publish(&batch(r as u64, p))?;
+            if p % 256 == 255 {
+                // Within the sidecar's socket buffers.
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+    }
+    let resident = blocks * sidecars as u64;
+    let deadline = Instant::now() + Duration::from_secs(600);
+    loop {
+        let held: f64 = fleet
+            .iter()
+            .map(|r| http::get(&r.metrics, "/metrics").map_or(0.0, |t| sum(&t, "kvevent_feed_blocks")))
+            .sum();
+        if held as u64 >= resident {
+            break;
+        }
+        if Instant::now() > deadline {
+            bail!("the sidecars hold {held} of {resident} blocks after 600 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    println!(
+        "  the engines stored {resident} blocks through the sidecars in {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+    let via_feeds: Vec<String> = fleet
+        .iter()
+        .enumerate()
+        .flat_map(|(r, x)| ["--sidecar".to_owned(), format!("r{r}=http://{}", x.feed)])
+        .collect();
+    let direct: Vec<String> = fleet
+        .iter()
+        .enumerate()
+        .flat_map(|(r, x)| {
+            [
+                "--engine".to_owned(),
+                format!(
+                    "r{r}={},replay={}",
+                    x.engine.endpoint(),
+                    x.engine.replay_endpoint().unwrap_or_default()
+                ),
+            ]
+        })
+        .collect();
+    let results = [
+        join(&router_bin, "sidecar feeds", &via_feeds, sidecars, prompts, Some(resident))?,
+        join(&router_bin, "engines directly", &direct, sidecars, prompts, None)?,
+    ];
+    println!(
+        "| router follows | join: start to all in | replicas exact | recall (prompts scored whole) | scored short | blocks known | peak RSS | index bytes a pair |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for j in &results {
+        println!(
+            "| {} | {:.2} s | {} of {sidecars} | {:.1} % | {} | {} of {resident} | {:.1} MB | {:.1} |",
+            j.how,
+            j.join.as_secs_f64(),
+            j.exact,
+            100.0 * j.recall,
+            j.scored_short,
+            j.blocks,
+            j.rss_mb,
+            j.bytes_per_pair,
+        );
+    }
+    Ok(())
+}
