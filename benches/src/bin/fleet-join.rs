@@ -144,9 +144,34 @@ fn serve_sink() -> anyhow::Result<std::net::SocketAddr> {
     Ok(addr)
 }
 
-/// A loopback port nothing listens on now (a benchmark, not a test: the race is harmless).
+/// A loopback port nothing listens on now, for the router (it takes no port 0).
 fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// The sidecar's feed and `/metrics` addresses, from its log (both bound to port 0); the rest
+/// of its log is read and dropped by a thread.
+fn bound_addresses(child: &mut std::process::Child) -> anyhow::Result<(String, String)> {
+    use std::io::BufRead;
+    let stderr = child.stderr.take().context("stderr")?;
+    let mut lines = std::io::BufReader::new(stderr).lines();
+    let (mut feed, mut metrics) = (None, None);
+    let address = |line: &str| {
+        line.split("address=")
+            .nth(1)
+            .and_then(|a| a.split_whitespace().next())
+            .map(str::to_owned)
+    };
+    while feed.is_none() || metrics.is_none() {
+        let line = lines.next().context("the sidecar ended")??;
+        if line.contains("serving the router feed") {
+            feed = address(&line);
+        } else if line.contains("serving /metrics") {
+            metrics = address(&line);
+        }
+    }
+    std::thread::spawn(move || for _ in lines {});
+    Ok((feed.unwrap_or_default(), metrics.unwrap_or_default()))
 }
 
 fn release_bin(name: &str) -> anyhow::Result<String> {
@@ -298,11 +323,7 @@ fn main() -> anyhow::Result<()> {
                 ..PublisherConfig::loopback(RELEASE)
             },
         )?;
-        let (feed, metrics) = (
-            format!("127.0.0.1:{}", free_port()?),
-            format!("127.0.0.1:{}", free_port()?),
-        );
-        let child = Command::new(&sidecar_bin)
+        let mut child = Command::new(&sidecar_bin)
             .args([
                 "--engine-endpoint",
                 engine.endpoint(),
@@ -319,15 +340,18 @@ fn main() -> anyhow::Result<()> {
                 "--refresh-interval",
                 "0s",
                 "--feed-address",
-                &feed,
+                "127.0.0.1:0",
                 "--metrics-address",
-                &metrics,
+                "127.0.0.1:0",
                 "--log-level",
-                "warn",
+                "info",
             ])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
+            .stderr(Stdio::piped())
             .spawn()?;
+        let (feed, metrics) = bound_addresses(&mut child)
+            .with_context(|| format!("sidecar r{r} did not say where it listens"))?;
         fleet.push(Replica {
             engine,
             feed,

@@ -54,7 +54,8 @@ fn usage() -> &'static str {
     "usage: load [--rates 1000,10000,25000] [--store-only 500000] [--duration 10] [--warmup 2]\n\
      \x20           [--repeat 1] [--sidecars rust,python] [--python .venv/bin/python] [--window 100ms]\n\
      \x20           [-- extra kvevent-subscriber flags]\n\
-     sidecars: rust, python, or rust@PATH (another build of the sidecar, run side by side)\n\
+     sidecars: rust, python, or rust@PATH (another build of the sidecar, run side by side);\n\
+     \x20         rust+N (or rust@PATH+N): with its router feed on and N routers following it\n\
      rates are stored blocks/s; steady-state runs remove as many (resident set = 1 s of stores)"
 }
 
@@ -482,12 +483,85 @@ fn percentile(v: &mut [u32], p: f64) -> f64 {
     f64::from(v[i]) / 1000.0
 }
 
+/// `rust+N`: the sidecar `rust` with N feed followers.
+fn split_followers(kind: &str) -> anyhow::Result<(&str, usize)> {
+    match kind.rsplit_once('+') {
+        Some((base, n)) if base.starts_with("rust") => Ok((
+            base,
+            n.parse()
+                .with_context(|| format!("`{kind}`: rust+N takes a number of followers"))?,
+        )),
+        _ => Ok((kind, 0)),
+    }
+}
+
+/// Follows the sidecar's feed at `url` with `n` streams from a thread of their own, reading
+/// and dropping every message, until `stop`: (messages read, streams that ended early).
+fn follow_feed(
+    url: String,
+    n: usize,
+    stop: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<(u64, u64)> {
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("followers' runtime");
+        rt.block_on(async move {
+            let read = Arc::new(AtomicU64::new(0));
+            let ended = Arc::new(AtomicU64::new(0));
+            let mut tasks = Vec::new();
+            for _ in 0..n {
+                let (url, stop, read, ended) = (url.clone(), stop.clone(), read.clone(), ended.clone());
+                tasks.push(tokio::spawn(async move {
+                    let deadline = Instant::now() + Duration::from_secs(20);
+                    let mut client = loop {
+                        let endpoint = tonic::transport::Endpoint::from_shared(url.clone()).expect("url");
+                        match endpoint.connect().await {
+                            Ok(c) => {
+                                break kvevent_feed::pb::feed_client::FeedClient::new(c)
+                                    .max_decoding_message_size(64 << 20);
+                            }
+                            Err(_) if Instant::now() < deadline => {
+                                tokio::time::sleep(Duration::from_millis(50)).await;
+                            }
+                            Err(e) => panic!("the feed at {url}: {e}"),
+                        }
+                    };
+                    let mut stream = client
+                        .follow(kvevent_feed::pb::FollowRequest::default())
+                        .await
+                        .expect("follow")
+                        .into_inner();
+                    while !stop.load(Relaxed) {
+                        match tokio::time::timeout(Duration::from_millis(200), stream.message()).await {
+                            Ok(Ok(Some(_))) => {
+                                read.fetch_add(1, Relaxed);
+                            }
+                            Ok(Ok(None) | Err(_)) => {
+                                ended.fetch_add(1, Relaxed);
+                                return;
+                            }
+                            Err(_) => {}
+                        }
+                    }
+                }));
+            }
+            for t in tasks {
+                let _ = t.await;
+            }
+            (read.load(Relaxed), ended.load(Relaxed))
+        })
+    })
+}
+
 fn sidecar_command(
     args: &Args,
     kind: &str,
     engine: &str,
     replay: &str,
     server: std::net::SocketAddr,
+    feed: Option<&str>,
 ) -> anyhow::Result<Command> {
     let mut c = match kind {
         _ if kind == "rust" || kind.starts_with("rust@") => {
@@ -527,6 +601,9 @@ fn sidecar_command(
                 "--log-level",
                 "warn",
             ]);
+            if let Some(feed) = feed {
+                c.args(["--feed-address", feed]);
+            }
             c.args(&args.extra);
             c
         }
@@ -580,14 +657,33 @@ fn run_once(args: &Args, kind: &str, w: &Workload) -> anyhow::Result<Outcome> {
         },
     )?;
     let replay = publisher.replay_endpoint().unwrap_or_default().to_owned();
-    let mut child = sidecar_command(args, kind, publisher.endpoint(), &replay, server)?
-        .spawn()
-        .with_context(|| format!("start the {kind} sidecar"))?;
+    let (base, followers) = split_followers(kind)?;
+    let feed = if followers > 0 {
+        // A benchmark: a port free now is free a moment later.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        Some(format!("127.0.0.1:{port}"))
+    } else {
+        None
+    };
+    let mut child = sidecar_command(
+        args,
+        base,
+        publisher.endpoint(),
+        &replay,
+        server,
+        feed.as_deref(),
+    )?
+    .spawn()
+    .with_context(|| format!("start the {kind} sidecar"))?;
     let pid = child.id();
     if !publisher.wait_for_subscribers(1, Duration::from_secs(20)) {
         let _ = child.kill();
         bail!("the {kind} sidecar never subscribed");
     }
+    let stop_followers = Arc::new(AtomicBool::new(false));
+    let following = feed
+        .as_ref()
+        .map(|f| follow_feed(format!("http://{f}"), followers, stop_followers.clone()));
     // Let the startup replay and the first RPC settle before the clock starts.
     std::thread::sleep(Duration::from_millis(500));
     let mut resident = std::collections::VecDeque::new();
@@ -620,6 +716,13 @@ fn run_once(args: &Args, kind: &str, w: &Workload) -> anyhow::Result<Outcome> {
     let rss = peak_rss_mb(pid);
     if let Ok(Some(status)) = child.try_wait() {
         bail!("the {kind} sidecar exited early: {status}");
+    }
+    stop_followers.store(true, Relaxed);
+    if let Some(f) = following {
+        let (read, ended) = f.join().unwrap_or_default();
+        if ended > 0 {
+            eprintln!("  {kind}: {ended} of {followers} feed streams ended early ({read} messages read)");
+        }
     }
     stop_child(child);
     publisher.shutdown();
