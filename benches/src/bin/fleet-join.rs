@@ -34,7 +34,9 @@ const SAMPLE: u64 = 64;
 /// Token ids of prompt `p` of replica `r`: distinct across the fleet.
 fn prompt(r: u64, p: u64) -> Vec<u32> {
     let base = ((r << 20) | p) as u32 * 1000;
-    (0..BLOCK * PROMPT_BLOCKS).map(|t| base.wrapping_add(t)).collect()
+    (0..BLOCK * PROMPT_BLOCKS)
+        .map(|t| base.wrapping_add(t))
+        .collect()
 }
 
 fn batch(r: u64, p: u64) -> wire::EventBatch<'static> {
@@ -100,10 +102,7 @@ impl InferenceCache for Sink {
         while stream.message().await?.is_some() {}
         Ok(accepted())
     }
-    async fn publish_event(
-        &self,
-        _: Request<pb::CacheEvent>,
-    ) -> Result<Response<pb::Ack>, Status> {
+    async fn publish_event(&self, _: Request<pb::CacheEvent>) -> Result<Response<pb::Ack>, Status> {
         Ok(accepted())
     }
     type StreamCacheEventsStream = Stream<pb::CacheEvent>;
@@ -127,26 +126,32 @@ fn serve_sink() -> anyhow::Result<std::net::SocketAddr> {
     let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
     listener.set_nonblocking(true)?;
     let addr = listener.local_addr()?;
-    std::thread::Builder::new().name("sink".into()).spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("sink runtime");
-        rt.block_on(async move {
-            let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
-            let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-            let _ = tonic::transport::Server::builder()
-                .add_service(InferenceCacheServer::new(Sink).max_decoding_message_size(64 << 20))
-                .serve_with_incoming(incoming)
-                .await;
-        });
-    })?;
+    std::thread::Builder::new()
+        .name("sink".into())
+        .spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("sink runtime");
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
+                let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+                let _ = tonic::transport::Server::builder()
+                    .add_service(
+                        InferenceCacheServer::new(Sink).max_decoding_message_size(64 << 20),
+                    )
+                    .serve_with_incoming(incoming)
+                    .await;
+            });
+        })?;
     Ok(addr)
 }
 
 /// A loopback port nothing listens on now, for the router (it takes no port 0).
 fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
 }
 
 /// The sidecar's feed and `/metrics` addresses, from its log (both bound to port 0); the rest
@@ -183,7 +188,10 @@ fn release_bin(name: &str) -> anyhow::Result<String> {
         .into_iter()
         .find(|p| p.exists())
         .with_context(|| {
-            format!("{name} not found beside {}: build it with --release", dir.display())
+            format!(
+                "{name} not found beside {}: build it with --release",
+                dir.display()
+            )
         })?;
     Ok(path.display().to_string())
 }
@@ -287,7 +295,8 @@ fn join(
         }
     }
     let text = http::get(&addr, "/metrics")?;
-    let rss_mb = kvevent_benches::procfs::status_kb(&format!("/proc/{pid}/status"), "VmHWM:") / 1024.0;
+    let rss_mb =
+        kvevent_benches::procfs::status_kb(&format!("/proc/{pid}/status"), "VmHWM:") / 1024.0;
     drop(router);
     Ok(Joined {
         how,
@@ -297,14 +306,19 @@ fn join(
         scored_short: short,
         blocks: last,
         rss_mb,
-        bytes_per_pair: sum(&text, "kvevent_index_bytes") / sum(&text, "kvevent_index_pairs").max(1.0),
+        bytes_per_pair: sum(&text, "kvevent_index_bytes")
+            / sum(&text, "kvevent_index_pairs").max(1.0),
     })
 }
 
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
     let sidecars: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(8);
-    let blocks: u64 = args.next().map(|a| a.parse()).transpose()?.unwrap_or(16_384);
+    let blocks: u64 = args
+        .next()
+        .map(|a| a.parse())
+        .transpose()?
+        .unwrap_or(16_384);
     let buffer: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(1_000);
     let prompts = blocks / u64::from(PROMPT_BLOCKS);
     let sidecar_bin = release_bin("kvevent-subscriber")?;
@@ -361,7 +375,10 @@ fn main() -> anyhow::Result<()> {
     }
     let t = Instant::now();
     for (r, replica) in fleet.iter().enumerate() {
-        if !replica.engine.wait_for_subscribers(1, Duration::from_secs(60)) {
+        if !replica
+            .engine
+            .wait_for_subscribers(1, Duration::from_secs(60))
+        {
             bail!("sidecar r{r} did not subscribe within 60 s");
         }
         for p in 0..prompts {
@@ -377,7 +394,9 @@ fn main() -> anyhow::Result<()> {
     loop {
         let held: f64 = fleet
             .iter()
-            .map(|r| http::get(&r.metrics, "/metrics").map_or(0.0, |t| sum(&t, "kvevent_feed_blocks")))
+            .map(|r| {
+                http::get(&r.metrics, "/metrics").map_or(0.0, |t| sum(&t, "kvevent_feed_blocks"))
+            })
             .sum();
         if held as u64 >= resident {
             break;
@@ -411,8 +430,22 @@ fn main() -> anyhow::Result<()> {
         })
         .collect();
     let results = [
-        join(&router_bin, "sidecar feeds", &via_feeds, sidecars, prompts, Some(resident))?,
-        join(&router_bin, "engines directly", &direct, sidecars, prompts, None)?,
+        join(
+            &router_bin,
+            "sidecar feeds",
+            &via_feeds,
+            sidecars,
+            prompts,
+            Some(resident),
+        )?,
+        join(
+            &router_bin,
+            "engines directly",
+            &direct,
+            sidecars,
+            prompts,
+            None,
+        )?,
     ];
     println!(
         "| router follows | join: start to all in | replicas exact | recall (prompts scored whole) | scored short | blocks known | peak RSS | index bytes a pair |"

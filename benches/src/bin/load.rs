@@ -512,11 +512,13 @@ fn follow_feed(
             let ended = Arc::new(AtomicU64::new(0));
             let mut tasks = Vec::new();
             for _ in 0..n {
-                let (url, stop, read, ended) = (url.clone(), stop.clone(), read.clone(), ended.clone());
+                let (url, stop, read, ended) =
+                    (url.clone(), stop.clone(), read.clone(), ended.clone());
                 tasks.push(tokio::spawn(async move {
                     let deadline = Instant::now() + Duration::from_secs(20);
                     let mut client = loop {
-                        let endpoint = tonic::transport::Endpoint::from_shared(url.clone()).expect("url");
+                        let endpoint =
+                            tonic::transport::Endpoint::from_shared(url.clone()).expect("url");
                         match endpoint.connect().await {
                             Ok(c) => {
                                 break kvevent_feed::pb::feed_client::FeedClient::new(c)
@@ -534,7 +536,9 @@ fn follow_feed(
                         .expect("follow")
                         .into_inner();
                     while !stop.load(Relaxed) {
-                        match tokio::time::timeout(Duration::from_millis(200), stream.message()).await {
+                        match tokio::time::timeout(Duration::from_millis(200), stream.message())
+                            .await
+                        {
                             Ok(Ok(Some(_))) => {
                                 read.fetch_add(1, Relaxed);
                             }
@@ -660,7 +664,9 @@ fn run_once(args: &Args, kind: &str, w: &Workload) -> anyhow::Result<Outcome> {
     let (base, followers) = split_followers(kind)?;
     let feed = if followers > 0 {
         // A benchmark: a port free now is free a moment later.
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
         Some(format!("127.0.0.1:{port}"))
     } else {
         None
@@ -721,7 +727,9 @@ fn run_once(args: &Args, kind: &str, w: &Workload) -> anyhow::Result<Outcome> {
     if let Some(f) = following {
         let (read, ended) = f.join().unwrap_or_default();
         if ended > 0 {
-            eprintln!("  {kind}: {ended} of {followers} feed streams ended early ({read} messages read)");
+            eprintln!(
+                "  {kind}: {ended} of {followers} feed streams ended early ({read} messages read)"
+            );
         }
     }
     stop_child(child);

@@ -345,7 +345,11 @@ impl Hub {
     /// Seals the turn's changes into one message for every follower and wakes them.
     pub fn commit(&self) {
         let mut guard = self.lock();
-        let s = &mut *guard;
+        self.seal(&mut guard);
+    }
+
+    /// Seals the changes applied since the last seal into one message.
+    fn seal(&self, s: &mut State) {
         self.metrics.blocks.store(s.blocks.len() as u64, Relaxed);
         if s.pending.is_empty() {
             return;
@@ -384,7 +388,11 @@ impl Hub {
 
     /// What a follower at `at` (epoch, seq of its last change; `None`: nothing yet) needs.
     pub(crate) fn next(&self, at: Option<(u64, u64)>) -> Next {
-        let s = self.lock();
+        let mut guard = self.lock();
+        // Changes applied in a turn not yet committed are in the blocks: sealed now, so that
+        // a snapshot is exactly the state at its seq.
+        self.seal(&mut guard);
+        let s = &*guard;
         let Some((epoch, seq)) = at.filter(|(e, q)| *e == s.epoch && *q <= s.seq) else {
             return Next::Snapshot(Snapshot {
                 epoch: s.epoch,
@@ -432,5 +440,189 @@ impl State {
         self.adapters.push(name.clone());
         self.adapter_ids.insert(name, id);
         id
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The hub's snapshot, resume and epoch rules against a model: whatever the engine does
+    //! and however followers come and go, a follower that catches up holds exactly what the
+    //! hub holds.
+
+    use std::collections::BTreeMap;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Store {
+            key: u64,
+            tier2: bool,
+            tokens: u32,
+        },
+        Remove {
+            key: u64,
+        },
+        Clear,
+        Commit,
+        /// Follower `i` reads everything there is.
+        CatchUp(usize),
+        /// Follower `i` reads only the next answer (a slow follower).
+        ReadOne(usize),
+        /// Follower `i` reconnects with its position.
+        Reconnect,
+        /// Follower `i` restarts: no position.
+        Forget(usize),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            6 => (0u64..24, any::<bool>(), 1u32..4).prop_map(|(key, tier2, tokens)| Op::Store { key, tier2, tokens }),
+            4 => (0u64..24).prop_map(|key| Op::Remove { key }),
+            1 => Just(Op::Clear),
+            4 => Just(Op::Commit),
+            3 => (0usize..3).prop_map(Op::CatchUp),
+            2 => (0usize..3).prop_map(Op::ReadOne),
+            1 => Just(Op::Reconnect),
+            1 => (0usize..3).prop_map(Op::Forget),
+        ]
+    }
+
+    /// key → (tokens, tier)
+    type Held = BTreeMap<u64, (u32, i32)>;
+
+    #[derive(Debug, Default)]
+    struct Follower {
+        at: Option<(u64, u64)>,
+        held: Held,
+    }
+
+    impl Follower {
+        /// Takes one answer of the hub; false when there was nothing new.
+        fn read(&mut self, hub: &Hub) -> bool {
+            match hub.next(self.at) {
+                Next::Snapshot(snapshot) => {
+                    self.held.clear();
+                    for from in (0..snapshot.len()).step_by(3) {
+                        for b in snapshot.chunk(from, 3).blocks {
+                            self.held.insert(b.key, (b.tokens, b.tier));
+                        }
+                    }
+                    self.at = Some((snapshot.epoch, snapshot.seq));
+                    true
+                }
+                Next::Changes(messages, position) => {
+                    let (epoch, mut seq) = self.at.expect("changes follow a position");
+                    for bytes in messages {
+                        let m = pb::FeedMessage::decode(bytes).expect("decodes");
+                        assert_eq!(m.epoch, epoch, "changes of the follower's epoch");
+                        let Some(pb::feed_message::Body::Changes(c)) = m.body else {
+                            panic!("a sealed message holds changes");
+                        };
+                        assert_eq!(m.seq, seq + c.changes.len() as u64, "seqs are contiguous");
+                        seq = m.seq;
+                        for change in c.changes {
+                            match change.kind.expect("a kind") {
+                                pb::change::Kind::Stored(b) => {
+                                    let before = self.held.insert(b.key, (b.tokens, b.tier));
+                                    assert!(before.is_none(), "stored: not held before");
+                                }
+                                pb::change::Kind::Moved(b) => {
+                                    let before = self.held.insert(b.key, (b.tokens, b.tier));
+                                    assert!(before.is_some(), "moved: held before");
+                                }
+                                pb::change::Kind::Removed(r) => {
+                                    assert!(self.held.remove(&r.key).is_some(), "removed: held");
+                                }
+                            }
+                        }
+                    }
+                    assert_eq!(Some((epoch, seq)), Some(position));
+                    self.at = Some(position);
+                    true
+                }
+                Next::Nothing(_) => false,
+                // The server cuts it off; it comes back with its position.
+                Next::Behind => {
+                    self.at = None;
+                    true
+                }
+            }
+        }
+    }
+
+    fn store(key: u64, tier2: bool, tokens: u32) -> ic::Report {
+        ic::Report::New(ic::CacheStateUpdate {
+            prefixes: vec![ic::PrefixEntry {
+                prefix_hash: key.to_be_bytes().to_vec(),
+                token_count: tokens as i32,
+                tier: if tier2 {
+                    ic::CacheTier::T2
+                } else {
+                    ic::CacheTier::T1
+                } as i32,
+                ..Default::default()
+            }],
+            ..Default::default()
+        })
+    }
+
+    fn event(kind: ic::cache_event::Type, key: u64) -> ic::Report {
+        ic::Report::Event(ic::CacheEvent {
+            r#type: kind as i32,
+            prefix_hash: key.to_be_bytes().to_vec(),
+            ..Default::default()
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+        #[test]
+        fn a_follower_that_catches_up_holds_what_the_hub_holds(
+            ops in proptest::collection::vec(op(), 1..120),
+            ring in prop_oneof![Just(64usize), Just(1 << 20)],
+        ) {
+            let hub = Hub::new(HubConfig { ring_bytes: ring, ..HubConfig::new("r", "m") });
+            let mut model = Held::new();
+            let mut followers: Vec<Follower> = (0..3).map(|_| Follower::default()).collect();
+            for op in ops {
+                match op {
+                    Op::Store { key, tier2, tokens } => {
+                        hub.apply(0, &store(key, tier2, tokens));
+                        let tier = if tier2 { pb::Tier::T2 } else { pb::Tier::T1 } as i32;
+                        model.insert(key, (tokens, tier));
+                    }
+                    Op::Remove { key } => {
+                        hub.apply(0, &event(ic::cache_event::Type::PrefixEvicted, key));
+                        model.remove(&key);
+                    }
+                    Op::Clear => {
+                        hub.apply(0, &event(ic::cache_event::Type::AllCleared, 0));
+                        model.clear();
+                    }
+                    Op::Commit => hub.commit(),
+                    Op::CatchUp(i) => {
+                        let f = &mut followers[i];
+                        let mut reads = 0;
+                        while f.read(&hub) {
+                            reads += 1;
+                            prop_assert!(reads < 10, "catching up ends");
+                        }
+                        prop_assert_eq!(&f.held, &model);
+                        prop_assert_eq!(f.at, Some(hub.position()));
+                    }
+                    Op::ReadOne(i) => {
+                        followers[i].read(&hub);
+                    }
+                    // A reconnect with its position: the next read decides as any does.
+                    Op::Reconnect => {}
+                    Op::Forget(i) => followers[i] = Follower::default(),
+                }
+                prop_assert_eq!(hub.blocks(), model.len());
+            }
+        }
     }
 }
