@@ -483,15 +483,17 @@ fn percentile(v: &mut [u32], p: f64) -> f64 {
     f64::from(v[i]) / 1000.0
 }
 
-/// `rust+N`: the sidecar `rust` with N feed followers.
-fn split_followers(kind: &str) -> anyhow::Result<(&str, usize)> {
+/// `rust+N`: the sidecar `rust` with its feed on and N followers (`rust+0`: on, none).
+fn split_followers(kind: &str) -> anyhow::Result<(&str, Option<usize>)> {
     match kind.rsplit_once('+') {
         Some((base, n)) if base.starts_with("rust") => Ok((
             base,
-            n.parse()
-                .with_context(|| format!("`{kind}`: rust+N takes a number of followers"))?,
+            Some(
+                n.parse()
+                    .with_context(|| format!("`{kind}`: rust+N takes a number of followers"))?,
+            ),
         )),
-        _ => Ok((kind, 0)),
+        _ => Ok((kind, None)),
     }
 }
 
@@ -662,7 +664,7 @@ fn run_once(args: &Args, kind: &str, w: &Workload) -> anyhow::Result<Outcome> {
     )?;
     let replay = publisher.replay_endpoint().unwrap_or_default().to_owned();
     let (base, followers) = split_followers(kind)?;
-    let feed = if followers > 0 {
+    let feed = if followers.is_some() {
         // A benchmark: a port free now is free a moment later.
         let port = std::net::TcpListener::bind("127.0.0.1:0")?
             .local_addr()?
@@ -687,9 +689,13 @@ fn run_once(args: &Args, kind: &str, w: &Workload) -> anyhow::Result<Outcome> {
         bail!("the {kind} sidecar never subscribed");
     }
     let stop_followers = Arc::new(AtomicBool::new(false));
-    let following = feed
-        .as_ref()
-        .map(|f| follow_feed(format!("http://{f}"), followers, stop_followers.clone()));
+    let following = feed.as_ref().map(|f| {
+        follow_feed(
+            format!("http://{f}"),
+            followers.unwrap_or(0),
+            stop_followers.clone(),
+        )
+    });
     // Let the startup replay and the first RPC settle before the clock starts.
     std::thread::sleep(Duration::from_millis(500));
     let mut resident = std::collections::VecDeque::new();
@@ -728,7 +734,8 @@ fn run_once(args: &Args, kind: &str, w: &Workload) -> anyhow::Result<Outcome> {
         let (read, ended) = f.join().unwrap_or_default();
         if ended > 0 {
             eprintln!(
-                "  {kind}: {ended} of {followers} feed streams ended early ({read} messages read)"
+                "  {kind}: {ended} of {} feed streams ended early ({read} messages read)",
+                followers.unwrap_or(0)
             );
         }
     }

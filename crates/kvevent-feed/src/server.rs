@@ -320,7 +320,7 @@ async fn follow(
                         let (e, s) = at.unwrap_or(position);
                         send(Ok(encode(e, s, pb::feed_message::Body::Hello(hello)))).await?;
                     }
-                    for m in messages {
+                    for m in merged(messages) {
                         send(Ok(m)).await?;
                     }
                     Ok(())
@@ -342,6 +342,12 @@ async fn follow(
                         r = changed.changed() => {
                             if r.is_err() {
                                 return Err(Ended);
+                            }
+                            // Let more come: they go together.
+                            tokio::select! {
+                                () = tokio::time::sleep(config.linger) => {}
+                                () = tx.closed() => return Err(Ended),
+                                _ = closed.changed() => {}
                             }
                         }
                         () = tokio::time::sleep(config.heartbeat) => {
@@ -379,6 +385,31 @@ async fn follow(
         }
         first = false;
     }
+}
+
+/// Most bytes of changes merged into one message.
+const MERGE_MAX: usize = 1 << 20;
+
+/// Consecutive sealed messages of changes as fewer messages: protobuf merges concatenated
+/// messages (a repeated field's items append, a scalar's last value wins), so the bytes of
+/// several `FeedMessage`s of one epoch, back to back, are one `FeedMessage` with all their
+/// changes in order and the last one's seq. No message is decoded or encoded again.
+pub(crate) fn merged(messages: Vec<Bytes>) -> Vec<Bytes> {
+    if messages.len() < 2 {
+        return messages;
+    }
+    let mut out = Vec::new();
+    let mut run = bytes::BytesMut::new();
+    for m in messages {
+        if !run.is_empty() && run.len() + m.len() > MERGE_MAX {
+            out.push(run.split().freeze());
+        }
+        run.extend_from_slice(&m);
+    }
+    if !run.is_empty() {
+        out.push(run.freeze());
+    }
+    out
 }
 
 /// Counts a follower cut off and logs it, at most once every 10 s with the count since.
