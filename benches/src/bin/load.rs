@@ -48,6 +48,8 @@ struct Args {
     python: PathBuf,
     window: String,
     extra: Vec<String>,
+    /// Blocks stored (and never evicted) before the run: a large resident set.
+    prefill: u64,
 }
 
 fn usage() -> &'static str {
@@ -56,6 +58,8 @@ fn usage() -> &'static str {
      \x20           [-- extra kvevent-subscriber flags]\n\
      sidecars: rust, python, or rust@PATH (another build of the sidecar, run side by side);\n\
      \x20         rust+N (or rust@PATH+N): with its router feed on and N routers following it\n\
+     --prefill N: N blocks stored before the run and never evicted; feed followers then join\n\
+     \x20           halfway through the run, so each is sent a snapshot of them under load\n\
      rates are stored blocks/s; steady-state runs remove as many (resident set = 1 s of stores)"
 }
 
@@ -81,6 +85,7 @@ fn parse_args() -> anyhow::Result<Args> {
         python: PathBuf::from(".venv/bin/python"),
         window: "100ms".into(),
         extra: Vec::new(),
+        prefill: 0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -104,6 +109,7 @@ fn parse_args() -> anyhow::Result<Args> {
             "--sidecars" => a.sidecars = value.split(',').map(str::to_owned).collect(),
             "--python" => a.python = PathBuf::from(value),
             "--window" => a.window = value,
+            "--prefill" => a.prefill = value.parse()?,
             _ => bail!("unknown flag {flag}\n{}", usage()),
         }
     }
@@ -502,6 +508,7 @@ fn split_followers(kind: &str) -> anyhow::Result<(&str, Option<usize>)> {
 fn follow_feed(
     url: String,
     n: usize,
+    join_after: Duration,
     stop: Arc<AtomicBool>,
 ) -> std::thread::JoinHandle<(u64, u64)> {
     std::thread::spawn(move || {
@@ -517,6 +524,8 @@ fn follow_feed(
                 let (url, stop, read, ended) =
                     (url.clone(), stop.clone(), read.clone(), ended.clone());
                 tasks.push(tokio::spawn(async move {
+                    tokio::time::sleep(join_after).await;
+                    let asked = Instant::now();
                     let deadline = Instant::now() + Duration::from_secs(20);
                     let mut client = loop {
                         let endpoint =
@@ -541,8 +550,17 @@ fn follow_feed(
                         match tokio::time::timeout(Duration::from_millis(200), stream.message())
                             .await
                         {
-                            Ok(Ok(Some(_))) => {
+                            Ok(Ok(Some(m))) => {
                                 read.fetch_add(1, Relaxed);
+                                if let Some(kvevent_feed::pb::feed_message::Body::SnapshotEnd(end)) = m.body
+                                    && end.blocks > 1_000
+                                {
+                                    eprintln!(
+                                        "  a follower had its snapshot of {} blocks {} ms after asking",
+                                        end.blocks,
+                                        asked.elapsed().as_millis()
+                                    );
+                                }
                             }
                             Ok(Ok(None) | Err(_)) => {
                                 ended.fetch_add(1, Relaxed);
@@ -559,6 +577,51 @@ fn follow_feed(
             (read.load(Relaxed), ended.load(Relaxed))
         })
     })
+}
+
+/// Stores `n` blocks (hashes the sink takes for foreign) as fast as the sidecar takes them,
+/// and waits until it has reported them all.
+fn prefill(publisher: &Publisher, sink: &Sink, n: u64) -> anyhow::Result<()> {
+    const PER_BATCH: u64 = 512;
+    let started = Instant::now();
+    let mut token = 7u32;
+    for first in (0..n).step_by(PER_BATCH as usize) {
+        let k = PER_BATCH.min(n - first);
+        let tokens: Vec<u32> = (0..k as u32 * BLOCK_SIZE)
+            .map(|_| {
+                token = token.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+                token % 128_000
+            })
+            .collect();
+        let batch = wire::EventBatch {
+            ts: unix_us() as f64 / 1e6,
+            events: vec![wire::Event::BlockStored(wire::BlockStored {
+                block_hashes: (first..first + k)
+                    .map(|i| wire::BlockHash::Int(wire::Int::U64((1 << 63) | i)))
+                    .collect(),
+                token_ids: wire::TokenIds::from(tokens),
+                block_size: BLOCK_SIZE,
+                medium: Some(wire::Medium("GPU".into())),
+                ..Default::default()
+            })],
+            data_parallel_rank: None,
+            unknown_events: 0,
+        };
+        publisher.publish(&batch)?;
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while sink.lock().foreign < n {
+        if Instant::now() > deadline {
+            bail!("the sidecar reported {} of {n} prefilled blocks in 60 s", sink.lock().foreign);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!(
+        "  prefilled {n} blocks in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 fn sidecar_command(
@@ -688,16 +751,26 @@ fn run_once(args: &Args, kind: &str, w: &Workload) -> anyhow::Result<Outcome> {
         let _ = child.kill();
         bail!("the {kind} sidecar never subscribed");
     }
+    // Let the startup replay and the first RPC settle before the clock starts.
+    std::thread::sleep(Duration::from_millis(500));
+    if args.prefill > 0 {
+        prefill(&publisher, &sink, args.prefill)?;
+    }
     let stop_followers = Arc::new(AtomicBool::new(false));
+    // With a prefill, the followers join halfway through the run: a snapshot under load.
+    let join_after = if args.prefill > 0 {
+        args.warmup + args.duration / 2
+    } else {
+        Duration::ZERO
+    };
     let following = feed.as_ref().map(|f| {
         follow_feed(
             format!("http://{f}"),
             followers.unwrap_or(0),
+            join_after,
             stop_followers.clone(),
         )
     });
-    // Let the startup replay and the first RPC settle before the clock starts.
-    std::thread::sleep(Duration::from_millis(500));
     let mut resident = std::collections::VecDeque::new();
     let warm = run_engine(&publisher, w, &sink, 0, warm_steps, &mut resident);
     let cpu0 = cpu_seconds(&format!("/proc/{pid}/stat"));
