@@ -613,7 +613,10 @@ fn prefill(publisher: &Publisher, sink: &Sink, n: u64) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(60);
     while sink.lock().foreign < n {
         if Instant::now() > deadline {
-            bail!("the sidecar reported {} of {n} prefilled blocks in 60 s", sink.lock().foreign);
+            bail!(
+                "the sidecar reported {} of {n} prefilled blocks in 60 s",
+                sink.lock().foreign
+            );
         }
         std::thread::sleep(Duration::from_millis(50));
     }
