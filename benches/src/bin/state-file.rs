@@ -85,6 +85,7 @@ fn main() {
                 degraded: false,
                 blocks: n,
             }],
+            feed: None,
         };
         let mappers = vec![mapper];
         let labels = vec!["tcp://e:5557".to_owned()];

@@ -255,6 +255,29 @@ impl Hub {
     /// replica (`ALL_CLEARED`) starts a new epoch: the changes before it are dropped with the
     /// old one, followers are sent a new snapshot.
     pub fn apply(&self, rank: u32, report: &ic::Report) {
+        self.take(rank, report, true);
+    }
+
+    /// Takes a report into what the hub holds without publishing it as a change: for the
+    /// state a restarted sidecar resumes with, before [`Hub::resume_at`].
+    pub fn load(&self, rank: u32, report: &ic::Report) {
+        self.take(rank, report, false);
+    }
+
+    /// Goes on at `(epoch, seq)`, the position saved with the state the hub was loaded with: a
+    /// follower at that position resumes with nothing missed; one elsewhere gets a snapshot.
+    pub fn resume_at(&self, epoch: u64, seq: u64) {
+        let mut s = self.lock();
+        s.epoch = epoch;
+        s.seq = seq;
+        s.pending.clear();
+        s.ring.clear();
+        s.ring_bytes = 0;
+        self.metrics.blocks.store(s.blocks.len() as u64, Relaxed);
+        self.changed.send_replace((epoch, seq));
+    }
+
+    fn take(&self, rank: u32, report: &ic::Report, record: bool) {
         let mut guard = self.lock();
         let s = &mut *guard;
         match report {
@@ -284,17 +307,16 @@ impl Hub {
                         tokens: u32::try_from(p.token_count).unwrap_or(0),
                         tier,
                     };
-                    match s.blocks.insert(k, h) {
-                        None => s.pending.push(change(pb::change::Kind::Stored(block(
-                            &k,
-                            &h,
-                            &s.adapters,
-                        )))),
-                        Some(before) if before != h => s
-                            .pending
-                            .push(change(pb::change::Kind::Moved(block(&k, &h, &s.adapters)))),
+                    let kind = match s.blocks.insert(k, h) {
+                        None => pb::change::Kind::Stored(block(&k, &h, &s.adapters)),
+                        Some(before) if before != h => {
+                            pb::change::Kind::Moved(block(&k, &h, &s.adapters))
+                        }
                         // A refresh: nothing changed.
-                        Some(_) => {}
+                        Some(_) => continue,
+                    };
+                    if record {
+                        s.pending.push(change(kind));
                     }
                 }
             }
@@ -311,7 +333,7 @@ impl Hub {
                     adapter,
                     rank,
                 };
-                if s.blocks.remove(&k).is_some() {
+                if s.blocks.remove(&k).is_some() && record {
                     s.pending
                         .push(change(pb::change::Kind::Removed(pb::Removed {
                             key: k.key,

@@ -82,10 +82,17 @@ impl Saver {
         applied: &Applied,
         subscriber: &Subscriber,
         at_shutdown: bool,
+        feed: Option<&Feed>,
     ) -> Vec<u8> {
         let mut header = self.header.clone();
         header.written_unix_ms = crate::telemetry::unix_ms();
         header.at_shutdown = at_shutdown;
+        // The feed's position goes with the blocks when the feed holds exactly what the saved
+        // mappers hold (fingerprint keys: no mappers of its own).
+        header.feed = feed.filter(|f| f.mappers.is_none()).map(|f| {
+            let (epoch, seq) = f.hub.position();
+            state_file::FeedPosition { epoch, seq }
+        });
         header.sources = subscriber
             .sources()
             .iter()
@@ -369,7 +376,13 @@ impl EventsLoop {
             return;
         }
         turn.last_save = Instant::now();
-        let image = saver.image(&self.mappers, &turn.applied, &self.subscriber, false);
+        let image = saver.image(
+            &self.mappers,
+            &turn.applied,
+            &self.subscriber,
+            false,
+            self.feed.as_ref(),
+        );
         if tx.try_send((image, turn.last_save)).is_err() {
             self.telemetry.state_writes.skipped.fetch_add(1, Relaxed);
         }
@@ -380,7 +393,13 @@ impl EventsLoop {
     fn finish(self, turn: &Turn, writer: Option<(ImageSender, std::thread::JoinHandle<()>)>) {
         if let (Some(saver), Some((tx, thread))) = (&self.saver, writer) {
             let started = Instant::now();
-            let image = saver.image(&self.mappers, &turn.applied, &self.subscriber, true);
+            let image = saver.image(
+                &self.mappers,
+                &turn.applied,
+                &self.subscriber,
+                true,
+                self.feed.as_ref(),
+            );
             let _ = tx.send((image, started));
             drop(tx);
             let _ = thread.join();

@@ -151,6 +151,7 @@ async fn start_feed(
     options: &mapper::Options,
     mappers: &mut [mapper::Mapper],
     restored: bool,
+    saved_feed: Option<state_file::FeedPosition>,
 ) -> Result<(events::Feed, FeedServer), StartError> {
     let hub = kvevent_feed::Hub::new(kvevent_feed::HubConfig {
         ring_bytes: settings.feed_ring_bytes,
@@ -176,10 +177,14 @@ async fn start_feed(
         } else {
             for (m, rank) in mappers.iter_mut().zip(&ranks) {
                 if let Some(report) = m.resident(0) {
-                    hub.apply(*rank, &report);
+                    hub.load(*rank, &report);
                 }
             }
-            hub.commit();
+            match saved_feed {
+                // The same history: followers at the saved position miss nothing.
+                Some(p) => hub.resume_at(p.epoch, p.seq),
+                None => hub.commit(),
+            }
         }
     }
     let mut options = kvevent_feed::ServeOptions::default();
@@ -283,9 +288,11 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
     sub_config.socket.heartbeat_interval = settings.engine_heartbeat_interval.0;
     sub_config.socket.heartbeat_timeout = settings.engine_heartbeat_timeout.0;
     sub_config.socket.reconnect_interval_max = settings.engine_reconnect_max.0;
+    let mut saved_feed = None;
     let (mut mappers, restored) = match restored {
         Some(loaded) => {
             sub_config.resume = loaded.resume;
+            saved_feed = loaded.header.feed;
             (loaded.mappers, true)
         }
         None => (
@@ -334,6 +341,7 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
             &options,
             &mut mappers,
             restored,
+            saved_feed,
         )
         .await?;
         telemetry.set_feed(feed.hub.clone());
@@ -358,6 +366,7 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
                 hash_scheme: identity.hash_scheme().to_owned(),
                 key_mode: key_mode.to_owned(),
                 sources: Vec::new(),
+                feed: None,
             },
         }),
         refresh_interval: settings.refresh_interval.0,

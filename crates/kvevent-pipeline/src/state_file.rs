@@ -50,6 +50,20 @@ pub struct Header {
     pub key_mode: String,
     /// Per source, in subscription order.
     pub sources: Vec<SourceHeader>,
+    /// Where the router feed was when the blocks were saved: a sidecar that resumes from this
+    /// file goes on in the same epoch, so a follower at this position misses nothing. Absent
+    /// without a feed (and in files before it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub feed: Option<FeedPosition>,
+}
+
+/// A router feed's `(epoch, seq)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FeedPosition {
+    /// The feed's epoch.
+    pub epoch: u64,
+    /// The seq of its last change.
+    pub seq: u64,
 }
 
 /// One source in the file.

@@ -238,3 +238,93 @@ async fn a_state_file_path_that_cannot_be_written_fails_the_start() {
     assert!(err.to_string().contains("/nonexistent-kvevent-dir/state"));
     engine.shutdown();
 }
+
+/// The router feed's next message, within `WAIT`.
+async fn next_message(
+    stream: &mut tonic::Streaming<kvevent_feed::pb::FeedMessage>,
+) -> kvevent_feed::pb::FeedMessage {
+    tokio::time::timeout(WAIT, stream.message())
+        .await
+        .expect("a feed message in time")
+        .expect("the stream goes on")
+        .expect("a message")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sidecar_restarted_from_its_state_file_keeps_its_feed_epoch_and_followers_resume() {
+    use kvevent_feed::pb;
+    let dir = scratch("feed");
+    let state = dir.join("state");
+    let ctx = zmq::Context::new();
+    let engine =
+        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    let server = RecordingServer::start().await;
+    let s = Settings {
+        feed_address: "127.0.0.1:0".into(),
+        ..settings(&engine, &server, &state)
+    };
+    let first = start(&s, &ctx).await.expect("start");
+    wait_subscribed(&engine, 1).await;
+    engine.publish(&scripted_batch(0)).expect("publish");
+    engine.publish(&scripted_batch(1)).expect("publish");
+    let hub = first.telemetry().feed.get().expect("feed").clone();
+    let deadline = std::time::Instant::now() + WAIT;
+    while hub.blocks() < 6 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the feed never held the blocks"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (epoch, seq) = hub.position();
+    first.shutdown(Duration::from_secs(5)).await;
+
+    let second = start(&s, &ctx).await.expect("restart");
+    let url = format!("http://{}", second.feed_addr().expect("feed address"));
+    let hub = second.telemetry().feed.get().expect("feed").clone();
+    assert_eq!(hub.position(), (epoch, seq), "the same history goes on");
+    assert_eq!(hub.blocks(), 6, "what the state file holds");
+    // A follower at the saved position resumes: no snapshot, then the new change.
+    let channel = tonic::transport::Endpoint::from_shared(url)
+        .expect("url")
+        .connect()
+        .await
+        .expect("connect");
+    let mut stream = pb::feed_client::FeedClient::new(channel)
+        .follow(pb::FollowRequest {
+            resume: Some(pb::Position { epoch, seq }),
+            ..Default::default()
+        })
+        .await
+        .expect("follow")
+        .into_inner();
+    let hello = next_message(&mut stream).await;
+    let Some(pb::feed_message::Body::Hello(h)) = hello.body else {
+        panic!("a hello first: {hello:?}");
+    };
+    assert!(h.resumed, "{h:?}");
+    wait_subscribed(&engine, 1).await;
+    // The engine evicts blocks of prompt 0 and offloads one: changes, in the same epoch.
+    engine.publish(&scripted_batch(2)).expect("publish");
+    let next = loop {
+        let m = next_message(&mut stream).await;
+        if !matches!(m.body, Some(pb::feed_message::Body::Heartbeat(_))) {
+            break m;
+        }
+    };
+    assert!(
+        matches!(next.body, Some(pb::feed_message::Body::Changes(_))),
+        "changes, not a snapshot: {next:?}"
+    );
+    assert_eq!(next.epoch, epoch);
+    assert!(next.seq > seq);
+    assert_eq!(
+        second.telemetry().source_metrics[0]
+            .resumes_verified
+            .load(Relaxed),
+        1
+    );
+    second.shutdown(Duration::from_secs(5)).await;
+    engine.shutdown();
+    let _ = std::fs::remove_dir_all(dir);
+}
