@@ -19,7 +19,8 @@ use crate::pb;
 /// How a fleet follows its replicas.
 #[derive(Debug, Clone)]
 pub struct FleetConfig {
-    /// The prefix index (its byte budget; its key mode must stay fingerprints for feeds).
+    /// The prefix index ([`crate::IndexConfig`]: its byte budget; its key mode must stay
+    /// fingerprints for feeds).
     pub index: kvevent_index::Config,
     /// A replica whose source is lost (a feed's stream ended or went silent, an engine's
     /// socket lost its connection) for this long is [`ReplicaState::Stale`]. Default 3 s.
@@ -239,6 +240,22 @@ pub enum FleetError {
     /// The runtime for feeds could not start.
     #[error("cannot start the fleet's feed runtime: {0}")]
     Runtime(#[source] std::io::Error),
+    /// A sidecar's feed carries fingerprints: it cannot be followed into an index of engine
+    /// keys.
+    #[error(
+        "replica `{0}`: a sidecar's feed carries fingerprint keys, and this fleet's index is set to engine keys (FleetConfig::index.mapping.key_mode)"
+    )]
+    KeyMode(String),
+    /// An engine endpoint is not one ZeroMQ can connect to.
+    #[error(
+        "replica `{replica}`: `{endpoint}` is not tcp://HOST:PORT, ipc://PATH or inproc://NAME"
+    )]
+    Endpoint {
+        /// The replica.
+        replica: String,
+        /// The endpoint given.
+        endpoint: String,
+    },
     /// An engine's endpoints are not valid.
     #[error("replica `{replica}`: {source}")]
     Engine {
@@ -382,6 +399,30 @@ impl Fleet {
     /// source, and a replica whose source changed is followed from the new one. Call it from a
     /// discovery loop or a pod watch as often as you like.
     pub fn ensure_replica(&self, name: &str, source: ReplicaSource) -> Result<(), FleetError> {
+        // Checked before anything changes: bad input loses nothing.
+        let engine_sources = match &source {
+            ReplicaSource::Sidecar(_)
+                if self.config.index.mapping.key_mode != kvevent_index::KeyMode::Fingerprint =>
+            {
+                return Err(FleetError::KeyMode(name.to_owned()));
+            }
+            ReplicaSource::Sidecar(_) => None,
+            ReplicaSource::Engine(e) => Some({
+                for endpoint in std::iter::once(&e.endpoint).chain(&e.replay) {
+                    if !connectable(endpoint) {
+                        return Err(FleetError::Endpoint {
+                            replica: name.to_owned(),
+                            endpoint: endpoint.clone(),
+                        });
+                    }
+                }
+                kvevent_zmq::dp_sources(&e.endpoint, e.replay.as_deref(), e.dp, &e.topic, false)
+                    .map_err(|source| FleetError::Engine {
+                        replica: name.to_owned(),
+                        source,
+                    })?
+            }),
+        };
         let mut replicas = lock(&self.replicas);
         if replicas.get(name).is_some_and(|r| r.source == source) {
             return Ok(());
@@ -406,18 +447,8 @@ impl Fleet {
                 };
                 Stop::Task(self.runtime.spawn(follower.run()).abort_handle())
             }
-            ReplicaSource::Engine(e) => {
-                let sources = kvevent_zmq::dp_sources(
-                    &e.endpoint,
-                    e.replay.as_deref(),
-                    e.dp,
-                    &e.topic,
-                    false,
-                )
-                .map_err(|source| FleetError::Engine {
-                    replica: name.to_owned(),
-                    source,
-                })?;
+            ReplicaSource::Engine(_) => {
+                let sources = engine_sources.unwrap_or_default();
                 lock(&self.engines.commands).push(Command::Add {
                     name: name.to_owned(),
                     sources,
@@ -783,6 +814,18 @@ impl FeedFollower {
         }
         Ok(())
     }
+}
+
+/// `tcp://HOST:PORT`, `ipc://PATH` or `inproc://NAME`.
+fn connectable(endpoint: &str) -> bool {
+    if let Some(rest) = endpoint.strip_prefix("tcp://") {
+        return rest
+            .rsplit_once(':')
+            .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+    }
+    ["ipc://", "inproc://"]
+        .iter()
+        .any(|p| endpoint.strip_prefix(p).is_some_and(|r| !r.is_empty()))
 }
 
 fn stored(b: &pb::Block) -> KeyChange<'_> {

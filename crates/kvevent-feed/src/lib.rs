@@ -34,6 +34,6 @@ pub use fleet::{
     ReplicaState, ReplicaStatus, ScoreError, SidecarFeed,
 };
 pub use hub::{Hub, HubConfig, HubMetrics};
-pub use kvevent_index::{Query, QueryKeys, Tier};
+pub use kvevent_index::{Config as IndexConfig, IndexStats, KeyMode, Query, QueryKeys, Tier};
 pub use server::{ServeError, ServeOptions, TokenSource, serve};
 pub use tonic::transport::ClientTlsConfig;

@@ -339,3 +339,41 @@ async fn a_stream_naming_another_replica_is_refused_and_a_slow_follower_is_cut_o
     }
     served.stop().await;
 }
+
+#[test]
+fn bad_replicas_are_refused_and_lose_nothing() {
+    let fleet = Fleet::new(FleetConfig::default()).expect("fleet");
+    fleet
+        .ensure_replica(
+            "a",
+            ReplicaSource::Engine(kvevent_feed::EngineSockets::new("tcp://127.0.0.1:1")),
+        )
+        .expect("engine");
+    let err = fleet
+        .ensure_replica(
+            "a",
+            ReplicaSource::Engine(kvevent_feed::EngineSockets::new("tcp://nowhere-valid")),
+        )
+        .expect_err("no port");
+    assert!(err.to_string().contains("replica `a`"), "{err}");
+    assert_eq!(fleet.replicas().len(), 1, "the old source of `a` stays");
+    let engine_keys = Fleet::new(FleetConfig {
+        index: kvevent_feed::IndexConfig {
+            mapping: kvevent_mapper::Options {
+                key_mode: KeyMode::Engine,
+                ..kvevent_mapper::Options::default()
+            },
+            ..kvevent_feed::IndexConfig::default()
+        },
+        ..FleetConfig::default()
+    })
+    .expect("fleet");
+    let err = engine_keys
+        .ensure_replica(
+            "b",
+            ReplicaSource::Sidecar(SidecarFeed::new("http://127.0.0.1:1")),
+        )
+        .expect_err("fingerprints into engine keys");
+    assert!(err.to_string().contains("fingerprint"), "{err}");
+    assert!(engine_keys.replicas().is_empty());
+}
