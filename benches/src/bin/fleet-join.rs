@@ -10,8 +10,12 @@
 //!
 //! ```text
 //! cargo build --release -p kvevent-subscriber -p kvevent-examples --example router -p kvevent-benches --bin fleet-join
-//! target/release/fleet-join [SIDECARS BLOCKS [BUFFER]]       # 8 16384 1000
+//! target/release/fleet-join [SIDECARS BLOCKS [BUFFER [RATE]]]       # 8 16384 1000 0
 //! ```
+//!
+//! With RATE > 0 every engine goes on storing RATE prompts a second (new ones) while the
+//! routers join: what a router restarting under load sees. A resident prompt scored short
+//! once the router is in is a blind score.
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -225,6 +229,7 @@ fn join(
     replicas: usize,
     prompts: u64,
     want_blocks: Option<u64>,
+    need_exact: bool,
 ) -> anyhow::Result<Joined> {
     let addr = format!("127.0.0.1:{}", free_port()?);
     let started = Instant::now();
@@ -263,8 +268,8 @@ fn join(
             (last, steady_since) = (blocks, now);
         }
         match want_blocks {
-            Some(want) if exact && blocks >= want => {
-                states = replicas;
+            Some(want) if (exact || !need_exact) && connected && blocks >= want => {
+                states = list.iter().filter(|r| r["state"] == "exact").count();
                 break now;
             }
             None if connected && blocks > 0 && now - steady_since >= Duration::from_millis(500) => {
@@ -320,6 +325,7 @@ fn main() -> anyhow::Result<()> {
         .transpose()?
         .unwrap_or(16_384);
     let buffer: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(1_000);
+    let rate: u64 = args.next().map(|a| a.parse()).transpose()?.unwrap_or(0);
     let prompts = blocks / u64::from(PROMPT_BLOCKS);
     let sidecar_bin = release_bin("kvevent-subscriber")?;
     let router_bin = release_bin("router")?;
@@ -429,24 +435,58 @@ fn main() -> anyhow::Result<()> {
             ]
         })
         .collect();
-    let results = [
-        join(
+    // Under load: every engine stores new prompts while the routers join.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let results = std::thread::scope(|scope| {
+        if rate > 0 {
+            let (fleet, stop) = (&fleet, stop.clone());
+            scope.spawn(move || {
+                let started = Instant::now();
+                let mut n = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let due = started + Duration::from_secs_f64(n as f64 / rate as f64);
+                    if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                        std::thread::sleep(wait);
+                    }
+                    for (r, replica) in fleet.iter().enumerate() {
+                        let _ = replica.engine.publish(&batch(r as u64, prompts + n));
+                    }
+                    n += 1;
+                }
+            });
+        }
+        let feeds = join(
             &router_bin,
             "sidecar feeds",
             &via_feeds,
             sidecars,
             prompts,
             Some(resident),
-        )?,
-        join(
+            true,
+        );
+        // Under load the blocks never stop growing: the replay buffers' share is the mark.
+        let replayed = (rate > 0).then(|| {
+            buffer.min(prompts as usize) as u64 * u64::from(PROMPT_BLOCKS) * sidecars as u64
+        });
+        let engines = join(
             &router_bin,
             "engines directly",
             &direct,
             sidecars,
             prompts,
-            None,
-        )?,
-    ];
+            replayed,
+            false,
+        );
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        [feeds, engines]
+    });
+    let results = results.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
+    if rate > 0 {
+        println!(
+            "  while the routers joined, every engine stored {rate} new prompts a second ({} blocks/s each)",
+            rate * u64::from(PROMPT_BLOCKS)
+        );
+    }
     println!(
         "| router follows | join: start to all in | replicas exact | recall (prompts scored whole) | scored short | blocks known | peak RSS | index bytes a pair |"
     );
