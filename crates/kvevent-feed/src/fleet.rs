@@ -594,6 +594,9 @@ struct FeedFollower {
     at: Option<(u64, u64)>,
 }
 
+/// The snapshot loading: its source, epoch, seq and blocks so far.
+type Loading = (SourceId, u64, u64, u64);
+
 /// Why a feed's stream ended.
 #[derive(Debug, thiserror::Error)]
 enum FeedError {
@@ -687,8 +690,7 @@ impl FeedFollower {
             .into_inner();
         // Until the Hello says otherwise.
         let mut silent_after = self.config.dead_after;
-        // The snapshot loading: its source, epoch, seq and blocks so far.
-        let mut loading: Option<(SourceId, u64, u64, u64)> = None;
+        let mut loading: Option<Loading> = None;
         let result = loop {
             let message = match tokio::time::timeout(silent_after, stream.message()).await {
                 Err(_) => break Err(FeedError::Silent(silent_after)),
@@ -700,17 +702,24 @@ impl FeedFollower {
                 break Err(e);
             }
         };
-        // A snapshot cut short never counts; the state before it goes on counting.
+        self.stream_ended(&mut loading);
+        result
+    }
+
+    /// A stream ended (or failed): a snapshot cut short never counts, and the state before it
+    /// goes on counting (degraded, then stale) until a whole snapshot arrives.
+    fn stream_ended(&mut self, loading: &mut Option<Loading>) {
         if let Some((source, ..)) = loading.take() {
             self.index.remove_source(source);
         }
-        result
+        let mut s = lock(&self.status);
+        s.lost_since.get_or_insert_with(Instant::now);
     }
 
     fn take(
         &mut self,
         message: pb::FeedMessage,
-        loading: &mut Option<(SourceId, u64, u64, u64)>,
+        loading: &mut Option<Loading>,
         silent_after: &mut Duration,
     ) -> Result<(), FeedError> {
         use pb::feed_message::Body;
@@ -1036,5 +1045,144 @@ impl Engines {
         if let Some(s) = subscriber {
             s.shutdown();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The follower's rules for one stream's messages, without a network: snapshots load
+    //! beside the state they replace and count only when whole; a stream cut short or
+    //! malformed leaves the previous state counting.
+
+    use super::*;
+
+    fn follower(index: &Arc<Index>) -> FeedFollower {
+        FeedFollower {
+            index: index.clone(),
+            name: "a".into(),
+            feed: SidecarFeed::new("http://unused"),
+            status: Arc::new(Mutex::new(Status::default())),
+            config: FleetConfig::default(),
+            source: None,
+            at: None,
+        }
+    }
+
+    fn message(epoch: u64, seq: u64, body: pb::feed_message::Body) -> pb::FeedMessage {
+        pb::FeedMessage {
+            epoch,
+            seq,
+            body: Some(body),
+        }
+    }
+
+    fn blocks(keys: &[u64]) -> pb::feed_message::Body {
+        pb::feed_message::Body::Snapshot(pb::Blocks {
+            blocks: keys
+                .iter()
+                .map(|k| pb::Block {
+                    key: *k,
+                    tokens: 16,
+                    tier: pb::Tier::T1 as i32,
+                    ..Default::default()
+                })
+                .collect(),
+        })
+    }
+
+    fn end(n: u64) -> pb::feed_message::Body {
+        pb::feed_message::Body::SnapshotEnd(pb::SnapshotEnd { blocks: n })
+    }
+
+    fn holds(index: &Index, key: u64) -> bool {
+        !index
+            .score(&Query {
+                adapter: "",
+                keys: QueryKeys::Keys(&[key]),
+            })
+            .is_empty()
+    }
+
+    #[test]
+    fn a_new_snapshot_replaces_the_old_state_only_when_whole() {
+        let index = Arc::new(Index::new(kvevent_index::Config::default()));
+        let mut f = follower(&index);
+        let mut loading = None;
+        let mut silent = Duration::from_secs(3);
+        let mut take = |f: &mut FeedFollower, m, loading: &mut Option<Loading>| {
+            f.take(m, loading, &mut silent)
+        };
+        take(&mut f, message(1, 5, blocks(&[1, 2])), &mut loading).expect("chunk");
+        assert!(!holds(&index, 1), "a snapshot counts only when whole");
+        take(&mut f, message(1, 5, end(2)), &mut loading).expect("end");
+        assert!(holds(&index, 1) && holds(&index, 2));
+        assert_eq!(f.at, Some((1, 5)));
+        // A new epoch's snapshot loads beside it; the old state counts meanwhile.
+        take(&mut f, message(2, 0, blocks(&[3])), &mut loading).expect("chunk");
+        assert!(holds(&index, 1) && !holds(&index, 3));
+        // The sidecar dies mid-snapshot: the old state goes on counting.
+        f.stream_ended(&mut loading);
+        assert!(holds(&index, 1) && !holds(&index, 3));
+        assert!(lock(&f.status).lost_since.is_some());
+        // The next stream's whole snapshot replaces it at once.
+        take(&mut f, message(2, 0, blocks(&[3])), &mut loading).expect("chunk");
+        take(&mut f, message(2, 0, end(1)), &mut loading).expect("end");
+        assert!(!holds(&index, 1) && holds(&index, 3));
+        // Changes go on from its position.
+        let removed = pb::Change {
+            kind: Some(pb::change::Kind::Removed(pb::Removed {
+                key: 3,
+                ..Default::default()
+            })),
+        };
+        let changes = pb::feed_message::Body::Changes(pb::Changes {
+            changes: vec![removed],
+        });
+        take(&mut f, message(2, 1, changes), &mut loading).expect("changes");
+        assert!(!holds(&index, 3));
+        assert_eq!(f.at, Some((2, 1)));
+    }
+
+    #[test]
+    fn a_malformed_stream_is_an_error_and_the_state_before_it_stays() {
+        let index = Arc::new(Index::new(kvevent_index::Config::default()));
+        let mut f = follower(&index);
+        let mut loading = None;
+        let mut silent = Duration::from_secs(3);
+        // Changes before any snapshot.
+        let changes = || pb::feed_message::Body::Changes(pb::Changes::default());
+        assert!(
+            f.take(message(1, 1, changes()), &mut loading, &mut silent)
+                .is_err()
+        );
+        f.take(message(1, 0, blocks(&[7])), &mut loading, &mut silent)
+            .expect("chunk");
+        f.take(message(1, 0, end(1)), &mut loading, &mut silent)
+            .expect("end");
+        // Chunks that do not add up.
+        f.take(message(2, 0, blocks(&[8])), &mut loading, &mut silent)
+            .expect("chunk");
+        assert!(
+            f.take(message(2, 0, end(5)), &mut loading, &mut silent)
+                .is_err()
+        );
+        f.stream_ended(&mut loading);
+        assert!(holds(&index, 7) && !holds(&index, 8));
+        // Changes of another epoch than the follower's.
+        assert!(
+            f.take(message(9, 3, changes()), &mut loading, &mut silent)
+                .is_err()
+        );
+        // A hello naming another replica than asked for.
+        f.feed.replica = "a".into();
+        let hello = pb::feed_message::Body::Hello(pb::Hello {
+            replica: "b".into(),
+            ..Default::default()
+        });
+        let err = f
+            .take(message(1, 0, hello), &mut loading, &mut silent)
+            .expect_err("another replica");
+        assert!(err.to_string().contains("`b`"), "{err}");
+        assert!(holds(&index, 7));
     }
 }
