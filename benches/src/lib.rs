@@ -34,6 +34,130 @@ pub fn vector_payloads() -> std::io::Result<Vec<(String, Vec<u8>)>> {
     Ok(out)
 }
 
+/// A gRPC sink for the sidecar under test: the two engine-side RPCs it calls, served on a
+/// loopback port from a thread of its own; the other RPCs answer `unimplemented`.
+pub mod sink {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+    use std::time::Duration;
+
+    use kvevent_proto as pb;
+    use pb::inference_cache_server::{InferenceCache, InferenceCacheServer};
+    use tonic::{Request, Response, Status, Streaming};
+
+    /// What a sink does with the sidecar's calls.
+    #[tonic::async_trait]
+    pub trait EngineSide: Send + Sync + 'static {
+        /// One `ReportCacheState` stream.
+        async fn report(&self, updates: Streaming<pb::CacheStateUpdate>) -> Result<(), Status>;
+        /// One `PublishEvent`.
+        async fn publish(&self, event: pb::CacheEvent) -> Result<(), Status>;
+    }
+
+    /// An accepted `Ack`.
+    pub fn accepted() -> Response<pb::Ack> {
+        Response::new(pb::Ack {
+            accepted: true,
+            reason_code: String::new(),
+        })
+    }
+
+    struct Service<T>(T);
+
+    type Stream<T> = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<T, Status>> + Send>>;
+
+    #[tonic::async_trait]
+    impl<T: EngineSide> InferenceCache for Service<T> {
+        async fn render_template(
+            &self,
+            _: Request<pb::RenderTemplateRequest>,
+        ) -> Result<Response<pb::RenderTemplateResponse>, Status> {
+            Err(Status::unimplemented("sink"))
+        }
+        async fn lookup_route(
+            &self,
+            _: Request<pb::LookupRouteRequest>,
+        ) -> Result<Response<pb::LookupRouteResponse>, Status> {
+            Err(Status::unimplemented("sink"))
+        }
+        async fn lookup_pd_route(
+            &self,
+            _: Request<pb::LookupPdRouteRequest>,
+        ) -> Result<Response<pb::LookupPdRouteResponse>, Status> {
+            Err(Status::unimplemented("sink"))
+        }
+        async fn get_cache_state(
+            &self,
+            _: Request<pb::GetCacheStateRequest>,
+        ) -> Result<Response<pb::GetCacheStateResponse>, Status> {
+            Err(Status::unimplemented("sink"))
+        }
+        async fn report_cache_state(
+            &self,
+            request: Request<Streaming<pb::CacheStateUpdate>>,
+        ) -> Result<Response<pb::Ack>, Status> {
+            self.0.report(request.into_inner()).await?;
+            Ok(accepted())
+        }
+        async fn publish_event(
+            &self,
+            request: Request<pb::CacheEvent>,
+        ) -> Result<Response<pb::Ack>, Status> {
+            self.0.publish(request.into_inner()).await?;
+            Ok(accepted())
+        }
+        type StreamCacheEventsStream = Stream<pb::CacheEvent>;
+        async fn stream_cache_events(
+            &self,
+            _: Request<pb::StreamEventsRequest>,
+        ) -> Result<Response<Self::StreamCacheEventsStream>, Status> {
+            Err(Status::unimplemented("sink"))
+        }
+        type StreamMetricsStream = Stream<pb::Metric>;
+        async fn stream_metrics(
+            &self,
+            _: Request<pb::StreamMetricsRequest>,
+        ) -> Result<Response<Self::StreamMetricsStream>, Status> {
+            Err(Status::unimplemented("sink"))
+        }
+    }
+
+    /// Serves `sink` on a loopback port from a thread named `sink` until `stop`; the address.
+    pub fn serve<T: EngineSide>(
+        sink: T,
+        stop: Arc<AtomicBool>,
+    ) -> std::io::Result<std::net::SocketAddr> {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        listener.set_nonblocking(true)?;
+        let addr = listener.local_addr()?;
+        std::thread::Builder::new()
+            .name("sink".into())
+            .spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("sink runtime");
+                rt.block_on(async move {
+                    let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
+                    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+                    let shutdown = async move {
+                        while !stop.load(Relaxed) {
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                        }
+                    };
+                    let _ = tonic::transport::Server::builder()
+                        .add_service(
+                            InferenceCacheServer::new(Service(sink))
+                                .max_decoding_message_size(64 << 20),
+                        )
+                        .serve_with_incoming_shutdown(incoming, shutdown)
+                        .await;
+                });
+            })?;
+        Ok(addr)
+    }
+}
+
 /// Plain HTTP/1.1 against the example router and the sidecar's endpoints.
 pub mod http {
     use std::io::{Read, Write};

@@ -22,11 +22,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use kvevent_benches::http::{self, Guard, sum};
+use kvevent_benches::sink::EngineSide;
 use kvevent_proto as pb;
 use kvevent_wire as wire;
 use kvevent_zmq::publisher::{Publisher, PublisherConfig};
-use pb::inference_cache_server::{InferenceCache, InferenceCacheServer};
-use tonic::{Request, Response, Status, Streaming};
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use tonic::{Status, Streaming};
 
 const BLOCK: u32 = 16;
 /// Blocks a prompt (and a batch) stores.
@@ -63,92 +65,15 @@ fn batch(r: u64, p: u64) -> wire::EventBatch<'static> {
 /// A server that takes everything and keeps nothing.
 struct Sink;
 
-fn accepted() -> Response<pb::Ack> {
-    Response::new(pb::Ack {
-        accepted: true,
-        ..Default::default()
-    })
-}
-
-type Stream<T> = std::pin::Pin<Box<dyn futures_util::Stream<Item = Result<T, Status>> + Send>>;
-
 #[tonic::async_trait]
-impl InferenceCache for Sink {
-    async fn render_template(
-        &self,
-        _: Request<pb::RenderTemplateRequest>,
-    ) -> Result<Response<pb::RenderTemplateResponse>, Status> {
-        Err(Status::unimplemented("sink"))
+impl EngineSide for Sink {
+    async fn report(&self, mut updates: Streaming<pb::CacheStateUpdate>) -> Result<(), Status> {
+        while updates.message().await?.is_some() {}
+        Ok(())
     }
-    async fn lookup_route(
-        &self,
-        _: Request<pb::LookupRouteRequest>,
-    ) -> Result<Response<pb::LookupRouteResponse>, Status> {
-        Err(Status::unimplemented("sink"))
+    async fn publish(&self, _: pb::CacheEvent) -> Result<(), Status> {
+        Ok(())
     }
-    async fn lookup_pd_route(
-        &self,
-        _: Request<pb::LookupPdRouteRequest>,
-    ) -> Result<Response<pb::LookupPdRouteResponse>, Status> {
-        Err(Status::unimplemented("sink"))
-    }
-    async fn get_cache_state(
-        &self,
-        _: Request<pb::GetCacheStateRequest>,
-    ) -> Result<Response<pb::GetCacheStateResponse>, Status> {
-        Err(Status::unimplemented("sink"))
-    }
-    async fn report_cache_state(
-        &self,
-        request: Request<Streaming<pb::CacheStateUpdate>>,
-    ) -> Result<Response<pb::Ack>, Status> {
-        let mut stream = request.into_inner();
-        while stream.message().await?.is_some() {}
-        Ok(accepted())
-    }
-    async fn publish_event(&self, _: Request<pb::CacheEvent>) -> Result<Response<pb::Ack>, Status> {
-        Ok(accepted())
-    }
-    type StreamCacheEventsStream = Stream<pb::CacheEvent>;
-    async fn stream_cache_events(
-        &self,
-        _: Request<pb::StreamEventsRequest>,
-    ) -> Result<Response<Self::StreamCacheEventsStream>, Status> {
-        Err(Status::unimplemented("sink"))
-    }
-    type StreamMetricsStream = Stream<pb::Metric>;
-    async fn stream_metrics(
-        &self,
-        _: Request<pb::StreamMetricsRequest>,
-    ) -> Result<Response<Self::StreamMetricsStream>, Status> {
-        Err(Status::unimplemented("sink"))
-    }
-}
-
-/// Serves the sink on a loopback port from a thread of its own.
-fn serve_sink() -> anyhow::Result<std::net::SocketAddr> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
-    listener.set_nonblocking(true)?;
-    let addr = listener.local_addr()?;
-    std::thread::Builder::new()
-        .name("sink".into())
-        .spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("sink runtime");
-            rt.block_on(async move {
-                let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
-                let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-                let _ = tonic::transport::Server::builder()
-                    .add_service(
-                        InferenceCacheServer::new(Sink).max_decoding_message_size(64 << 20),
-                    )
-                    .serve_with_incoming(incoming)
-                    .await;
-            });
-        })?;
-    Ok(addr)
 }
 
 /// A loopback port nothing listens on now, for the router (it takes no port 0).
@@ -329,7 +254,7 @@ fn main() -> anyhow::Result<()> {
     let prompts = blocks / u64::from(PROMPT_BLOCKS);
     let sidecar_bin = release_bin("kvevent-subscriber")?;
     let router_bin = release_bin("router")?;
-    let sink = serve_sink()?;
+    let sink = kvevent_benches::sink::serve(Sink, Arc::new(AtomicBool::new(false)))?;
     let ctx = zmq::Context::new();
     println!(
         "{sidecars} sidecars x {blocks} resident blocks ({prompts} prompts of {PROMPT_BLOCKS} blocks), engine replay buffers of {buffer} batches"

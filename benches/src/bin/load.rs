@@ -24,12 +24,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context as _, bail};
+use kvevent_benches::sink::EngineSide;
 use kvevent_proto as pb;
-use kvevent_proto::inference_cache_server::{InferenceCache, InferenceCacheServer};
 use kvevent_wire as wire;
 use kvevent_zmq::publisher::{Publisher, PublisherConfig};
 use tokio_stream::StreamExt;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Status, Streaming};
 
 const STEP: Duration = Duration::from_millis(10);
 const BLOCK_SIZE: u32 = 16;
@@ -220,47 +220,9 @@ impl Sink {
     }
 }
 
-fn ack() -> Response<pb::Ack> {
-    Response::new(pb::Ack {
-        accepted: true,
-        reason_code: String::new(),
-    })
-}
-
-type Stream<T> = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<T, Status>> + Send>>;
-
 #[tonic::async_trait]
-impl InferenceCache for Sink {
-    async fn render_template(
-        &self,
-        _: Request<pb::RenderTemplateRequest>,
-    ) -> Result<Response<pb::RenderTemplateResponse>, Status> {
-        Err(Status::unimplemented("sink"))
-    }
-    async fn lookup_route(
-        &self,
-        _: Request<pb::LookupRouteRequest>,
-    ) -> Result<Response<pb::LookupRouteResponse>, Status> {
-        Err(Status::unimplemented("sink"))
-    }
-    async fn lookup_pd_route(
-        &self,
-        _: Request<pb::LookupPdRouteRequest>,
-    ) -> Result<Response<pb::LookupPdRouteResponse>, Status> {
-        Err(Status::unimplemented("sink"))
-    }
-    async fn get_cache_state(
-        &self,
-        _: Request<pb::GetCacheStateRequest>,
-    ) -> Result<Response<pb::GetCacheStateResponse>, Status> {
-        Err(Status::unimplemented("sink"))
-    }
-
-    async fn report_cache_state(
-        &self,
-        request: Request<Streaming<pb::CacheStateUpdate>>,
-    ) -> Result<Response<pb::Ack>, Status> {
-        let mut stream = request.into_inner();
+impl EngineSide for Sink {
+    async fn report(&self, mut stream: Streaming<pb::CacheStateUpdate>) -> Result<(), Status> {
         while let Some(update) = stream.next().await {
             let update = update?;
             let now = unix_us() as u64;
@@ -279,14 +241,10 @@ impl InferenceCache for Sink {
             }
             self.last_arrival.store(now, Relaxed);
         }
-        Ok(ack())
+        Ok(())
     }
 
-    async fn publish_event(
-        &self,
-        request: Request<pb::CacheEvent>,
-    ) -> Result<Response<pb::Ack>, Status> {
-        let e = request.into_inner();
+    async fn publish(&self, e: pb::CacheEvent) -> Result<(), Status> {
         let now = unix_us();
         let mut r = self.lock();
         if e.r#type == pb::cache_event::Type::AllCleared as i32 {
@@ -303,54 +261,13 @@ impl InferenceCache for Sink {
             }
         }
         self.last_arrival.store(now as u64, Relaxed);
-        Ok(ack())
-    }
-
-    type StreamCacheEventsStream = Stream<pb::CacheEvent>;
-    async fn stream_cache_events(
-        &self,
-        _: Request<pb::StreamEventsRequest>,
-    ) -> Result<Response<Self::StreamCacheEventsStream>, Status> {
-        Err(Status::unimplemented("sink"))
-    }
-    type StreamMetricsStream = Stream<pb::Metric>;
-    async fn stream_metrics(
-        &self,
-        _: Request<pb::StreamMetricsRequest>,
-    ) -> Result<Response<Self::StreamMetricsStream>, Status> {
-        Err(Status::unimplemented("sink"))
+        Ok(())
     }
 }
 
-/// Serves `sink` on a loopback port from a thread named `sink`; returns the address.
+/// Serves `sink` on a loopback port until `stop`; returns the address.
 fn serve(sink: Sink, stop: Arc<AtomicBool>) -> anyhow::Result<std::net::SocketAddr> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
-    listener.set_nonblocking(true)?;
-    let addr = listener.local_addr()?;
-    std::thread::Builder::new()
-        .name("sink".into())
-        .spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("sink runtime");
-            rt.block_on(async move {
-                let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
-                let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-                let shutdown = async move {
-                    while !stop.load(Relaxed) {
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                    }
-                };
-                let _ = tonic::transport::Server::builder()
-                    .add_service(
-                        InferenceCacheServer::new(sink).max_decoding_message_size(64 << 20),
-                    )
-                    .serve_with_incoming_shutdown(incoming, shutdown)
-                    .await;
-            });
-        })?;
-    Ok(addr)
+    Ok(kvevent_benches::sink::serve(sink, stop)?)
 }
 
 // ---------------------------------------------------------------------------------------------
