@@ -224,25 +224,27 @@ impl SourceState {
         self.metrics.degraded.store(resume.degraded, Relaxed);
         self.reconnected = true;
         if self.can_replay(now) {
-            self.start_replay(resume.last_seq, false, out);
-            if let Some(r) = self.replay.as_mut() {
-                r.verify = Some(resume.digest);
-            }
+            self.start_check(resume.last_seq, resume.digest, false, out);
         }
     }
 
-    /// The saved state cannot continue: reset and rebuild from the engine's seq 0 once the
-    /// replay under way ends.
-    fn abandon_resume(&mut self, why: &str, out: &mut Vec<Step>) {
-        tracing::warn!(
-            source = %self.config.label,
-            last = self.last.unwrap_or_default(),
-            why,
-            "saved state does not continue on this engine: clearing and rebuilding from its replay buffer"
-        );
-        self.metrics.resumes_refused.fetch_add(1, Relaxed);
-        self.reset(ResetReason::StaleCheckpoint, out);
+    /// What we hold does not continue on this engine: a saved state it cannot resume
+    /// (`reconnect` false) or, after a reconnect, a new process. Reset; the replay from seq 0
+    /// follows when the check's replay ends.
+    fn does_not_continue(&mut self, why: &str, reconnect: bool, out: &mut Vec<Step>) {
+        let last = self.last.unwrap_or_default();
+        let source = &self.config.label;
+        if reconnect {
+            tracing::info!(%source, last, why, "engine restarted across a reconnect: clearing and rebuilding from its replay buffer");
+            self.metrics.restarts.fetch_add(1, Relaxed);
+            self.reset(ResetReason::Restart, out);
+        } else {
+            tracing::warn!(%source, last, why, "saved state does not continue on this engine: clearing and rebuilding from its replay buffer");
+            self.metrics.resumes_refused.fetch_add(1, Relaxed);
+            self.reset(ResetReason::StaleCheckpoint, out);
+        }
         self.last = None;
+        self.last_digest = None;
         self.reconnected = false;
         self.metrics.degraded.store(false, Relaxed);
     }
@@ -305,6 +307,16 @@ impl SourceState {
         out.push(Step::Replay { from });
     }
 
+    /// Asks the engine for batch `from` again: it must come back with `digest` (the same
+    /// process) for what we hold to continue ([`SourceState::on_replayed`]).
+    fn start_check(&mut self, from: u64, digest: u64, reconnect: bool, out: &mut Vec<Step>) {
+        self.start_replay(from, false, out);
+        if let Some(r) = self.replay.as_mut() {
+            r.verify = Some(digest);
+            r.reconnect = reconnect;
+        }
+    }
+
     fn hold(&mut self, seq: u64, payload: Vec<u8>) {
         self.buffered.push_back((seq, payload));
         if self.buffered.len() > self.config.max_buffered {
@@ -337,13 +349,7 @@ impl SourceState {
             return;
         }
         match self.last_digest {
-            Some(digest) if self.can_replay(now) => {
-                self.start_replay(last, false, out);
-                if let Some(r) = self.replay.as_mut() {
-                    r.verify = Some(digest);
-                    r.reconnect = true;
-                }
-            }
+            Some(digest) if self.can_replay(now) => self.start_check(last, digest, true, out),
             _ if self.config.has_replay => {}
             _ if self.config.reset_on_unverified_reconnect => {
                 tracing::info!(
@@ -362,23 +368,6 @@ impl SourceState {
                 self.mark_degraded();
             }
         }
-    }
-
-    /// A reconnect's check failed: the engine is a new process. Reset; the replay from seq 0
-    /// follows when the check's replay ends.
-    fn reconnected_to_new_process(&mut self, why: &str, out: &mut Vec<Step>) {
-        tracing::info!(
-            source = %self.config.label,
-            last = self.last.unwrap_or_default(),
-            why,
-            "engine restarted across a reconnect: clearing and rebuilding from its replay buffer"
-        );
-        self.metrics.restarts.fetch_add(1, Relaxed);
-        self.reset(ResetReason::Restart, out);
-        self.last = None;
-        self.last_digest = None;
-        self.reconnected = false;
-        self.metrics.degraded.store(false, Relaxed);
     }
 
     /// A live batch arrived.
@@ -508,24 +497,14 @@ impl SourceState {
                         "saved state resumed: the engine still holds its last batch"
                     );
                 }
-            } else if seq == replay.from {
-                replay.abandoned = true;
-                let why = "the engine's batch at our last seq differs (a new engine process)";
-                if reconnect {
-                    self.reconnected_to_new_process(why, out);
-                } else {
-                    self.abandon_resume(why, out);
-                }
             } else {
                 replay.abandoned = true;
-                if reconnect {
-                    self.reconnected_to_new_process(
-                        "the engine's buffer no longer holds our last seq",
-                        out,
-                    );
+                let why = if seq == replay.from {
+                    "the engine's batch at our last seq differs (a new engine process)"
                 } else {
-                    self.abandon_resume("the engine's buffer no longer holds the saved seq", out);
-                }
+                    "the engine's buffer no longer holds our last seq"
+                };
+                self.does_not_continue(why, reconnect, out);
             }
             return;
         }
@@ -571,12 +550,11 @@ impl SourceState {
         };
         if replay.verify.is_some() && replay.first.is_none() && end == ReplayEnd::Complete {
             // Nothing at or after our last seq: this engine's seqs are all below ours.
-            let why = "the engine has published less than our last seq (a new engine process)";
-            if replay.reconnect {
-                self.reconnected_to_new_process(why, out);
-            } else {
-                self.abandon_resume(why, out);
-            }
+            self.does_not_continue(
+                "the engine has published less than our last seq (a new engine process)",
+                replay.reconnect,
+                out,
+            );
         }
         if replay.verify.is_some() && (replay.abandoned || self.last.is_none()) {
             // Rebuild from nothing; the live batches held meanwhile wait for it.
