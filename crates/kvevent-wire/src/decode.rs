@@ -8,6 +8,7 @@ use crate::model::{
     Value,
 };
 use crate::msgpack::Reader;
+use crate::release::Engine;
 
 /// Explicit bounds on what one payload may hold. Input over a limit is rejected with
 /// [`ErrorKind::LimitExceeded`]; no allocation is ever larger than the payload itself.
@@ -72,9 +73,35 @@ pub fn decode(payload: &[u8]) -> Result<EventBatch<'_>> {
 /// skipped and counted in [`EventBatch::unknown_events`]; unknown map keys and extra array
 /// elements are ignored. Bytes after the batch are an error.
 pub fn decode_with<'a>(payload: &'a [u8], limits: &Limits) -> Result<EventBatch<'a>> {
+    decode_engine(payload, Engine::Vllm, limits)
+}
+
+/// Decodes one payload of `engine`'s wire within the given limits. SGLang's differs from
+/// vLLM's in two places a vLLM payload never has: a salted store's 8th element is a map
+/// `{"cache_salt": s}` (0.5.18–0.5.19; from 0.5.20 a `cache_salt` key), and under EAGLE
+/// speculative decoding `token_ids` is a list of `[t_i, t_i+1]` pairs (0.5.3+). Everything
+/// else is read as for vLLM.
+///
+/// ```
+/// use kvevent_wire::{Engine, Event, Limits};
+/// // SGLang 0.5.18: [1.0, [a salted store of one block (hash -5) of two tokens], 0]
+/// let payload = b"\x93\xcb\x3f\xf0\0\0\0\0\0\0\x91\x98\xabBlockStored\x91\xfb\xc0\x92\x01\x02\x02\xc0\xa3GPU\x81\xaacache_salt\xa1s\x00";
+/// let batch = kvevent_wire::decode_engine(payload, Engine::Sglang, &Limits::DEFAULT)?;
+/// let Event::BlockStored(e) = &batch.events[0] else { unreachable!() };
+/// assert_eq!(e.cache_salt.as_deref(), Some("s"));
+/// // vLLM has a string (lora_name) there: as vLLM's, the payload is an error.
+/// assert!(kvevent_wire::decode(payload).is_err());
+/// # Ok::<(), kvevent_wire::Error>(())
+/// ```
+pub fn decode_engine<'a>(
+    payload: &'a [u8],
+    engine: Engine,
+    limits: &Limits,
+) -> Result<EventBatch<'a>> {
     let mut d = Decoder {
         r: Reader::new(payload),
         limits,
+        engine,
     };
     d.r.max_depth = limits.max_depth;
     let batch = d.batch()?;
@@ -87,6 +114,7 @@ pub fn decode_with<'a>(payload: &'a [u8], limits: &Limits) -> Result<EventBatch<
 struct Decoder<'a, 'l> {
     r: Reader<'a>,
     limits: &'l Limits,
+    engine: Engine,
 }
 
 impl<'a> Decoder<'a, '_> {
@@ -178,9 +206,18 @@ impl<'a> Decoder<'a, '_> {
             "BlockStored" => {
                 missing(self, start, n >= 5, "block_size")?;
                 let mut e = BlockStored::default();
-                let read = n.min(12);
+                // SGLang's arrays end at medium, or, on a salted store, at its metadata map.
+                let read = if self.engine == Engine::Sglang {
+                    n.min(8)
+                } else {
+                    n.min(12)
+                };
                 for idx in 1..read {
-                    self.stored_field(&mut e, STORED_FIELDS[idx - 1])?;
+                    if idx == 7 && self.engine == Engine::Sglang {
+                        self.sglang_metadata(&mut e)?;
+                    } else {
+                        self.stored_field(&mut e, STORED_FIELDS[idx - 1])?;
+                    }
                 }
                 (Some(Event::BlockStored(e)), read)
             }
@@ -240,6 +277,9 @@ impl<'a> Decoder<'a, '_> {
                         Some(i) => {
                             self.stored_field(&mut e, STORED_FIELDS[i])?;
                             seen[i] = true;
+                        }
+                        None if key == "cache_salt" && self.engine == Engine::Sglang => {
+                            e.cache_salt = self.opt_cow()?;
                         }
                         None => self.r.skip(self.limits.max_depth)?,
                     }
@@ -369,10 +409,47 @@ impl<'a> Decoder<'a, '_> {
         Ok(v)
     }
 
+    /// SGLang 0.5.18–0.5.19's 8th element of a salted store: `{"cache_salt": s}` (nil or
+    /// absent on an unsalted one); other keys are ignored.
+    fn sglang_metadata(&mut self, e: &mut BlockStored<'a>) -> Result<()> {
+        if self.r.try_nil()? {
+            return Ok(());
+        }
+        for _ in 0..self.r.map_len()? {
+            if self.r.str()? == "cache_salt" {
+                e.cache_salt = self.opt_cow()?;
+            } else {
+                self.r.skip(self.limits.max_depth)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// SGLang's EAGLE pairs: `n` arrays `[t_i, t_i+1]`, each checked and kept as bytes.
+    fn token_pairs(&mut self, n: usize, field: &'static str) -> Result<TokenIds<'a>> {
+        let start = self.r.pos();
+        for _ in 0..n {
+            // msgspec writes a 2-tuple as a fixarray (0x92); the iterator relies on it.
+            if self.r.peek()? != 0x92 {
+                return Err(self.r.err(ErrorKind::UnexpectedType {
+                    expected: "EAGLE token pair (2-element array)",
+                    found: crate::msgpack::type_name(self.r.peek()?),
+                }));
+            }
+            self.r.array_len()?;
+            self.r.u32(field)?;
+            self.r.u32(field)?;
+        }
+        Ok(TokenIds::from_wire_pairs(self.r.slice_from(start), n))
+    }
+
     /// Checks the array's elements and keeps them as bytes, to be read when iterated.
     fn token_ids(&mut self, field: &'static str) -> Result<TokenIds<'a>> {
         let n = self.r.array_len()?;
         let n = self.limited(n, "token ids per event", self.limits.max_token_ids)?;
+        if self.engine == Engine::Sglang && n > 0 && self.r.peek()? & 0xf0 == 0x90 {
+            return self.token_pairs(n, field);
+        }
         let start = self.r.pos();
         let common = self.r.skip_u32s(n);
         for _ in common..n {

@@ -4,7 +4,7 @@ use crate::decode::{REMOVED_FIELDS, STORED_FIELDS};
 use crate::error::{Error, ErrorKind, Result};
 use crate::model::{BlockHash, BlockRemoved, BlockStored, Event, EventBatch, TokenIds, Value};
 use crate::msgpack::Writer;
-use crate::release::{REMOVED_FIRST_DEFAULTED, Release, STORED_FIRST_DEFAULTED};
+use crate::release::{REMOVED_FIRST_DEFAULTED, Release, STORED_FIRST_DEFAULTED, SglangRelease};
 
 /// Encodes a batch as `release` would send it.
 ///
@@ -57,6 +57,13 @@ impl EventBatch<'_> {
         for event in &mut self.events {
             match event {
                 Event::BlockStored(e) => {
+                    if e.cache_salt.take().is_some() {
+                        dropped += 1;
+                    }
+                    if e.token_ids.is_pairs() {
+                        e.token_ids = TokenIds::from(e.token_ids.to_vec());
+                        dropped += 1;
+                    }
                     for idx in 0..STORED_FIELDS.len() {
                         if !release.has_stored_field(idx) && stored_is_set(e, idx) {
                             clear_stored(e, idx);
@@ -174,6 +181,13 @@ impl Encoder<'_> {
     }
 
     fn stored(&mut self, e: &BlockStored<'_>) -> Result<()> {
+        // SGLang's alone: no vLLM release has either.
+        if e.cache_salt.is_some() {
+            return Err(self.not_in_release("cache_salt"));
+        }
+        if e.token_ids.is_pairs() {
+            return Err(self.not_in_release("token_ids as EAGLE pairs"));
+        }
         let rel = self.release;
         let (write, possible) = self.plan(
             STORED_FIRST_DEFAULTED,
@@ -239,6 +253,185 @@ impl Encoder<'_> {
         }
         Ok(())
     }
+}
+
+/// Encodes a batch as SGLang `release` would send it (`../spec/sglang-kv-events.md`): the
+/// batch an array (`[ts, events]` in 0.4.6.post5, then `[ts, events, attn_dp_rank]`); events
+/// tagged arrays until 0.5.19 (a store 6 elements, 7 with `medium` from 0.5.9, and on a salted
+/// store an 8th, `{"cache_salt": s}`, in 0.5.18–0.5.19), tagged maps from 0.5.20 (`lora_id`
+/// always written, `medium`, `cache_salt`, `session_id` and, from 0.5.22, `lora_name` only
+/// when set); EAGLE pairs as 2-element arrays. A field the release does not have must be
+/// `None` ([`ErrorKind::FieldNotInSglangRelease`] otherwise).
+///
+/// ```
+/// use kvevent_wire::{Engine, Limits, SglangRelease};
+/// let payload = b"\x93\xcb\x3f\xf0\0\0\0\0\0\0\x91\x98\xabBlockStored\x91\xfb\xc0\x92\x01\x02\x02\xc0\xa3GPU\x81\xaacache_salt\xa1s\x00";
+/// let batch = kvevent_wire::decode_engine(payload, Engine::Sglang, &Limits::DEFAULT)?;
+/// let release: SglangRelease = "0.5.18".parse()?;
+/// assert_eq!(kvevent_wire::encode_sglang(&batch, release)?, payload);
+/// # Ok::<(), kvevent_wire::Error>(())
+/// ```
+pub fn encode_sglang(batch: &EventBatch<'_>, release: SglangRelease) -> Result<Vec<u8>> {
+    let mut out = Vec::with_capacity(64 + 32 * batch.events.len());
+    let mut w = Writer { out: &mut out };
+    let not = |field| Error::new(ErrorKind::FieldNotInSglangRelease { field, release }, 0);
+    if release.has_dp_rank() {
+        w.array_len(3);
+    } else if batch.data_parallel_rank.is_some() {
+        return Err(not("attn_dp_rank"));
+    } else {
+        w.array_len(2);
+    }
+    w.f64(batch.ts);
+    w.array_len(batch.events.len());
+    let maps = release.map_events();
+    for event in &batch.events {
+        match event {
+            Event::BlockStored(e) => sglang_stored(&mut w, e, release, &not)?,
+            Event::BlockRemoved(e) => {
+                for (set, field) in [
+                    (e.group_idx.is_some(), "group_idx"),
+                    (e.locality.is_some(), "locality"),
+                    (e.ownership.is_some(), "ownership"),
+                    (e.medium.is_some() && !release.has_medium(), "medium"),
+                ] {
+                    if set {
+                        return Err(not(field));
+                    }
+                }
+                let medium = release.has_medium() && (!maps || e.medium.is_some());
+                if maps {
+                    w.map_len(2 + usize::from(medium), 3);
+                    w.str("type");
+                } else {
+                    w.array_len(2 + usize::from(medium));
+                }
+                w.str("BlockRemoved");
+                if maps {
+                    w.str("block_hashes");
+                }
+                hashes(&mut w, &e.block_hashes);
+                if medium {
+                    if maps {
+                        w.str("medium");
+                    }
+                    opt(&mut w, e.medium.as_ref(), |w, m| w.str(&m.0));
+                }
+            }
+            Event::AllBlocksCleared(e) => {
+                if e.medium.is_some() {
+                    return Err(not("medium"));
+                }
+                if maps {
+                    w.map_len(1, 1);
+                    w.str("type");
+                } else {
+                    w.array_len(1);
+                }
+                w.str("AllBlocksCleared");
+            }
+        }
+    }
+    if release.has_dp_rank() {
+        match batch.data_parallel_rank {
+            Some(rank) => w.sint(rank),
+            None => w.nil(),
+        }
+    }
+    Ok(out)
+}
+
+fn sglang_stored(
+    w: &mut Writer<'_>,
+    e: &BlockStored<'_>,
+    release: SglangRelease,
+    not: &impl Fn(&'static str) -> Error,
+) -> Result<()> {
+    let maps = release.map_events();
+    for (set, field) in [
+        (e.extra_keys.is_some(), "extra_keys"),
+        (e.group_idx.is_some(), "group_idx"),
+        (e.kv_cache_spec_kind.is_some(), "kv_cache_spec_kind"),
+        (
+            e.kv_cache_spec_sliding_window.is_some(),
+            "kv_cache_spec_sliding_window",
+        ),
+        (e.locality.is_some(), "locality"),
+        (e.ownership.is_some(), "ownership"),
+        (e.lookahead_token_ids.is_some(), "lookahead_token_ids"),
+        (e.medium.is_some() && !release.has_medium(), "medium"),
+        (
+            e.cache_salt.is_some() && !release.has_cache_salt(),
+            "cache_salt",
+        ),
+        (e.session_id.is_some() && !maps, "session_id"),
+        (
+            e.lora_name.is_some() && !release.has_lora_name(),
+            "lora_name",
+        ),
+    ] {
+        if set {
+            return Err(not(field));
+        }
+    }
+    let tokens = |w: &mut Writer<'_>| match e.token_ids.pairs() {
+        Some(pairs) => {
+            w.array_len(pairs.len());
+            for [a, b] in pairs {
+                w.array_len(2);
+                w.uint(u64::from(a));
+                w.uint(u64::from(b));
+            }
+        }
+        None => tokens(w, &e.token_ids),
+    };
+    if !maps {
+        let medium = release.has_medium();
+        let salt = e.cache_salt.as_deref();
+        w.array_len(6 + usize::from(medium) + usize::from(salt.is_some()));
+        w.str("BlockStored");
+        hashes(w, &e.block_hashes);
+        opt(w, e.parent_block_hash.as_ref(), hash);
+        tokens(w);
+        w.uint(u64::from(e.block_size));
+        opt(w, e.lora_id, |w, v| w.sint(v));
+        if medium {
+            opt(w, e.medium.as_ref(), |w, m| w.str(&m.0));
+        }
+        if let Some(salt) = salt {
+            w.map_len(1, 1);
+            w.str("cache_salt");
+            w.str(salt);
+        }
+        return Ok(());
+    }
+    let optional = [
+        ("medium", e.medium.as_ref().map(|m| &*m.0)),
+        ("cache_salt", e.cache_salt.as_deref()),
+        ("session_id", e.session_id.as_deref()),
+        ("lora_name", e.lora_name.as_deref()),
+    ];
+    let set = optional.iter().filter(|(_, v)| v.is_some()).count();
+    w.map_len(6 + set, 10);
+    w.str("type");
+    w.str("BlockStored");
+    w.str("block_hashes");
+    hashes(w, &e.block_hashes);
+    w.str("parent_block_hash");
+    opt(w, e.parent_block_hash.as_ref(), hash);
+    w.str("token_ids");
+    tokens(w);
+    w.str("block_size");
+    w.uint(u64::from(e.block_size));
+    w.str("lora_id");
+    opt(w, e.lora_id, |w, v| w.sint(v));
+    for (key, value) in optional {
+        if let Some(v) = value {
+            w.str(key);
+            w.str(v);
+        }
+    }
+    Ok(())
 }
 
 fn opt<T>(w: &mut Writer<'_>, v: Option<T>, f: impl FnOnce(&mut Writer<'_>, T)) {

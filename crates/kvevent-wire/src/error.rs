@@ -53,8 +53,11 @@ pub enum ErrorKind {
         /// What was wrong with them.
         reason: &'static str,
     },
-    /// A release number that cannot be parsed or is older than 0.9.0.
+    /// A release number that cannot be parsed or is older than the engine's first with KV
+    /// events (vLLM 0.9.0, SGLang 0.4.6.post5).
     BadRelease,
+    /// An engine name other than `vllm` or `sglang`.
+    BadEngine,
     /// JSON that is not a normalized batch (feature `json`).
     BadJson {
         /// What is wrong, with the path to it.
@@ -66,6 +69,13 @@ pub enum ErrorKind {
         field: &'static str,
         /// The target release.
         release: crate::Release,
+    },
+    /// Encoding for SGLang: a field holds a value the target release has no field for.
+    FieldNotInSglangRelease {
+        /// The field's name.
+        field: &'static str,
+        /// The target release.
+        release: crate::SglangRelease,
     },
 }
 
@@ -99,8 +109,14 @@ impl fmt::Display for ErrorKind {
             Self::LimitExceeded { what, limit } => write!(f, "{what} exceeds the limit of {limit}"),
             Self::TrailingBytes => f.write_str("trailing bytes after the batch"),
             Self::BadFrames { reason } => write!(f, "bad frames: {reason}"),
-            Self::BadRelease => f.write_str("not a vLLM release number of 0.9.0 or later"),
+            Self::BadRelease => f.write_str(
+                "not a release number with KV events (vLLM 0.9.0 or later, SGLang 0.4.6.post5 or later)",
+            ),
+            Self::BadEngine => f.write_str("not an engine: vllm or sglang"),
             Self::BadJson { message } => write!(f, "bad batch JSON: {message}"),
+            Self::FieldNotInSglangRelease { field, release } => {
+                write!(f, "SGLang {release} has no field `{field}`")
+            }
             Self::FieldNotInRelease { field, release } => {
                 write!(f, "vLLM {release} has no field `{field}`")
             }
@@ -113,6 +129,8 @@ impl fmt::Display for Error {
         match self.kind {
             ErrorKind::BadFrames { .. } => write!(f, "{} (frame {})", self.kind, self.offset),
             ErrorKind::BadRelease
+            | ErrorKind::BadEngine
+            | ErrorKind::FieldNotInSglangRelease { .. }
             | ErrorKind::FieldNotInRelease { .. }
             | ErrorKind::BadJson { .. } => {
                 write!(f, "{}", self.kind)

@@ -14,7 +14,23 @@ use crate::model::{
     TokenIds, Value,
 };
 
-/// The normalized JSON value of a batch.
+/// The normalized JSON value of a batch of `engine`'s wire: vLLM's schema, and for SGLang one
+/// more key on BlockStored, `cache_salt` (the vectors' README).
+pub fn to_json_engine(batch: &EventBatch<'_>, engine: crate::Engine) -> Json {
+    let mut json = to_json(batch);
+    if engine == crate::Engine::Sglang
+        && let Some(events) = json["events"].as_array_mut()
+    {
+        for (j, event) in events.iter_mut().zip(&batch.events) {
+            if let (Event::BlockStored(e), Some(m)) = (event, j.as_object_mut()) {
+                m.insert("cache_salt".into(), str_json(&e.cache_salt));
+            }
+        }
+    }
+    json
+}
+
+/// The normalized JSON value of a batch (vLLM's schema).
 pub fn to_json(batch: &EventBatch<'_>) -> Json {
     let events: Vec<Json> = batch.events.iter().map(event_json).collect();
     json!({
@@ -99,7 +115,10 @@ fn hashes_json(hs: &[BlockHash<'_>]) -> Json {
 }
 
 fn tokens_json(t: &TokenIds<'_>) -> Json {
-    t.iter().map(Json::from).collect()
+    match t.pairs() {
+        Some(pairs) => pairs.iter().map(|[a, b]| json!([a, b])).collect(),
+        None => t.iter().map(Json::from).collect(),
+    }
 }
 
 fn medium_json(m: Option<&Medium<'_>>) -> Json {
@@ -214,7 +233,7 @@ fn event_from(v: &Json) -> Result<Event<'_>> {
     let cow = |k: &str| opt(obj, k, |j| j.as_str().map(Cow::Borrowed));
     match tag {
         "BlockStored" => {
-            let mut keys = vec!["type"];
+            let mut keys = vec!["type", "cache_salt"];
             keys.extend(STORED_FIELDS);
             known_keys(obj, &keys, "BlockStored")?;
             Ok(Event::BlockStored(BlockStored {
@@ -227,6 +246,7 @@ fn event_from(v: &Json) -> Result<Event<'_>> {
                 lora_id: opt(obj, "lora_id", Json::as_i64)?,
                 medium: opt(obj, "medium", |j| j.as_str().map(Medium::from))?,
                 lora_name: cow("lora_name")?,
+                cache_salt: cow("cache_salt")?,
                 extra_keys: opt(obj, "extra_keys", extra_keys_from)?,
                 group_idx: opt(obj, "group_idx", Json::as_i64)?,
                 kv_cache_spec_kind: cow("kv_cache_spec_kind")?,
@@ -283,6 +303,19 @@ fn hashes_from(j: &Json) -> Option<Vec<BlockHash<'static>>> {
 }
 
 fn tokens_from(j: &Json) -> Option<TokenIds<'static>> {
+    let items = j.as_array()?;
+    // SGLang's EAGLE pairs: `[[t_i, t_i+1], …]`.
+    if items.first().is_some_and(Json::is_array) {
+        let u32_of = |t: &Json| t.as_u64().and_then(|v| u32::try_from(v).ok());
+        let pairs: Option<Vec<[u32; 2]>> = items
+            .iter()
+            .map(|p| match p.as_array()?.as_slice() {
+                [a, b] => Some([u32_of(a)?, u32_of(b)?]),
+                _ => None,
+            })
+            .collect();
+        return pairs.map(TokenIds::from);
+    }
     let ids: Option<Vec<u32>> = j
         .as_array()?
         .iter()

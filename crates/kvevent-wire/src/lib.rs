@@ -47,11 +47,11 @@ mod model;
 mod msgpack;
 mod release;
 
-pub use decode::{Limits, decode, decode_with};
-pub use encode::{encode, encode_into};
+pub use decode::{Limits, decode, decode_engine, decode_with};
+pub use encode::{encode, encode_into, encode_sglang};
 pub use error::{Error, ErrorKind, Result};
 pub use model::{
     AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event, EventBatch, Int, Medium,
     MediumKind, TokenIds, TokenIter, Value,
 };
-pub use release::Release;
+pub use release::{Engine, Release, SglangRelease};

@@ -98,6 +98,13 @@ enum TokenRepr<'a> {
         len: usize,
     },
     Owned(Vec<u32>),
+    /// SGLang under EAGLE speculative decoding (0.5.3+): `len` pairs `[t_i, t_i+1]`, each a
+    /// 2-element array of integers in `u32` range, already checked.
+    WirePairs {
+        raw: &'a [u8],
+        len: usize,
+    },
+    OwnedPairs(Vec<[u32; 2]>),
 }
 
 impl Default for TokenIds<'_> {
@@ -108,7 +115,16 @@ impl Default for TokenIds<'_> {
 
 impl PartialEq for TokenIds<'_> {
     fn eq(&self, other: &Self) -> bool {
-        self.len() == other.len() && self.iter().eq(other.iter())
+        match (self.pairs(), other.pairs()) {
+            (None, None) => self.len() == other.len() && self.iter().eq(other.iter()),
+            (a, b) => a == b,
+        }
+    }
+}
+
+impl From<Vec<[u32; 2]>> for TokenIds<'_> {
+    fn from(v: Vec<[u32; 2]>) -> Self {
+        Self(TokenRepr::OwnedPairs(v))
     }
 }
 
@@ -124,11 +140,45 @@ impl<'a> TokenIds<'a> {
         Self(TokenRepr::Wire { raw, len })
     }
 
-    /// How many token ids.
+    /// Wraps checked pairs: `len` 2-element arrays of msgpack ints in `u32` range.
+    pub(crate) fn from_wire_pairs(raw: &'a [u8], len: usize) -> Self {
+        Self(TokenRepr::WirePairs { raw, len })
+    }
+
+    /// How many token ids (for EAGLE pairs: how many pairs, the tokens they stand for).
     pub fn len(&self) -> usize {
         match &self.0 {
-            TokenRepr::Wire { len, .. } => *len,
+            TokenRepr::Wire { len, .. } | TokenRepr::WirePairs { len, .. } => *len,
             TokenRepr::Owned(v) => v.len(),
+            TokenRepr::OwnedPairs(v) => v.len(),
+        }
+    }
+
+    /// True when the ids came as SGLang's EAGLE pairs `[t_i, t_i+1]`.
+    pub fn is_pairs(&self) -> bool {
+        matches!(
+            self.0,
+            TokenRepr::WirePairs { .. } | TokenRepr::OwnedPairs(_)
+        )
+    }
+
+    /// The pairs as sent, when the ids came as EAGLE pairs.
+    pub fn pairs(&self) -> Option<Vec<[u32; 2]>> {
+        match &self.0 {
+            TokenRepr::OwnedPairs(v) => Some(v.clone()),
+            TokenRepr::WirePairs { raw, len } => {
+                let mut raw: &[u8] = raw;
+                let mut out = Vec::with_capacity(*len);
+                for _ in 0..*len {
+                    // Each pair is a fixarray of 2 (0x92), checked by the decoder.
+                    raw = raw.get(1..)?;
+                    let a = wire_token(&mut raw)?;
+                    let b = wire_token(&mut raw)?;
+                    out.push([a, b]);
+                }
+                Some(out)
+            }
+            TokenRepr::Wire { .. } | TokenRepr::Owned(_) => None,
         }
     }
 
@@ -138,10 +188,16 @@ impl<'a> TokenIds<'a> {
     }
 
     /// The token ids in order.
+    ///
+    /// EAGLE pairs stand for their first tokens: pair `i` is `[t_i, t_i+1]`, so a block of
+    /// `block_size` pairs covers tokens `t_i … t_i+block_size-1`, and its second elements
+    /// repeat the next pair's first (the last one's belongs to the next block).
     pub fn iter(&self) -> TokenIter<'_> {
         match &self.0 {
             TokenRepr::Wire { raw, len } => TokenIter::Wire { raw, left: *len },
             TokenRepr::Owned(v) => TokenIter::Owned(v.iter()),
+            TokenRepr::WirePairs { raw, len } => TokenIter::Pairs { raw, left: *len },
+            TokenRepr::OwnedPairs(v) => TokenIter::OwnedPairs(v.iter()),
         }
     }
 
@@ -150,6 +206,7 @@ impl<'a> TokenIds<'a> {
     /// about ten instructions a token).
     pub fn extend_into(&self, out: &mut Vec<u32>) {
         match &self.0 {
+            TokenRepr::WirePairs { .. } | TokenRepr::OwnedPairs(_) => out.extend(self.iter()),
             TokenRepr::Owned(v) => out.extend_from_slice(v),
             TokenRepr::Wire { raw, len } => {
                 out.reserve(*len);
@@ -168,7 +225,7 @@ impl<'a> TokenIds<'a> {
     pub fn to_vec(&self) -> Vec<u32> {
         match &self.0 {
             TokenRepr::Owned(v) => v.clone(),
-            TokenRepr::Wire { .. } => self.iter().collect(),
+            _ => self.iter().collect(),
         }
     }
 }
@@ -197,6 +254,10 @@ pub enum TokenIter<'t> {
     Wire { raw: &'t [u8], left: usize },
     #[doc(hidden)]
     Owned(std::slice::Iter<'t, u32>),
+    #[doc(hidden)]
+    Pairs { raw: &'t [u8], left: usize },
+    #[doc(hidden)]
+    OwnedPairs(std::slice::Iter<'t, [u32; 2]>),
 }
 
 impl Iterator for TokenIter<'_> {
@@ -213,13 +274,26 @@ impl Iterator for TokenIter<'_> {
                 *left -= 1;
                 wire_token(raw)
             }
+            Self::Pairs { raw, left } => {
+                if *left == 0 {
+                    return None;
+                }
+                *left -= 1;
+                // The pair's header (0x92), its first token, then its second, skipped.
+                *raw = raw.get(1..)?;
+                let first = wire_token(raw)?;
+                wire_token(raw)?;
+                Some(first)
+            }
+            Self::OwnedPairs(it) => it.next().map(|p| p[0]),
         }
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
         let n = match self {
             Self::Owned(it) => it.len(),
-            Self::Wire { left, .. } => *left,
+            Self::OwnedPairs(it) => it.len(),
+            Self::Wire { left, .. } | Self::Pairs { left, .. } => *left,
         };
         (n, Some(n))
     }
@@ -319,8 +393,10 @@ pub struct BlockStored<'a> {
     pub lora_id: Option<i64>,
     /// Where the blocks are (0.10.2+).
     pub medium: Option<Medium<'a>>,
-    /// The LoRA adapter's name (0.14+).
+    /// The LoRA adapter's name (0.14+; SGLang 0.5.22+).
     pub lora_name: Option<Cow<'a, str>>,
+    /// SGLang's cache salt (0.5.18+): a salted prefix is its own namespace.
+    pub cache_salt: Option<Cow<'a, str>>,
     /// Per block: nil or the extra hash inputs (0.17+).
     pub extra_keys: Option<Vec<Option<Vec<Value<'a>>>>>,
     /// KV-cache group of a hybrid model (0.20+).

@@ -1,9 +1,124 @@
-//! vLLM releases and what their wire format looks like.
+//! vLLM and SGLang releases and what their wire formats look like.
 
 use std::fmt;
 use std::str::FromStr;
 
 use crate::error::{Error, ErrorKind};
+
+/// Which engine's wire a payload is: vLLM's, or SGLang's (same framing, its own layouts:
+/// `../spec/sglang-kv-events.md`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Engine {
+    /// vLLM.
+    #[default]
+    Vllm,
+    /// SGLang.
+    Sglang,
+}
+
+impl Engine {
+    /// `vllm` or `sglang`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Vllm => "vllm",
+            Self::Sglang => "sglang",
+        }
+    }
+}
+
+impl FromStr for Engine {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "vllm" => Ok(Self::Vllm),
+            "sglang" => Ok(Self::Sglang),
+            _ => Err(Error::new(ErrorKind::BadEngine, 0)),
+        }
+    }
+}
+
+impl fmt::Display for Engine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An SGLang release number. `.postN` suffixes parse and do not change the wire (the layouts
+/// change at 0.4.7, 0.5.9, 0.5.18, 0.5.20 and 0.5.22).
+///
+/// ```
+/// use kvevent_wire::SglangRelease;
+/// let r: SglangRelease = "0.4.6.post5".parse()?;
+/// assert!(!r.has_dp_rank());
+/// assert!("0.5.20".parse::<SglangRelease>()?.map_events());
+/// # Ok::<(), kvevent_wire::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SglangRelease(pub Release);
+
+impl SglangRelease {
+    /// The first release with KV events (0.4.6.post5).
+    pub const OLDEST: SglangRelease = SglangRelease(r(0, 4, 6));
+    /// The newest release whose format this crate knows; newer ones are written like it.
+    pub const NEWEST_KNOWN: SglangRelease = SglangRelease(r(0, 5, 23));
+
+    /// From 0.4.7 the batch carries `attn_dp_rank` as its third element.
+    pub fn has_dp_rank(self) -> bool {
+        self.0 >= r(0, 4, 7)
+    }
+
+    /// From 0.5.9 stores and removals carry `medium`.
+    pub fn has_medium(self) -> bool {
+        self.0 >= r(0, 5, 9)
+    }
+
+    /// From 0.5.18 a salted store carries its `cache_salt` (an 8th-element map until 0.5.19,
+    /// a map key from 0.5.20).
+    pub fn has_cache_salt(self) -> bool {
+        self.0 >= r(0, 5, 18)
+    }
+
+    /// From 0.5.20 events are tagged maps (the batch stays an array); `session_id` appears.
+    pub fn map_events(self) -> bool {
+        self.0 >= r(0, 5, 20)
+    }
+
+    /// From 0.5.22 stores carry `lora_name`.
+    pub fn has_lora_name(self) -> bool {
+        self.0 >= r(0, 5, 22)
+    }
+}
+
+impl FromStr for SglangRelease {
+    type Err = Error;
+
+    /// Parses `0.5.18`, `0.4.6.post5`, `v0.5.9`.
+    fn from_str(s: &str) -> Result<Self, Error> {
+        let bad = || Error::new(ErrorKind::BadRelease, 0);
+        let s = s.trim().trim_start_matches('v');
+        let s = s.split_once(".post").map_or(s, |(base, _)| base);
+        let mut parts = s.splitn(3, '.');
+        let num = |p: Option<&str>| -> Result<u16, Error> {
+            p.ok_or_else(bad)?.parse().map_err(|_| bad())
+        };
+        let rel = SglangRelease(r(
+            num(parts.next())?,
+            num(parts.next())?,
+            num(parts.next())?,
+        ));
+        if rel < Self::OLDEST {
+            return Err(bad());
+        }
+        Ok(rel)
+    }
+}
+
+impl fmt::Display for SglangRelease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
 
 /// A vLLM release number, `major.minor.patch`.
 ///

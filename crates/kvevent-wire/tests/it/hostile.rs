@@ -20,6 +20,44 @@ fn every_strict_prefix_of_every_vector_is_an_error() {
     assert!(checked > 10_000);
 }
 
+#[test]
+fn every_strict_prefix_of_every_sglang_vector_is_an_error() {
+    use kvevent_wire::{Engine, Limits, decode_engine};
+    let mut checked = 0;
+    for (release, case, payload, _) in crate::vectors_of("sglang-") {
+        for len in 0..payload.len() {
+            let err = decode_engine(&payload[..len], Engine::Sglang, &Limits::DEFAULT)
+                .expect_err(&format!("sglang-{release}/{case}[..{len}]"));
+            assert!(err.offset() <= len, "sglang-{release}/{case}[..{len}]");
+            checked += 1;
+        }
+    }
+    assert!(checked > 10_000);
+}
+
+#[test]
+fn sglang_pairs_and_salts_are_refused_as_vllm_and_vllm_decoding_is_unchanged() {
+    use kvevent_wire::{Engine, Limits, decode_engine};
+    // A payload with EAGLE pairs or a salt map is not vLLM's: read as vLLM, it is an error.
+    for case in ["sglang-0.5.3/eagle", "sglang-0.5.18/cache_salt"] {
+        let payload = std::fs::read(crate::shared_dir().join(format!("vectors/{case}.msgpack")))
+            .expect("vector");
+        assert!(decode(&payload).is_err(), "{case} as vLLM");
+        assert!(
+            decode_engine(&payload, Engine::Sglang, &Limits::DEFAULT).is_ok(),
+            "{case} as SGLang"
+        );
+    }
+    // Every vLLM vector decodes the same whichever entry point.
+    for (release, case, payload, _) in crate::vectors() {
+        assert_eq!(
+            decode(&payload).expect("vllm"),
+            decode_engine(&payload, Engine::Vllm, &Limits::DEFAULT).expect("vllm"),
+            "{release}/{case}"
+        );
+    }
+}
+
 /// A tiny deterministic generator (xorshift64*), so failures reproduce.
 struct Rng(u64);
 

@@ -16,6 +16,11 @@ pub(crate) fn shared_dir() -> PathBuf {
 
 /// Every `(release, case, payload, expected json)` under `testdata/vectors`, sorted.
 pub(crate) fn vectors() -> Vec<(String, String, Vec<u8>, serde_json::Value)> {
+    vectors_of("vllm-")
+}
+
+/// The same for the folders named `<prefix><release>` (`vllm-`, `sglang-`).
+pub(crate) fn vectors_of(prefix: &str) -> Vec<(String, String, Vec<u8>, serde_json::Value)> {
     let root = shared_dir().join("vectors");
     let mut out = Vec::new();
     for release_dir in std::fs::read_dir(&root).expect("read vectors") {
@@ -23,7 +28,7 @@ pub(crate) fn vectors() -> Vec<(String, String, Vec<u8>, serde_json::Value)> {
         let Some(name) = release_dir.file_name().and_then(|n| n.to_str()) else {
             continue;
         };
-        let Some(release) = name.strip_prefix("vllm-") else {
+        let Some(release) = name.strip_prefix(prefix) else {
             continue;
         };
         for file in std::fs::read_dir(&release_dir).expect("read release dir") {

@@ -182,3 +182,54 @@ fn token_ids_extend_into_appends_what_iter_yields() {
     }
     assert!(checked > 1000, "only {checked} token ids in the vectors");
 }
+
+#[test]
+fn every_sglang_vector_decodes_to_its_json_and_reencodes_exactly() {
+    use kvevent_wire::{Engine, Limits, SglangRelease, decode_engine, encode_sglang};
+    let mut failures = Vec::new();
+    let cases = crate::vectors_of("sglang-");
+    assert!(
+        cases.len() >= 100,
+        "the SGLang vectors are in testdata: {}",
+        cases.len()
+    );
+    for (release, case, payload, expected) in &cases {
+        let label = format!("sglang-{release}/{case}");
+        let outcome = (|| -> Result<(), String> {
+            let batch = decode_engine(payload, Engine::Sglang, &Limits::DEFAULT)
+                .map_err(|e| format!("decode: {e}"))?;
+            let got = json::to_json_engine(&batch, Engine::Sglang);
+            if &got != expected {
+                return Err(format!("json differs:\n got {got}\nwant {expected}"));
+            }
+            let rel: SglangRelease = release.parse().map_err(|e| format!("{e}"))?;
+            let bytes = encode_sglang(&batch, rel).map_err(|e| format!("encode: {e}"))?;
+            if &bytes != payload {
+                return Err(format!(
+                    "re-encoding differs: {} bytes vs {}",
+                    bytes.len(),
+                    payload.len()
+                ));
+            }
+            let from_json = json::from_json(expected).map_err(|e| format!("from_json: {e}"))?;
+            let bytes = encode_sglang(&from_json, rel).map_err(|e| format!("encode json: {e}"))?;
+            if &bytes != payload {
+                return Err("encoding the JSON differs from the payload".into());
+            }
+            Ok(())
+        })();
+        match outcome {
+            Ok(()) => println!("ok   {label}"),
+            Err(why) => {
+                println!("FAIL {label}: {why}");
+                failures.push(label);
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {} failed: {failures:?}",
+        failures.len(),
+        cases.len()
+    );
+}
