@@ -1,8 +1,8 @@
-//! `kvevents`: tooling for vLLM KV events.
+//! `kvevents`: tooling for vLLM (and SGLang) KV events.
 //!
 //! Offline:
-//! - `decode`: payloads to normalized JSON lines;
-//! - `encode`: JSON back to the exact bytes a given vLLM release sends;
+//! - `decode`: payloads to normalized JSON lines (`--engine sglang` for SGLang's);
+//! - `encode`: JSON back to the exact bytes a given vLLM (or SGLang) release sends;
 //! - `fingerprint`: the content-fingerprint chain of token ids, to check that a gateway and the
 //!   subscriber agree.
 //!
@@ -35,17 +35,24 @@ enum Command {
     /// Exits 0 when every file decodes; otherwise reports each bad file on stderr (file,
     /// byte offset, reason), goes on with the rest and exits 1.
     Decode {
+        /// Whose wire the payloads are: vllm or sglang.
+        #[arg(long, default_value = "vllm")]
+        engine: wire::Engine,
         /// Payload files; `-` reads stdin.
         #[arg(required = true)]
         files: Vec<PathBuf>,
     },
-    /// Encode one normalized JSON batch as the payload bytes a vLLM release sends. Offline.
+    /// Encode one normalized JSON batch as the payload bytes a vLLM (or SGLang) release sends.
+    /// Offline.
     Encode {
-        /// The vLLM release to speak, e.g. 0.26.0 (0.9.0 or later; newer than 0.33 is
-        /// written as 0.33).
+        /// Whose release: vllm or sglang.
+        #[arg(long, default_value = "vllm")]
+        engine: wire::Engine,
+        /// The release to speak, e.g. 0.26.0 (vLLM 0.9.0 or later; newer than 0.33 is written
+        /// as 0.33) or, with --engine sglang, 0.5.18 (0.4.6.post5 or later).
         #[arg(long)]
-        release: wire::Release,
-        /// Drop fields the release does not have instead of failing.
+        release: String,
+        /// Drop fields the release does not have instead of failing (vLLM releases).
         #[arg(long)]
         lenient: bool,
         /// The JSON batch file; `-` reads stdin.
@@ -214,7 +221,7 @@ fn read_input(path: &PathBuf) -> io::Result<Vec<u8>> {
     }
 }
 
-fn decode(files: &[PathBuf]) -> ExitCode {
+fn decode(engine: wire::Engine, files: &[PathBuf]) -> ExitCode {
     let stdout = io::stdout();
     let mut out = io::BufWriter::new(stdout.lock());
     let mut failed = false;
@@ -228,7 +235,7 @@ fn decode(files: &[PathBuf]) -> ExitCode {
                 continue;
             }
         };
-        match wire::decode(&payload) {
+        match wire::decode_engine(&payload, engine, &wire::Limits::DEFAULT) {
             Ok(batch) => {
                 if batch.unknown_events > 0 {
                     eprintln!(
@@ -236,7 +243,7 @@ fn decode(files: &[PathBuf]) -> ExitCode {
                         batch.unknown_events
                     );
                 }
-                let line = json::to_json(&batch);
+                let line = json::to_json_engine(&batch, engine);
                 if writeln!(out, "{line}").is_err() {
                     return ExitCode::FAILURE;
                 }
@@ -254,8 +261,35 @@ fn decode(files: &[PathBuf]) -> ExitCode {
     }
 }
 
+/// A release of one engine, as `encode --release` names it.
+enum Target {
+    Vllm(wire::Release),
+    Sglang(wire::SglangRelease),
+}
+
+/// `--release` for `engine`, or clap's usage error (exit 2), as for any bad flag value.
+fn target(engine: wire::Engine, release: &str, lenient: bool) -> Target {
+    use clap::CommandFactory as _;
+    let usage = |message: String| -> ! {
+        Cli::command()
+            .error(clap::error::ErrorKind::ValueValidation, message)
+            .exit()
+    };
+    match engine {
+        wire::Engine::Vllm => match release.parse() {
+            Ok(r) => Target::Vllm(r),
+            Err(e) => usage(format!("invalid value '{release}' for '--release': {e}")),
+        },
+        wire::Engine::Sglang if lenient => usage("--lenient is for vLLM releases".into()),
+        wire::Engine::Sglang => match release.parse() {
+            Ok(r) => Target::Sglang(r),
+            Err(e) => usage(format!("invalid value '{release}' for '--release': {e}")),
+        },
+    }
+}
+
 fn encode(
-    release: wire::Release,
+    target: Target,
     lenient: bool,
     file: &PathBuf,
     out: Option<&PathBuf>,
@@ -265,10 +299,16 @@ fn encode(
     let value: serde_json::Value =
         serde_json::from_slice(&text).with_context(|| format!("{}: not JSON", file.display()))?;
     let mut batch = json::from_json(&value).with_context(|| file.display().to_string())?;
-    if lenient {
-        batch.retain_fields_of(release);
+    let bytes = match target {
+        Target::Vllm(release) => {
+            if lenient {
+                batch.retain_fields_of(release);
+            }
+            wire::encode(&batch, release)
+        }
+        Target::Sglang(release) => wire::encode_sglang(&batch, release),
     }
-    let bytes = wire::encode(&batch, release).with_context(|| file.display().to_string())?;
+    .with_context(|| file.display().to_string())?;
     match out {
         Some(path) => {
             std::fs::write(path, &bytes).with_context(|| format!("cannot write {}", path.display()))
@@ -282,13 +322,19 @@ fn encode(
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::Decode { files } => decode(&files),
+        Command::Decode { engine, files } => decode(engine, &files),
         Command::Encode {
+            engine,
             release,
             lenient,
             file,
             out,
-        } => report(encode(release, lenient, &file, out.as_ref())),
+        } => report(encode(
+            target(engine, &release, lenient),
+            lenient,
+            &file,
+            out.as_ref(),
+        )),
         Command::Publish(args) => report(publish(args)),
         #[cfg(feature = "doctor")]
         Command::Doctor(args) => match doctor::run(&args) {

@@ -321,3 +321,74 @@ fn doctor_checks_an_engine_found_by_discovery_one_line_each() {
         "{text}"
     );
 }
+
+#[test]
+fn sglang_payloads_decode_and_encode_with_engine_sglang() {
+    // EAGLE pairs and a salted store: SGLang-only shapes, refused as vLLM's.
+    for (release, case) in [
+        ("0.5.3", "eagle"),
+        ("0.5.18", "cache_salt"),
+        ("0.5.23", "all_fields"),
+    ] {
+        let dir = shared().join(format!("vectors/sglang-{release}"));
+        let payload = dir.join(format!("{case}.msgpack"));
+        let json = dir.join(format!("{case}.json"));
+        if !payload.exists() {
+            continue;
+        }
+        let p = payload.to_str().expect("path");
+        let out = kvevents(&["decode", "--engine", "sglang", p], None);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let got: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one json line");
+        let want: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&json).expect("read")).expect("json");
+        assert_eq!(got, want, "{release}/{case}");
+        let out = kvevents(
+            &[
+                "encode",
+                "--engine",
+                "sglang",
+                "--release",
+                release,
+                json.to_str().expect("path"),
+            ],
+            None,
+        );
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(
+            out.stdout,
+            std::fs::read(&payload).expect("read"),
+            "{release}/{case}"
+        );
+    }
+    let eagle = shared().join("vectors/sglang-0.5.3/eagle.msgpack");
+    let out = kvevents(&["decode", eagle.to_str().expect("path")], None);
+    assert_eq!(out.status.code(), Some(1), "pairs are not vLLM's");
+    // A salt in a release before salts is refused, naming the field and the release.
+    let json = shared().join("vectors/sglang-0.5.18/cache_salt.json");
+    let out = kvevents(
+        &[
+            "encode",
+            "--engine",
+            "sglang",
+            "--release",
+            "0.5.9",
+            json.to_str().expect("p"),
+        ],
+        None,
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("SGLang 0.5.9 has no field `cache_salt`"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
