@@ -105,6 +105,10 @@ pub(crate) struct Options {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     hash_scheme: Option<String>,
+    /// Whose KV-event wire the engine speaks: vllm or sglang (--hash-scheme sglang implies sglang)
+    #[arg(long, value_name = "ENGINE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    engine: Option<String>,
     /// Prefix keys: fingerprint (content fingerprints of token ids, what the inference-cache server matches LookupRoute token_ids against, as the Go sidecar sends) or engine (the engine's block hashes, for gateways that send those)
     #[arg(long, value_name = "MODE")]
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -74,7 +74,7 @@ mod mapper;
 
 pub use checkpoint::{FORMAT as CHECKPOINT_FORMAT, RestoreError};
 pub use identity::{Identity, parse_lora_adapters};
-pub use mapper::{Mapper, MapperStats, Sink, timestamp_us};
+pub use mapper::{Mapper, MapperStats, Sink, salted_adapter, timestamp_us};
 
 /// What went wrong building a mapper.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

@@ -466,14 +466,23 @@ impl Mapper {
         options: &'m Options,
         base: &'m Arc<str>,
     ) -> Option<Adapter<'m>> {
-        match (&e.lora_name, e.lora_id) {
-            (Some(name), _) => Some(Adapter::Shared(match blocks.adapter_named(name) {
+        let adapter = match (&e.lora_name, e.lora_id) {
+            (Some(name), _) => Adapter::Shared(match blocks.adapter_named(name) {
                 Some(known) => known.clone(),
                 None => Arc::from(&**name),
-            })),
-            (None, Some(id)) => options.lora_adapters.get(&id).map(Adapter::Borrowed),
-            (None, None) => Some(Adapter::Borrowed(base)),
-        }
+            }),
+            (None, Some(id)) => Adapter::Borrowed(options.lora_adapters.get(&id)?),
+            (None, None) => Adapter::Borrowed(base),
+        };
+        // SGLang's cache salt: a salted prefix is a namespace of its own, as an adapter is.
+        let Some(salt) = e.cache_salt.as_deref() else {
+            return Some(adapter);
+        };
+        let name = salted_adapter(adapter.get(), salt);
+        Some(Adapter::Shared(match blocks.adapter_named(&name) {
+            Some(known) => known.clone(),
+            None => Arc::from(name),
+        }))
     }
 
     /// Forgets every tracked block.
@@ -748,4 +757,11 @@ impl Mapper {
         self.blocks.clear();
         out
     }
+}
+
+/// The adapter name a store salted with SGLang's `cache_salt` is reported under:
+/// `<adapter>#cache_salt=<salt>` (the base model's adapter is ""). A salted prefix never
+/// matches an unsalted query nor another salt's; a router asks with this adapter name.
+pub fn salted_adapter(adapter: &str, salt: &str) -> String {
+    format!("{adapter}#cache_salt={salt}")
 }

@@ -283,6 +283,7 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
     sub_config.threads = false;
     // The engine is local: a reconnect that no replay can check is most likely a restart.
     sub_config.state.reset_on_unverified_reconnect = true;
+    sub_config.engine = settings.engine;
     sub_config.socket.replay_idle_timeout = settings.replay_timeout.0;
     sub_config.socket.rcvhwm = settings.engine_rcvhwm;
     sub_config.socket.heartbeat_interval = settings.engine_heartbeat_interval.0;

@@ -33,6 +33,8 @@ pub struct Config {
     pub state: StateConfig,
     /// Limits on what one payload may hold.
     pub limits: wire::Limits,
+    /// Whose wire the sources speak: vLLM's (the default) or SGLang's.
+    pub engine: wire::Engine,
     /// By source index: where a saved state of the consumer left it ([`SourceState::on_resume`]);
     /// such a source starts with no `Startup` reset. Sources beyond the list start afresh.
     pub resume: Vec<Option<crate::Resume>>,
@@ -48,6 +50,7 @@ impl Config {
             channel_capacity: 1024,
             state: StateConfig::default(),
             limits: wire::Limits::DEFAULT,
+            engine: wire::Engine::Vllm,
             resume: Vec::new(),
         }
     }
@@ -62,12 +65,14 @@ pub struct Batch {
     pub seq: u64,
     /// The msgpack payload, checked to decode before [`Subscriber::next`] hands it out.
     pub payload: Vec<u8>,
+    /// Whose wire it is ([`Config::engine`]).
+    pub engine: wire::Engine,
 }
 
 impl Batch {
     /// The decoded batch, borrowing the payload.
     pub fn decode(&self) -> wire::Result<wire::EventBatch<'_>> {
-        wire::decode(&self.payload)
+        wire::decode_engine(&self.payload, self.engine, &wire::Limits::DEFAULT)
     }
 }
 
@@ -119,6 +124,7 @@ pub struct Subscriber {
     metrics: Vec<Arc<SourceMetrics>>,
     sources: Vec<transport::Source>,
     limits: wire::Limits,
+    engine: wire::Engine,
     ready: VecDeque<Update>,
     steps: Vec<Step>,
     /// For sources added later.
@@ -176,6 +182,7 @@ impl Subscriber {
             taken: Vec::new(),
             sources: config.sources,
             limits: config.limits,
+            engine: config.engine,
             ready: VecDeque::new(),
             steps: Vec::new(),
             state_config: config.state,
@@ -493,6 +500,7 @@ impl Subscriber {
             source,
             seq,
             payload,
+            engine: self.engine,
         }));
     }
 
@@ -500,7 +508,7 @@ impl Subscriber {
     /// kind, and becomes a reset (its events are lost).
     fn check<'p>(&self, b: &'p Batch) -> Result<wire::EventBatch<'p>, ResetReason> {
         let metrics = &self.metrics[b.source];
-        match wire::decode_with(&b.payload, &self.limits) {
+        match wire::decode_engine(&b.payload, self.engine, &self.limits) {
             Ok(batch) => {
                 let mut cleared = false;
                 let counts = &metrics.events;

@@ -170,3 +170,55 @@ fn the_chain_map_is_bounded() {
     run(&mut m, vec![stored(&[1, 2], None, tokens(0..32), 16)]);
     assert_eq!((m.tracked_blocks(), m.stats().map_refusals), (1, 1));
 }
+
+fn sglang_vector(case: &str) -> Vec<u8> {
+    std::fs::read(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../testdata/vectors")
+            .join(case),
+    )
+    .expect("vector")
+}
+
+#[test]
+fn sglang_eagle_pairs_are_keyed_by_the_tokens_they_stand_for() {
+    let payload = sglang_vector("sglang-0.5.3/eagle.msgpack");
+    let batch = wire::decode_engine(&payload, wire::Engine::Sglang, &wire::Limits::DEFAULT)
+        .expect("decode");
+    let mut m = mapper(fp_options());
+    let mut out = Vec::new();
+    m.map_batch(&batch, &mut out);
+    // Pairs [500,501] … [503,504] then [504,505] … : blocks of 4 pairs stand for tokens
+    // 500..504 and 504..508, the chain a router computes from the prompt's token ids.
+    let want = keys(&fingerprint::chain(&tokens(500..508), 4, None));
+    let got: Vec<Vec<u8>> = entries(&out).into_iter().map(|e| e.0).collect();
+    assert_eq!(got, want);
+    let evicted = out
+        .iter()
+        .filter_map(pb::Report::as_event)
+        .filter(|e| e.r#type == pb::cache_event::Type::PrefixEvicted as i32)
+        .count();
+    assert_eq!(evicted, 2, "the removals resolve to the same keys");
+}
+
+#[test]
+fn a_salted_sglang_store_is_a_namespace_of_its_own() {
+    let payload = sglang_vector("sglang-0.5.18/cache_salt.msgpack");
+    let batch = wire::decode_engine(&payload, wire::Engine::Sglang, &wire::Limits::DEFAULT)
+        .expect("decode");
+    let mut m = mapper(fp_options());
+    let mut out = Vec::new();
+    m.map_batch(&batch, &mut out);
+    let adapters: std::collections::BTreeSet<String> =
+        entries(&out).into_iter().map(|e| e.3).collect();
+    assert_eq!(
+        adapters,
+        [
+            "".to_owned(),
+            kvevent_mapper::salted_adapter("", "tenant-a")
+        ]
+        .into_iter()
+        .collect(),
+        "unsalted under the base model, salted under its own name"
+    );
+}

@@ -60,6 +60,10 @@ pub struct Settings {
     /// Hash scheme reported with every prefix (the server's comparison domain).
     #[serde(deserialize_with = "lenient_string")]
     pub hash_scheme: String,
+    /// Whose KV-event wire the engine speaks: `vllm` or `sglang` (`hash_scheme` `sglang`
+    /// implies it, as the Go sidecar's flag picks SGLang there).
+    #[serde(with = "value::words")]
+    pub engine: kvevent_wire::Engine,
     /// Key mode: `engine` (engine block hashes) or `fingerprint` (content fingerprints).
     #[serde(with = "value::words")]
     pub key_mode: KeyMode,
@@ -200,6 +204,7 @@ impl Default for Settings {
             model_id: String::new(),
             tenant_id: String::new(),
             hash_scheme: "vllm".into(),
+            engine: kvevent_wire::Engine::Vllm,
             key_mode: KeyMode::Fingerprint,
             window: GoDuration::ms(100),
             adjustments: Vec::new(),
@@ -470,6 +475,14 @@ impl Settings {
                 "--window 0 is not a window: using the default {} (as the Go sidecar does)",
                 settings.window
             ));
+        }
+        if settings.hash_scheme.eq_ignore_ascii_case("sglang")
+            && settings.engine == kvevent_wire::Engine::Vllm
+        {
+            settings.engine = kvevent_wire::Engine::Sglang;
+            settings.adjustments.push(
+                "--hash-scheme sglang: reading SGLang's KV-event wire (--engine sglang)".into(),
+            );
         }
         if let Err(ConfigError(more)) = settings.validate() {
             problems.extend(more);

@@ -184,6 +184,11 @@ impl Words for LogFormat {
     const WORDS: &'static [(Self, &'static str)] = &[(Self::Text, "text"), (Self::Json, "json")];
 }
 
+impl Words for kvevent_wire::Engine {
+    const WORDS: &'static [(Self, &'static str)] =
+        &[(Self::Vllm, "vllm"), (Self::Sglang, "sglang")];
+}
+
 impl Words for kvevent_mapper::KeyMode {
     const WORDS: &'static [(Self, &'static str)] =
         &[(Self::Engine, "engine"), (Self::Fingerprint, "fingerprint")];

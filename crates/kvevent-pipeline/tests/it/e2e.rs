@@ -532,3 +532,61 @@ async fn a_source_shows_whether_its_socket_reaches_the_engine() {
     assert!(!connected(&running));
     running.shutdown(Duration::from_secs(2)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_sglang_engine_is_read_with_engine_sglang_salts_and_eagle_pairs_included() {
+    let vectors = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/vectors");
+    let payload = |case: &str| std::fs::read(vectors.join(case)).expect("vector");
+    let server = RecordingServer::start().await;
+    let ctx = zmq::Context::new();
+    let engine =
+        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    // The Go sidecar's flag: --hash-scheme sglang picks SGLang's wire.
+    let s = Settings::load(
+        None,
+        serde_json::json!({
+            "engine_endpoint": engine.endpoint(),
+            "replay_endpoint": engine.replay_endpoint().unwrap_or_default(),
+            "server": server.addr().to_string(),
+            "replica_id": "r1",
+            "model_id": "m",
+            "metrics_address": "127.0.0.1:0",
+            "engine_metrics_url": "",
+            "window": "20ms",
+            "hash_scheme": "sglang",
+        }),
+    )
+    .expect("settings");
+    assert_eq!(s.engine, kvevent_wire::Engine::Sglang);
+    let running = start(&s, &ctx).await.expect("start");
+    wait_subscribed(&engine).await;
+    // SGLang's own bytes: a salted store beside an unsalted one (0.5.18), EAGLE pairs (0.5.3),
+    // map events with a LoRA name (0.5.23).
+    for case in [
+        "sglang-0.5.18/cache_salt.msgpack",
+        "sglang-0.5.3/eagle.msgpack",
+        "sglang-0.5.23/lora.msgpack",
+    ] {
+        engine.publish_payload(payload(case));
+    }
+    let deadline = Instant::now() + WAIT;
+    let metrics = &running.telemetry().source_metrics[0];
+    while metrics.batches.load(Relaxed) < 3 {
+        assert!(
+            Instant::now() < deadline,
+            "the SGLang batches never arrived"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        metrics
+            .decode_failures
+            .iter()
+            .map(|c| c.load(Relaxed))
+            .sum::<u64>(),
+        0,
+        "every SGLang batch decodes"
+    );
+    server.wait_for(WAIT, |r| distinct_prefixes(r) >= 4).await;
+    running.shutdown(Duration::from_secs(2)).await;
+}
