@@ -1,10 +1,12 @@
-//! The Python publisher (msgspec + pyzmq, as vLLM builds it) as a child process.
+//! The Python publishers (msgspec + pyzmq, as vLLM and SGLang build theirs) as child
+//! processes.
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
 
-/// A running `python/vllm_publisher.py`. Dropping it closes its stdin and kills it.
+/// A running `python/vllm_publisher.py` or `python/sglang_publisher.py`. Dropping it closes
+/// its stdin and kills it.
 pub struct PythonPublisher {
     child: Child,
     stdin: Option<ChildStdin>,
@@ -28,9 +30,21 @@ pub fn python() -> PathBuf {
 }
 
 impl PythonPublisher {
-    /// Starts the publisher speaking `release`; `args` are extra flags (`--interval 0.01`).
+    /// Starts the vLLM publisher speaking `release`; `args` are extra flags (`--interval 0.01`).
     pub fn spawn(release: &str, args: &[&str]) -> Self {
-        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/vllm_publisher.py");
+        Self::spawn_script("vllm_publisher.py", release, args)
+    }
+
+    /// Starts the SGLang publisher speaking `release` (`0.5.18`, `0.4.6.post5`); `args` are
+    /// extra flags (`--eagle`, `--salt S`, `--rank N`).
+    pub fn spawn_sglang(release: &str, args: &[&str]) -> Self {
+        Self::spawn_script("sglang_publisher.py", release, args)
+    }
+
+    fn spawn_script(script: &str, release: &str, args: &[&str]) -> Self {
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("python")
+            .join(script);
         let mut child = Command::new(python())
             .arg(script)
             .args(["--release", release])

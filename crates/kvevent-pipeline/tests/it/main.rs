@@ -6,6 +6,7 @@ mod discovery;
 mod docs;
 mod e2e;
 mod feed;
+mod sglang;
 mod state_file;
 mod tls;
 
