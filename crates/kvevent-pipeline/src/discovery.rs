@@ -1,6 +1,10 @@
-//! vLLM's endpoint discovery (0.31+): `GET /kv_event_sources` on the engine's HTTP port lists
+//! Endpoint discovery. vLLM (0.31+): `GET /kv_event_sources` on the engine's HTTP port lists
 //! each DP rank's KV-event endpoints as a JSON array,
 //! `[{"data_parallel_rank": 0, "endpoint": "tcp://*:5557", "replay_endpoint": null, "topic": ""}]`.
+//! SGLang (0.5.13+): `GET /server_info` holds a `kv_events` object, `{"publisher",
+//! "endpoint_host", "endpoint_port_base", "topic", "block_size", "dp_size"}` and from 0.5.22
+//! `"replay_endpoint_port_base"`; rank `r` publishes on `endpoint_port_base + r` (SGLang's
+//! port rule, as vLLM's).
 //!
 //! An endpoint written as the engine bound it (a wildcard host: `*`, `0.0.0.0`, `[::]`) means
 //! the host the discovery URL names. A layout where one rank's PUB endpoint is another's (or its
@@ -86,6 +90,63 @@ fn resolve(endpoint: &str, host: &str) -> String {
     }
 }
 
+/// SGLang's `/server_info` `kv_events` object.
+#[derive(Debug, Clone, Deserialize)]
+struct SglangKvEvents {
+    #[serde(default)]
+    publisher: Option<String>,
+    #[serde(default)]
+    endpoint_host: Option<String>,
+    endpoint_port_base: u32,
+    #[serde(default)]
+    replay_endpoint_port_base: Option<u32>,
+    #[serde(default)]
+    topic: Option<String>,
+    #[serde(default)]
+    dp_size: Option<u32>,
+}
+
+/// SGLang's `/server_info` as a listing: rank `r` on each port base + `r`.
+fn sglang_listing(info: &serde_json::Value) -> Result<Option<Vec<Listed>>, String> {
+    let Some(kv) = info.get("kv_events") else {
+        return Ok(None);
+    };
+    if kv.is_null() {
+        return Err(
+            "/server_info has no kv_events: is SGLang started with --kv-events-config?".into(),
+        );
+    }
+    let kv: SglangKvEvents = serde_json::from_value(kv.clone()).map_err(|e| {
+        format!("kv_events is not {{endpoint_host, endpoint_port_base, topic, dp_size}}: {e}")
+    })?;
+    if kv.publisher.as_deref().is_some_and(|p| p != "zmq") {
+        return Err(format!(
+            "kv_events.publisher is `{}`: the engine publishes no ZMQ events (set \"publisher\": \"zmq\")",
+            kv.publisher.unwrap_or_default()
+        ));
+    }
+    let host = kv.endpoint_host.unwrap_or_else(|| "*".into());
+    let port = |base: u32, rank: u32| -> Result<u32, String> {
+        Some(base + rank)
+            .filter(|p| *p <= 65_535)
+            .ok_or_else(|| format!("port base {base} + rank {rank} is above 65535"))
+    };
+    (0..kv.dp_size.unwrap_or(1).max(1))
+        .map(|rank| {
+            Ok(Listed {
+                data_parallel_rank: rank,
+                endpoint: format!("tcp://{host}:{}", port(kv.endpoint_port_base, rank)?),
+                replay_endpoint: kv
+                    .replay_endpoint_port_base
+                    .map(|b| port(b, rank).map(|p| format!("tcp://{host}:{p}")))
+                    .transpose()?,
+                topic: kv.topic.clone(),
+            })
+        })
+        .collect::<Result<Vec<_>, String>>()
+        .map(Some)
+}
+
 /// The sources a listing names, in rank order. `topic` is used where the listing gives none.
 pub fn parse(
     body: &[u8],
@@ -96,11 +157,32 @@ pub fn parse(
         url: url.to_owned(),
         problem,
     };
-    let mut listed: Vec<Listed> = serde_json::from_slice(body).map_err(|e| {
+    // SGLang's /server_info is an object with a kv_events entry; vLLM's listing an array.
+    let value: Result<serde_json::Value, _> = serde_json::from_slice(body);
+    if let Ok(info) = &value
+        && info.is_object()
+        && let Some(listed) = sglang_listing(info).map_err(layout)?
+    {
+        return sources_of(listed, url, topic);
+    }
+    let listed: Vec<Listed> = serde_json::from_slice(body).map_err(|e| {
         layout(format!(
             "not a JSON array of {{data_parallel_rank, endpoint, replay_endpoint, topic}}: {e}"
         ))
     })?;
+    sources_of(listed, url, topic)
+}
+
+/// The sources of listed ranks, checked: some, each once, no PUB endpoint another's replay.
+fn sources_of(
+    mut listed: Vec<Listed>,
+    url: &str,
+    topic: &[u8],
+) -> Result<Vec<transport::Source>, DiscoveryError> {
+    let layout = |problem: String| DiscoveryError::Layout {
+        url: url.to_owned(),
+        problem,
+    };
     if listed.is_empty() {
         return Err(layout(
             "lists no rank (is the engine started with --kv-events-config?)".into(),
@@ -281,6 +363,47 @@ mod tests {
     use super::*;
 
     const URL: &str = "http://10.1.2.3:8000/kv_event_sources";
+
+    #[test]
+    fn sglang_server_info_gives_each_rank_its_port_base_plus_rank() {
+        // 0.5.22+: a replay port base too; the host as the engine bound it.
+        let body = br#"{"model_path": "m", "speculative_algorithm": null, "kv_events": {
+            "publisher": "zmq", "endpoint_host": "*", "endpoint_port_base": 5557,
+            "replay_endpoint_port_base": 5600, "topic": "kv", "block_size": 16, "dp_size": 2}}"#;
+        let s = parse(body, "http://10.1.2.3:30000/server_info", b"").expect("layout");
+        let got: Vec<_> = s
+            .iter()
+            .map(|s| (s.dp_rank, s.endpoint.as_str(), s.replay_endpoint.as_deref()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (0, "tcp://10.1.2.3:5557", Some("tcp://10.1.2.3:5600")),
+                (1, "tcp://10.1.2.3:5558", Some("tcp://10.1.2.3:5601")),
+            ]
+        );
+        assert_eq!(s[0].topic, b"kv");
+        // 0.5.13-0.5.21: no replay port base, one rank.
+        let body = br#"{"kv_events": {"publisher": "zmq", "endpoint_host": "10.0.0.7",
+            "endpoint_port_base": 5557, "topic": "", "block_size": 1, "dp_size": 1}}"#;
+        let s = parse(body, "http://10.1.2.3:30000/server_info", b"").expect("layout");
+        assert_eq!(s.len(), 1);
+        assert_eq!(
+            (s[0].endpoint.as_str(), s[0].replay_endpoint.as_deref()),
+            ("tcp://10.0.0.7:5557", None)
+        );
+        // Events off: a clear error, not an empty layout.
+        let err = parse(br#"{"kv_events": null}"#, "http://h:30000/server_info", b"")
+            .expect_err("no events");
+        assert!(err.to_string().contains("--kv-events-config"), "{err}");
+        let err = parse(
+            br#"{"kv_events": {"publisher": "null", "endpoint_port_base": 5557}}"#,
+            "http://h:30000/server_info",
+            b"",
+        )
+        .expect_err("no zmq");
+        assert!(err.to_string().contains("publisher"), "{err}");
+    }
 
     #[test]
     fn wildcard_hosts_become_the_discovery_host_and_ranks_are_ordered() {
