@@ -77,6 +77,23 @@ fn decode_all(c: &mut Criterion) {
             })
         });
     }
+    // SGLang's large vectors beside vLLM's, read as SGLang's wire.
+    let sglang = kvevent_benches::vector_payloads_of("sglang-").expect("sglang vectors");
+    for (name, payload) in sglang.iter().filter(|(n, _)| n.ends_with("/large")) {
+        group.throughput(Throughput::Bytes(payload.len() as u64));
+        group.bench_function(name.as_str(), |b| {
+            b.iter(|| {
+                wire::decode_engine(
+                    std::hint::black_box(payload),
+                    wire::Engine::Sglang,
+                    &wire::Limits::DEFAULT,
+                )
+                .expect("decode")
+                .events
+                .len()
+            })
+        });
+    }
     group.finish();
 }
 

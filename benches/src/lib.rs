@@ -9,12 +9,17 @@ pub fn shared_dir() -> PathBuf {
 
 /// Every vLLM vector payload as `(vllm-release/case, bytes)`, sorted by name.
 pub fn vector_payloads() -> std::io::Result<Vec<(String, Vec<u8>)>> {
+    vector_payloads_of("vllm-")
+}
+
+/// The same for the folders named `<prefix><release>` (`vllm-`, `sglang-`).
+pub fn vector_payloads_of(prefix: &str) -> std::io::Result<Vec<(String, Vec<u8>)>> {
     let mut out = Vec::new();
     for release in std::fs::read_dir(shared_dir().join("vectors"))? {
         let release = release?.path();
         let vllm = release
             .file_name()
-            .is_some_and(|n| n.to_string_lossy().starts_with("vllm-"));
+            .is_some_and(|n| n.to_string_lossy().starts_with(prefix));
         if !release.is_dir() || !vllm {
             continue;
         }
