@@ -41,6 +41,11 @@ pub struct MapperStats {
     pub unkeyable_blocks: u64,
     /// Blocks not tracked because the per-source map was full.
     pub map_refusals: u64,
+    /// Blocks stored with fewer tokens than the source's page size (the largest `block_size`
+    /// it has sent): SGLang sends a radix node's last page short. Reported as they come, keyed
+    /// over their own tokens, so a query matches them only where its blocks end as theirs do;
+    /// counted so that a page size that varies for another reason shows.
+    pub short_blocks: u64,
     /// Block hashes that were an empty `bin`: not a key, skipped.
     pub empty_hashes: u64,
     /// Prefix entries re-reported by [`Mapper::refresh`] (resident blocks, so the server's TTL
@@ -158,6 +163,8 @@ pub struct Mapper {
     pub(crate) skipped_groups: Vec<Option<i64>>,
     /// The refresh cycle under way.
     refresh: Option<RefreshCycle>,
+    /// The largest `block_size` seen: the source's page size.
+    page_size: u32,
 }
 
 /// Most elements a store's scratch buffers keep between stores (16 KiB of token ids).
@@ -226,6 +233,7 @@ impl Mapper {
             stats: MapperStats::default(),
             skipped_groups: Vec::new(),
             refresh: None,
+            page_size: 0,
         }
     }
 
@@ -510,6 +518,10 @@ impl Mapper {
             self.stats.placeholder_stores += 1;
             return;
         }
+        if e.block_size < self.page_size {
+            self.stats.short_blocks += e.block_hashes.len() as u64;
+        }
+        self.page_size = self.page_size.max(e.block_size);
         let kind = e.kv_cache_spec_kind.as_deref();
         if !self.options.all_kv_groups && !crate::is_prefix_group(kind) {
             *self

@@ -94,6 +94,8 @@ const SCRAPE_SECONDS: &[f64] = &[
 
 /// Metric names, one scheme: `kvevent_<what>_<unit>_total`.
 pub mod names {
+    /// Blocks shorter than the source's page size.
+    pub const SHORT_BLOCKS: &str = "kvevent_mapper_short_blocks";
     /// Routers following the feed now.
     pub const FEED_FOLLOWERS: &str = "kvevent_feed_followers";
     /// Snapshots sent.
@@ -764,6 +766,14 @@ impl Telemetry {
                 ] {
                     o.sample(MAPPER_SKIPPED, &[("source", label), ("reason", reason)], v);
                 }
+            }
+            o.family(
+                SHORT_BLOCKS,
+                "counter",
+                "Blocks stored with fewer tokens than the source's page size (an SGLang node's last page), reported as they come.",
+            );
+            for (label, MapperView { stats: s, .. }) in self.sources.iter().zip(mappers.iter()) {
+                o.sample(SHORT_BLOCKS, &[("source", label)], s.short_blocks);
             }
             o.family(
                 NON_PREFIX_BLOCKS,

@@ -497,3 +497,26 @@ fn refresh_re_reports_every_resident_block_once_per_interval_spread_evenly() {
         0
     );
 }
+
+#[test]
+fn sglang_signed_hashes_are_keyed_as_their_twos_complement_big_endian() {
+    let payload = std::fs::read(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../testdata/vectors/sglang-0.5.23/i64_extremes.msgpack"),
+    )
+    .expect("vector");
+    let batch = wire::decode_engine(&payload, wire::Engine::Sglang, &wire::Limits::DEFAULT)
+        .expect("decode");
+    let mut m = mapper(Options::default());
+    let mut out = Vec::new();
+    m.map_batch(&batch, &mut out);
+    let keys: Vec<Vec<u8>> = entries(&out).into_iter().map(|e| e.0).collect();
+    let want: Vec<Vec<u8>> = [i64::MIN, -1, 0, 1, i64::MAX]
+        .iter()
+        .map(|h| h.to_be_bytes().to_vec())
+        .collect();
+    assert_eq!(
+        keys, want,
+        "as the Go sidecar keys them (vLLM 0.9's signed hashes alike)"
+    );
+}

@@ -222,3 +222,29 @@ fn a_salted_sglang_store_is_a_namespace_of_its_own() {
         "unsalted under the base model, salted under its own name"
     );
 }
+
+#[test]
+fn an_sglang_short_last_page_is_reported_and_counted() {
+    let payload = sglang_vector("sglang-0.5.23/partial_page.msgpack");
+    let batch = wire::decode_engine(&payload, wire::Engine::Sglang, &wire::Limits::DEFAULT)
+        .expect("decode");
+    let sizes: Vec<u32> = batch
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            wire::Event::BlockStored(s) => Some(s.block_size),
+            _ => None,
+        })
+        .collect();
+    let mut m = mapper(fp_options());
+    let mut out = Vec::new();
+    m.map_batch(&batch, &mut out);
+    let short = sizes
+        .iter()
+        .enumerate()
+        .filter(|(i, s)| sizes[..*i].iter().any(|before| before > s))
+        .count() as u64;
+    assert!(short > 0, "the vector has a short last page: {sizes:?}");
+    assert_eq!(m.stats().short_blocks, short);
+    assert_eq!(m.stats().unkeyable_blocks, 0, "keyed over its own tokens");
+}
