@@ -116,3 +116,59 @@ async fn sglang_0_5_23_eagle_pairs_are_keyed_as_their_tokens_and_a_restart_clear
     drop(engine);
     running.shutdown(Duration::from_secs(2)).await;
 }
+
+/// Two loopback ports `p, p + 1` free now (bound then released: a test of ranks needs them
+/// consecutive, as SGLang's port rule places them).
+fn consecutive_ports() -> u16 {
+    for _ in 0..50 {
+        let a = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let p = a.local_addr().expect("addr").port();
+        if p < 65_535 && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            return p;
+        }
+    }
+    panic!("no two consecutive free ports");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_dp_ranks_publish_on_the_port_base_plus_rank() {
+    let (pub_base, replay_base) = (consecutive_ports(), consecutive_ports());
+    let ranks: Vec<PythonPublisher> = (0..2u16)
+        .map(|r| {
+            PythonPublisher::spawn_sglang(
+                "0.5.23",
+                &[
+                    "--count",
+                    "4",
+                    "--rank",
+                    &r.to_string(),
+                    "--hash-base",
+                    &(1000 * r).to_string(),
+                    "--port",
+                    &(pub_base + r).to_string(),
+                    "--replay-port",
+                    &(replay_base + r).to_string(),
+                ],
+            )
+        })
+        .collect();
+    let server = RecordingServer::start().await;
+    let ctx = zmq::Context::new();
+    let s = Settings {
+        dp_size: 2,
+        ..settings(&ranks[0], &server)
+    };
+    let running = start(&s, &ctx).await.expect("start");
+    let deadline = std::time::Instant::now() + WAIT;
+    let metrics = running.telemetry().source_metrics.clone();
+    while metrics
+        .iter()
+        .any(|m| m.batches.load(std::sync::atomic::Ordering::Relaxed) < 4)
+    {
+        assert!(std::time::Instant::now() < deadline, "both ranks' batches");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(running.telemetry().sources.len(), 2);
+    running.shutdown(Duration::from_secs(2)).await;
+    drop(ranks);
+}
