@@ -31,8 +31,9 @@ Options:
                          --feed-address): NAME=http://HOST:PORT; it knows every resident
                          prefix at once (repeatable)
   --engine SPEC          a replica followed through its engine: NAME=tcp://HOST:PORT, with
-                         ,replay=tcp://HOST:PORT for its replay endpoint and ,dp=N for N
-                         data-parallel ranks; it knows what the replay buffer holds (repeatable)
+                         ,replay=tcp://HOST:PORT for its replay endpoint, ,dp=N for N
+                         data-parallel ranks and ,engine=sglang for an SGLang engine; it knows
+                         what the replay buffer holds (repeatable)
   -h, --help             print this
 
 POST /score takes {\"model\", \"adapter\", \"token_ids\", \"block_size\"?, \"candidates\"?}; each

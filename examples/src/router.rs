@@ -29,6 +29,8 @@ pub struct Engine {
     pub replay: Option<String>,
     /// Its DP ranks (ports offset by rank, vLLM's rule).
     pub dp: u32,
+    /// Whose KV-event wire it speaks (`,engine=sglang`; vLLM's by default).
+    pub engine: kvevent_feed::Engine,
 }
 
 impl std::str::FromStr for Engine {
@@ -48,12 +50,16 @@ impl std::str::FromStr for Engine {
             endpoint,
             replay: None,
             dp: 1,
+            engine: kvevent_feed::Engine::Vllm,
         };
         for part in parts {
             match part.split_once('=') {
                 Some(("replay", r)) => engine.replay = Some(r.to_owned()),
                 Some(("dp", n)) => engine.dp = n.parse().context("dp=N takes a number")?,
-                _ => bail!("`{part}` in `{s}`: expected replay=... or dp=N"),
+                Some(("engine", e)) => {
+                    engine.engine = e.parse().context("engine= takes vllm or sglang")?;
+                }
+                _ => bail!("`{part}` in `{s}`: expected replay=..., dp=N or engine=vllm|sglang"),
             }
         }
         Ok(engine)
@@ -117,6 +123,7 @@ impl Router {
                     replay: e.replay.clone(),
                     dp: e.dp,
                     topic: Vec::new(),
+                    engine: e.engine,
                 }),
             )?;
         }

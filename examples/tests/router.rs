@@ -165,9 +165,15 @@ fn engine_flags_parse() {
             name: "a".into(),
             endpoint: "tcp://10.0.0.1:5557".into(),
             replay: Some("tcp://10.0.0.1:5558".into()),
-            dp: 2
+            dp: 2,
+            engine: kvevent_feed::Engine::Vllm,
         }
     );
+    let e: Engine = "b=tcp://10.0.0.2:5557,engine=sglang"
+        .parse()
+        .expect("sglang");
+    assert_eq!(e.engine, kvevent_feed::Engine::Sglang);
+    assert!("b=tcp://x:1,engine=trt".parse::<Engine>().is_err());
     assert!("tcp://x:1".parse::<Engine>().is_err());
     assert!("a=tcp://x:1,speed=9".parse::<Engine>().is_err());
 }

@@ -128,6 +128,8 @@ pub struct EngineSockets {
     pub dp: u32,
     /// The topic subscribed to; empty for all.
     pub topic: Vec<u8>,
+    /// Whose KV-event wire it speaks: vLLM's (the default) or SGLang's.
+    pub engine: kvevent_wire::Engine,
 }
 
 impl EngineSockets {
@@ -138,6 +140,7 @@ impl EngineSockets {
             replay: None,
             dp: 1,
             topic: Vec::new(),
+            engine: kvevent_wire::Engine::Vllm,
         }
     }
 }
@@ -447,10 +450,11 @@ impl Fleet {
                 };
                 Stop::Task(self.runtime.spawn(follower.run()).abort_handle())
             }
-            ReplicaSource::Engine(_) => {
+            ReplicaSource::Engine(e) => {
                 let sources = engine_sources.unwrap_or_default();
                 lock(&self.engines.commands).push(Command::Add {
                     name: name.to_owned(),
+                    engine: e.engine,
                     sources,
                     status: status.clone(),
                 });
@@ -856,6 +860,7 @@ enum Command {
     Add {
         name: String,
         sources: Vec<kvevent_zmq::Source>,
+        engine: kvevent_wire::Engine,
         status: Shared,
     },
     Remove {
@@ -896,15 +901,17 @@ impl Engines {
                     Command::Add {
                         name,
                         sources,
+                        engine,
                         status,
                     } => {
                         for source in sources {
                             let added = match subscriber.as_mut() {
-                                Some(s) => s.add_source(source.clone()),
-                                None => Subscriber::start(
-                                    &self.context,
-                                    kvevent_source::Config::new(vec![source.clone()]),
-                                )
+                                Some(s) => s.add_source_of(source.clone(), engine),
+                                None => Subscriber::start(&self.context, {
+                                    let mut c = kvevent_source::Config::new(vec![source.clone()]);
+                                    c.engine = engine;
+                                    c
+                                })
                                 .map(|s| {
                                     subscriber = Some(s);
                                     0

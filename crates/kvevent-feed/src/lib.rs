@@ -35,5 +35,6 @@ pub use fleet::{
 };
 pub use hub::{Hub, HubConfig, HubMetrics};
 pub use kvevent_index::{Config as IndexConfig, IndexStats, KeyMode, Query, QueryKeys, Tier};
+pub use kvevent_wire::Engine;
 pub use server::{ServeError, ServeOptions, TokenSource, serve};
 pub use tonic::transport::ClientTlsConfig;

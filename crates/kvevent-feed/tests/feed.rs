@@ -377,3 +377,74 @@ fn bad_replicas_are_refused_and_lose_nothing() {
     assert!(err.to_string().contains("fingerprint"), "{err}");
     assert!(engine_keys.replicas().is_empty());
 }
+
+#[test]
+fn a_fleet_follows_vllm_and_sglang_engines_side_by_side() {
+    use kvevent_zmq::publisher::{Publisher, PublisherConfig};
+    let ctx = zmq::Context::new();
+    let vllm = Publisher::start(&ctx, PublisherConfig::loopback(wire::Release::NEWEST_KNOWN))
+        .expect("vllm engine");
+    let sglang = Publisher::start(&ctx, PublisherConfig::loopback(wire::Release::NEWEST_KNOWN))
+        .expect("sglang engine");
+    // Both stored tokens 0..32 in blocks of 16: vLLM's wire, and SGLang 0.5.18's own bytes (an
+    // unsalted store of them beside a salted one).
+    vllm.publish(&stored(0, 2)).expect("publish");
+    let payload = std::fs::read(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../testdata/vectors/sglang-0.5.18/cache_salt.msgpack"),
+    )
+    .expect("vector");
+    sglang.publish_payload(payload);
+    let fleet = Fleet::new(FleetConfig::default()).expect("fleet");
+    let sockets = |p: &Publisher, engine| {
+        ReplicaSource::Engine(kvevent_feed::EngineSockets {
+            replay: p.replay_endpoint().map(str::to_owned),
+            engine,
+            ..kvevent_feed::EngineSockets::new(p.endpoint())
+        })
+    };
+    fleet
+        .ensure_replica("v", sockets(&vllm, kvevent_feed::Engine::Vllm))
+        .expect("vllm");
+    fleet
+        .ensure_replica("s", sockets(&sglang, kvevent_feed::Engine::Sglang))
+        .expect("sglang");
+    let ids: Vec<u32> = (0..32).collect();
+    let query = Query {
+        adapter: "",
+        keys: QueryKeys::Tokens {
+            ids: &ids,
+            block_size: BLOCK,
+        },
+    };
+    // The SGLang engine stored 0..16 unsalted and 0..32 salted: unsalted, it matches one block;
+    // under the salt's adapter, two, and the vLLM engine none.
+    let salted_adapter = kvevent_mapper::salted_adapter("", "tenant-a");
+    let salted = Query {
+        adapter: &salted_adapter,
+        keys: query.keys.clone(),
+    };
+    let blocks = |q: &Query<'_>| -> Vec<(String, u32)> {
+        fleet
+            .score(q)
+            .expect("score")
+            .iter()
+            .map(|s| (s.replica.clone(), s.matched_blocks))
+            .collect()
+    };
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let scores = fleet.score(&query).expect("score");
+        if blocks(&query) == [("v".to_owned(), 2), ("s".to_owned(), 1)]
+            && blocks(&salted) == [("s".to_owned(), 2)]
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "both replicas: {scores:?} {:?}",
+            fleet.replicas()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

@@ -124,6 +124,9 @@ pub struct Subscriber {
     metrics: Vec<Arc<SourceMetrics>>,
     sources: Vec<transport::Source>,
     limits: wire::Limits,
+    /// By source index: whose wire it speaks.
+    engines: Vec<wire::Engine>,
+    /// [`Config::engine`], for sources added later.
     engine: wire::Engine,
     ready: VecDeque<Update>,
     steps: Vec<Step>,
@@ -180,9 +183,10 @@ impl Subscriber {
             metrics,
             removed: vec![false; config.sources.len()],
             taken: Vec::new(),
+            engines: vec![config.engine; config.sources.len()],
+            engine: config.engine,
             sources: config.sources,
             limits: config.limits,
-            engine: config.engine,
             ready: VecDeque::new(),
             steps: Vec::new(),
             state_config: config.state,
@@ -212,6 +216,16 @@ impl Subscriber {
     /// Subscribes to one more source while the others run (a pod came up). Its index, returned,
     /// is never reused; its first update is a `Startup` reset, then its replay and batches.
     pub fn add_source(&mut self, source: transport::Source) -> Result<usize, transport::Error> {
+        self.add_source_of(source, self.engine)
+    }
+
+    /// [`Subscriber::add_source`] for an engine whose wire is `engine`'s (a fleet of vLLM and
+    /// SGLang replicas in one subscriber).
+    pub fn add_source_of(
+        &mut self,
+        source: transport::Source,
+        engine: wire::Engine,
+    ) -> Result<usize, transport::Error> {
         let Some(transport) = self.transport.as_mut() else {
             return Err(transport::Error::Stopped);
         };
@@ -226,6 +240,7 @@ impl Subscriber {
         self.metrics.push(metrics);
         self.sources.push(source);
         self.removed.push(false);
+        self.engines.push(engine);
         debug_assert_eq!(self.sources.len(), index + 1);
         self.start_source(index);
         Ok(index)
@@ -500,7 +515,7 @@ impl Subscriber {
             source,
             seq,
             payload,
-            engine: self.engine,
+            engine: self.engines.get(source).copied().unwrap_or_default(),
         }));
     }
 
@@ -508,7 +523,7 @@ impl Subscriber {
     /// kind, and becomes a reset (its events are lost).
     fn check<'p>(&self, b: &'p Batch) -> Result<wire::EventBatch<'p>, ResetReason> {
         let metrics = &self.metrics[b.source];
-        match wire::decode_engine(&b.payload, self.engine, &self.limits) {
+        match wire::decode_engine(&b.payload, b.engine, &self.limits) {
             Ok(batch) => {
                 let mut cleared = false;
                 let counts = &metrics.events;
