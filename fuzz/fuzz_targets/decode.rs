@@ -1,12 +1,13 @@
-//! The payload decoder: any bytes decode or fail cleanly; what decodes re-encodes to a fixed
-//! point (decode → encode → decode → encode gives the same bytes); the decoder allocates at
-//! most a bounded multiple of the input (never what a length header merely claims).
+//! The payload decoder, as vLLM's and as SGLang's wire: any bytes decode or fail cleanly; what
+//! decodes re-encodes to a fixed point (decode → encode → decode → encode gives the same
+//! bytes); the decoder allocates at most a bounded multiple of the input (never what a length
+//! header merely claims).
 #![no_main]
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
-use kvevent_wire::{Release, decode, encode};
+use kvevent_wire::{Engine, Limits, Release, SglangRelease, decode, decode_engine, encode, encode_sglang};
 use libfuzzer_sys::fuzz_target;
 
 /// Counts live and peak heap bytes.
@@ -79,4 +80,35 @@ fuzz_target!(|data: &[u8]| {
         let second = encode(&again, release).expect("what decoded from our encoding re-encodes");
         assert_eq!(first, second, "encode is not a fixed point for {release}");
     }
+    sglang(data);
 });
+
+/// The same bytes as SGLang's wire.
+fn sglang(data: &[u8]) {
+    let base = LIVE.load(Relaxed);
+    PEAK.store(base, Relaxed);
+    let decoded = decode_engine(data, Engine::Sglang, &Limits::DEFAULT);
+    let peak = PEAK.load(Relaxed) - base;
+    assert!(
+        peak <= data.len() * BYTES_PER_INPUT_BYTE + SLACK,
+        "decoding {} bytes as SGLang's held {peak} bytes of heap",
+        data.len()
+    );
+    let Ok(batch) = decoded else {
+        return;
+    };
+    for release in [
+        SglangRelease::OLDEST,
+        SglangRelease(Release::new(0, 5, 18)),
+        SglangRelease::NEWEST_KNOWN,
+    ] {
+        let Ok(first) = encode_sglang(&batch, release) else {
+            continue;
+        };
+        let again = decode_engine(&first, Engine::Sglang, &Limits::DEFAULT)
+            .expect("what we encode decodes");
+        let second =
+            encode_sglang(&again, release).expect("what decoded from our encoding re-encodes");
+        assert_eq!(first, second, "encode is not a fixed point for SGLang {release}");
+    }
+}
