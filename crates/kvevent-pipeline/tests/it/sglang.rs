@@ -61,10 +61,13 @@ async fn sglang_0_5_18_salted_stores_are_their_own_namespace() {
         .await
         .expect("start");
     let salted = kvevent_mapper::salted_adapter("", "tenant-a");
+    // Batches 1, 3, 5 are salted (two blocks each, never removed); batches 0, 2, 4 unsalted,
+    // each one's first block removed by the next batch (so netted away when both arrive in
+    // one window): at least their second blocks.
     server
         .wait_for(WAIT, |r| {
             let p = prefixes(r);
-            p.iter().filter(|(_, a)| a.is_empty()).count() >= 5
+            p.iter().filter(|(_, a)| a.is_empty()).count() >= 3
                 && p.iter().filter(|(_, a)| *a == salted).count() >= 6
         })
         .await;
