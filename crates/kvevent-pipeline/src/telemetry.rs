@@ -262,10 +262,18 @@ enum Sample {
     Histogram(Labels, Vec<(f64, u64)>, f64, u64),
 }
 
+/// A family's metric type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
 #[derive(Debug)]
 struct Family {
     name: &'static str,
-    kind: &'static str,
+    kind: Kind,
     help: &'static str,
     samples: Vec<Sample>,
 }
@@ -281,7 +289,7 @@ fn labels(l: &[(&str, &str)]) -> Labels {
 }
 
 impl Out {
-    fn family(&mut self, name: &'static str, kind: &'static str, help: &'static str) {
+    fn family(&mut self, name: &'static str, kind: Kind, help: &'static str) {
         self.0.push(Family {
             name,
             kind,
@@ -348,9 +356,9 @@ impl prometheus_client::collector::Collector for Out {
         for f in &self.0 {
             let (kind, name) = match f.kind {
                 // The encoder writes a counter's samples as `<name>_total`.
-                "counter" => (MetricType::Counter, f.name.trim_end_matches("_total")),
-                "histogram" => (MetricType::Histogram, f.name),
-                _ => (MetricType::Gauge, f.name),
+                Kind::Counter => (MetricType::Counter, f.name.trim_end_matches("_total")),
+                Kind::Histogram => (MetricType::Histogram, f.name),
+                Kind::Gauge => (MetricType::Gauge, f.name),
             };
             let counter = matches!(kind, MetricType::Counter);
             let mut family = encoder.encode_descriptor(name, f.help, None, kind)?;
@@ -448,25 +456,35 @@ impl Telemetry {
             .max(self.stats_last_success_unix_ms.load(Relaxed))
     }
 
-    /// The Prometheus text exposition of everything.
+    /// The Prometheus text exposition of everything: one collector per area, each writing its
+    /// families with named counters.
     pub fn render(&self) -> String {
-        use names::*;
-        let mut o = Out::default();
-        o.family(BUILD_INFO, "gauge", "Build information.");
-        o.sample(BUILD_INFO, &[("version", env!("CARGO_PKG_VERSION"))], 1);
-
-        self.render_sources(&mut o);
-        self.render_state_file(&mut o);
-        self.render_mappers(&mut o);
-        self.render_forwarder(&mut o);
-        self.render_scrapes(&mut o);
-        self.render_feed(&mut o);
+        let areas: [fn(&Self, &mut Out); 7] = [
+            Self::render_build,
+            Self::render_sources,
+            Self::render_state_file,
+            Self::render_mappers,
+            Self::render_forwarder,
+            Self::render_scrapes,
+            Self::render_feed,
+        ];
         let mut registry = prometheus_client::registry::Registry::default();
-        registry.register_collector(Box::new(o));
+        for area in areas {
+            let mut o = Out::default();
+            area(self, &mut o);
+            registry.register_collector(Box::new(o));
+        }
         let mut text = String::with_capacity(32 * 1024);
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut text, &registry);
         text
+    }
+
+    /// The build.
+    fn render_build(&self, o: &mut Out) {
+        use names::*;
+        o.family(BUILD_INFO, Kind::Gauge, "Build information.");
+        o.sample(BUILD_INFO, &[("version", env!("CARGO_PKG_VERSION"))], 1);
     }
 
     /// The engine sources: events, batches, sequence state, replays, connections.
@@ -474,7 +492,7 @@ impl Telemetry {
         use names::*;
         let per_source = |o: &mut Out,
                           name: &'static str,
-                          kind: &'static str,
+                          kind: Kind,
                           help: &'static str,
                           f: &dyn Fn(&SourceMetrics) -> u64| {
             o.family(name, kind, help);
@@ -484,7 +502,7 @@ impl Telemetry {
         };
         o.family(
             EVENTS,
-            "counter",
+            Kind::Counter,
             "Events received from the engine, by type.",
         );
         for (label, m) in self.sources.iter().zip(&self.source_metrics) {
@@ -499,13 +517,13 @@ impl Telemetry {
         per_source(
             o,
             BATCHES,
-            "counter",
+            Kind::Counter,
             "Batches received and applied.",
             &|m| m.batches.load(Relaxed),
         );
         o.family(
             DECODE_FAILURES,
-            "counter",
+            Kind::Counter,
             "Payloads that failed to decode, by kind.",
         );
         for (label, m) in self.sources.iter().zip(&self.source_metrics) {
@@ -517,17 +535,21 @@ impl Telemetry {
                 );
             }
         }
-        per_source(o, GAPS, "counter", "Gaps in the sequence numbers.", &|m| {
-            m.gaps.load(Relaxed)
-        });
+        per_source(
+            o,
+            GAPS,
+            Kind::Counter,
+            "Gaps in the sequence numbers.",
+            &|m| m.gaps.load(Relaxed),
+        );
         per_source(
             o,
             MISSING,
-            "counter",
+            Kind::Counter,
             "Sequence numbers missing across gaps.",
             &|m| m.missing_seqs.load(Relaxed),
         );
-        o.family(REPLAYS, "counter", "Replays by outcome.");
+        o.family(REPLAYS, Kind::Counter, "Replays by outcome.");
         for (label, m) in self.sources.iter().zip(&self.source_metrics) {
             for (outcome, c) in [
                 ("requested", &m.replays_requested),
@@ -546,7 +568,7 @@ impl Telemetry {
         }
         o.family(
             RESUMES,
-            "counter",
+            Kind::Counter,
             "Saved states (--state-file) resumed or refused at start, by outcome.",
         );
         for (label, m) in self.sources.iter().zip(&self.source_metrics) {
@@ -564,13 +586,13 @@ impl Telemetry {
         per_source(
             o,
             RESTARTS,
-            "counter",
+            Kind::Counter,
             "Engine restarts detected (sequence regressions).",
             &|m| m.restarts.load(Relaxed),
         );
         o.family(
             SILENCE,
-            "gauge",
+            Kind::Gauge,
             "Seconds since the source's last batch (since the start when none came).",
         );
         for (i, label) in self.sources.iter().enumerate() {
@@ -583,27 +605,27 @@ impl Telemetry {
         per_source(
             o,
             DISCONNECTS,
-            "counter",
+            Kind::Counter,
             "Connection drops to the engine (libzmq reconnects by itself).",
             &|m| m.disconnects.load(Relaxed),
         );
         per_source(
             o,
             DUPLICATES,
-            "counter",
+            Kind::Counter,
             "Duplicate batches dropped.",
             &|m| m.duplicates.load(Relaxed),
         );
         per_source(
             o,
             MALFORMED,
-            "counter",
+            Kind::Counter,
             "Malformed ZMQ messages skipped.",
             &|m| m.malformed_frames.load(Relaxed),
         );
         o.family(
             RESETS,
-            "counter",
+            Kind::Counter,
             "Source resets (the replica's state cleared), by reason.",
         );
         for (label, m) in self.sources.iter().zip(&self.source_metrics) {
@@ -618,28 +640,28 @@ impl Telemetry {
         per_source(
             o,
             LAST_SEQ,
-            "gauge",
+            Kind::Gauge,
             "Last sequence number applied.",
             &|m| m.last_seq.load(Relaxed),
         );
         per_source(
             o,
             DEGRADED,
-            "gauge",
+            Kind::Gauge,
             "1 while the source's state is known to be incomplete.",
             &|m| u64::from(m.degraded.load(Relaxed)),
         );
         per_source(
             o,
             CONNECTED,
-            "gauge",
+            Kind::Gauge,
             "1 while the source's socket has a connection to the engine (not proof it publishes: see kvevent_source_last_batch_age_seconds).",
             &|m| u64::from(m.connected.load(Relaxed)),
         );
         per_source(
             o,
             HOLD_OVERFLOWS,
-            "counter",
+            Kind::Counter,
             "Live batches dropped from the hold buffer during replays.",
             &|m| m.buffer_overflows.load(Relaxed),
         );
@@ -650,17 +672,21 @@ impl Telemetry {
         use names::*;
         o.family(
             STATE_WRITES,
-            "counter",
+            Kind::Counter,
             "State file writes by outcome (skipped: the previous write was still running).",
         );
         for (outcome, c) in self.state_writes.by_outcome() {
             o.sample(STATE_WRITES, &[("outcome", outcome)], c.load(Relaxed));
         }
-        o.family(STATE_BYTES, "gauge", "Size of the last state file written.");
+        o.family(
+            STATE_BYTES,
+            Kind::Gauge,
+            "Size of the last state file written.",
+        );
         o.sample(STATE_BYTES, &[], self.state_bytes.load(Relaxed));
         o.family(
             STATE_WRITE_SECONDS,
-            "gauge",
+            Kind::Gauge,
             "Duration of the last state file write (encode, write, fsync, rename).",
         );
         o.sample(
@@ -680,61 +706,61 @@ impl Telemetry {
         for (name, kind, help, value) in [
             (
                 FEED_FOLLOWERS,
-                "gauge",
+                Kind::Gauge,
                 "Routers following the feed now.",
                 &m.followers,
             ),
             (
                 FEED_SNAPSHOTS,
-                "counter",
+                Kind::Counter,
                 "Snapshots sent to feed followers.",
                 &m.snapshots,
             ),
             (
                 FEED_RESUMES,
-                "counter",
+                Kind::Counter,
                 "Feed streams that went on from the follower's position (no snapshot).",
                 &m.resumes,
             ),
             (
                 FEED_CUT_OFF,
-                "counter",
+                Kind::Counter,
                 "Feed followers cut off for not keeping up (they come back with a snapshot).",
                 &m.cut_off,
             ),
             (
                 FEED_REFUSED,
-                "counter",
+                Kind::Counter,
                 "Feed streams refused: another replica or model asked for, or a wrong token.",
                 &m.refused,
             ),
             (
                 FEED_CHANGES,
-                "counter",
+                Kind::Counter,
                 "Changes published to the feed.",
                 &m.changes,
             ),
             (
                 FEED_EPOCHS,
-                "counter",
+                Kind::Counter,
                 "New feed epochs after the first (engine clears and restarts, gaps not repaired).",
                 &m.new_epochs,
             ),
             (
                 FEED_UNKEYED,
-                "counter",
+                Kind::Counter,
                 "Prefix entries not published to the feed: their key is not a fingerprint.",
                 &m.unkeyed,
             ),
             (
                 FEED_RING_BYTES,
-                "gauge",
+                Kind::Gauge,
                 "Bytes of changes kept for followers to resume from.",
                 &m.ring_bytes,
             ),
             (
                 FEED_BLOCKS,
-                "gauge",
+                Kind::Gauge,
                 "Prefixes the feed holds (what a snapshot sends).",
                 &m.blocks,
             ),
@@ -751,7 +777,7 @@ impl Telemetry {
             let mappers = lock(&self.mappers);
             o.family(
                 MAPPER_SKIPPED,
-                "counter",
+                Kind::Counter,
                 "Blocks or events the mapper did not report, by reason.",
             );
             for (label, MapperView { stats: s, .. }) in self.sources.iter().zip(mappers.iter()) {
@@ -769,7 +795,7 @@ impl Telemetry {
             }
             o.family(
                 SHORT_BLOCKS,
-                "counter",
+                Kind::Counter,
                 "Blocks stored with fewer tokens than the source's page size (an SGLang node's last page), reported as they come.",
             );
             for (label, MapperView { stats: s, .. }) in self.sources.iter().zip(mappers.iter()) {
@@ -777,7 +803,7 @@ impl Telemetry {
             }
             o.family(
                 NON_PREFIX_BLOCKS,
-                "counter",
+                Kind::Counter,
                 "Blocks of hybrid-model KV-cache groups that are not full attention, not reported, by kind.",
             );
             for (label, MapperView { stats: s, .. }) in self.sources.iter().zip(mappers.iter()) {
@@ -787,19 +813,19 @@ impl Telemetry {
             }
             o.family(
                 REFRESHED,
-                "counter",
+                Kind::Counter,
                 "Prefix entries re-reported so the server's TTL never expires a resident block.",
             );
             for (label, MapperView { stats: s, .. }) in self.sources.iter().zip(mappers.iter()) {
                 o.sample(REFRESHED, &[("source", label)], s.refreshed);
             }
-            o.family(TRACKED, "gauge", "Engine blocks tracked by the mapper.");
+            o.family(TRACKED, Kind::Gauge, "Engine blocks tracked by the mapper.");
             for (label, MapperView { tracked, .. }) in self.sources.iter().zip(mappers.iter()) {
                 o.sample(TRACKED, &[("source", label)], *tracked);
             }
             o.family(
                 STASHED,
-                "gauge",
+                Kind::Gauge,
                 "Tracked blocks kept aside because their hashes collide with many others' (0 unless the engine's hashes are crafted or broken).",
             );
             for (label, MapperView { stashed, .. }) in self.sources.iter().zip(mappers.iter()) {
@@ -815,19 +841,19 @@ impl Telemetry {
         let f = &self.forwarder;
         o.family(
             PREFIXES_SENT,
-            "counter",
+            Kind::Counter,
             "Prefix entries delivered to the server.",
         );
         o.sample(PREFIXES_SENT, &[], f.prefixes_sent.load(Relaxed));
         o.family(
             UPDATES_SENT,
-            "counter",
+            Kind::Counter,
             "CacheStateUpdates delivered to the server.",
         );
         o.sample(UPDATES_SENT, &[], f.updates_sent.load(Relaxed));
         o.family(
             EVENTS_SENT,
-            "counter",
+            Kind::Counter,
             "CacheEvents delivered to the server, by type.",
         );
         o.sample(
@@ -842,7 +868,7 @@ impl Telemetry {
         );
         o.family(
             RPC_ERRORS,
-            "counter",
+            Kind::Counter,
             "Failed RPCs to the server, by gRPC code.",
         );
         for (i, c) in f.rpc_errors.iter().enumerate() {
@@ -854,7 +880,7 @@ impl Telemetry {
         }
         o.family(
             DROPPED,
-            "counter",
+            Kind::Counter,
             "Reports dropped instead of delivered, by kind and reason.",
         );
         for reason in fwd::DropReason::ALL {
@@ -874,11 +900,15 @@ impl Telemetry {
             &[("kind", "report"), ("reason", "after_shutdown")],
             self.reports_after_shutdown.load(Relaxed),
         );
-        o.family(QUEUE_DEPTH, "gauge", "Pending prefix entries plus events.");
+        o.family(
+            QUEUE_DEPTH,
+            Kind::Gauge,
+            "Pending prefix entries plus events.",
+        );
         o.sample(QUEUE_DEPTH, &[], f.queue_depth.load(Relaxed));
         o.family(
             SERVER_REACHABLE,
-            "gauge",
+            Kind::Gauge,
             "1 when the last probe (a gRPC health check; any answer counts) reached the server, 0 when it did not.",
         );
         let unreachable = self
@@ -893,31 +923,31 @@ impl Telemetry {
         );
         o.family(
             IN_FLIGHT_LIMIT,
-            "gauge",
+            Kind::Gauge,
             "RPCs the forwarder lets be in flight now (adapted up to --max-in-flight).",
         );
         o.sample(IN_FLIGHT_LIMIT, &[], f.in_flight_limit.load(Relaxed));
         o.family(
             COALESCED,
-            "counter",
+            Kind::Counter,
             "Prefix entries merged into a pending identical one.",
         );
         o.sample(COALESCED, &[], f.coalesced.load(Relaxed));
         o.family(
             CANCELLED,
-            "counter",
+            Kind::Counter,
             "Adds and evictions not sent: a prefix stored and evicted again before either was sent.",
         );
         o.sample(CANCELLED, &[], f.cancelled.load(Relaxed));
         o.family(
             SUPERSEDED,
-            "counter",
+            Kind::Counter,
             "Pending reports discarded by a later clear.",
         );
         o.sample(SUPERSEDED, &[], f.superseded_by_clear.load(Relaxed));
         o.family(
             LAST_SUCCESS,
-            "gauge",
+            Kind::Gauge,
             "Unix time of the last report the server accepted.",
         );
         o.sample(
@@ -928,7 +958,7 @@ impl Telemetry {
         let h = &f.histograms;
         o.family(
             RPC_SECONDS,
-            "histogram",
+            Kind::Histogram,
             "Durations of RPCs to the server (retries are separate calls), by method.",
         );
         o.histogram(
@@ -943,19 +973,19 @@ impl Telemetry {
         );
         o.family(
             AGE,
-            "histogram",
+            Kind::Histogram,
             "Engine batch time to server acknowledgement, per update and event delivered (includes the window and any outage).",
         );
         o.histogram(AGE, &[], &h.age_seconds);
         o.family(
             UPDATE_ENTRIES,
-            "histogram",
+            Kind::Histogram,
             "Prefix entries per CacheStateUpdate sent, after coalescing.",
         );
         o.histogram(UPDATE_ENTRIES, &[], &h.update_entries);
         o.family(
             WINDOW_SEND,
-            "histogram",
+            Kind::Histogram,
             "Time a window took to send, first call to last answer (over the window: falling behind).",
         );
         o.histogram(WINDOW_SEND, &[], &h.window_send_seconds);
@@ -966,17 +996,21 @@ impl Telemetry {
         use names::*;
         o.family(
             SCRAPE_SECONDS,
-            "histogram",
+            Kind::Histogram,
             "Durations of engine /metrics scrapes (fetch and parse).",
         );
         o.histogram(SCRAPE_SECONDS, &[], &self.scrape_seconds);
-        o.family(SCRAPES, "counter", "Engine metrics scrapes, by outcome.");
+        o.family(
+            SCRAPES,
+            Kind::Counter,
+            "Engine metrics scrapes, by outcome.",
+        );
         for (outcome, v) in lock(&self.scrapes).iter() {
             o.sample(SCRAPES, &[("outcome", outcome)], v);
         }
         o.family(
             SCRAPE_ABSENT,
-            "counter",
+            Kind::Counter,
             "Scrapes that lacked a series the stats use (reported as 0, unknown), by series.",
         );
         for (series, v) in lock(&self.scrape_absent).iter() {
@@ -984,11 +1018,11 @@ impl Telemetry {
         }
         o.family(
             SCRAPE_NON_FINITE,
-            "counter",
+            Kind::Counter,
             "Scraped samples skipped because they were NaN or +-Inf.",
         );
         o.sample(SCRAPE_NON_FINITE, &[], self.scrape_non_finite.load(Relaxed));
-        o.family(STATS_REPORTS, "counter", "Stats reports, by outcome.");
+        o.family(STATS_REPORTS, Kind::Counter, "Stats reports, by outcome.");
         for (outcome, v) in lock(&self.stats_reports).iter() {
             o.sample(STATS_REPORTS, &[("outcome", outcome)], v);
         }
