@@ -19,6 +19,9 @@
 //!   applied in order.
 //! - **Resets** of one source are O(1): its epoch moves on and older holders no longer count
 //!   (they are dropped when next touched). Removing a replica resets its sources.
+//! - **Keyed changes and atomic snapshots.** [`Index::apply_keys`] takes changes already keyed
+//!   (a sidecar's feed); a snapshot loads into [`Index::add_loading_source`], which counts in
+//!   no answer until [`Index::promote`] swaps it for the source it replaces, in one lock.
 //! - **Byte budget.** Entries live in two generations; when a new key would take the key
 //!   tables and holder lists past the budget (measured by the tables' capacity, free slots
 //!   included), the old one is dropped (counted in [`IndexStats::evicted_keys`]) and the young one

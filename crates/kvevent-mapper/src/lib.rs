@@ -1,4 +1,4 @@
-//! Maps decoded vLLM KV events onto the InferenceCache contract.
+//! Maps decoded vLLM (and SGLang) KV events onto the InferenceCache contract.
 //!
 //! One [`Mapper`] per engine source (endpoint and DP rank) turns each
 //! [`EventBatch`](wire::EventBatch) into [`Report`](pb::Report)s:
@@ -21,6 +21,10 @@
 //! within one interval of its last report, spread evenly, so the server's TTL never expires what
 //! the engine holds. [`Mapper::save`] / [`Mapper::restore`] carry the tracked blocks across a
 //! restart of the process (versioned bytes; other options or a damaged copy are refused).
+//!
+//! SGLang's stores (decoded with `kvevent_wire::decode_engine`): EAGLE token pairs are keyed as
+//! the tokens they stand for, a salted store under the adapter [`salted_adapter`], a page
+//! shorter than the source's page size over its own tokens (counted).
 //!
 //! [`Mapper::map_batch_into`] hands the same keys, counts, tiers and adapters to any [`Sink`]
 //! with no message made (the router's index writes them straight in); `map_batch` is its

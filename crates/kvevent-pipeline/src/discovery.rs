@@ -153,24 +153,27 @@ pub fn parse(
     url: &str,
     topic: &[u8],
 ) -> Result<Vec<transport::Source>, DiscoveryError> {
-    let layout = |problem: String| DiscoveryError::Layout {
-        url: url.to_owned(),
-        problem,
-    };
-    // SGLang's /server_info is an object with a kv_events entry; vLLM's listing an array.
-    let value: Result<serde_json::Value, _> = serde_json::from_slice(body);
-    if let Ok(info) = &value
-        && info.is_object()
-        && let Some(listed) = sglang_listing(info).map_err(layout)?
+    listing(body)
+        .and_then(|listed| sources_of(listed, url, topic))
+        .map_err(|problem| DiscoveryError::Layout {
+            url: url.to_owned(),
+            problem,
+        })
+}
+
+/// The ranks a body lists: SGLang's `/server_info` (an object with a `kv_events` entry) or
+/// vLLM's listing (an array).
+fn listing(body: &[u8]) -> Result<Vec<Listed>, String> {
+    const SHAPE: &str =
+        "not a JSON array of {data_parallel_rank, endpoint, replay_endpoint, topic}";
+    let value: serde_json::Value =
+        serde_json::from_slice(body).map_err(|e| format!("{SHAPE}: {e}"))?;
+    if value.is_object()
+        && let Some(listed) = sglang_listing(&value)?
     {
-        return sources_of(listed, url, topic);
+        return Ok(listed);
     }
-    let listed: Vec<Listed> = serde_json::from_slice(body).map_err(|e| {
-        layout(format!(
-            "not a JSON array of {{data_parallel_rank, endpoint, replay_endpoint, topic}}: {e}"
-        ))
-    })?;
-    sources_of(listed, url, topic)
+    serde_json::from_value(value).map_err(|e| format!("{SHAPE}: {e}"))
 }
 
 /// The sources of listed ranks, checked: some, each once, no PUB endpoint another's replay.
@@ -178,25 +181,16 @@ fn sources_of(
     mut listed: Vec<Listed>,
     url: &str,
     topic: &[u8],
-) -> Result<Vec<transport::Source>, DiscoveryError> {
-    let layout = |problem: String| DiscoveryError::Layout {
-        url: url.to_owned(),
-        problem,
-    };
+) -> Result<Vec<transport::Source>, String> {
     if listed.is_empty() {
-        return Err(layout(
-            "lists no rank (is the engine started with --kv-events-config?)".into(),
-        ));
+        return Err("lists no rank (is the engine started with --kv-events-config?)".into());
     }
     listed.sort_by_key(|l| l.data_parallel_rank);
     if let Some(w) = listed
         .windows(2)
         .find(|w| w[0].data_parallel_rank == w[1].data_parallel_rank)
     {
-        return Err(layout(format!(
-            "rank {} is listed twice",
-            w[0].data_parallel_rank
-        )));
+        return Err(format!("rank {} is listed twice", w[0].data_parallel_rank));
     }
     let host = url_host(url).unwrap_or_else(|| "127.0.0.1".into());
     let sources: Vec<transport::Source> = listed
@@ -221,11 +215,11 @@ fn sources_of(
             .iter()
             .find(|o| o.replay_endpoint.as_deref() == Some(s.endpoint.as_str()))
         {
-            return Err(layout(format!(
+            return Err(format!(
                 "rank {}'s PUB endpoint {} is rank {}'s replay endpoint: space the base ports \
                  of endpoint and replay_endpoint apart by more than the number of ranks",
                 s.dp_rank, s.endpoint, other.dp_rank
-            )));
+            ));
         }
     }
     Ok(sources)

@@ -13,7 +13,8 @@
 //! shell around it. [`demo`] runs it against an in-process engine, server and metrics endpoint.
 //!
 //! With `--state-file`, [`state_file`] saves each source's mapper and last batch periodically
-//! and at shutdown, and [`start`] resumes from it.
+//! and at shutdown, and [`start`] resumes from it. With `--feed-address` the events thread
+//! hands each turn's changes to a [`kvevent_feed::Hub`], served to routers.
 //!
 //! This is the only crate that knows every layer: the others know their neighbours'
 //! abstractions, never each other.

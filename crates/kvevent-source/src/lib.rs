@@ -1,4 +1,4 @@
-//! Per-source state for vLLM KV events, and the stream a router consumes.
+//! Per-source state for vLLM (and SGLang) KV events, and the stream a router consumes.
 //!
 //! ZMQ PUB/SUB is at-most-once: batches are lost to slow joiners, HWM overflow and
 //! reconnects, and a seq going backwards means a new engine process. This crate turns the raw
@@ -20,7 +20,9 @@
 //!
 //! A consumer that saved its state resumes a source where it stopped ([`Resume`],
 //! [`Config::resume`]): the replay starts at the saved last batch, which must come back with
-//! the saved [`payload_digest`], else the source is reset and rebuilt.
+//! the saved [`payload_digest`], else the source is reset and rebuilt. A reconnect is checked
+//! the same way ([`SourceState::on_connected`]). Each source reads its engine's wire
+//! ([`Config::engine`], [`Subscriber::add_source_of`]).
 //!
 //! Every decision is counted in [`SourceMetrics`]. No tokio, tonic, hyper or prost here.
 //!

@@ -15,14 +15,12 @@ hashes are signed 64-bit. --port / --replay-port bind fixed ports (a restarted e
 them back).
 """
 import argparse
-import json
-import sys
-import threading
 import time
 from typing import Optional, Union
 
 import msgspec
-import zmq
+
+import publisher_common
 
 
 def structs(release):
@@ -77,55 +75,12 @@ def main():
     Batch, BlockStored, BlockRemoved, Salted = structs(release)
     medium = {"medium": "GPU"} if release >= (0, 5, 9) else {}
 
-    ctx = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
-    pub.setsockopt(zmq.SNDHWM, 100_000)
-
-    def bind(sock, port):
-        if port == 0:
-            return sock.bind_to_random_port("tcp://127.0.0.1")
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                sock.bind(f"tcp://127.0.0.1:{port}")
-                return port
-            except zmq.ZMQError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-
-    pub_port = bind(pub, a.port)
-    router = ctx.socket(zmq.ROUTER)
-    router_port = bind(router, a.replay_port)
-    print(json.dumps({"endpoint": f"tcp://127.0.0.1:{pub_port}",
-                      "replay_endpoint": f"tcp://127.0.0.1:{router_port}"}), flush=True)
-
-    stop = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
     encoder = msgspec.msgpack.Encoder()
-    topic = a.topic.encode()
-    buffer = []
-    poller = zmq.Poller()
-    poller.register(router, zmq.POLLIN)
-    end = (2**64 - 1).to_bytes(8, "big")
-    with_topic = release >= (0, 5, 22)
-
-    def serve_replay():
-        frames = router.recv_multipart()
-        if len(frames) != 3 or frames[1] != b"":
-            return
-        start = int.from_bytes(frames[2], "big")
-        for s, p in buffer:
-            if int.from_bytes(s, "big") >= start:
-                router.send_multipart([frames[0], b""] + ([topic] if with_topic else []) + [s, p])
-        router.send_multipart([frames[0], b""] + ([b""] if with_topic else []) + [end, b""])
 
     def h(n):
         return -(n + a.hash_base)
 
-    for i in range(a.count):
-        if stop.is_set():
-            break
+    def payload_of(i):
         tokens = list(range(32 * i, 32 * i + 32))
         if a.eagle:
             tokens = [[t, t + 1] for t in tokens]
@@ -143,17 +98,9 @@ def main():
         if i % 2 == 1:
             events.append(BlockRemoved(block_hashes=[h(2 * i - 1)], **medium))
         kwargs = {"attn_dp_rank": a.rank} if release >= (0, 4, 7) else {}
-        payload = encoder.encode(Batch(ts=time.time(), events=events, **kwargs))
-        seq = i.to_bytes(8, "big")
-        pub.send_multipart([topic, seq, payload])
-        buffer.append((seq, payload))
-        deadline = time.monotonic() + a.interval
-        while (left := deadline - time.monotonic()) > 0:
-            if poller.poll(int(left * 1000) + 1):
-                serve_replay()
-    while not stop.is_set():
-        if poller.poll(100):
-            serve_replay()
+        return encoder.encode(Batch(ts=time.time(), events=events, **kwargs))
+
+    publisher_common.run(a, payload_of, topic_in_replies=release >= (0, 5, 22))
 
 
 if __name__ == "__main__":

@@ -12,14 +12,12 @@ and, for odd i, BlockRemoved(block_hashes=[2*i-1], medium="GPU"); every hash plu
 --port / --replay-port bind fixed ports (a restarted engine takes them back).
 """
 import argparse
-import json
-import sys
-import threading
 import time
 from typing import Any, Optional, Union
 
 import msgspec
-import zmq
+
+import publisher_common
 
 
 def structs(release):
@@ -64,57 +62,9 @@ def main():
     medium = {"medium": "GPU"} if release >= (0, 10, 2) else {}
     lora = {"lora_name": None} if release >= (0, 14, 0) else {}
 
-    ctx = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
-    pub.setsockopt(zmq.SNDHWM, 100_000)
-    def bind(sock, port):
-        if port == 0:
-            return sock.bind_to_random_port("tcp://127.0.0.1")
-        # A restarted engine takes its ports back (the previous process may have just died).
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                sock.bind(f"tcp://127.0.0.1:{port}")
-                return port
-            except zmq.ZMQError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-
-    pub_port = bind(pub, a.port)
-    router = ctx.socket(zmq.ROUTER)
-    router_port = bind(router, a.replay_port)
-    print(json.dumps({"endpoint": f"tcp://127.0.0.1:{pub_port}",
-                      "replay_endpoint": f"tcp://127.0.0.1:{router_port}"}), flush=True)
-
-    stop = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
     encoder = msgspec.msgpack.Encoder()
-    topic = a.topic.encode()
-    buffer = []
-    poller = zmq.Poller()
-    poller.register(router, zmq.POLLIN)
-    end = (2**64 - 1).to_bytes(8, "big")
 
-    def serve_replay():
-        frames = router.recv_multipart()
-        if len(frames) != 3 or frames[1] != b"":
-            return
-        start = int.from_bytes(frames[2], "big")
-        for s, p in buffer:
-            if int.from_bytes(s, "big") >= start:
-                if release >= (0, 26, 0):
-                    router.send_multipart([frames[0], b"", topic, s, p])
-                else:
-                    router.send_multipart([frames[0], b"", s, p])
-        if release >= (0, 26, 0):
-            router.send_multipart([frames[0], b"", b"", end, b""])
-        else:
-            router.send_multipart([frames[0], b"", end, b""])
-
-    for i in range(a.count):
-        if stop.is_set():
-            break
+    def payload_of(i):
         b = a.hash_base
         events = [BlockStored(block_hashes=[b + 2 * i + 1, b + 2 * i + 2],
                               parent_block_hash=b + 2 * i if i else None,
@@ -123,18 +73,9 @@ def main():
         if i % 2 == 1:
             events.append(BlockRemoved(block_hashes=[b + 2 * i - 1], **medium))
         kwargs = {"data_parallel_rank": a.rank} if release >= (0, 9, 1) else {}
-        payload = encoder.encode(Batch(ts=time.time(), events=events, **kwargs))
-        seq = i.to_bytes(8, "big")
-        pub.send_multipart([topic, seq, payload])
-        buffer.append((seq, payload))
-        deadline = time.monotonic() + a.interval
-        while (left := deadline - time.monotonic()) > 0:
-            if poller.poll(int(left * 1000) + 1):
-                serve_replay()
-    # Like an engine that stays up: replays are still answered until stdin closes.
-    while not stop.is_set():
-        if poller.poll(100):
-            serve_replay()
+        return encoder.encode(Batch(ts=time.time(), events=events, **kwargs))
+
+    publisher_common.run(a, payload_of, topic_in_replies=release >= (0, 26, 0))
 
 
 if __name__ == "__main__":

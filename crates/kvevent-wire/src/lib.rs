@@ -1,4 +1,4 @@
-//! Decoder and encoder for vLLM's KV-cache event wire format.
+//! Decoder and encoder for vLLM's (and SGLang's) KV-cache event wire format.
 //!
 //! vLLM engines publish KV-cache events over ZeroMQ: three frames `[topic, seq, payload]`,
 //! the payload one msgpack `EventBatch`. This crate reads and writes those payloads for every
@@ -11,6 +11,9 @@
 //!   token ids stay msgpack bytes until iterated ([`TokenIds::iter`]).
 //! - [`encode`] writes the exact bytes a given [`Release`] sends, so tests, tools and a fake
 //!   engine can speak any release.
+//! - SGLang's wire (0.4.6.post5 to 0.5.23) by [`Engine`]: [`decode_engine`] reads what only
+//!   SGLang sends (a salted store's `cache_salt`, EAGLE token pairs), [`encode_sglang`] writes
+//!   each [`SglangRelease`]'s bytes.
 //! - A newer vLLM must never break decoding: unknown event tags are skipped and counted
 //!   ([`EventBatch::unknown_events`]), unknown map keys and extra array elements ignored.
 //! - Hostile input returns an [`Error`] with an [`ErrorKind`] and the byte offset; it never

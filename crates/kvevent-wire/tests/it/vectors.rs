@@ -2,20 +2,29 @@
 
 use kvevent_wire::{Release, decode, encode, json};
 
-#[test]
-fn every_vector_decodes_to_its_json_and_reencodes_exactly() {
+/// One engine's wire, as the vectors check it.
+struct Wire {
+    prefix: &'static str,
+    decode: fn(&[u8]) -> kvevent_wire::Result<kvevent_wire::EventBatch<'_>>,
+    to_json: fn(&kvevent_wire::EventBatch<'_>) -> serde_json::Value,
+    encode: fn(&kvevent_wire::EventBatch<'_>, &str) -> Result<Vec<u8>, String>,
+}
+
+/// Every vector of `wire` decodes to its JSON and re-encodes byte for byte, from the payload
+/// and from the JSON.
+fn every_vector_round_trips(wire: &Wire) {
     let mut failures = Vec::new();
-    let cases = crate::vectors();
+    let cases = crate::vectors_of(wire.prefix);
+    assert!(!cases.is_empty(), "no {} vectors in testdata", wire.prefix);
     for (release, case, payload, expected) in &cases {
-        let label = format!("vllm-{release}/{case}");
+        let label = format!("{}{release}/{case}", wire.prefix);
         let outcome = (|| -> Result<(), String> {
-            let batch = decode(payload).map_err(|e| format!("decode: {e}"))?;
-            let got = json::to_json(&batch);
+            let batch = (wire.decode)(payload).map_err(|e| format!("decode: {e}"))?;
+            let got = (wire.to_json)(&batch);
             if &got != expected {
                 return Err(format!("json differs:\n got {got}\nwant {expected}"));
             }
-            let rel: Release = release.parse().map_err(|e| format!("{e}"))?;
-            let bytes = encode(&batch, rel).map_err(|e| format!("encode: {e}"))?;
+            let bytes = (wire.encode)(&batch, release).map_err(|e| format!("encode: {e}"))?;
             if &bytes != payload {
                 return Err(format!(
                     "re-encoding differs: {} bytes vs {}",
@@ -25,7 +34,8 @@ fn every_vector_decodes_to_its_json_and_reencodes_exactly() {
             }
             // The JSON side goes back to the same bytes too.
             let from_json = json::from_json(expected).map_err(|e| format!("from_json: {e}"))?;
-            let bytes = encode(&from_json, rel).map_err(|e| format!("encode json: {e}"))?;
+            let bytes =
+                (wire.encode)(&from_json, release).map_err(|e| format!("encode json: {e}"))?;
             if &bytes != payload {
                 return Err("encoding the JSON differs from the payload".into());
             }
@@ -45,6 +55,19 @@ fn every_vector_decodes_to_its_json_and_reencodes_exactly() {
         failures.len(),
         cases.len()
     );
+}
+
+#[test]
+fn every_vector_decodes_to_its_json_and_reencodes_exactly() {
+    every_vector_round_trips(&Wire {
+        prefix: "vllm-",
+        decode,
+        to_json: json::to_json,
+        encode: |batch, release| {
+            let rel: Release = release.parse().map_err(|e| format!("{e}"))?;
+            encode(batch, rel).map_err(|e| e.to_string())
+        },
+    });
 }
 
 #[test]
@@ -186,50 +209,17 @@ fn token_ids_extend_into_appends_what_iter_yields() {
 #[test]
 fn every_sglang_vector_decodes_to_its_json_and_reencodes_exactly() {
     use kvevent_wire::{Engine, Limits, SglangRelease, decode_engine, encode_sglang};
-    let mut failures = Vec::new();
-    let cases = crate::vectors_of("sglang-");
     assert!(
-        cases.len() >= 100,
-        "the SGLang vectors are in testdata: {}",
-        cases.len()
+        crate::vectors_of("sglang-").len() >= 100,
+        "the SGLang vectors are in testdata"
     );
-    for (release, case, payload, expected) in &cases {
-        let label = format!("sglang-{release}/{case}");
-        let outcome = (|| -> Result<(), String> {
-            let batch = decode_engine(payload, Engine::Sglang, &Limits::DEFAULT)
-                .map_err(|e| format!("decode: {e}"))?;
-            let got = json::to_json_engine(&batch, Engine::Sglang);
-            if &got != expected {
-                return Err(format!("json differs:\n got {got}\nwant {expected}"));
-            }
+    every_vector_round_trips(&Wire {
+        prefix: "sglang-",
+        decode: |p| decode_engine(p, Engine::Sglang, &Limits::DEFAULT),
+        to_json: |b| json::to_json_engine(b, Engine::Sglang),
+        encode: |batch, release| {
             let rel: SglangRelease = release.parse().map_err(|e| format!("{e}"))?;
-            let bytes = encode_sglang(&batch, rel).map_err(|e| format!("encode: {e}"))?;
-            if &bytes != payload {
-                return Err(format!(
-                    "re-encoding differs: {} bytes vs {}",
-                    bytes.len(),
-                    payload.len()
-                ));
-            }
-            let from_json = json::from_json(expected).map_err(|e| format!("from_json: {e}"))?;
-            let bytes = encode_sglang(&from_json, rel).map_err(|e| format!("encode json: {e}"))?;
-            if &bytes != payload {
-                return Err("encoding the JSON differs from the payload".into());
-            }
-            Ok(())
-        })();
-        match outcome {
-            Ok(()) => println!("ok   {label}"),
-            Err(why) => {
-                println!("FAIL {label}: {why}");
-                failures.push(label);
-            }
-        }
-    }
-    assert!(
-        failures.is_empty(),
-        "{} of {} failed: {failures:?}",
-        failures.len(),
-        cases.len()
-    );
+            encode_sglang(batch, rel).map_err(|e| e.to_string())
+        },
+    });
 }
