@@ -3,7 +3,7 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvevent_test_support::{Publisher, PublisherConfig, Received, RecordingServer};
+use kvevent_test_support::{HeldPort, Publisher, PublisherConfig, Received, RecordingServer};
 use kvevent_wire::Release;
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvevent-subscriber");
@@ -315,17 +315,9 @@ fn metrics_port(stderr: &Stderr) -> u16 {
 fn with_nothing_listening_at_either_end_both_addresses_are_named_within_seconds() {
     // Nothing listens on these ports: a wrong --engine-endpoint and --server, or vLLM and the
     // server not started yet.
-    let nothing = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    let nothing_either = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    let endpoint = format!(
-        "tcp://127.0.0.1:{}",
-        nothing.local_addr().expect("addr").port()
-    );
-    let server = format!(
-        "127.0.0.1:{}",
-        nothing_either.local_addr().expect("addr").port()
-    );
-    drop((nothing, nothing_either));
+    let (nothing, nothing_either) = (HeldPort::new(), HeldPort::new());
+    let endpoint = nothing.tcp();
+    let server = nothing_either.addr().to_string();
     let mut child = Command::new(BIN)
         .args([
             &format!("--engine-endpoint={endpoint}"),

@@ -7,18 +7,11 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvevent_proto as pb;
-use kvevent_test_support::{Publisher, PublisherConfig, Received, RecordingServer};
+use kvevent_test_support::{HeldPort, Publisher, PublisherConfig, Received, RecordingServer};
 use kvevent_wire::{self as wire, Release};
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvevent-subscriber");
 const WAIT: Duration = Duration::from_secs(30);
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("port")
-        .port()
-}
 
 /// The sidecar as a child process; killed when dropped.
 struct Sidecar {
@@ -272,9 +265,10 @@ fn python_held(base: u64, count: u64) -> BTreeSet<Vec<u8>> {
 async fn an_engine_killed_and_restarted_on_its_ports_is_cleared_each_time_and_nothing_old_returns()
 {
     use kvevent_test_support::PythonPublisher;
-    // The engine is killed and started again on the same ports, so they are chosen here (a
-    // port another process takes between the pick and the first bind fails the start loudly).
-    let (port, replay_port) = (free_port(), free_port());
+    // The engine is killed and started again on the same ports, so they are chosen here and
+    // held until the end (each engine binds them over the hold; nothing else can take them).
+    let (held, held_replay) = (HeldPort::new(), HeldPort::new());
+    let (port, replay_port) = (held.port(), held_replay.port());
     let server = RecordingServer::start().await;
     let endpoint = format!("tcp://127.0.0.1:{port}");
     let replay = format!("tcp://127.0.0.1:{replay_port}");

@@ -20,7 +20,7 @@ pub(crate) struct DoctorArgs {
     /// The engine's PUB endpoint, when it is not discovered (`tcp://host:5557`).
     #[arg(long)]
     endpoint: Option<String>,
-    /// Its replay endpoint (`tcp://host:5558`).
+    /// Its replay endpoint (`tcp://host:5558`); empty or absent: none.
     #[arg(long)]
     replay_endpoint: Option<String>,
     /// Data-parallel ranks behind `--endpoint` (ports offset by rank).
@@ -94,7 +94,7 @@ pub(crate) fn run(args: &DoctorArgs) -> anyhow::Result<bool> {
         (_, Some(endpoint)) => {
             match kvevent_zmq::dp_sources(
                 endpoint,
-                args.replay_endpoint.as_deref(),
+                args.replay_endpoint.as_deref().filter(|r| !r.is_empty()),
                 args.dp_size,
                 topic,
                 false,

@@ -176,16 +176,12 @@ fn fingerprint_prints_the_golden_chain() {
 #[test]
 fn publish_speaks_to_a_subscriber() {
     // `kvevents publish` on a loopback port, read back with a plain SUB socket.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("port")
-        .port();
-    let endpoint = format!("tcp://127.0.0.1:{port}");
     let ctx = zmq::Context::new();
     let sub = ctx.socket(zmq::SUB).expect("sub");
     sub.set_subscribe(b"").expect("subscribe");
     sub.set_rcvtimeo(10_000).expect("timeout");
-    sub.bind(&endpoint).expect("bind");
+    sub.bind("tcp://127.0.0.1:*").expect("bind");
+    let endpoint = sub.get_last_endpoint().expect("endpoint").expect("utf-8");
     // The tool's endpoint has no wildcard: it connects, as vLLM's publisher would.
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvevents"))
         .args([
@@ -320,6 +316,52 @@ fn doctor_checks_an_engine_found_by_discovery_one_line_each() {
         text.contains("FAIL  endpoints: GET http://127.0.0.1:1/kv_event_sources"),
         "{text}"
     );
+}
+
+#[test]
+fn doctor_tells_nothing_listening_from_an_idle_engine() {
+    use kvevent_test_support::{HeldPort, Publisher, PublisherConfig};
+    let doctor = |endpoint: &str| {
+        let out = kvevents(
+            &[
+                "doctor",
+                "--endpoint",
+                endpoint,
+                "--replay-endpoint",
+                "",
+                "--timeout",
+                "1s",
+            ],
+            None,
+        );
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    };
+    // Nothing listens: the socket check fails and says so.
+    let nothing = HeldPort::new();
+    let (code, text) = doctor(&nothing.tcp());
+    assert_eq!(code, Some(1), "{text}");
+    let socket_line = format!("FAIL  socket {}: nothing listens there", nothing.tcp());
+    assert!(text.contains(&socket_line), "{text}");
+    // An engine that is up but publishes nothing: a warning, not a failure.
+    let ctx = zmq::Context::new();
+    let idle = Publisher::start(
+        &ctx,
+        PublisherConfig {
+            replay_endpoint: None,
+            ..PublisherConfig::loopback(kvevent_wire::Release::NEWEST_KNOWN)
+        },
+    )
+    .expect("engine");
+    let (code, text) = doctor(idle.endpoint());
+    let socket_line = format!("ok    socket {}: something listens there", idle.endpoint());
+    assert!(text.contains(&socket_line), "{text}");
+    assert!(text.contains("an idle engine publishes nothing"), "{text}");
+    assert!(!text.contains("FAIL"), "{text}");
+    assert_eq!(code, Some(0), "{text}");
+    idle.shutdown();
 }
 
 #[test]

@@ -3,6 +3,8 @@
 //! - [`RecordingServer`]: a real tonic InferenceCache server on `127.0.0.1:0` that records every
 //!   `CacheStateUpdate` and `CacheEvent` in arrival order, and can be told to refuse, delay or
 //!   hang, or be stopped and started again on the same port.
+//! - [`HeldPort`]: a loopback port held (bound, not listening) for a test's life, to connect to
+//!   where nothing listens, or to hand to an engine before it binds.
 //!
 //! With feature `engine` (on by default; it builds libzmq):
 //! - [`Publisher`]: the Rust fake engine (re-exported from `kvevent-zmq`).
@@ -12,12 +14,14 @@
 //! Used only as a dev-dependency. Every wait is bounded by a timeout.
 
 #[cfg(feature = "engine")]
+mod ports;
 mod python;
 mod server;
 
 #[cfg(feature = "engine")]
 pub use kvevent_zmq::publisher::{Publisher, PublisherConfig};
 #[cfg(feature = "engine")]
+pub use ports::HeldPort;
 pub use python::{PythonPublisher, python};
 pub use server::{Behaviour, Received, RecordingServer, distinct_prefixes};
 

@@ -7,7 +7,7 @@ use kvevent_pipeline::demo;
 use kvevent_pipeline::settings::GoDuration;
 use kvevent_pipeline::{Settings, start};
 use kvevent_proto as pb;
-use kvevent_test_support::{Publisher, PublisherConfig};
+use kvevent_test_support::{HeldPort, Publisher, PublisherConfig};
 use kvevent_test_support::{Received, RecordingServer, distinct_prefixes};
 use kvevent_wire::Release;
 use kvevent_zmq::publisher::scripted_batch;
@@ -173,12 +173,9 @@ async fn a_failing_scrape_never_touches_the_event_path() {
     let ctx = zmq::Context::new();
     let engine =
         Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
-    let closed = std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr");
+    let closed = HeldPort::new();
     let s = Settings {
-        engine_metrics_url: format!("http://{closed}/metrics"),
+        engine_metrics_url: format!("http://{}/metrics", closed.addr()),
         stats_interval: GoDuration::ms(50),
         scrape_timeout: GoDuration::ms(200),
         ..settings(&engine, &server)
@@ -513,12 +510,9 @@ async fn a_source_shows_whether_its_socket_reaches_the_engine() {
     }
     running.shutdown(Duration::from_secs(2)).await;
     // A port nobody listens on never connects.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("port")
-        .port();
+    let nothing = HeldPort::new();
     let s = Settings {
-        engine_endpoint: format!("tcp://127.0.0.1:{port}"),
+        engine_endpoint: nothing.tcp(),
         replay_endpoint: String::new(),
         server: server.addr().to_string(),
         replica_id: "r1".into(),

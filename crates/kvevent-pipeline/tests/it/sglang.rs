@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use kvevent_pipeline::{Settings, start};
 use kvevent_proto as pb;
-use kvevent_test_support::{PythonPublisher, Received, RecordingServer};
+use kvevent_test_support::{HeldPort, PythonPublisher, Received, RecordingServer};
 
 const WAIT: Duration = Duration::from_secs(20);
 
@@ -120,22 +120,11 @@ async fn sglang_0_5_23_eagle_pairs_are_keyed_as_their_tokens_and_a_restart_clear
     running.shutdown(Duration::from_secs(2)).await;
 }
 
-/// Two loopback ports `p, p + 1` free now (bound then released: a test of ranks needs them
-/// consecutive, as SGLang's port rule places them).
-fn consecutive_ports() -> u16 {
-    for _ in 0..50 {
-        let a = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        let p = a.local_addr().expect("addr").port();
-        if p < 65_535 && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
-            return p;
-        }
-    }
-    panic!("no two consecutive free ports");
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_dp_ranks_publish_on_the_port_base_plus_rank() {
-    let (pub_base, replay_base) = (consecutive_ports(), consecutive_ports());
+    // SGLang places rank r on base + r: two pairs of consecutive ports, held until the end.
+    let (pub_ports, replay_ports) = (HeldPort::consecutive(2), HeldPort::consecutive(2));
+    let (pub_base, replay_base) = (pub_ports[0].port(), replay_ports[0].port());
     let ranks: Vec<PythonPublisher> = (0..2u16)
         .map(|r| {
             PythonPublisher::spawn_sglang(

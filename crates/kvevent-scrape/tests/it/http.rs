@@ -119,11 +119,8 @@ async fn failures_are_errors_of_their_kind() {
         .expect_err("garbage");
     assert_eq!(err.kind(), "parse");
     // Nothing listening.
-    let closed = std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr");
-    let err = scraper(closed, "/metrics")
+    let closed = kvevent_test_support::HeldPort::new();
+    let err = scraper(closed.addr(), "/metrics")
         .scrape()
         .await
         .expect_err("refused");

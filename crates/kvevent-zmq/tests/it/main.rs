@@ -3,6 +3,7 @@
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use kvevent_test_support::HeldPort;
 use kvevent_wire::{Release, frames};
 use kvevent_zmq::publisher::{Publisher, PublisherConfig, binds};
 use kvevent_zmq::{Delivery, Frames, ReplayOutcome, Source, SourceOptions, Transport};
@@ -30,17 +31,12 @@ fn connect_to(endpoint: impl Into<String>) -> Source {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port()
-}
-
 #[test]
 fn reverse_topology_the_engine_connects_and_we_bind() {
     let ctx = zmq::Context::new();
-    let endpoint = format!("tcp://127.0.0.1:{}", free_port());
+    // The port is held until the end: we bind it, and nothing else can.
+    let port = HeldPort::new();
+    let endpoint = port.tcp();
     assert!(!binds(&endpoint), "no wildcard: vLLM's publisher connects");
     let source = Source {
         endpoint: endpoint.clone(),
@@ -125,8 +121,9 @@ fn a_replay_with_no_answer_times_out() {
     let router = ctx.socket(zmq::ROUTER).expect("router");
     router.bind("tcp://127.0.0.1:*").expect("bind");
     let replay = router.get_last_endpoint().expect("ep").expect("utf8");
+    let nothing = HeldPort::new();
     let source = Source {
-        endpoint: format!("tcp://127.0.0.1:{}", free_port()),
+        endpoint: nothing.tcp(),
         replay_endpoint: Some(replay),
         topic: Vec::new(),
         bind: false,
@@ -178,6 +175,7 @@ fn read_in_the_caller_live_replay_and_timeout_with_no_thread() {
         Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
     let silent = ctx.socket(zmq::ROUTER).expect("router");
     silent.bind("tcp://127.0.0.1:*").expect("bind");
+    let nothing = HeldPort::new();
     let sources = [
         Source {
             endpoint: engine.endpoint().to_owned(),
@@ -188,7 +186,7 @@ fn read_in_the_caller_live_replay_and_timeout_with_no_thread() {
         },
         // A second source whose replay endpoint never answers.
         Source {
-            endpoint: format!("tcp://127.0.0.1:{}", free_port()),
+            endpoint: nothing.tcp(),
             replay_endpoint: Some(silent.get_last_endpoint().expect("ep").expect("utf8")),
             topic: Vec::new(),
             bind: false,
@@ -311,7 +309,8 @@ fn a_bad_endpoint_fails_at_start_with_its_name() {
 #[test]
 fn shutdown_is_prompt() {
     let ctx = zmq::Context::new();
-    let source = connect_to(format!("tcp://127.0.0.1:{}", free_port()));
+    let nothing = HeldPort::new();
+    let source = connect_to(nothing.tcp());
     let (tx, _rx) = mpsc::sync_channel(1);
     let transport =
         Transport::start(&ctx, &[source], &SourceOptions::default(), tx).expect("start");
