@@ -380,8 +380,18 @@ async fn a_restarted_server_gets_the_same_prefixes_back_within_one_refresh_inter
             .publish(&kvevent_zmq::publisher::scripted_batch(step))
             .expect("publish");
     }
-    // The engine's scripted workload: once settled, the server holds what the engine holds.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The engine's scripted workload: once every batch is read and nothing is left to send,
+    // the server holds what the engine holds.
+    let deadline = Instant::now() + WAIT;
+    while sidecar.metric("kvevent_batches_received_total", "").await < 12.0
+        || sidecar.metric("kvevent_queue_depth", "").await != 0.0
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the 12 batches were not all sent"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let before = applied(&server.received());
     assert!(before.len() >= 10, "{}", before.len());
     // The server restarts with an empty memory.

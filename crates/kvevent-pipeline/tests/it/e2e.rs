@@ -452,13 +452,16 @@ async fn a_silent_engine_makes_readyz_say_why_until_it_sends() {
     let running = start(&s, &ctx).await.expect("start");
     let addr = running.metrics_addr().expect("metrics address");
     wait_subscribed(&engine).await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let (status, body) = http_get(addr, "/readyz").await;
-    assert_eq!(status, 503);
-    assert!(
-        body.contains("no KV events from any engine source"),
-        "{body}"
-    );
+    // Once the grace has passed in silence, /readyz says why.
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let (status, body) = http_get(addr, "/readyz").await;
+        if status == 503 && body.contains("no KV events from any engine source") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{status}: {body}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let (_, metrics) = http_get(addr, "/metrics").await;
     assert!(
         metrics.contains("kvevent_source_last_batch_age_seconds{source="),

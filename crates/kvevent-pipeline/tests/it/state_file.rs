@@ -142,8 +142,11 @@ async fn a_restarted_sidecar_resumes_from_its_state_file_without_a_clear() {
     assert_eq!(metrics.resumes_refused.load(Relaxed), 0);
     assert!(!metrics.degraded.load(Relaxed));
     // The periodic save runs too.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(running.telemetry().state_writes.written.load(Relaxed) >= 1);
+    let deadline = std::time::Instant::now() + WAIT;
+    while running.telemetry().state_writes.written.load(Relaxed) == 0 {
+        assert!(std::time::Instant::now() < deadline, "no periodic save");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     running.shutdown(Duration::from_secs(5)).await;
     engine.shutdown();
     let _ = std::fs::remove_dir_all(dir);
