@@ -69,34 +69,8 @@ pub mod sink {
 
     struct Service<T>(T);
 
-    type Stream<T> = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<T, Status>> + Send>>;
-
     #[tonic::async_trait]
     impl<T: EngineSide> InferenceCache for Service<T> {
-        async fn render_template(
-            &self,
-            _: Request<pb::RenderTemplateRequest>,
-        ) -> Result<Response<pb::RenderTemplateResponse>, Status> {
-            Err(Status::unimplemented("sink"))
-        }
-        async fn lookup_route(
-            &self,
-            _: Request<pb::LookupRouteRequest>,
-        ) -> Result<Response<pb::LookupRouteResponse>, Status> {
-            Err(Status::unimplemented("sink"))
-        }
-        async fn lookup_pd_route(
-            &self,
-            _: Request<pb::LookupPdRouteRequest>,
-        ) -> Result<Response<pb::LookupPdRouteResponse>, Status> {
-            Err(Status::unimplemented("sink"))
-        }
-        async fn get_cache_state(
-            &self,
-            _: Request<pb::GetCacheStateRequest>,
-        ) -> Result<Response<pb::GetCacheStateResponse>, Status> {
-            Err(Status::unimplemented("sink"))
-        }
         async fn report_cache_state(
             &self,
             request: Request<Streaming<pb::CacheStateUpdate>>,
@@ -110,20 +84,6 @@ pub mod sink {
         ) -> Result<Response<pb::Ack>, Status> {
             self.0.publish(request.into_inner()).await?;
             Ok(accepted())
-        }
-        type StreamCacheEventsStream = Stream<pb::CacheEvent>;
-        async fn stream_cache_events(
-            &self,
-            _: Request<pb::StreamEventsRequest>,
-        ) -> Result<Response<Self::StreamCacheEventsStream>, Status> {
-            Err(Status::unimplemented("sink"))
-        }
-        type StreamMetricsStream = Stream<pb::Metric>;
-        async fn stream_metrics(
-            &self,
-            _: Request<pb::StreamMetricsRequest>,
-        ) -> Result<Response<Self::StreamMetricsStream>, Status> {
-            Err(Status::unimplemented("sink"))
         }
     }
 

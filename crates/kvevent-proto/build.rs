@@ -11,6 +11,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_client(grpc)
         .build_server(grpc)
         .build_transport(grpc)
+        // A server implements only the calls its side serves; the rest answer `unimplemented`.
+        .generate_default_stubs(true)
         .compile_fds(descriptors)?;
     Ok(())
 }

@@ -2,14 +2,13 @@
 //! refuse, nack, delay or hang, or be stopped and started again on the same port.
 
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvevent_proto as pb;
 use kvevent_proto::inference_cache_server::{InferenceCache, InferenceCacheServer};
 use tokio::sync::{Notify, oneshot};
-use tokio_stream::{Stream, StreamExt};
+use tokio_stream::StreamExt;
 use tonic::{Request, Response, Status, Streaming};
 
 /// What the server does with the next engine-side RPCs.
@@ -104,38 +103,8 @@ fn ack(accepted: bool) -> Response<pb::Ack> {
     })
 }
 
-type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
-
 #[tonic::async_trait]
 impl InferenceCache for Shared {
-    async fn render_template(
-        &self,
-        _: Request<pb::RenderTemplateRequest>,
-    ) -> Result<Response<pb::RenderTemplateResponse>, Status> {
-        Err(Status::unimplemented("gateway side"))
-    }
-
-    async fn lookup_route(
-        &self,
-        _: Request<pb::LookupRouteRequest>,
-    ) -> Result<Response<pb::LookupRouteResponse>, Status> {
-        Err(Status::unimplemented("gateway side"))
-    }
-
-    async fn lookup_pd_route(
-        &self,
-        _: Request<pb::LookupPdRouteRequest>,
-    ) -> Result<Response<pb::LookupPdRouteResponse>, Status> {
-        Err(Status::unimplemented("gateway side"))
-    }
-
-    async fn get_cache_state(
-        &self,
-        _: Request<pb::GetCacheStateRequest>,
-    ) -> Result<Response<pb::GetCacheStateResponse>, Status> {
-        Err(Status::unimplemented("gateway side"))
-    }
-
     async fn report_cache_state(
         &self,
         request: Request<Streaming<pb::CacheStateUpdate>>,
@@ -161,24 +130,6 @@ impl InferenceCache for Shared {
             self.record([Received::Event(request.into_inner())]);
         }
         Ok(ack(accept))
-    }
-
-    type StreamCacheEventsStream = BoxStream<pb::CacheEvent>;
-
-    async fn stream_cache_events(
-        &self,
-        _: Request<pb::StreamEventsRequest>,
-    ) -> Result<Response<Self::StreamCacheEventsStream>, Status> {
-        Err(Status::unimplemented("observer side"))
-    }
-
-    type StreamMetricsStream = BoxStream<pb::Metric>;
-
-    async fn stream_metrics(
-        &self,
-        _: Request<pb::StreamMetricsRequest>,
-    ) -> Result<Response<Self::StreamMetricsStream>, Status> {
-        Err(Status::unimplemented("observer side"))
     }
 }
 
