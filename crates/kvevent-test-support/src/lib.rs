@@ -13,15 +13,15 @@
 //!
 //! Used only as a dev-dependency. Every wait is bounded by a timeout.
 
-#[cfg(feature = "engine")]
 mod ports;
+#[cfg(feature = "engine")]
 mod python;
 mod server;
 
 #[cfg(feature = "engine")]
 pub use kvevent_zmq::publisher::{Publisher, PublisherConfig};
-#[cfg(feature = "engine")]
 pub use ports::HeldPort;
+#[cfg(feature = "engine")]
 pub use python::{PythonPublisher, python};
 pub use server::{Behaviour, Received, RecordingServer, distinct_prefixes};
 
