@@ -239,3 +239,70 @@ pub mod memory {
         ns
     }
 }
+
+/// A benchmark's command line: `-h` or `--help` prints its usage and exits; a value that does
+/// not parse, a flag without its value and an argument left over are errors that name it.
+pub struct Cli {
+    args: std::vec::IntoIter<String>,
+    usage: &'static str,
+}
+
+impl Cli {
+    /// This process's arguments; exits after printing `usage` when one is `-h` or `--help`.
+    pub fn new(usage: &'static str) -> Self {
+        let args: Vec<String> = std::env::args().skip(1).collect();
+        if args.iter().any(|a| a == "-h" || a == "--help") {
+            println!("{usage}");
+            std::process::exit(0);
+        }
+        Self {
+            args: args.into_iter(),
+            usage,
+        }
+    }
+
+    /// The next argument as it is.
+    #[allow(clippy::should_implement_trait)]
+    pub fn next(&mut self) -> Option<String> {
+        self.args.next()
+    }
+
+    /// The next argument parsed as `what`, or `default` when there are no more.
+    pub fn positional<T: std::str::FromStr>(
+        &mut self,
+        what: &str,
+        default: T,
+    ) -> anyhow::Result<T> {
+        match self.args.next() {
+            None => Ok(default),
+            Some(v) => self.parse(what, &v),
+        }
+    }
+
+    /// The value after `flag`, parsed.
+    pub fn value<T: std::str::FromStr>(&mut self, flag: &str) -> anyhow::Result<T> {
+        match self.args.next() {
+            None => Err(self.error(&format!("{flag} needs a value"))),
+            Some(v) => self.parse(flag, &v),
+        }
+    }
+
+    /// `v` parsed as `what`.
+    pub fn parse<T: std::str::FromStr>(&self, what: &str, v: &str) -> anyhow::Result<T> {
+        v.parse()
+            .map_err(|_| self.error(&format!("`{v}` is not a valid {what}")))
+    }
+
+    /// An error about the command line, with the usage.
+    pub fn error(&self, what: &str) -> anyhow::Error {
+        anyhow::anyhow!("{what}\n\n{}", self.usage)
+    }
+
+    /// An error if any argument is left.
+    pub fn done(mut self) -> anyhow::Result<()> {
+        match self.args.next() {
+            None => Ok(()),
+            Some(extra) => Err(self.error(&format!("unexpected argument `{extra}`"))),
+        }
+    }
+}

@@ -38,7 +38,11 @@ fn batch(events: Vec<wire::Event<'static>>) -> wire::EventBatch<'static> {
     }
 }
 
-fn main() {
+const USAGE: &str = "usage: churn-scan
+The index's key tables under steady churn, across sizes: table bytes before and after.";
+
+fn main() -> anyhow::Result<()> {
+    kvevent_benches::Cli::new(USAGE).done()?;
     println!("| resident blocks | table bytes after the fill | after 10x churn |");
     println!("|---|---|---|");
     for n in (8_000u64..60_000).step_by(4_000) {
@@ -57,4 +61,5 @@ fn main() {
             100.0 * (after as f64 / before as f64 - 1.0)
         );
     }
+    Ok(())
 }

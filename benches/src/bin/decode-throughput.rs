@@ -8,18 +8,23 @@ use std::time::{Duration, Instant};
 
 use kvevent_wire as wire;
 
+const USAGE: &str =
+    "usage: decode-throughput [SECONDS] [--read-tokens] [--engine vllm|sglang] [--large]
+Decodes every vector for SECONDS (default 2) and prints one JSON line with the throughput
+(--engine sglang: SGLang's vectors; --large: the `large` cases only).";
+
 fn main() -> anyhow::Result<()> {
     let mut seconds = 2.0f64;
     let mut read_tokens = false;
     let mut engine = wire::Engine::Vllm;
     let mut large = false;
-    let mut args = std::env::args().skip(1);
+    let mut args = kvevent_benches::Cli::new(USAGE);
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--read-tokens" => read_tokens = true,
             "--large" => large = true,
-            "--engine" => engine = args.next().unwrap_or_default().parse()?,
-            _ => seconds = arg.parse()?,
+            "--engine" => engine = args.value("--engine")?,
+            _ => seconds = args.parse("SECONDS", &arg)?,
         }
     }
     let mut vectors = kvevent_benches::vector_payloads_of(&format!("{engine}-"))?;

@@ -10,11 +10,20 @@ use kvevent_source::{Config, Subscriber};
 use kvevent_zmq as transport;
 use kvevent_zmq::publisher::{Publisher, PublisherConfig};
 
+const USAGE: &str = "usage: fleet-idle [N [SECONDS [caller]]]   (default 256 5)
+What following N idle engines costs over SECONDS: CPU and resident memory of the sources, one
+thread each, or with `caller` every source read by the subscriber's thread.";
+
 fn main() -> anyhow::Result<()> {
-    let mut args = std::env::args().skip(1);
-    let n: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(256);
-    let secs: f64 = args.next().and_then(|a| a.parse().ok()).unwrap_or(5.0);
-    let threads = args.next().as_deref() != Some("caller");
+    let mut args = kvevent_benches::Cli::new(USAGE);
+    let n: usize = args.positional("N", 256)?;
+    let secs: f64 = args.positional("SECONDS", 5.0)?;
+    let threads = match args.next().as_deref() {
+        None => true,
+        Some("caller") => false,
+        Some(other) => return Err(args.error(&format!("`{other}` is not `caller`"))),
+    };
+    args.done()?;
     let ctx = zmq::Context::new();
     let engine = Publisher::start(
         &ctx,

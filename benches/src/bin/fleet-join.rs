@@ -76,13 +76,6 @@ impl EngineSide for Sink {
     }
 }
 
-/// A loopback port nothing listens on now, for the router (it takes no port 0).
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
-}
-
 /// The sidecar's feed and `/metrics` addresses, from its log (both bound to port 0); the rest
 /// of its log is read and dropped by a thread.
 fn bound_addresses(child: &mut std::process::Child) -> anyhow::Result<(String, String)> {
@@ -156,7 +149,9 @@ fn join(
     want_blocks: Option<u64>,
     need_exact: bool,
 ) -> anyhow::Result<Joined> {
-    let addr = format!("127.0.0.1:{}", free_port()?);
+    // The router takes no port 0: one held until it ends (it binds over the hold).
+    let port = kvevent_test_support::HeldPort::new();
+    let addr = port.addr().to_string();
     let started = Instant::now();
     let child = Command::new(router_bin)
         .args(["--listen", &addr, "--model", "m", "--block-size", "16"])
@@ -241,16 +236,19 @@ fn join(
     })
 }
 
+const USAGE: &str = "usage: fleet-join [SIDECARS BLOCKS [BUFFER [RATE]]]   (default 8 16384 1000 0)
+A router joining a fleet late: SIDECARS engines with BLOCKS resident blocks each (replay
+buffers of BUFFER batches, RATE new prompts a second each while the router joins), followed
+through the sidecars' feeds, then through the engines directly. Needs the release sidecar and
+router: cargo build --release -p kvevent-subscriber -p kvevent-examples --example router";
+
 fn main() -> anyhow::Result<()> {
-    let mut args = std::env::args().skip(1);
-    let sidecars: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(8);
-    let blocks: u64 = args
-        .next()
-        .map(|a| a.parse())
-        .transpose()?
-        .unwrap_or(16_384);
-    let buffer: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(1_000);
-    let rate: u64 = args.next().map(|a| a.parse()).transpose()?.unwrap_or(0);
+    let mut args = kvevent_benches::Cli::new(USAGE);
+    let sidecars: usize = args.positional("SIDECARS", 8)?;
+    let blocks: u64 = args.positional("BLOCKS", 16_384)?;
+    let buffer: usize = args.positional("BUFFER", 1_000)?;
+    let rate: u64 = args.positional("RATE", 0)?;
+    args.done()?;
     let prompts = blocks / u64::from(PROMPT_BLOCKS);
     let sidecar_bin = release_bin("kvevent-subscriber")?;
     let router_bin = release_bin("router")?;

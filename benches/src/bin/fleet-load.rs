@@ -123,15 +123,17 @@ fn metrics(addr: &str) -> anyhow::Result<String> {
     Ok(http::get(addr, "/metrics")?)
 }
 
+const USAGE: &str = "usage: fleet-load [ENGINES [RATE [SECONDS]]]   (default 256 1000 10)
+ENGINES engine stand-ins, each storing RATE blocks/s (and evicting as many) for SECONDS, into
+the release example router (ROUTER_BIN, default target/release/examples/router): its CPU, RSS,
+what it applied and lost.";
+
 fn main() -> anyhow::Result<()> {
-    let mut args = std::env::args().skip(1);
-    let engines: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(256);
-    let rate: f64 = args
-        .next()
-        .map(|a| a.parse())
-        .transpose()?
-        .unwrap_or(1000.0);
-    let secs: f64 = args.next().map(|a| a.parse()).transpose()?.unwrap_or(10.0);
+    let mut args = kvevent_benches::Cli::new(USAGE);
+    let engines: usize = args.positional("ENGINES", 256)?;
+    let rate: f64 = args.positional("RATE", 1000.0)?;
+    let secs: f64 = args.positional("SECONDS", 10.0)?;
+    args.done()?;
     let router_bin =
         std::env::var("ROUTER_BIN").unwrap_or_else(|_| "target/release/examples/router".to_owned());
     if !std::path::Path::new(&router_bin).exists() {
@@ -157,10 +159,9 @@ fn main() -> anyhow::Result<()> {
             carry: 0.0,
         });
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let addr = format!("127.0.0.1:{port}");
+    // The router's port, held until the run ends (the router binds it over the hold).
+    let port = kvevent_test_support::HeldPort::new();
+    let addr = port.addr().to_string();
     let mut cmd = Command::new(&router_bin);
     cmd.args(["--listen", &addr, "--model", "m", "--block-size", "16"]);
     for (i, e) in fleet.iter().enumerate() {

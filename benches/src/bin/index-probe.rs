@@ -274,34 +274,28 @@ fn run(
     );
 }
 
-fn main() {
+const USAGE: &str = "usage: index-probe [REPLICAS...] [--capacity N] [--seed S] [--queries Q] [--turn K] [--group N]
+The prefix index on a synthetic fleet trace, for each REPLICAS count (default 64 256 1024):
+apply rate, score latency, bytes per pair, memory across churn. --capacity: blocks per replica
+(default 4096); --queries: prompts scored (default 5000); --turn: batches of a source applied
+in a row (default 1); --group: batches a call of Index::apply_many (default 1).";
+
+fn main() -> anyhow::Result<()> {
     let mut replicas = Vec::new();
     let mut capacity = 4_096;
     let mut seed = 42;
     let mut queries = 5_000;
     let mut turn = 1;
     let mut group = 1;
-    let mut args = std::env::args().skip(1);
+    let mut args = kvevent_benches::Cli::new(USAGE);
     while let Some(a) = args.next() {
         match a.as_str() {
-            "--capacity" => capacity = args.next().and_then(|v| v.parse().ok()).unwrap_or(capacity),
-            "--seed" => seed = args.next().and_then(|v| v.parse().ok()).unwrap_or(seed),
-            "--queries" => queries = args.next().and_then(|v| v.parse().ok()).unwrap_or(queries),
-            "--group" => {
-                group = args
-                    .next()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(group)
-                    .max(1)
-            }
-            "--turn" => {
-                turn = args
-                    .next()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(turn)
-                    .max(1)
-            }
-            n => replicas.extend(n.parse::<usize>().ok()),
+            "--capacity" => capacity = args.value("--capacity")?,
+            "--seed" => seed = args.value("--seed")?,
+            "--queries" => queries = args.value("--queries")?,
+            "--group" => group = args.value::<usize>("--group")?.max(1),
+            "--turn" => turn = args.value::<usize>("--turn")?.max(1),
+            n => replicas.push(args.parse::<usize>("REPLICAS count", n)?),
         }
     }
     if replicas.is_empty() {
@@ -328,4 +322,5 @@ fn main() {
             kvevent_benches::memory::random_load_ns(mb << 20, 16),
         );
     }
+    Ok(())
 }

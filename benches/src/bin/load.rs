@@ -647,15 +647,9 @@ fn run_once(args: &Args, kind: &str, w: &Workload) -> anyhow::Result<Outcome> {
     )?;
     let replay = publisher.replay_endpoint().unwrap_or_default().to_owned();
     let (base, followers) = split_followers(kind)?;
-    let feed = if followers.is_some() {
-        // A benchmark: a port free now is free a moment later.
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?
-            .local_addr()?
-            .port();
-        Some(format!("127.0.0.1:{port}"))
-    } else {
-        None
-    };
+    // The feed's port, held until the run ends (the sidecar binds it over the hold).
+    let feed_port = followers.map(|_| kvevent_test_support::HeldPort::new());
+    let feed = feed_port.as_ref().map(|p| p.addr().to_string());
     let mut child = sidecar_command(
         args,
         base,

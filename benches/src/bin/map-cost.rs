@@ -9,13 +9,19 @@ use kvevent_proto as pb;
 use kvevent_wire as wire;
 use prost::Message;
 
+const USAGE: &str = "usage: map-cost [engine|fingerprint [N]]   (default fingerprint 200)
+Decodes, maps and encodes vLLM 0.33's `large` vector N times, for counting instructions:
+valgrind --tool=callgrind target/release/map-cost";
+
 fn main() -> anyhow::Result<()> {
-    let mut args = std::env::args().skip(1);
+    let mut args = kvevent_benches::Cli::new(USAGE);
     let mode = match args.next().as_deref() {
         Some("engine") => KeyMode::Engine,
-        _ => KeyMode::Fingerprint,
+        None | Some("fingerprint") => KeyMode::Fingerprint,
+        Some(other) => return Err(args.error(&format!("`{other}` is not a key mode"))),
     };
-    let n: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(200);
+    let n: usize = args.positional("N", 200)?;
+    args.done()?;
     let payload =
         std::fs::read(kvevent_benches::shared_dir().join("vectors/vllm-0.33.0/large.msgpack"))?;
     let identity = Identity::new("replica-1", "llama", "", "vllm")?;

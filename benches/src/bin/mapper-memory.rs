@@ -72,22 +72,29 @@ fn measure(n: u64, mode: KeyMode, digest: bool) -> (f64, f64, f64) {
     )
 }
 
-fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let n: u64 = args
-        .get(1)
-        .and_then(|a| a.parse().ok())
-        .unwrap_or(kvevent_mapper::DEFAULT_MAX_TRACKED_BLOCKS as u64);
+const USAGE: &str = "usage: mapper-memory [N]   (default 917504, the default --max-tracked-blocks)
+Memory per tracked block in the mapper, N blocks, both key modes, int and 32-byte hashes (each
+measured in a process of its own: mapper-memory N engine|fingerprint int|bin32).";
+
+fn main() -> anyhow::Result<()> {
+    let mut args = kvevent_benches::Cli::new(USAGE);
+    let n: u64 = args.positional("N", kvevent_mapper::DEFAULT_MAX_TRACKED_BLOCKS as u64)?;
     // One configuration per process, so no run reuses memory another one freed.
-    if let (Some(mode), Some(hashes)) = (args.get(2), args.get(3)) {
-        let mode = if mode == "fingerprint" {
-            KeyMode::Fingerprint
-        } else {
-            KeyMode::Engine
+    if let Some(mode) = args.next() {
+        let mode = match mode.as_str() {
+            "engine" => KeyMode::Engine,
+            "fingerprint" => KeyMode::Fingerprint,
+            other => return Err(args.error(&format!("`{other}` is not a key mode"))),
         };
-        let (rss, peak, own) = measure(n, mode, hashes == "bin32");
+        let bin32 = match args.next().as_deref() {
+            Some("int") => false,
+            Some("bin32") => true,
+            _ => return Err(args.error("a key mode is followed by int or bin32")),
+        };
+        args.done()?;
+        let (rss, peak, own) = measure(n, mode, bin32);
         println!("{rss:.1} {peak:.1} {own:.1}");
-        return;
+        return Ok(());
     }
     let exe = std::env::current_exe().expect("own path");
     println!("tracked blocks: {n}");
@@ -108,4 +115,5 @@ fn main() {
             println!("| {label} | {mode} | {rss} B | {peak} B | {own} B |");
         }
     }
+    Ok(())
 }

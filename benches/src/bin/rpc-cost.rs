@@ -22,11 +22,13 @@ fn evict(i: u64) -> pb::CacheEvent {
     }
 }
 
+const USAGE: &str = "usage: rpc-cost [CALLS]   (default 50000)
+Client CPU per eviction RPC (the forwarder's, and the bare tonic client's) over CALLS calls.";
+
 fn main() -> anyhow::Result<()> {
-    let calls: u64 = std::env::args()
-        .nth(1)
-        .and_then(|a| a.parse().ok())
-        .unwrap_or(50_000);
+    let mut args = kvevent_benches::Cli::new(USAGE);
+    let calls: u64 = args.positional("CALLS", 50_000)?;
+    args.done()?;
     let server_rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .thread_name("sink")

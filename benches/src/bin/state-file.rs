@@ -49,11 +49,20 @@ fn median(mut v: Vec<Duration>) -> Duration {
     v[v.len() / 2]
 }
 
-fn main() {
-    let mut args = std::env::args().skip(1);
-    let n: u64 = args.next().and_then(|a| a.parse().ok()).unwrap_or(500_000);
+const USAGE: &str = "usage: state-file [N [DIR [keep]]]   (default 500000, the system's temp dir)
+--state-file cost for a mapper tracking N blocks, written in DIR (put it on the disk the
+sidecar would use); `keep` leaves the last file written (fingerprint mode).";
+
+fn main() -> anyhow::Result<()> {
+    let mut args = kvevent_benches::Cli::new(USAGE);
+    let n: u64 = args.positional("N", 500_000)?;
     let dir = args.next().map_or_else(std::env::temp_dir, Into::into);
-    let keep = args.next().is_some_and(|a| a == "keep");
+    let keep = match args.next().as_deref() {
+        None => false,
+        Some("keep") => true,
+        Some(other) => return Err(args.error(&format!("`{other}` is not `keep`"))),
+    };
+    args.done()?;
     let path = dir.join(format!("kvevent-state-bench-{}", std::process::id()));
     println!(
         "state file for {n} tracked blocks, written to {}",
@@ -126,4 +135,5 @@ fn main() {
     } else {
         let _ = std::fs::remove_file(&path);
     }
+    Ok(())
 }

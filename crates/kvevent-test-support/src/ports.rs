@@ -5,9 +5,10 @@
 //!
 //! - a connection to it is refused (nothing listens there, and nothing else can start to);
 //! - no other socket can bind it, and the kernel never hands it out for port 0;
-//! - a ZeroMQ socket can still bind and listen on it: libzmq sets `SO_REUSEADDR`, as this socket
-//!   does, and Linux lets a listener share a port with bound sockets that are not listening. So
-//!   an engine, or a sidecar in the reverse topology, can be told its port before it starts.
+//! - a listener that sets `SO_REUSEADDR` can still bind it and listen: libzmq, Rust's std and
+//!   tokio all do, as this socket does, and Linux lets a listener share a port with bound
+//!   sockets that are not listening. So an engine, a sidecar or a router can be told its port
+//!   before it starts.
 
 use std::net::{Ipv4Addr, SocketAddr};
 
