@@ -2,12 +2,27 @@
 [topic, seq (8 bytes big-endian), payload], a ROUTER replay socket answering
 [identity, "", start] with the buffered batches, then the end marker; the batches published
 every interval until the count or stdin closes, replays answered until stdin closes."""
+import argparse
 import json
 import sys
 import threading
 import time
 
 import zmq
+
+
+def arguments(default_release):
+    """The flags both publishers take; each adds its own."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--release", default=default_release)
+    ap.add_argument("--topic", default="kv-events")
+    ap.add_argument("--interval", type=float, default=0.02)
+    ap.add_argument("--count", type=int, default=500)
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--port", type=int, default=0, help="PUB port (0: any free one)")
+    ap.add_argument("--replay-port", type=int, default=0, help="replay port (0: any free one)")
+    ap.add_argument("--hash-base", type=int, default=0, help="added to every block hash")
+    return ap
 
 
 def bind(sock, port):

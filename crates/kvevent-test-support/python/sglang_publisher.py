@@ -14,7 +14,6 @@ and, for odd i, BlockRemoved(block_hashes=[h(2i-1)]); h(n) = -(n + --hash-base):
 hashes are signed 64-bit. --port / --replay-port bind fixed ports (a restarted engine takes
 them back).
 """
-import argparse
 import time
 from typing import Optional, Union
 
@@ -59,15 +58,7 @@ def parse_release(s):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--release", default="0.5.23")
-    ap.add_argument("--topic", default="kv-events")
-    ap.add_argument("--interval", type=float, default=0.02)
-    ap.add_argument("--count", type=int, default=500)
-    ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--port", type=int, default=0, help="PUB port (0: any free one)")
-    ap.add_argument("--replay-port", type=int, default=0, help="replay port (0: any free one)")
-    ap.add_argument("--hash-base", type=int, default=0, help="added to every block hash")
+    ap = publisher_common.arguments("0.5.23")
     ap.add_argument("--eagle", action="store_true", help="token ids as EAGLE pairs")
     ap.add_argument("--salt", default=None, help="odd batches' stores are salted with it")
     a = ap.parse_args()

@@ -11,7 +11,6 @@ Prints one JSON line with its endpoints, then publishes batch i (i = 0, 1, ...) 
 and, for odd i, BlockRemoved(block_hashes=[2*i-1], medium="GPU"); every hash plus --hash-base.
 --port / --replay-port bind fixed ports (a restarted engine takes them back).
 """
-import argparse
 import time
 from typing import Any, Optional, Union
 
@@ -47,15 +46,7 @@ def structs(release):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--release", default="0.33.0")
-    ap.add_argument("--topic", default="kv-events")
-    ap.add_argument("--interval", type=float, default=0.02)
-    ap.add_argument("--count", type=int, default=500)
-    ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--port", type=int, default=0, help="PUB port (0: any free one)")
-    ap.add_argument("--replay-port", type=int, default=0, help="replay port (0: any free one)")
-    ap.add_argument("--hash-base", type=int, default=0, help="added to every block hash")
+    ap = publisher_common.arguments("0.33.0")
     a = ap.parse_args()
     release = tuple(int(x) for x in a.release.split("."))
     Batch, BlockStored, BlockRemoved = structs(release)

@@ -12,22 +12,16 @@ use kvevent_test_support::{Received, RecordingServer, distinct_prefixes};
 use kvevent_wire::Release;
 use kvevent_zmq::publisher::scripted_batch;
 
-use crate::http_get;
+use crate::{ends, http_get, loopback};
 
 const WAIT: Duration = Duration::from_secs(15);
 
+/// With `/metrics` served on a port of its own.
 fn settings(engine: &Publisher, server: &RecordingServer) -> Settings {
     Settings {
-        engine_endpoint: engine.endpoint().to_owned(),
-        replay_endpoint: engine.replay_endpoint().unwrap_or_default().to_owned(),
-        server: server.addr().to_string(),
-        replica_id: "r1".into(),
-        model_id: "llama".into(),
         metrics_address: "127.0.0.1:0".into(),
-        engine_metrics_url: String::new(),
-        window: GoDuration::ms(20),
         engine_cache_size_bytes: 1_000_000,
-        ..Settings::default()
+        ..loopback(engine, server)
     }
 }
 
@@ -49,13 +43,10 @@ async fn wait_subscribed(engine: &Publisher) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_and_stats_flow_end_to_end() {
-    let server = RecordingServer::start().await;
+    let (server, ctx, engine) = ends().await;
     let (metrics_addr, metrics_task) = demo::serve_metrics(demo::METRICS_FIXTURE)
         .await
         .expect("metrics");
-    let ctx = zmq::Context::new();
-    let engine =
-        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
     let s = Settings {
         engine_metrics_url: format!("http://{metrics_addr}/metrics"),
         stats_interval: GoDuration::ms(100),
@@ -169,10 +160,7 @@ async fn events_and_stats_flow_end_to_end() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_scrape_never_touches_the_event_path() {
-    let server = RecordingServer::start().await;
-    let ctx = zmq::Context::new();
-    let engine =
-        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    let (server, ctx, engine) = ends().await;
     let closed = HeldPort::new();
     let s = Settings {
         engine_metrics_url: format!("http://{}/metrics", closed.addr()),
@@ -207,11 +195,8 @@ async fn a_failing_scrape_never_touches_the_event_path() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_waits_for_the_server_to_accept_something() {
-    let mut server = RecordingServer::start().await;
+    let (mut server, ctx, engine) = ends().await;
     server.stop().await;
-    let ctx = zmq::Context::new();
-    let engine =
-        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
     let s = Settings {
         rpc_timeout: GoDuration::ms(300),
         ..settings(&engine, &server)
@@ -255,10 +240,7 @@ async fn readyz_waits_for_the_server_to_accept_something() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_drains_adds_still_in_their_window() {
-    let server = RecordingServer::start().await;
-    let ctx = zmq::Context::new();
-    let engine =
-        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    let (server, ctx, engine) = ends().await;
     let s = Settings {
         window: GoDuration::secs(60),
         ..settings(&engine, &server)
@@ -355,10 +337,7 @@ async fn a_dp_rank_restart_evicts_only_that_rank() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resident_blocks_are_refreshed_within_the_interval() {
-    let server = RecordingServer::start().await;
-    let ctx = zmq::Context::new();
-    let engine =
-        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    let (server, ctx, engine) = ends().await;
     let s = Settings {
         refresh_interval: GoDuration::ms(500),
         ..settings(&engine, &server)
@@ -394,10 +373,7 @@ async fn resident_blocks_are_refreshed_within_the_interval() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_metric_the_docs_list_is_exported_and_every_exported_one_is_listed() {
-    let server = RecordingServer::start().await;
-    let ctx = zmq::Context::new();
-    let engine =
-        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    let (server, ctx, engine) = ends().await;
     // With the router feed on, so that its families are exported too.
     let s = Settings {
         feed_address: "127.0.0.1:0".into(),
@@ -440,10 +416,7 @@ async fn every_metric_the_docs_list_is_exported_and_every_exported_one_is_listed
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_engine_makes_readyz_say_why_until_it_sends() {
-    let server = RecordingServer::start().await;
-    let ctx = zmq::Context::new();
-    let engine =
-        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    let (server, ctx, engine) = ends().await;
     let s = Settings {
         engine_silence_grace: GoDuration::ms(300),
         stats_interval: GoDuration::ms(0),
@@ -476,10 +449,7 @@ async fn a_silent_engine_makes_readyz_say_why_until_it_sends() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_source_shows_whether_its_socket_reaches_the_engine() {
-    let server = RecordingServer::start().await;
-    let ctx = zmq::Context::new();
-    let engine =
-        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    let (server, ctx, engine) = ends().await;
     let running = start(&settings(&engine, &server), &ctx)
         .await
         .expect("start");
@@ -534,10 +504,7 @@ async fn a_source_shows_whether_its_socket_reaches_the_engine() {
 async fn an_sglang_engine_is_read_with_engine_sglang_salts_and_eagle_pairs_included() {
     let vectors = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/vectors");
     let payload = |case: &str| std::fs::read(vectors.join(case)).expect("vector");
-    let server = RecordingServer::start().await;
-    let ctx = zmq::Context::new();
-    let engine =
-        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    let (server, ctx, engine) = ends().await;
     // The Go sidecar's flag: --hash-scheme sglang picks SGLang's wire.
     let s = Settings::load(
         None,

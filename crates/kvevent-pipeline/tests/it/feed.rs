@@ -6,7 +6,6 @@ use std::time::{Duration, Instant};
 use kvevent_feed::{
     EngineSockets, Fleet, FleetConfig, Query, QueryKeys, ReplicaSource, ReplicaState, SidecarFeed,
 };
-use kvevent_pipeline::settings::GoDuration;
 use kvevent_pipeline::{Settings, start};
 use kvevent_test_support::RecordingServer;
 use kvevent_wire::{self as wire, Release};
@@ -78,16 +77,8 @@ async fn a_late_router_following_the_sidecar_knows_every_resident_prefix() {
     )
     .expect("engine");
     let s = Settings {
-        engine_endpoint: engine.endpoint().to_owned(),
-        replay_endpoint: engine.replay_endpoint().unwrap_or_default().to_owned(),
-        server: server.addr().to_string(),
-        replica_id: "r1".into(),
-        model_id: "llama".into(),
-        metrics_address: String::new(),
-        engine_metrics_url: String::new(),
-        window: GoDuration::ms(20),
         feed_address: "127.0.0.1:0".into(),
-        ..Settings::default()
+        ..crate::loopback(&engine, &server)
     };
     let running = start(&s, &ctx).await.expect("start");
     let feed_url = format!("http://{}", running.feed_addr().expect("feed address"));

@@ -12,6 +12,38 @@ mod tls;
 
 use std::time::Duration;
 
+use kvevent_pipeline::Settings;
+use kvevent_pipeline::settings::GoDuration;
+use kvevent_test_support::{Publisher, PublisherConfig, RecordingServer};
+
+/// The pipeline between `engine` and `server` on loopback: replica `r1` of `llama`, a 20 ms
+/// window, no `/metrics` listener, no scrape.
+pub(crate) fn loopback(engine: &Publisher, server: &RecordingServer) -> Settings {
+    Settings {
+        engine_endpoint: engine.endpoint().to_owned(),
+        replay_endpoint: engine.replay_endpoint().unwrap_or_default().to_owned(),
+        server: server.addr().to_string(),
+        replica_id: "r1".into(),
+        model_id: "llama".into(),
+        metrics_address: String::new(),
+        engine_metrics_url: String::new(),
+        window: GoDuration::ms(20),
+        ..Settings::default()
+    }
+}
+
+/// A recording server and an engine stand-in speaking vLLM's newest wire, on loopback.
+pub(crate) async fn ends() -> (RecordingServer, zmq::Context, Publisher) {
+    let server = RecordingServer::start().await;
+    let ctx = zmq::Context::new();
+    let engine = Publisher::start(
+        &ctx,
+        PublisherConfig::loopback(kvevent_wire::Release::NEWEST_KNOWN),
+    )
+    .expect("engine");
+    (server, ctx, engine)
+}
+
 /// `GET path` over plain HTTP/1.0; returns (status, body).
 pub(crate) async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -23,17 +23,9 @@ fn scratch(name: &str) -> std::path::PathBuf {
 
 fn settings(engine: &Publisher, server: &RecordingServer, state: &std::path::Path) -> Settings {
     Settings {
-        engine_endpoint: engine.endpoint().to_owned(),
-        replay_endpoint: engine.replay_endpoint().unwrap_or_default().to_owned(),
-        server: server.addr().to_string(),
-        replica_id: "r1".into(),
-        model_id: "llama".into(),
-        metrics_address: String::new(),
-        engine_metrics_url: String::new(),
-        window: GoDuration::ms(20),
         state_file: Some(state.to_path_buf()),
         state_interval: GoDuration::ms(100),
-        ..Settings::default()
+        ..crate::loopback(engine, server)
     }
 }
 
