@@ -262,8 +262,7 @@ impl Cli {
     }
 
     /// The next argument as it is.
-    #[allow(clippy::should_implement_trait)]
-    pub fn next(&mut self) -> Option<String> {
+    pub fn arg(&mut self) -> Option<String> {
         self.args.next()
     }
 

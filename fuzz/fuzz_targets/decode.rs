@@ -7,7 +7,9 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
-use kvevent_wire::{Engine, Limits, Release, SglangRelease, decode, decode_engine, encode, encode_sglang};
+use kvevent_wire::{
+    Engine, EventBatch, Limits, Release, SglangRelease, decode_engine, encode, encode_sglang,
+};
 use libfuzzer_sys::fuzz_target;
 
 /// Counts live and peak heap bytes.
@@ -55,60 +57,50 @@ const BYTES_PER_INPUT_BYTE: usize = 256;
 const SLACK: usize = 64 << 10;
 
 fuzz_target!(|data: &[u8]| {
+    let vllm = [
+        Release::OLDEST,
+        Release::new(0, 23, 0),
+        Release::NEWEST_KNOWN,
+    ];
+    check(data, Engine::Vllm, &vllm, encode);
+    let sglang = [
+        SglangRelease::OLDEST,
+        SglangRelease(Release::new(0, 5, 18)),
+        SglangRelease::NEWEST_KNOWN,
+    ];
+    check(data, Engine::Sglang, &sglang, encode_sglang);
+});
+
+/// `data` as `engine`'s wire: the heap bound, then the encode fixed point for each release.
+fn check<R: Copy + std::fmt::Display>(
+    data: &[u8],
+    engine: Engine,
+    releases: &[R],
+    encode: fn(&EventBatch<'_>, R) -> kvevent_wire::Result<Vec<u8>>,
+) {
     let base = LIVE.load(Relaxed);
     PEAK.store(base, Relaxed);
-    let decoded = decode(data);
+    let decoded = decode_engine(data, engine, &Limits::DEFAULT);
     let peak = PEAK.load(Relaxed) - base;
     assert!(
         peak <= data.len() * BYTES_PER_INPUT_BYTE + SLACK,
-        "decoding {} bytes held {peak} bytes of heap",
+        "decoding {} bytes as {engine}'s held {peak} bytes of heap",
         data.len()
     );
     let Ok(batch) = decoded else {
         return;
     };
-    for release in [
-        Release::OLDEST,
-        Release::new(0, 23, 0),
-        Release::NEWEST_KNOWN,
-    ] {
+    for &release in releases {
         // Some batches cannot be written for some releases (a field it lacks): an error, fine.
         let Ok(first) = encode(&batch, release) else {
             continue;
         };
-        let again = decode(&first).expect("what we encode decodes");
+        let again =
+            decode_engine(&first, engine, &Limits::DEFAULT).expect("what we encode decodes");
         let second = encode(&again, release).expect("what decoded from our encoding re-encodes");
-        assert_eq!(first, second, "encode is not a fixed point for {release}");
-    }
-    sglang(data);
-});
-
-/// The same bytes as SGLang's wire.
-fn sglang(data: &[u8]) {
-    let base = LIVE.load(Relaxed);
-    PEAK.store(base, Relaxed);
-    let decoded = decode_engine(data, Engine::Sglang, &Limits::DEFAULT);
-    let peak = PEAK.load(Relaxed) - base;
-    assert!(
-        peak <= data.len() * BYTES_PER_INPUT_BYTE + SLACK,
-        "decoding {} bytes as SGLang's held {peak} bytes of heap",
-        data.len()
-    );
-    let Ok(batch) = decoded else {
-        return;
-    };
-    for release in [
-        SglangRelease::OLDEST,
-        SglangRelease(Release::new(0, 5, 18)),
-        SglangRelease::NEWEST_KNOWN,
-    ] {
-        let Ok(first) = encode_sglang(&batch, release) else {
-            continue;
-        };
-        let again = decode_engine(&first, Engine::Sglang, &Limits::DEFAULT)
-            .expect("what we encode decodes");
-        let second =
-            encode_sglang(&again, release).expect("what decoded from our encoding re-encodes");
-        assert_eq!(first, second, "encode is not a fixed point for SGLang {release}");
+        assert_eq!(
+            first, second,
+            "encode is not a fixed point for {engine} {release}"
+        );
     }
 }

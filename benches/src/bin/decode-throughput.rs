@@ -19,7 +19,7 @@ fn main() -> anyhow::Result<()> {
     let mut engine = wire::Engine::Vllm;
     let mut large = false;
     let mut args = kvevent_benches::Cli::new(USAGE);
-    while let Some(arg) = args.next() {
+    while let Some(arg) = args.arg() {
         match arg.as_str() {
             "--read-tokens" => read_tokens = true,
             "--large" => large = true,

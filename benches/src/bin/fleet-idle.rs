@@ -18,7 +18,7 @@ fn main() -> anyhow::Result<()> {
     let mut args = kvevent_benches::Cli::new(USAGE);
     let n: usize = args.positional("N", 256)?;
     let secs: f64 = args.positional("SECONDS", 5.0)?;
-    let threads = match args.next().as_deref() {
+    let threads = match args.arg().as_deref() {
         None => true,
         Some("caller") => false,
         Some(other) => return Err(args.error(&format!("`{other}` is not `caller`"))),

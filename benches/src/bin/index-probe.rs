@@ -288,7 +288,7 @@ fn main() -> anyhow::Result<()> {
     let mut turn = 1;
     let mut group = 1;
     let mut args = kvevent_benches::Cli::new(USAGE);
-    while let Some(a) = args.next() {
+    while let Some(a) = args.arg() {
         match a.as_str() {
             "--capacity" => capacity = args.value("--capacity")?,
             "--seed" => seed = args.value("--seed")?,

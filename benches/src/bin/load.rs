@@ -100,16 +100,17 @@ fn parse_args() -> anyhow::Result<Args> {
         let value = it
             .next()
             .with_context(|| format!("{flag} needs a value\n{}", usage()))?;
+        let bad = || format!("{flag}: `{value}` is not valid\n{}", usage());
         match flag.as_str() {
-            "--rates" => a.rates = list(&value)?,
-            "--store-only" => a.store_only = list(&value)?,
-            "--duration" => a.duration = Duration::from_secs_f64(value.parse()?),
-            "--warmup" => a.warmup = Duration::from_secs_f64(value.parse()?),
-            "--repeat" => a.repeat = value.parse()?,
+            "--rates" => a.rates = list(&value).with_context(bad)?,
+            "--store-only" => a.store_only = list(&value).with_context(bad)?,
+            "--duration" => a.duration = Duration::from_secs_f64(value.parse().with_context(bad)?),
+            "--warmup" => a.warmup = Duration::from_secs_f64(value.parse().with_context(bad)?),
+            "--repeat" => a.repeat = value.parse().with_context(bad)?,
             "--sidecars" => a.sidecars = value.split(',').map(str::to_owned).collect(),
             "--python" => a.python = PathBuf::from(value),
             "--window" => a.window = value,
-            "--prefill" => a.prefill = value.parse()?,
+            "--prefill" => a.prefill = value.parse().with_context(bad)?,
             _ => bail!("unknown flag {flag}\n{}", usage()),
         }
     }

@@ -15,7 +15,7 @@ valgrind --tool=callgrind target/release/map-cost";
 
 fn main() -> anyhow::Result<()> {
     let mut args = kvevent_benches::Cli::new(USAGE);
-    let mode = match args.next().as_deref() {
+    let mode = match args.arg().as_deref() {
         Some("engine") => KeyMode::Engine,
         None | Some("fingerprint") => KeyMode::Fingerprint,
         Some(other) => return Err(args.error(&format!("`{other}` is not a key mode"))),

@@ -80,13 +80,13 @@ fn main() -> anyhow::Result<()> {
     let mut args = kvevent_benches::Cli::new(USAGE);
     let n: u64 = args.positional("N", kvevent_mapper::DEFAULT_MAX_TRACKED_BLOCKS as u64)?;
     // One configuration per process, so no run reuses memory another one freed.
-    if let Some(mode) = args.next() {
+    if let Some(mode) = args.arg() {
         let mode = match mode.as_str() {
             "engine" => KeyMode::Engine,
             "fingerprint" => KeyMode::Fingerprint,
             other => return Err(args.error(&format!("`{other}` is not a key mode"))),
         };
-        let bin32 = match args.next().as_deref() {
+        let bin32 = match args.arg().as_deref() {
             Some("int") => false,
             Some("bin32") => true,
             _ => return Err(args.error("a key mode is followed by int or bin32")),

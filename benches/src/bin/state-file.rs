@@ -56,8 +56,8 @@ sidecar would use); `keep` leaves the last file written (fingerprint mode).";
 fn main() -> anyhow::Result<()> {
     let mut args = kvevent_benches::Cli::new(USAGE);
     let n: u64 = args.positional("N", 500_000)?;
-    let dir = args.next().map_or_else(std::env::temp_dir, Into::into);
-    let keep = match args.next().as_deref() {
+    let dir = args.arg().map_or_else(std::env::temp_dir, Into::into);
+    let keep = match args.arg().as_deref() {
         None => false,
         Some("keep") => true,
         Some(other) => return Err(args.error(&format!("`{other}` is not `keep`"))),

@@ -25,25 +25,28 @@ fn kvevents(args: &[&str], stdin: Option<&[u8]>) -> Output {
     child.wait_with_output().expect("wait")
 }
 
+/// What `kvevents args` prints, after checking it succeeded (its stderr if not).
+fn stdout_of(args: &[&str]) -> Vec<u8> {
+    let out = kvevents(args, None);
+    assert!(
+        out.status.success(),
+        "kvevents {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
+}
+
 #[test]
 fn decode_prints_the_vectors_json_one_line_each() {
     let dir = shared().join("vectors/vllm-0.26.0");
     let a = dir.join("basic.msgpack");
     let b = dir.join("media.msgpack");
-    let out = kvevents(
-        &[
-            "decode",
-            a.to_str().expect("path"),
-            b.to_str().expect("path"),
-        ],
-        None,
-    );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8(out.stdout).expect("utf8");
+    let stdout = stdout_of(&[
+        "decode",
+        a.to_str().expect("path"),
+        b.to_str().expect("path"),
+    ]);
+    let text = String::from_utf8(stdout).expect("utf8");
     let lines: Vec<serde_json::Value> = text
         .lines()
         .map(|l| serde_json::from_str(l).expect("json line"))
@@ -94,17 +97,8 @@ fn encode_reproduces_the_release_bytes() {
     for release in ["0.9.0", "0.14.0", "0.24.0", "0.33.0"] {
         let dir = shared().join(format!("vectors/vllm-{release}"));
         let json = dir.join("basic.json");
-        let out = kvevents(
-            &["encode", "--release", release, json.to_str().expect("p")],
-            None,
-        );
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
         assert_eq!(
-            out.stdout,
+            stdout_of(&["encode", "--release", release, json.to_str().expect("p")]),
             std::fs::read(dir.join("basic.msgpack")).expect("read")
         );
     }
@@ -154,13 +148,7 @@ fn fingerprint_prints_the_golden_chain() {
             .map(|t| t.to_string()),
     );
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let out = kvevents(&args, None);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+    let lines: Vec<serde_json::Value> = String::from_utf8(stdout_of(&args))
         .expect("utf8")
         .lines()
         .map(|l| serde_json::from_str(l).expect("json"))
@@ -375,38 +363,23 @@ fn sglang_payloads_decode_and_encode_with_engine_sglang() {
         let dir = shared().join(format!("vectors/sglang-{release}"));
         let payload = dir.join(format!("{case}.msgpack"));
         let json = dir.join(format!("{case}.json"));
-        if !payload.exists() {
-            continue;
-        }
         let p = payload.to_str().expect("path");
-        let out = kvevents(&["decode", "--engine", "sglang", p], None);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let got: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one json line");
+        let got: serde_json::Value =
+            serde_json::from_slice(&stdout_of(&["decode", "--engine", "sglang", p]))
+                .expect("one json line");
         let want: serde_json::Value =
             serde_json::from_slice(&std::fs::read(&json).expect("read")).expect("json");
         assert_eq!(got, want, "{release}/{case}");
-        let out = kvevents(
-            &[
-                "encode",
-                "--engine",
-                "sglang",
-                "--release",
-                release,
-                json.to_str().expect("path"),
-            ],
-            None,
-        );
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let encoded = stdout_of(&[
+            "encode",
+            "--engine",
+            "sglang",
+            "--release",
+            release,
+            json.to_str().expect("path"),
+        ]);
         assert_eq!(
-            out.stdout,
+            encoded,
             std::fs::read(&payload).expect("read"),
             "{release}/{case}"
         );
