@@ -70,11 +70,12 @@ fn main() -> anyhow::Result<()> {
     if config.model.is_empty() || (config.engines.is_empty() && config.sidecars.is_empty()) {
         bail!("--model and at least one --sidecar or --engine are required");
     }
-    let router = Arc::new(Router::start(config)?);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     rt.block_on(async {
+        // The fleet follows its replicas on this runtime.
+        let router = Arc::new(Router::start(config)?);
         let (addr, server) = router::bind(&listen, router.clone()).await?;
         eprintln!(
             "scoring on http://{addr}/score, replicas on http://{addr}/replicas, metrics on http://{addr}/metrics"

@@ -10,7 +10,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(false)
-        .build_transport(true)
+        // The client is generic over its channel: a router brings tonic's (feature
+        // `channel`), the sidecar builds none.
+        .build_transport(false)
         .compile_fds(descriptors)?;
     Ok(())
 }

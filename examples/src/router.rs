@@ -1,5 +1,5 @@
 //! A router's scoring service: follows replicas through their sidecars' feeds or their engines
-//! (with replay and DP ranks) into a [`kvevent_feed::Fleet`] and answers `POST /score`,
+//! (with replay and DP ranks) into a [`kvevent_fleet::Fleet`] and answers `POST /score`,
 //! `GET /replicas` and `GET /metrics` over HTTP.
 //!
 //! `examples/router.rs` is its command line; tests start it in-process.
@@ -13,9 +13,9 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
-use kvevent_feed::{
-    EngineSockets, Fleet, FleetConfig, Query, QueryKeys, ReplicaSource, ReplicaState, SidecarFeed,
-    Tier,
+use kvevent_fleet::{
+    EngineSockets, Fleet, FleetConfig, Query, QueryKeys, ReplicaSource, ReplicaState, ScoreError,
+    SidecarFeed, Tier,
 };
 
 /// One `--engine NAME=tcp://host:port[,replay=tcp://host:port][,dp=N]`.
@@ -30,7 +30,7 @@ pub struct Engine {
     /// Its DP ranks (ports offset by rank, vLLM's rule).
     pub dp: u32,
     /// Whose KV-event wire it speaks (`,engine=sglang`; vLLM's by default).
-    pub engine: kvevent_feed::Engine,
+    pub engine: kvevent_wire::Engine,
 }
 
 impl std::str::FromStr for Engine {
@@ -50,7 +50,7 @@ impl std::str::FromStr for Engine {
             endpoint,
             replay: None,
             dp: 1,
-            engine: kvevent_feed::Engine::Vllm,
+            engine: kvevent_wire::Engine::Vllm,
         };
         for part in parts {
             match part.split_once('=') {
@@ -112,7 +112,7 @@ pub struct Router {
 }
 
 impl Router {
-    /// Follows every engine and sidecar.
+    /// Follows every engine and sidecar, on the tokio runtime it is called in.
     pub fn start(config: RouterConfig) -> anyhow::Result<Self> {
         let fleet = Fleet::new(FleetConfig::default())?;
         for e in &config.engines {
@@ -187,7 +187,15 @@ impl Router {
             Some(c) => self.fleet.score_among(&query, c),
             None => self.fleet.score(&query),
         }
-        .map_err(|e| bad(e.to_string()))?;
+        .map_err(|e| match e {
+            // Nothing can be known yet: the caller routes as if nothing matched.
+            ScoreError::BlockSizeUnknown => (503, e.to_string()),
+            ScoreError::BlockSize { .. } => bad(e.to_string()),
+        })?;
+        let not_followed: Vec<&str> = candidates
+            .as_deref()
+            .map(|c| scores.unknown().iter().map(|i| c[*i]).collect())
+            .unwrap_or_default();
         Ok(serde_json::json!({
             "scores": scores.iter().map(|s| serde_json::json!({
                 "replica": s.replica,
@@ -195,26 +203,34 @@ impl Router {
                 "matched_blocks": s.matched_blocks,
                 "tier": match s.tier { Tier::T1 => "T1", Tier::T2 => "T2" },
                 "state": s.state.as_str(),
+                "reason": s.state.reason(),
                 "fresh": s.state == ReplicaState::Exact,
-                "newest_change_ms": s.newest_change.map(|d| d.as_millis() as u64),
-            })).collect::<Vec<_>>()
+            })).collect::<Vec<_>>(),
+            "not_followed": not_followed,
         }))
     }
 
-    /// Every replica: its state (and why, when degraded), blocks held, age of its newest change.
+    /// Every replica: where it is followed from, its state and why (degraded or stale, and
+    /// what was lost), the last error, its engine's ranks, blocks held, age of its newest
+    /// change.
     pub fn replicas(&self) -> serde_json::Value {
         serde_json::json!({
             "replicas": self.fleet.replicas().iter().map(|r| serde_json::json!({
                 "name": r.name,
+                "source": r.source,
                 "state": r.state.as_str(),
-                "reason": match r.state {
-                    ReplicaState::Degraded(d) => Some(d.as_str()),
-                    _ => None,
-                },
+                "reason": r.state.reason(),
                 "stale_for_ms": match r.state {
-                    ReplicaState::Stale(since) => Some(since.elapsed().as_millis() as u64),
+                    ReplicaState::Stale { since, .. } => Some(since.elapsed().as_millis() as u64),
                     _ => None,
                 },
+                "error": r.error,
+                "ranks": r.ranks.iter().map(|k| serde_json::json!({
+                    "rank": k.rank,
+                    "connected": k.connected,
+                    "for_ms": k.since.map(|d| d.as_millis() as u64),
+                    "degraded": k.degraded,
+                })).collect::<Vec<_>>(),
                 "blocks": r.blocks,
                 "newest_change_ms": r.newest_change.map(|d| d.as_millis() as u64),
                 "block_size": r.block_size,

@@ -49,7 +49,7 @@ fn main() -> anyhow::Result<()> {
         let mut config = Config::default();
         config.mapping.key_mode = KeyMode::Engine;
         let index = Index::new(config);
-        let a = index.add_source("a");
+        let a = index.add_source("a")?;
         index.apply(a, &batch(vec![stored(&(0..n).collect::<Vec<_>>())]));
         let before = index.stats().table_bytes;
         for x in n..n * 11 {

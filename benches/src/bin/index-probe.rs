@@ -149,7 +149,7 @@ fn run(
     queries: usize,
     turn: usize,
     batch_group: usize,
-) {
+) -> anyhow::Result<()> {
     let mut rng = Rng(seed | 1);
     let system: Vec<Vec<u32>> = (0..16)
         .map(|_| (0..16 * BLOCK).map(|_| rng.below(128_000) as u32).collect())
@@ -163,7 +163,7 @@ fn run(
     let index = Index::new(Config::default());
     let sources: Vec<_> = (0..replicas)
         .map(|i| index.add_source(&format!("replica-{i}")))
-        .collect();
+        .collect::<Result<_, _>>()?;
     let mut state: Vec<Replica> = (0..replicas)
         .map(|_| Replica {
             resident_system: std::collections::HashSet::new(),
@@ -272,6 +272,7 @@ fn run(
         100.0 * (after.bytes as f64 / before.bytes.max(1) as f64 - 1.0),
         matched as f64 / lat.len().max(1) as f64,
     );
+    Ok(())
 }
 
 const USAGE: &str = "usage: index-probe [REPLICAS...] [--capacity N] [--seed S] [--queries Q] [--turn K] [--group N]
@@ -309,7 +310,7 @@ fn main() -> anyhow::Result<()> {
     );
     println!("|---|---|---|---|---|---|---|");
     for r in replicas {
-        run(r, capacity, seed, queries, turn, group);
+        run(r, capacity, seed, queries, turn, group)?;
     }
     // The floor under the apply rate once the tables outgrow the cache (about 64 MB of them
     // at 256 replicas): every block event looks up two tables at random. Measured last:

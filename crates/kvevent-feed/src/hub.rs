@@ -123,7 +123,23 @@ pub struct Hub {
     state: Mutex<State>,
     /// The newest (epoch, seq): followers wait on it.
     changed: tokio::sync::watch::Sender<(u64, u64)>,
+    /// What the sidecar sees of its engine, rank by rank, each with when its connection last
+    /// changed; `None` until the events thread says.
+    engine: Mutex<Option<Vec<(RankHealth, std::time::Instant)>>>,
+    /// Bumped when the engine's health changes: followers send it at once.
+    health: tokio::sync::watch::Sender<u64>,
     metrics: HubMetrics,
+}
+
+/// One engine rank as the sidecar sees it ([`Hub::set_engine`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankHealth {
+    /// The DP rank.
+    pub rank: u32,
+    /// Its events socket has a connection to the engine.
+    pub connected: bool,
+    /// Replaying, or a gap not repaired.
+    pub degraded: bool,
 }
 
 /// A new epoch: the wall clock in nanoseconds, so a restarted sidecar never reuses one, and
@@ -209,6 +225,8 @@ impl Hub {
                 block_size: 0,
             }),
             changed: tokio::sync::watch::channel((epoch, 0)).0,
+            engine: Mutex::new(None),
+            health: tokio::sync::watch::channel(0).0,
             metrics: HubMetrics::default(),
         })
     }
@@ -389,6 +407,7 @@ impl Hub {
             body: Some(pb::feed_message::Body::Changes(pb::Changes {
                 changes: std::mem::take(&mut s.pending),
             })),
+            engine: None,
         };
         let bytes = Bytes::from(message.encode_to_vec());
         s.ring_bytes += bytes.len();
@@ -444,6 +463,57 @@ impl Hub {
     }
 
     /// The `Hello` for a stream.
+    /// What the sidecar sees of its engine now, rank by rank: followers are sent it at once
+    /// when it changed, and with every hello and heartbeat. The events thread calls it once a
+    /// turn; it costs a compare when nothing changed.
+    pub fn set_engine(&self, ranks: &[RankHealth]) {
+        let mut engine = self.engine.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = std::time::Instant::now();
+        let same = engine.as_ref().is_some_and(|e| {
+            e.len() == ranks.len() && e.iter().zip(ranks).all(|((a, _), b)| a == b)
+        });
+        if same {
+            return;
+        }
+        let before = engine.take().unwrap_or_default();
+        *engine = Some(
+            ranks
+                .iter()
+                .map(|r| {
+                    // The instant its connection last changed stays while it does not.
+                    let kept = before
+                        .iter()
+                        .find(|(b, _)| b.rank == r.rank && b.connected == r.connected)
+                        .map(|(_, since)| *since);
+                    (*r, kept.unwrap_or(now))
+                })
+                .collect(),
+        );
+        drop(engine);
+        self.health.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// The engine's health as the feed carries it (`None` before [`Hub::set_engine`]).
+    pub(crate) fn engine_health(&self) -> Option<pb::EngineHealth> {
+        let engine = self.engine.lock().unwrap_or_else(PoisonError::into_inner);
+        let ranks = engine.as_ref()?;
+        Some(pb::EngineHealth {
+            ranks: ranks
+                .iter()
+                .map(|(r, since)| pb::RankHealth {
+                    rank: r.rank,
+                    connected: r.connected,
+                    since_ms: since.elapsed().as_millis() as u64,
+                    degraded: r.degraded,
+                })
+                .collect(),
+        })
+    }
+
+    pub(crate) fn subscribe_health(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.health.subscribe()
+    }
+
     pub(crate) fn hello(&self, resumed: bool) -> pb::Hello {
         pb::Hello {
             replica: self.config.replica.clone(),

@@ -97,6 +97,7 @@ pub async fn serve(
         hub,
         token: options.token,
         log: Arc::default(),
+        refusals: Arc::default(),
         closed,
     };
     let router = builder.add_service(service);
@@ -121,8 +122,10 @@ pub async fn serve(
 struct FeedServer {
     hub: Arc<Hub>,
     token: Option<TokenSource>,
-    /// When followers were last logged as cut off, and how many since.
-    log: Arc<Mutex<(Option<Instant>, u64)>>,
+    /// Followers cut off, logged at a bounded rate.
+    log: Arc<Mutex<Throttle>>,
+    /// Followers refused, logged at a bounded rate.
+    refusals: Arc<Mutex<Throttle>>,
     /// True once the server shuts down.
     closed: tokio::sync::watch::Receiver<bool>,
 }
@@ -180,6 +183,10 @@ impl tonic::server::ServerStreamingService<pb::FollowRequest> for FeedServer {
         Box::pin(async move {
             let refuse = |status: Status| {
                 server.hub.metrics().refused.fetch_add(1, Relaxed);
+                let mut log = lock(&server.refusals);
+                if let Some(since) = log.due() {
+                    tracing::warn!(refused = since, why = %status.message(), "a router's feed follower refused (kvevent_feed_refused_total counts them)");
+                }
                 Err(status)
             };
             if let Some(token) = server.token.as_ref().and_then(|t| t()) {
@@ -189,7 +196,7 @@ impl tonic::server::ServerStreamingService<pb::FollowRequest> for FeedServer {
                     .and_then(|v| v.to_str().ok());
                 if sent != Some(format!("Bearer {token}").as_str()) {
                     return refuse(Status::unauthenticated(
-                        "the feed asks for a bearer token (authorization: Bearer …)",
+                        "the sidecar's feed asks for a bearer token (authorization: Bearer …), and the one sent is missing or wrong",
                     ));
                 }
             }
@@ -197,13 +204,13 @@ impl tonic::server::ServerStreamingService<pb::FollowRequest> for FeedServer {
             let config = server.hub.config();
             if !ask.replica.is_empty() && ask.replica != config.replica {
                 return refuse(Status::failed_precondition(format!(
-                    "this sidecar serves replica `{}`, not `{}`",
+                    "the sidecar serves replica `{}`, not `{}`",
                     config.replica, ask.replica
                 )));
             }
             if !ask.model.is_empty() && ask.model != config.model {
                 return refuse(Status::failed_precondition(format!(
-                    "this sidecar serves model `{}`, not `{}`",
+                    "the sidecar serves model `{}`, not `{}`",
                     config.model, ask.model
                 )));
             }
@@ -234,11 +241,22 @@ impl Drop for Connected {
 struct Ended;
 
 fn encode(epoch: u64, seq: u64, body: pb::feed_message::Body) -> Bytes {
+    encode_with(epoch, seq, body, None)
+}
+
+/// A message with the engine's health (hello and heartbeats).
+fn encode_with(
+    epoch: u64,
+    seq: u64,
+    body: pb::feed_message::Body,
+    engine: Option<pb::EngineHealth>,
+) -> Bytes {
     Bytes::from(
         pb::FeedMessage {
             epoch,
             seq,
             body: Some(body),
+            engine,
         }
         .encode_to_vec(),
     )
@@ -247,7 +265,7 @@ fn encode(epoch: u64, seq: u64, body: pb::feed_message::Body) -> Bytes {
 /// Feeds one follower from position `at` until it goes or is cut off.
 async fn follow(
     hub: Arc<Hub>,
-    log: Arc<Mutex<(Option<Instant>, u64)>>,
+    log: Arc<Mutex<Throttle>>,
     mut closed: tokio::sync::watch::Receiver<bool>,
     mut at: Option<(u64, u64)>,
     tx: mpsc::Sender<Result<Bytes, Status>>,
@@ -267,12 +285,14 @@ async fn follow(
         }
     };
     let mut changed = hub.subscribe();
+    let mut health = hub.subscribe_health();
     let mut first = true;
     loop {
         if *closed.borrow_and_update() {
             return;
         }
         changed.borrow_and_update();
+        health.borrow_and_update();
         let next = match hub.next(at) {
             // A follower coming back from too far behind starts over.
             Next::Behind if first => hub.next(None),
@@ -285,7 +305,13 @@ async fn follow(
                 let hello = first.then(|| hub.hello(false));
                 async {
                     if let Some(hello) = hello {
-                        send(Ok(encode(epoch, seq, pb::feed_message::Body::Hello(hello)))).await?;
+                        send(Ok(encode_with(
+                            epoch,
+                            seq,
+                            pb::feed_message::Body::Hello(hello),
+                            hub.engine_health(),
+                        )))
+                        .await?;
                     }
                     let size = config.snapshot_chunk.max(1);
                     for from in (0..snapshot.len()).step_by(size) {
@@ -318,7 +344,13 @@ async fn follow(
                 async {
                     if let Some(hello) = hello {
                         let (e, s) = at.unwrap_or(position);
-                        send(Ok(encode(e, s, pb::feed_message::Body::Hello(hello)))).await?;
+                        send(Ok(encode_with(
+                            e,
+                            s,
+                            pb::feed_message::Body::Hello(hello),
+                            hub.engine_health(),
+                        )))
+                        .await?;
                     }
                     for m in merged(messages) {
                         send(Ok(m)).await?;
@@ -336,7 +368,13 @@ async fn follow(
                 async {
                     if let Some(hello) = hello {
                         let (e, s) = position;
-                        send(Ok(encode(e, s, pb::feed_message::Body::Hello(hello)))).await?;
+                        send(Ok(encode_with(
+                            e,
+                            s,
+                            pb::feed_message::Body::Hello(hello),
+                            hub.engine_health(),
+                        )))
+                        .await?;
                     }
                     tokio::select! {
                         r = changed.changed() => {
@@ -352,8 +390,17 @@ async fn follow(
                         }
                         () = tokio::time::sleep(config.heartbeat) => {
                             let (e, s) = position;
-                            send(Ok(encode(e, s, pb::feed_message::Body::Heartbeat(pb::Heartbeat {}))))
-                                .await?;
+                            let beat = pb::feed_message::Body::Heartbeat(pb::Heartbeat {});
+                            send(Ok(encode_with(e, s, beat, hub.engine_health()))).await?;
+                        }
+                        // The engine's health changed: said at once, in a heartbeat.
+                        r = health.changed() => {
+                            if r.is_err() {
+                                return Err(Ended);
+                            }
+                            let (e, s) = position;
+                            let beat = pb::feed_message::Body::Heartbeat(pb::Heartbeat {});
+                            send(Ok(encode_with(e, s, beat, hub.engine_health()))).await?;
                         }
                         () = tx.closed() => return Err(Ended),
                         _ = closed.changed() => {}
@@ -413,18 +460,39 @@ pub(crate) fn merged(messages: Vec<Bytes>) -> Vec<Bytes> {
 }
 
 /// Counts a follower cut off and logs it, at most once every 10 s with the count since.
-fn cut_off(hub: &Hub, log: &Mutex<(Option<Instant>, u64)>) {
+fn cut_off(hub: &Hub, log: &Mutex<Throttle>) {
     hub.metrics().cut_off.fetch_add(1, Relaxed);
-    let mut log = log
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    log.1 += 1;
-    if log.0.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
+    if let Some(followers) = lock(log).due() {
         tracing::warn!(
-            followers = log.1,
+            followers,
             "feed followers cut off for not keeping up: they come back with a snapshot"
         );
-        *log = (Some(Instant::now()), 0);
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A log line at most every 10 s, with how many times it happened since the last.
+#[derive(Debug, Default)]
+struct Throttle {
+    logged: Option<Instant>,
+    since: u64,
+}
+
+impl Throttle {
+    /// Counts one; the count to log when a line is due.
+    fn due(&mut self) -> Option<u64> {
+        self.since += 1;
+        if self
+            .logged
+            .is_some_and(|t| t.elapsed() < Duration::from_secs(10))
+        {
+            return None;
+        }
+        self.logged = Some(Instant::now());
+        Some(std::mem::take(&mut self.since))
     }
 }
 

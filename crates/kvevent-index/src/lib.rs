@@ -37,8 +37,8 @@
 //! use kvevent_wire as wire;
 //!
 //! let index = Index::new(Config::default()); // content fingerprints of the token ids
-//! let a = index.add_source("replica-a");
-//! let b = index.add_source("replica-b");
+//! let a = index.add_source("replica-a").expect("a source");
+//! let b = index.add_source("replica-b").expect("a source");
 //! let prompt: Vec<u32> = (0..64).collect();
 //! // Replica a stored the prompt's 4 blocks of 16, replica b its first 2.
 //! let stored = |n: u64| wire::EventBatch {
@@ -82,9 +82,108 @@ pub use mapper::KeyMode;
 
 type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
-/// A source's handle, from [`Index::add_source`].
+/// A source's handle, from [`Index::add_source`]: its slot and which use of the slot it is.
+/// A source's slot is reused once it is removed; a handle kept after that names nothing, and
+/// every call with it does nothing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct SourceId(u32);
+pub struct SourceId {
+    slot: u32,
+    generation: u32,
+}
+
+/// The index follows [`MAX_SOURCES`] sources at once already: no slot is free for another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the index follows {MAX_SOURCES} sources at once already (remove some first)")]
+pub struct TooManySources;
+
+/// Why a replica's known state may be incomplete.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Degraded {
+    /// Not yet connected, or connecting again (its entries, if any, still count).
+    Connecting,
+    /// A snapshot is loading (the previous state, if any, still counts).
+    SnapshotLoading,
+    /// Its engine's events are replaying, or lost batches that could not be replayed.
+    Replaying,
+    /// Its sidecar is there, but the sidecar lost the engine (for less than `dead_after`).
+    EngineLost,
+}
+
+impl Degraded {
+    /// A short name for logs and answers.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Connecting => "connecting",
+            Self::SnapshotLoading => "snapshot_loading",
+            Self::Replaying => "replaying_or_gap",
+            Self::EngineLost => "engine_lost",
+        }
+    }
+}
+
+/// What was lost, for a [`ReplicaState::Stale`] replica.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lost {
+    /// The replica's source itself: its sidecar's feed, or, followed directly, its engine.
+    Source,
+    /// The engine behind a sidecar that is still there.
+    Engine,
+}
+
+impl Lost {
+    /// `source` or `engine`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Source => "source",
+            Self::Engine => "engine",
+        }
+    }
+}
+
+/// How far a replica's entries can be trusted. Whoever follows the replica says
+/// ([`Index::set_replica_state`]); a replica nobody said anything of is `Exact` while all its
+/// sources are fresh ([`Index::set_fresh`]) and `Degraded(Replaying)` otherwise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplicaState {
+    /// In sync with its source.
+    Exact,
+    /// Its source is there, but what is known may be incomplete.
+    Degraded(Degraded),
+    /// Lost since this instant (for at least the follower's `dead_after`): what is known may
+    /// be wrong. Its entries count until the follower drops them.
+    Stale {
+        /// Since when.
+        since: std::time::Instant,
+        /// What was lost.
+        lost: Lost,
+    },
+}
+
+impl ReplicaState {
+    /// `exact`, `degraded` or `stale`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Exact => "exact",
+            Self::Degraded(_) => "degraded",
+            Self::Stale { .. } => "stale",
+        }
+    }
+
+    /// The reason, for a state other than `Exact`: a [`Degraded`] reason, or `source_lost`
+    /// or `engine_lost`.
+    pub fn reason(self) -> Option<&'static str> {
+        match self {
+            Self::Exact => None,
+            Self::Degraded(d) => Some(d.as_str()),
+            Self::Stale {
+                lost: Lost::Source, ..
+            } => Some("source_lost"),
+            Self::Stale {
+                lost: Lost::Engine, ..
+            } => Some("engine_lost"),
+        }
+    }
+}
 
 /// Where a matched prefix is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -182,15 +281,20 @@ pub struct Score<'a> {
     /// False while one of the replica's sources is degraded (replaying, a gap not repaired,
     /// just restarted): the router may fail open.
     pub fresh: bool,
+    /// How far the replica's entries can be trusted ([`ReplicaState`]).
+    pub state: ReplicaState,
 }
 
-/// The answer to a query: a [`Score`] per replica holding block 0 of the query, best first
-/// (most tokens, most blocks, T1 before T2, then by name). It shares the index's list of
-/// names: one reference taken per answer, not one per replica.
+/// The answer to a query: a [`Score`] per replica holding block 0 of the query (with
+/// [`Index::score_among`], per candidate the index knows, matching or not), best first (most
+/// tokens, most blocks, T1 before T2, then by name). It shares the index's list of names: one
+/// reference taken per answer, not one per replica.
 #[derive(Debug, Clone, Default)]
 pub struct Scores {
     names: Arc<Vec<Arc<str>>>,
     entries: Vec<Answer>,
+    /// With [`Index::score_among`]: the positions of the candidates the index does not know.
+    unknown: Vec<usize>,
 }
 
 /// One replica's match, named by number.
@@ -201,6 +305,7 @@ struct Answer {
     tokens: u32,
     tier: Tier,
     fresh: bool,
+    state: ReplicaState,
 }
 
 impl Scores {
@@ -232,6 +337,13 @@ impl Scores {
         }
     }
 
+    /// With [`Index::score_among`]: the positions, in the candidates asked about, of those the
+    /// index does not know (no source of theirs is followed, and nobody set their state). They
+    /// are in no [`Score`]. Empty for [`Index::score`].
+    pub fn unknown(&self) -> &[usize] {
+        &self.unknown
+    }
+
     fn score(&self, e: &Answer) -> Score<'_> {
         Score {
             replica: &self.names[e.replica as usize],
@@ -239,6 +351,7 @@ impl Scores {
             matched_tokens: e.tokens,
             tier: e.tier,
             fresh: e.fresh,
+            state: e.state,
         }
     }
 }
@@ -294,6 +407,13 @@ pub struct IndexStats {
     pub stashed: usize,
     /// Block events applied.
     pub applied: u64,
+    /// Sources followed now (loading ones included).
+    pub sources: usize,
+    /// Source slots the index keeps (in use and free): the most sources it followed at once,
+    /// not every source it ever had.
+    pub source_slots: usize,
+    /// Replica numbers the index keeps (in use and free), likewise.
+    pub replica_slots: usize,
 }
 
 /// A source holding a key, in one word: the source in bits 35–63, its epoch in 3–34, the
@@ -600,10 +720,13 @@ fn entry_bytes(holders: usize) -> usize {
 #[derive(Debug)]
 struct Source {
     replica: u32,
-    /// Moves on at each reset or clear ([`Inner::lapse`]): holders of older epochs no longer
-    /// count. 32 bits: a source clearing every millisecond wraps it after 49 days, and a wrap
-    /// drops its holders for real.
+    /// Moves on at each reset or clear and when the source is removed ([`Inner::lapse`]):
+    /// holders of older epochs no longer count, and a slot reused never meets its previous
+    /// source's holders. 32 bits: a slot lapsing every millisecond wraps it after 49 days,
+    /// and a wrap drops its holders for real.
     epoch: u32,
+    /// Which use of the slot this is ([`SourceId`]).
+    generation: u32,
     live: bool,
     /// False while a snapshot loads into it ([`Index::add_loading_source`]): it takes changes
     /// but counts in no answer until [`Index::promote`].
@@ -614,17 +737,59 @@ struct Source {
     adapter: Option<(Arc<str>, u32)>,
 }
 
+/// A replica's number's use. A number is given back, and its name forgotten, once the
+/// replica has no live source and no state set ([`Index::set_replica_state`]).
+#[derive(Debug, Clone, Copy, Default)]
+struct ReplicaSlot {
+    in_use: bool,
+    /// Its live sources, loading ones included.
+    sources: u32,
+    /// Its live sources marked not fresh: answers read it, not the sources.
+    stale_sources: u32,
+    /// What its follower said ([`Index::set_replica_state`]); it keeps the replica known.
+    state: Option<ReplicaState>,
+}
+
+impl ReplicaSlot {
+    fn state(&self) -> ReplicaState {
+        match self.state {
+            Some(ReplicaState::Exact) | None if self.stale_sources > 0 => {
+                ReplicaState::Degraded(Degraded::Replaying)
+            }
+            Some(state) => state,
+            None => ReplicaState::Exact,
+        }
+    }
+}
+
+/// Where the incremental sweep of lapsed holders is ([`Inner::sweep`]).
+#[derive(Debug, Default)]
+struct Sweep {
+    /// A holder lapsed since the pass began (or one is under way): a pass is owed.
+    owed: bool,
+    /// The pass is in the old table (else the young one).
+    in_old: bool,
+    /// The next slot to visit.
+    cursor: usize,
+    /// [`Inner::lapses`] when the pass began: a lapse after it needs another pass.
+    lapses_at_start: u32,
+}
+
 #[derive(Debug, Default)]
 struct Inner {
     /// Replica names by number; answers share them (a replica added while an answer holds
-    /// them copies the list).
+    /// them copies the list). A free number keeps its last name until it is reused.
     replicas: Arc<Vec<Arc<str>>>,
-    replica_ids: Map<String, u32>,
-    /// The replicas in name order: answers are sorted stably from it, by numbers, not names.
+    replica_ids: Map<Arc<str>, u32>,
+    /// The replicas in use, in name order: answers are sorted stably from it, by numbers,
+    /// not names.
     by_name: Vec<u32>,
-    /// Per replica, its live sources marked not fresh: answers read it, not the sources.
-    stale_sources: Vec<u32>,
+    replica_slots: Vec<ReplicaSlot>,
+    free_replicas: Vec<u32>,
     sources: Vec<Source>,
+    /// Slots of removed sources, reused first.
+    free_sources: Vec<u32>,
+    sweep: Sweep,
     adapters: Map<String, u32>,
     young: Keys,
     old: Keys,
@@ -662,6 +827,8 @@ struct State {
 #[derive(Debug)]
 pub struct Index {
     config: Config,
+    /// The identity of every source's mapper (stamped on reports; the index takes keys only).
+    identity: Identity,
     state: RwLock<State>,
 }
 
@@ -679,6 +846,9 @@ impl Index {
     pub fn new(config: Config) -> Self {
         Self {
             config,
+            // Constant and valid: the mapper's identity is stamped on reports, which the index never
+            // makes.
+            identity: Identity::new("index", "index", "", "index").expect("a valid identity"),
             state: RwLock::new(State::default()),
         }
     }
@@ -691,38 +861,46 @@ impl Index {
         self.state.read().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Starts following a source of `replica` (its engine, or one DP rank of it).
-    pub fn add_source(&self, replica: &str) -> SourceId {
+    fn mapper(&self) -> Mapper {
+        Mapper::new(self.identity.clone(), self.config.mapping.clone())
+    }
+
+    /// Starts following a source of `replica` (its engine, or one DP rank of it). A removed
+    /// source's slot is reused, so an index's memory follows the sources followed now, not
+    /// every one it ever had.
+    pub fn add_source(&self, replica: &str) -> Result<SourceId, TooManySources> {
         self.add(replica, true)
     }
 
     /// A source of `replica` that takes changes but counts in no answer until
     /// [`Index::promote`]: a snapshot loads into it while the replica's previous source goes
     /// on counting, so no answer ever sees half a replica.
-    pub fn add_loading_source(&self, replica: &str) -> SourceId {
+    pub fn add_loading_source(&self, replica: &str) -> Result<SourceId, TooManySources> {
         self.add(replica, false)
     }
 
     /// Makes a loading source count and, in the same step, stops `retire` (the source the
     /// snapshot replaces) from counting: one write lock, so an answer sees the old state or
-    /// the new, never a mix. The retired source's entries are dropped as they are touched.
+    /// the new, never a mix. The retired source's entries are reclaimed incrementally.
     pub fn promote(&self, source: SourceId, retire: Option<SourceId>) {
         let mut state = self.write();
         let State { inner, mappers } = &mut *state;
-        if let Some(s) = inner.sources.get_mut(source.0 as usize) {
-            s.counting = true;
+        if let Some(slot) = inner.live(source) {
+            inner.sources[slot as usize].counting = true;
         }
         if let Some(old) = retire.filter(|old| *old != source) {
-            inner.retire(old.0, mappers, &self.config);
+            inner.retire(old, mappers, || self.mapper());
         }
+        inner.sweep(SWEEP_PER_CALL);
     }
 
     /// Stops following `source` (one of a replica's): its entries stop counting at once and
-    /// are dropped as they are touched.
+    /// are reclaimed incrementally; its slot is free for another source.
     pub fn remove_source(&self, source: SourceId) {
         let mut state = self.write();
         let State { inner, mappers } = &mut *state;
-        inner.retire(source.0, mappers, &self.config);
+        inner.retire(source, mappers, || self.mapper());
+        inner.sweep(SWEEP_PER_CALL);
     }
 
     /// Applies changes already keyed (a sidecar's feed: prefix fingerprints, not engine
@@ -730,9 +908,9 @@ impl Index {
     pub fn apply_keys(&self, source: SourceId, changes: &[KeyChange<'_>]) {
         let mut state = self.write();
         let inner = &mut state.inner;
-        if !inner.sources.get(source.0 as usize).is_some_and(|s| s.live) {
+        let Some(slot) = inner.live(source) else {
             return;
-        }
+        };
         let budget = self.config.byte_budget;
         for change in changes {
             match *change {
@@ -744,57 +922,59 @@ impl Index {
                 } => {
                     let key = KeyId::new(key, inner.adapter(adapter));
                     let tier = u8::from(tier != Tier::T1);
-                    inner.store(key, source.0, tier, tokens, budget);
+                    inner.store(key, slot, tier, tokens, budget);
                 }
                 KeyChange::Evicted { key, adapter } => {
                     let Some(&adapter) = inner.adapters.get(adapter) else {
                         continue;
                     };
-                    inner.evict(KeyId::new(key, adapter), source.0);
+                    inner.evict(KeyId::new(key, adapter), slot);
                 }
-                KeyChange::Cleared => inner.lapse(source.0),
+                KeyChange::Cleared => inner.lapse(slot),
             }
         }
+        inner.sweep(SWEEP_PER_CALL + SWEEP_PER_CHANGE * changes.len());
     }
 
-    fn add(&self, replica: &str, counting: bool) -> SourceId {
+    fn add(&self, replica: &str, counting: bool) -> Result<SourceId, TooManySources> {
         let mut state = self.write();
-        let state = &mut *state;
-        state.mappers.push(Mapper::new(
-            // The mapper's identity is stamped on reports; the index takes keys only.
-            Identity::new("index", "index", "", "index").expect("a valid identity"),
-            self.config.mapping.clone(),
-        ));
-        let inner = &mut state.inner;
-        let replica_id = match inner.replica_ids.get(replica) {
-            Some(&id) => id,
+        let State { inner, mappers } = &mut *state;
+        let slot = match inner.free_sources.pop() {
+            Some(slot) => slot,
+            None if inner.sources.len() >= MAX_SOURCES as usize => return Err(TooManySources),
             None => {
-                let id = inner.replicas.len() as u32;
-                Arc::make_mut(&mut inner.replicas).push(Arc::from(replica));
-                inner.replica_ids.insert(replica.to_owned(), id);
-                let names = &inner.replicas;
-                let at = inner
-                    .by_name
-                    .partition_point(|r| names[*r as usize] < names[id as usize]);
-                inner.by_name.insert(at, id);
-                inner.stale_sources.push(0);
-                id
+                inner.sources.push(Source {
+                    replica: 0,
+                    epoch: 0,
+                    generation: 0,
+                    live: false,
+                    counting: false,
+                    fresh: true,
+                    adapter: None,
+                });
+                mappers.push(self.mapper());
+                (inner.sources.len() - 1) as u32
             }
         };
-        assert!(
-            inner.sources.len() < MAX_SOURCES as usize,
-            "an index follows at most {MAX_SOURCES} sources over its life"
-        );
-        let id = SourceId(inner.sources.len() as u32);
-        inner.sources.push(Source {
-            replica: replica_id,
-            epoch: 0,
+        let replica = inner.replica(replica);
+        inner.replica_slots[replica as usize].sources += 1;
+        let s = &mut inner.sources[slot as usize];
+        // A reused slot keeps its epoch (moved on when its source was removed) and its fresh
+        // mapper; only which use of it this is changes.
+        s.generation = s.generation.wrapping_add(1);
+        *s = Source {
+            replica,
+            epoch: s.epoch,
+            generation: s.generation,
             live: true,
             counting,
             fresh: true,
             adapter: None,
-        });
-        id
+        };
+        Ok(SourceId {
+            slot,
+            generation: s.generation,
+        })
     }
 
     /// Applies one decoded batch of `source`, in seq order.
@@ -809,20 +989,23 @@ impl Index {
         let mut state = self.write();
         let State { inner, mappers } = &mut *state;
         let budget = self.config.byte_budget;
+        let mut events = 0;
         for &(source, batch) in batches {
-            if !inner.sources.get(source.0 as usize).is_some_and(|s| s.live) {
+            let Some(slot) = inner.live(source) else {
                 continue;
-            }
+            };
             // The mapper writes keys straight in: no report is made.
             let mut apply = Apply {
                 inner,
-                source: source.0,
+                source: slot,
                 budget,
             };
-            mappers[source.0 as usize].map_batch_into(batch, &mut apply);
+            mappers[slot as usize].map_batch_into(batch, &mut apply);
             let n = inner.pending.len();
+            events += n;
             inner.flush(n, budget);
         }
+        inner.sweep(SWEEP_PER_CALL + SWEEP_PER_CHANGE * events);
     }
 
     /// Everything known of `source` is stale (an engine restart, a gap that could not be
@@ -830,58 +1013,75 @@ impl Index {
     pub fn reset(&self, source: SourceId) {
         let mut state = self.write();
         let State { inner, mappers } = &mut *state;
-        if let Some(m) = mappers.get_mut(source.0 as usize) {
-            m.reset(0);
-        }
-        inner.lapse(source.0);
+        let Some(slot) = inner.live(source) else {
+            return;
+        };
+        mappers[slot as usize].reset(0);
+        inner.lapse(slot);
+        inner.sweep(SWEEP_PER_CALL);
     }
 
     /// Marks `source` as known incomplete (`false`: replaying, a gap not repaired) or complete.
     pub fn set_fresh(&self, source: SourceId, fresh: bool) {
         let mut state = self.write();
         let inner = &mut state.inner;
-        if let Some(s) = inner.sources.get_mut(source.0 as usize) {
-            if s.live && s.fresh != fresh {
-                let stale = &mut inner.stale_sources[s.replica as usize];
-                *stale = if fresh { *stale - 1 } else { *stale + 1 };
-            }
-            s.fresh = fresh;
+        let Some(slot) = inner.live(source) else {
+            return;
+        };
+        let s = &mut inner.sources[slot as usize];
+        if s.fresh != fresh {
+            let stale = &mut inner.replica_slots[s.replica as usize].stale_sources;
+            *stale = if fresh { *stale - 1 } else { *stale + 1 };
         }
+        s.fresh = fresh;
     }
 
-    /// Stops following every source of `replica` and forgets its entries.
+    /// Says how far `replica`'s entries can be trusted, as its follower knows: every
+    /// [`Score`] of it carries this state from now on. A replica whose state was set stays
+    /// known (in [`Index::score_among`]'s answers, matching nothing) even while it has no
+    /// source, until [`Index::remove_replica`].
+    pub fn set_replica_state(&self, replica: &str, state: ReplicaState) {
+        let mut guard = self.write();
+        let inner = &mut guard.inner;
+        let id = inner.replica(replica);
+        inner.replica_slots[id as usize].state = Some(state);
+    }
+
+    /// Stops following every source of `replica` and forgets it: its entries stop counting
+    /// at once and are reclaimed incrementally (no scan of the table here), its sources' slots
+    /// and its name are free for others.
     pub fn remove_replica(&self, replica: &str) {
         let mut state = self.write();
         let State { inner, mappers } = &mut *state;
         let Some(&id) = inner.replica_ids.get(replica) else {
             return;
         };
-        let mut gone = Vec::new();
-        for (i, s) in inner.sources.iter_mut().enumerate() {
-            if s.replica == id && s.live {
-                s.live = false;
-                s.adapter = None;
-                // Its tracked blocks go, and the table with them.
-                mappers[i] = Mapper::new(
-                    Identity::new("index", "index", "", "index").expect("a valid identity"),
-                    self.config.mapping.clone(),
-                );
-                gone.push(i as u32);
-            }
+        inner.replica_slots[id as usize].state = None;
+        let gone: Vec<SourceId> = inner
+            .sources
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.live && s.replica == id)
+            .map(|(slot, s)| SourceId {
+                slot: slot as u32,
+                generation: s.generation,
+            })
+            .collect();
+        for source in gone {
+            inner.retire(source, mappers, || self.mapper());
         }
-        // None of its sources is live now.
-        inner.stale_sources[id as usize] = 0;
-        inner.lapses = inner.lapses.wrapping_add(1);
-        inner.drop_holders(|h| gone.contains(&h.source()));
+        // With no source, nothing keeps it now.
+        inner.release_replica(id);
+        inner.sweep(SWEEP_PER_CALL);
     }
 
     /// Engine blocks `source` holds now, as its mapper tracks them (0 for a source fed keys
     /// with [`Index::apply_keys`], which has no mapper state, and for one no longer followed).
     pub fn source_blocks(&self, source: SourceId) -> usize {
         let state = self.read();
-        match state.inner.sources.get(source.0 as usize) {
-            Some(s) if s.live => state.mappers[source.0 as usize].tracked_blocks(),
-            _ => 0,
+        match state.inner.live(source) {
+            Some(slot) => state.mappers[slot as usize].tracked_blocks(),
+            None => 0,
         }
     }
 
@@ -901,6 +1101,9 @@ impl Index {
             })
             .sum();
         stats.table_bytes = inner.young.bytes() + inner.old.bytes();
+        stats.sources = inner.sources.iter().filter(|s| s.live).count();
+        stats.source_slots = inner.sources.len();
+        stats.replica_slots = inner.replica_slots.len();
         stats.stashed = inner.young.stashed()
             + inner.old.stashed()
             + state
@@ -922,12 +1125,27 @@ impl Index {
     /// Per replica holding at least block 0 of the query: its longest match from block 0 on,
     /// best first (most tokens, most blocks, T1 before T2, then name).
     pub fn score(&self, query: &Query<'_>) -> Scores {
-        if matches!(query.keys, QueryKeys::Tokens { block_size: 0, .. }) {
-            return Scores::default();
-        }
-        self.read().inner.score(&query.keys, query.adapter)
+        self.read().inner.score(&query.keys, query.adapter, None)
+    }
+
+    /// [`Index::score`] among `candidates` (the replicas a request may go to): every
+    /// candidate the index knows is in the answer, matching or not (0 blocks), best first;
+    /// those it does not know are named by position in [`Scores::unknown`]. A candidate named
+    /// twice is answered once.
+    pub fn score_among(&self, query: &Query<'_>, candidates: &[&str]) -> Scores {
+        self.read()
+            .inner
+            .score(&query.keys, query.adapter, Some(candidates))
     }
 }
+
+/// Slots of the key tables the incremental sweep visits on each call that changes the index,
+/// while a pass is owed: a few microseconds at most under the write lock.
+const SWEEP_PER_CALL: usize = 1024;
+
+/// More slots visited for each change a call applies: the sweep keeps pace with the changes
+/// that make garbage, so lapsed holders never outnumber the live ones by much.
+const SWEEP_PER_CHANGE: usize = 8;
 
 /// Query blocks looked up together: their keys are made (chained from token ids), then their
 /// slots loaded at once so the cache misses overlap, then they are matched in order. A query
@@ -948,6 +1166,8 @@ struct Scratch {
     best: Vec<Option<(u32, u32, u8)>>,
     /// (sort key, replica) of the replicas in the answer.
     order: Vec<(u64, u32)>,
+    /// Per replica, whether it is among the candidates asked about.
+    asked: Vec<bool>,
 }
 
 thread_local! {
@@ -1037,6 +1257,13 @@ fn counts(sources: &[Source], h: &Holder) -> bool {
         .is_some_and(|s| s.live && s.counting && s.epoch == h.epoch())
 }
 
+/// Whether `h` counts or will once its source's snapshot is promoted: what the sweep keeps.
+fn counts_or_loading(sources: &[Source], h: &Holder) -> bool {
+    sources
+        .get(h.source() as usize)
+        .is_some_and(|s| s.live && s.epoch == h.epoch())
+}
+
 impl Inner {
     fn adapter(&mut self, name: &str) -> u32 {
         if let Some(&id) = self.adapters.get(name) {
@@ -1055,40 +1282,154 @@ impl Inner {
         self.old.prefetch(key);
     }
 
-    /// `source` is no longer followed: it stops counting at once, its holders are dropped as
-    /// they are touched, its mapper's memory goes.
-    fn retire(&mut self, source: u32, mappers: &mut [Mapper], config: &Config) {
-        let Some(s) = self.sources.get_mut(source as usize) else {
+    /// The slot of `source` if it is still followed (a handle of a removed source names
+    /// nothing, even once its slot is reused).
+    fn live(&self, source: SourceId) -> Option<u32> {
+        self.sources
+            .get(source.slot as usize)
+            .filter(|s| s.live && s.generation == source.generation)
+            .map(|_| source.slot)
+    }
+
+    /// The number of `name`, given one (a free one first) if it has none.
+    fn replica(&mut self, name: &str) -> u32 {
+        if let Some(&id) = self.replica_ids.get(name) {
+            return id;
+        }
+        let name: Arc<str> = Arc::from(name);
+        let id = match self.free_replicas.pop() {
+            Some(id) => {
+                Arc::make_mut(&mut self.replicas)[id as usize] = name.clone();
+                id
+            }
+            None => {
+                Arc::make_mut(&mut self.replicas).push(name.clone());
+                self.replica_slots.push(ReplicaSlot::default());
+                (self.replicas.len() - 1) as u32
+            }
+        };
+        self.replica_slots[id as usize] = ReplicaSlot {
+            in_use: true,
+            ..ReplicaSlot::default()
+        };
+        let names = &self.replicas;
+        let at = self
+            .by_name
+            .partition_point(|r| names[*r as usize] < names[id as usize]);
+        self.by_name.insert(at, id);
+        self.replica_ids.insert(name, id);
+        id
+    }
+
+    /// Gives `id`'s number back if nothing keeps it: no live source, no state set.
+    fn release_replica(&mut self, id: u32) {
+        let r = &self.replica_slots[id as usize];
+        if !r.in_use || r.sources > 0 || r.state.is_some() {
+            return;
+        }
+        self.replica_slots[id as usize] = ReplicaSlot::default();
+        let name = &self.replicas[id as usize];
+        self.replica_ids.remove(name);
+        let names = &self.replicas;
+        if let Ok(at) = self
+            .by_name
+            .binary_search_by(|r| names[*r as usize].cmp(&names[id as usize]))
+        {
+            self.by_name.remove(at);
+        }
+        self.free_replicas.push(id);
+    }
+
+    /// `source` is no longer followed: it stops counting at once (its epoch moves on), its
+    /// holders are reclaimed by the sweep, its mapper's memory goes, and its slot is free.
+    fn retire(&mut self, source: SourceId, mappers: &mut [Mapper], blank: impl Fn() -> Mapper) {
+        let Some(slot) = self.live(source) else {
             return;
         };
-        if !s.live {
-            return;
-        }
+        let s = &mut self.sources[slot as usize];
+        let replica = s.replica;
+        let r = &mut self.replica_slots[replica as usize];
         if !s.fresh {
-            self.stale_sources[s.replica as usize] -= 1;
+            r.stale_sources -= 1;
         }
+        r.sources -= 1;
         s.live = false;
+        s.counting = false;
+        s.fresh = true;
         s.adapter = None;
-        self.lapses = self.lapses.wrapping_add(1);
-        if let Some(m) = mappers.get_mut(source as usize) {
-            *m = Mapper::new(
-                Identity::new("index", "index", "", "index").expect("a valid identity"),
-                config.mapping.clone(),
-            );
+        self.lapse(slot);
+        if let Some(m) = mappers.get_mut(slot as usize) {
+            *m = blank();
         }
+        self.free_sources.push(slot);
+        self.release_replica(replica);
     }
 
     /// Everything `source` held stops counting: its epoch moves on, so its older holders are
-    /// invalid ([`counts`]) and dropped when next touched. Should the epoch wrap, they are
-    /// dropped now, so that none can count again.
+    /// invalid ([`counts`]); the sweep reclaims them, and a store that meets one drops it.
+    /// Should the epoch wrap, they are dropped now, so that none can count again.
     fn lapse(&mut self, source: u32) {
         let Some(s) = self.sources.get_mut(source as usize) else {
             return;
         };
         s.epoch = s.epoch.wrapping_add(1);
         self.lapses = self.lapses.wrapping_add(1);
+        if !self.sweep.owed {
+            self.sweep = Sweep {
+                owed: true,
+                in_old: false,
+                cursor: 0,
+                lapses_at_start: self.lapses,
+            };
+        }
         if s.epoch == 0 {
             self.drop_holders(|h| h.source() == source);
+        }
+    }
+
+    /// Visits up to `slots` slots of the key tables while a pass is owed, dropping lapsed
+    /// holders and the keys left with none. A pass goes over the young table, then the old;
+    /// another follows when a holder lapsed during it. Bounded work per call: removing a
+    /// replica never scans the table under the write lock, and what it held goes within a
+    /// pass.
+    fn sweep(&mut self, mut slots: usize) {
+        while self.sweep.owed && slots > 0 {
+            let lapses = self.lapses;
+            let sources = &self.sources;
+            let lists = &mut self.lists;
+            let (table, bytes) = if self.sweep.in_old {
+                (&mut self.old, &mut self.old_bytes)
+            } else {
+                (&mut self.young, &mut self.young_bytes)
+            };
+            let (visited, next) = table.sweep(self.sweep.cursor, slots, |e| {
+                let holders = e.holders;
+                if holders.stamped_with(lapses) {
+                    return true;
+                }
+                let before = entry_bytes(holders.len(lists));
+                let kept = holders.retain(lists, |h| counts_or_loading(sources, h));
+                let after = entry_bytes(kept.len(lists));
+                *bytes = (*bytes + after).saturating_sub(before);
+                e.holders = kept.stamped(lapses);
+                kept != Holders::NONE
+            });
+            slots = slots.saturating_sub(visited.max(1));
+            match next {
+                Some(cursor) => self.sweep.cursor = cursor,
+                None if !self.sweep.in_old => {
+                    self.sweep.in_old = true;
+                    self.sweep.cursor = 0;
+                }
+                None => {
+                    self.sweep = Sweep {
+                        owed: self.sweep.lapses_at_start != lapses,
+                        in_old: false,
+                        cursor: 0,
+                        lapses_at_start: lapses,
+                    };
+                }
+            }
         }
     }
 
@@ -1135,7 +1476,8 @@ impl Inner {
         let epoch = self.sources[source as usize].epoch;
         let holder = Holder::new(source, epoch, tier);
         let sources = &self.sources;
-        let valid = |h: &Holder| counts(sources, h);
+        // A loading source's holders stay: they count once its snapshot is promoted.
+        let valid = |h: &Holder| counts_or_loading(sources, h);
         let lists = &mut self.lists;
         // What the young table would take with one more key, read before its entry is borrowed.
         let young_after_insert = self.young.bytes_after_insert();
@@ -1217,20 +1559,29 @@ impl Inner {
         self.young.get(key).or_else(|| self.old.get(key)).copied()
     }
 
-    fn score(&self, query: &QueryKeys<'_>, adapter: &str) -> Scores {
-        let Some(&adapter) = self.adapters.get(adapter) else {
-            return Scores::default();
-        };
-        SCRATCH.with(|scratch| self.score_with(query, adapter, &mut scratch.borrow_mut()))
+    fn score(&self, query: &QueryKeys<'_>, adapter: &str, candidates: Option<&[&str]>) -> Scores {
+        SCRATCH.with(|scratch| {
+            let scratch = &mut *scratch.borrow_mut();
+            scratch.best.clear();
+            scratch.best.resize(self.replicas.len(), None);
+            let adapter = self.adapters.get(adapter);
+            if let Some(&adapter) = adapter
+                && !matches!(query, QueryKeys::Tokens { block_size: 0, .. })
+            {
+                self.match_blocks(query, adapter, scratch);
+            }
+            self.answer(candidates, scratch)
+        })
     }
 
-    fn score_with(&self, query: &QueryKeys<'_>, adapter: u32, scratch: &mut Scratch) -> Scores {
+    /// Per replica in `scratch.best`, its best source's match of the query.
+    fn match_blocks(&self, query: &QueryKeys<'_>, adapter: u32, scratch: &mut Scratch) {
         let Scratch {
             keys,
             alive,
             done,
             best,
-            order,
+            ..
         } = scratch;
         // Sources still matching, sorted by source, each with its worst tier so far. They all
         // matched the same blocks so far (`matched`, covering `tokens`); one that drops out goes
@@ -1313,8 +1664,6 @@ impl Inner {
                 .map(|a| (a.source(), matched, tokens, a.tier())),
         );
         // Per replica, its best source.
-        best.clear();
-        best.resize(self.replicas.len(), None);
         for &(source, blocks, tokens, tier) in done.iter() {
             let replica = self.sources[source as usize].replica as usize;
             let candidate = (blocks, tokens, tier);
@@ -1325,11 +1674,36 @@ impl Inner {
                 best[replica] = Some(candidate);
             }
         }
+    }
+
+    /// The answer from `scratch.best`: the replicas matching block 0, or every candidate
+    /// known (matching or not) and the positions of those unknown.
+    fn answer(&self, candidates: Option<&[&str]>, scratch: &mut Scratch) -> Scores {
+        let Scratch {
+            best, order, asked, ..
+        } = scratch;
+        let mut unknown = Vec::new();
+        if let Some(candidates) = candidates {
+            asked.clear();
+            asked.resize(self.replicas.len(), false);
+            for (i, name) in candidates.iter().enumerate() {
+                match self.replica_ids.get(*name) {
+                    Some(&id) => {
+                        asked[id as usize] = true;
+                        best[id as usize].get_or_insert((0, 0, 0));
+                    }
+                    None => unknown.push(i),
+                }
+            }
+        }
         // Best first: most tokens, most blocks, T1 before T2, then by name. The replicas are
         // taken in name order and sorted stably by the rest as one number: many tie on a
         // shared prompt, and sorting runs of equal keys is cheap.
         order.clear();
         order.extend(self.by_name.iter().filter_map(|&replica| {
+            if candidates.is_some() && !asked[replica as usize] {
+                return None;
+            }
             let (blocks, tokens, tier) = best[replica as usize]?;
             // A query of 2^31 blocks or more is not a real one: such counts tie.
             let blocks = u64::from(blocks.min(u32::MAX >> 1));
@@ -1341,18 +1715,21 @@ impl Inner {
         entries.extend(order.iter().map(|&(_, replica)| {
             let (blocks, tokens, tier) = best[replica as usize].unwrap_or_default();
             let tier = if tier == 0 { Tier::T1 } else { Tier::T2 };
+            let slot = &self.replica_slots[replica as usize];
             Answer {
                 replica,
                 blocks,
                 tokens,
                 tier,
                 // A replica is fresh when all its live sources are.
-                fresh: self.stale_sources[replica as usize] == 0,
+                fresh: slot.stale_sources == 0,
+                state: slot.state(),
             }
         }));
         Scores {
             names: self.replicas.clone(),
             entries,
+            unknown,
         }
     }
 }
@@ -1411,14 +1788,14 @@ mod tests {
             ..Config::default()
         };
         let index = Index::new(keys);
-        let [a, b] = ["a", "b"].map(|r| index.add_source(r));
+        let [a, b] = ["a", "b"].map(|r| index.add_source(r).expect("a source"));
         index.apply(b, &stored(1));
         // `a` stores key 1 at epoch 0, then its epoch is taken to the last before the wrap.
         index.apply(a, &stored(1));
-        index.write().inner.sources[a.0 as usize].epoch = u32::MAX;
+        index.write().inner.sources[a.slot as usize].epoch = u32::MAX;
         assert_eq!(holders(&index, 1), ["b"]);
         index.reset(a); // u32::MAX -> 0: the epoch `a`'s holder was stored at.
-        assert_eq!(index.read().inner.sources[a.0 as usize].epoch, 0);
+        assert_eq!(index.read().inner.sources[a.slot as usize].epoch, 0);
         assert_eq!(holders(&index, 1), ["b"]);
         assert_eq!(index.stats().pairs, 1, "a's holder is gone, not lapsed");
     }

@@ -42,9 +42,26 @@ pub(crate) struct Feed {
     pub(crate) ranks: Vec<u32>,
     /// The fingerprint mappers' reports of this turn (kept for capacity).
     pub(crate) reports: Vec<kvevent_proto::Report>,
+    /// What the sockets say of the engine, this turn (kept for capacity).
+    pub(crate) health: Vec<kvevent_feed::RankHealth>,
 }
 
 impl Feed {
+    /// Tells the hub what the sockets say of the engine (the hub sends it to followers only
+    /// when it changed).
+    fn engine_health(&mut self, subscriber: &Subscriber) {
+        self.health.clear();
+        self.health
+            .extend(subscriber.metrics().iter().enumerate().map(|(source, m)| {
+                kvevent_feed::RankHealth {
+                    rank: self.ranks.get(source).copied().unwrap_or(0),
+                    connected: m.connected.load(Relaxed),
+                    degraded: m.degraded.load(Relaxed),
+                }
+            }));
+        self.hub.set_engine(&self.health);
+    }
+
     /// Hands `reports` (the turn's, of `source`) to the hub.
     fn take(&self, source: usize, reports: &[kvevent_proto::Report]) {
         let rank = self.ranks.get(source).copied().unwrap_or(0);
@@ -188,8 +205,9 @@ impl EventsLoop {
         let mut lp = self;
         while !lp.stop.load(Relaxed) {
             let mapped = lp.poll_and_map(&mut turn);
-            if let Some(feed) = &lp.feed {
+            if let Some(feed) = &mut lp.feed {
                 feed.hub.commit();
+                feed.engine_health(&lp.subscriber);
             }
             lp.warn_silent(&mut turn);
             let refreshed = lp.refresh(&mut turn);

@@ -214,6 +214,7 @@ async fn start_feed(
             mappers: own,
             ranks,
             reports: Vec::new(),
+            health: Vec::new(),
         },
         (bound, task, stop),
     ))

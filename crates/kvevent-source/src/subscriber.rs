@@ -213,6 +213,17 @@ impl Subscriber {
         self.apply_steps(source);
     }
 
+    /// A waker for the thread reading this subscriber: [`Subscriber::next_many`] (and the
+    /// other reads) return at once (with nothing) when it wakes them, so that thread can block
+    /// in its poll and still take commands from others. A read also returns early, with
+    /// nothing, when a source's connection is made or lost.
+    pub fn waker(&mut self) -> Result<transport::Waker, transport::Error> {
+        match self.transport.as_mut() {
+            Some(t) => t.waker(),
+            None => Err(transport::Error::Stopped),
+        }
+    }
+
     /// Subscribes to one more source while the others run (a pod came up). Its index, returned,
     /// is never reused; its first update is a `Startup` reset, then its replay and batches.
     pub fn add_source(&mut self, source: transport::Source) -> Result<usize, transport::Error> {
@@ -412,8 +423,9 @@ impl Subscriber {
                     }
                 },
                 (None, Some(transport)) => {
-                    transport.poll(left, &mut self.inbox);
-                    if self.inbox.is_empty() && Instant::now() >= deadline {
+                    let woken = transport.poll(left, &mut self.inbox);
+                    // Woken, or a connection made or lost: the caller looks at it now.
+                    if self.inbox.is_empty() && (woken || Instant::now() >= deadline) {
                         return None;
                     }
                 }

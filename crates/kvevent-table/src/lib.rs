@@ -693,6 +693,39 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
             .chain(std::mem::take(&mut self.stash))
     }
 
+    /// [`Table::retain`] a little at a time: visits the slots from `from` on, at most `max`,
+    /// keeping the entries `keep` (which may change them) says to keep. Returns how many slots
+    /// it visited and where to go on, or `None` once it has visited the last slot (and the
+    /// entries kept aside): then the table shrinks if it is sparse, as after a removal.
+    /// Nothing moves before that, so a walk that goes on from where it left off visits every
+    /// entry that was there when it began and is still there, once; an insert or a removal
+    /// between two calls may make it visit one twice or miss one that moved.
+    pub fn sweep(
+        &mut self,
+        from: usize,
+        max: usize,
+        mut keep: impl FnMut(&mut V) -> bool,
+    ) -> (usize, Option<usize>) {
+        let end = from.saturating_add(max).min(self.slots.len());
+        for slot in from..end {
+            if self.occupied(slot) && !keep(&mut self.slots[slot].1) {
+                self.set_tag(slot, 0);
+                self.len -= 1;
+            }
+        }
+        let visited = end.saturating_sub(from);
+        if end < self.slots.len() {
+            return (visited, Some(end));
+        }
+        let before = self.stash.len();
+        self.stash.retain_mut(|e| keep(&mut e.1));
+        self.len -= before - self.stash.len();
+        if self.ctrl.len() > MIN_BUCKETS && self.len * 30 < self.slots.len() * MOST_TENTHS {
+            self.resize(buckets_for(self.len * 15 / MOST_TENTHS));
+        }
+        (visited + before, None)
+    }
+
     /// Keeps the entries `keep` (which may change them) says to keep; rebuilt to fit.
     pub fn retain(&mut self, mut keep: impl FnMut(&mut V) -> bool) {
         for slot in 0..self.slots.len() {

@@ -60,7 +60,7 @@ pub mod publisher;
 mod transport;
 
 pub use options::{Source, SourceOptions, dp_endpoint, dp_sources};
-pub use transport::{Delivery, Frames, ReplayOutcome, Transport};
+pub use transport::{Delivery, Frames, ReplayOutcome, Transport, Waker};
 
 /// What went wrong setting up sockets.
 #[derive(Debug, thiserror::Error)]
@@ -89,6 +89,9 @@ pub enum Error {
     /// A thread could not be started.
     #[error("spawn thread")]
     Spawn(#[source] std::io::Error),
+    /// The pipe that wakes a poll could not be made.
+    #[error("cannot make the poll's waker")]
+    Waker(#[source] std::io::Error),
     /// The transport has shut down: no source can be added.
     #[error("the transport has shut down")]
     Stopped,

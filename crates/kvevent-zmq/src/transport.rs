@@ -120,6 +120,21 @@ pub struct Transport {
     stop: Arc<AtomicBool>,
     /// By source index; `None` once removed.
     slots: Vec<Option<Slot>>,
+    /// The read end of [`Transport::waker`]'s pipe, polled with the sockets, and its waker.
+    wake: Option<(UnixStream, Waker)>,
+}
+
+/// Wakes the thread blocked in [`Transport::poll`] (or `kvevent_source::Subscriber`'s
+/// `next_many`) from another thread: the poll returns at once, with what was ready.
+#[derive(Debug, Clone)]
+pub struct Waker(Arc<UnixStream>);
+
+impl Waker {
+    /// Wakes the poll (now, or the next one if none is under way).
+    pub fn wake(&self) {
+        // A full pipe already wakes it: the error is nothing to act on.
+        let _ = (&*self.0).write(&[1]);
+    }
 }
 
 /// One source.
@@ -307,6 +322,7 @@ impl Transport {
             opts: opts.clone(),
             out,
             early: Vec::new(),
+            wake: None,
             stop: Arc::new(AtomicBool::new(false)),
             slots: Vec::with_capacity(sources.len()),
         };
@@ -469,12 +485,30 @@ impl Transport {
         }
     }
 
+    /// A [`Waker`] for the thread that calls [`Transport::poll`]: one pipe, made at the first
+    /// call, shared by every waker.
+    pub fn waker(&mut self) -> Result<Waker, Error> {
+        if let Some((_, waker)) = &self.wake {
+            return Ok(waker.clone());
+        }
+        let (rx, tx) = UnixStream::pair().map_err(Error::Waker)?;
+        rx.set_nonblocking(true).map_err(Error::Waker)?;
+        tx.set_nonblocking(true).map_err(Error::Waker)?;
+        let waker = Waker(Arc::new(tx));
+        self.wake = Some((rx, waker.clone()));
+        Ok(waker)
+    }
+
     /// Reads every caller-read source's sockets ([`Transport::in_caller`]) into `out`, waiting
-    /// up to `timeout` for the first message. Returns at once when something is ready; at most
-    /// 256 messages a socket per call. Sources on threads of their own are not read here.
-    pub fn poll(&mut self, timeout: Duration, out: &mut VecDeque<Frames>) {
+    /// up to `timeout` for the first message. Returns at once when something is ready, or
+    /// when woken ([`Transport::waker`]); at most 256 messages a socket per call. Sources on
+    /// threads of their own are not read here. True when it returned for something other
+    /// than a message: woken, or a connection made or lost (the caller may look at its
+    /// sources' state now).
+    pub fn poll(&mut self, timeout: Duration, out: &mut VecDeque<Frames>) -> bool {
         let had = out.len();
         out.extend(self.early.drain(..));
+        let wake_fd = self.wake.as_ref().map(|(rx, _)| rx.as_raw_fd());
         let readers: Vec<&mut Reader> = self
             .slots
             .iter_mut()
@@ -486,9 +520,19 @@ impl Transport {
             .collect();
         if readers.is_empty() {
             if out.len() == had {
-                std::thread::sleep(timeout);
+                match &mut self.wake {
+                    Some((wake, _)) => {
+                        let mut items = [zmq::PollItem::from_fd(wake.as_raw_fd(), zmq::POLLIN)];
+                        let waited = i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX);
+                        if zmq::poll(&mut items, waited).is_ok() && items[0].is_readable() {
+                            drain(wake);
+                            return true;
+                        }
+                    }
+                    None => std::thread::sleep(timeout),
+                }
             }
-            return;
+            return false;
         }
         let mut wait = if out.len() > had || readers.iter().any(|r| r.unread.contains(&true)) {
             Duration::ZERO
@@ -503,10 +547,11 @@ impl Transport {
         // The sockets' descriptors are polled, not the sockets: one system call for them all,
         // where `zmq_poll` on the sockets asks each socket for its events (a system call
         // apiece, 262k a second following 256 busy engines).
-        let ready: Vec<[bool; 3]> = {
+        let (ready, woken): (Vec<[bool; 3]>, bool) = {
             let mut items: Vec<_> = readers
                 .iter()
                 .flat_map(|r| r.fds)
+                .chain(wake_fd)
                 .map(|fd| zmq::PollItem::from_fd(fd, zmq::POLLIN))
                 .collect();
             let waited = i64::try_from(wait.as_millis()).unwrap_or(i64::MAX);
@@ -515,13 +560,18 @@ impl Transport {
             if let Err(e) = zmq::poll(&mut items, waited) {
                 tracing::warn!(error = %e, "poll failed");
                 std::thread::sleep(Duration::from_millis(10));
-                return;
+                return false;
             }
-            items
+            let woken = wake_fd.is_some() && items.last().is_some_and(|i| i.is_readable());
+            let monitored = items
+                .chunks_exact(3)
+                .any(|items| items[MONITOR].is_readable());
+            let ready = items
                 .chunks_exact(3)
                 .zip(&readers)
                 .map(|(items, r)| std::array::from_fn(|k| items[k].is_readable() || r.unread[k]))
-                .collect()
+                .collect();
+            (ready, woken || monitored)
         };
         let mut emit = |f: Frames| {
             out.push_back(f);
@@ -530,6 +580,10 @@ impl Transport {
         for (reader, ready) in readers.into_iter().zip(ready) {
             reader.read_signalled(ready, &mut emit);
         }
+        if woken && let Some((wake, _)) = &mut self.wake {
+            drain(wake);
+        }
+        woken
     }
 
     /// Stops every source thread and waits for them (their doorbells wake them at once).
@@ -550,6 +604,12 @@ impl Transport {
             }
         }
     }
+}
+
+/// Empties a waker's pipe (it is non-blocking).
+fn drain(mut wake: &UnixStream) {
+    let mut buf = [0u8; 64];
+    while matches!(wake.read(&mut buf), Ok(n) if n > 0) {}
 }
 
 impl Drop for Transport {

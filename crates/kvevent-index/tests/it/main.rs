@@ -107,9 +107,9 @@ proptest! {
         let many = Index::new(engine_keys());
         // Added out of name order: ties are broken by name, not by when a replica came.
         let replicas = ["c", "a", "b"];
-        let mut sources: Vec<_> = (0..6).map(|i| index.add_source(replicas[i / 2])).collect();
-        let mut small_sources: Vec<_> = (0..6).map(|i| small.add_source(replicas[i / 2])).collect();
-        let mut many_sources: Vec<_> = (0..6).map(|i| many.add_source(replicas[i / 2])).collect();
+        let mut sources: Vec<_> = (0..6).map(|i| index.add_source(replicas[i / 2]).expect("a source")).collect();
+        let mut small_sources: Vec<_> = (0..6).map(|i| small.add_source(replicas[i / 2]).expect("a source")).collect();
+        let mut many_sources: Vec<_> = (0..6).map(|i| many.add_source(replicas[i / 2]).expect("a source")).collect();
         let mut held: Vec<(kvevent_index::SourceId, wire::EventBatch<'static>)> = Vec::new();
         let apply_held = |held: &mut Vec<(kvevent_index::SourceId, wire::EventBatch<'static>)>| {
             let batches: Vec<_> = held.iter().map(|(s, b)| (*s, b)).collect();
@@ -166,9 +166,9 @@ proptest! {
                     small.remove_replica(replicas[replica]);
                     many.remove_replica(replicas[replica]);
                     for source in [2 * replica, 2 * replica + 1] {
-                        sources[source] = index.add_source(replicas[replica]);
-                        small_sources[source] = small.add_source(replicas[replica]);
-                        many_sources[source] = many.add_source(replicas[replica]);
+                        sources[source] = index.add_source(replicas[replica]).expect("a source");
+                        small_sources[source] = small.add_source(replicas[replica]).expect("a source");
+                        many_sources[source] = many.add_source(replicas[replica]).expect("a source");
                         model[source].clear();
                         fresh[source] = true;
                     }
@@ -216,7 +216,7 @@ proptest! {
 #[test]
 fn a_long_token_query_matches_across_the_lookup_chunks() {
     let index = Index::new(Config::default());
-    let a = index.add_source("a");
+    let a = index.add_source("a").expect("a source");
     let tokens: Vec<u32> = (0..1024).map(|t| t * 7 + 1).collect();
     // 50 blocks of 16 held (three chunks and two blocks of a fourth), stored in two events
     // (the second continues the first's chain).
@@ -267,8 +267,8 @@ fn a_long_token_query_matches_across_the_lookup_chunks() {
 #[test]
 fn a_token_query_is_chained_into_fingerprints_and_tiers_and_freshness_are_reported() {
     let index = Index::new(Config::default());
-    let a = index.add_source("a");
-    let b = index.add_source("b");
+    let a = index.add_source("a").expect("a source");
+    let b = index.add_source("b").expect("a source");
     let tokens: Vec<u32> = (0..64).collect();
     let event = |n: usize, medium: &'static str| {
         wire::Event::BlockStored(wire::BlockStored {
@@ -343,7 +343,7 @@ fn answers_are_best_first_then_by_name_with_many_distinct_scores_or_few() {
         let mut want = Vec::new();
         for i in (0..20u64).rev() {
             let name = format!("r{i:02}");
-            let source = index.add_source(&name);
+            let source = index.add_source(&name).expect("a source");
             let n = (i * 7) % lengths + 1;
             let medium = if i % 4 == 0 { "CPU" } else { "GPU" };
             let hashes: Vec<u64> = (1..=n).collect();
@@ -374,7 +374,7 @@ fn answers_are_best_first_then_by_name_with_many_distinct_scores_or_few() {
 #[test]
 fn a_block_whose_parent_was_never_seen_still_enters() {
     let index = Index::new(engine_keys());
-    let a = index.add_source("a");
+    let a = index.add_source("a").expect("a source");
     let mut e = stored(&[7, 8], "GPU");
     if let wire::Event::BlockStored(s) = &mut e {
         s.parent_block_hash = Some(hash(6));
@@ -395,7 +395,7 @@ fn memory_stays_within_the_budget_under_churn() {
         byte_budget: budget,
         ..engine_keys()
     });
-    let a = index.add_source("a");
+    let a = index.add_source("a").expect("a source");
     for round in 0..200u64 {
         let hashes: Vec<u64> = (round * 1_000..round * 1_000 + 1_000).collect();
         index.apply(a, &batch(vec![stored(&hashes, "GPU")]));
@@ -426,7 +426,7 @@ fn memory_stays_within_the_budget_under_churn() {
 #[test]
 fn scoring_from_many_threads_while_events_are_applied() {
     let index = std::sync::Arc::new(Index::new(engine_keys()));
-    let a = index.add_source("a");
+    let a = index.add_source("a").expect("a source");
     index.apply(a, &batch(vec![stored(&[1, 2, 3], "GPU")]));
     let readers: Vec<_> = (0..4)
         .map(|_| {
@@ -452,9 +452,9 @@ fn scoring_from_many_threads_while_events_are_applied() {
 }
 
 #[test]
-fn a_shared_key_sheds_the_holders_that_lapsed_when_it_is_stored_again() {
+fn lapsed_holders_are_reclaimed_within_the_call_that_made_them_lapse_in_a_small_index() {
     let index = Index::new(engine_keys());
-    let [a, b, c] = ["a", "b", "c"].map(|r| index.add_source(r));
+    let [a, b, c] = ["a", "b", "c"].map(|r| index.add_source(r).expect("a source"));
     for s in [a, b, c] {
         index.apply(s, &batch(vec![stored(&[1, 2], "GPU")]));
     }
@@ -467,45 +467,32 @@ fn a_shared_key_sheds_the_holders_that_lapsed_when_it_is_stored_again() {
         answer.iter().map(|s| s.replica.to_owned()).collect()
     };
     assert_eq!(pairs(), 6);
-    // A reset leaves `a`'s holders in place, not counted by scoring, until their key is
-    // touched.
+    // A reset: `a`'s holders stop counting, and the sweep (a whole pass, the table is small)
+    // drops them.
     index.reset(a);
-    assert_eq!(pairs(), 6);
     assert_eq!(holders(1), ["b", "c"]);
-    index.apply(b, &batch(vec![stored(&[1], "GPU")]));
-    assert_eq!(pairs(), 5, "key 1 sheds a's lapsed holder");
-    // No holder lapsed since key 1 was last stored: storing it again changes nothing else.
+    assert_eq!(pairs(), 4, "a's lapsed holders are swept");
+    // Storing a key again changes nothing else.
     index.apply(c, &batch(vec![stored(&[1], "CPU")]));
-    assert_eq!(pairs(), 5);
+    assert_eq!(pairs(), 4);
     // A removal finds its source's holder in a list (not only the one holder of a key).
     index.apply(c, &batch(vec![removed(2)]));
-    assert_eq!(pairs(), 4);
+    assert_eq!(pairs(), 3);
     assert_eq!(holders(2), ["b"]);
-    // A lapse after the last store: the next store of the key looks at its holders again.
-    index.reset(b);
-    index.apply(c, &batch(vec![stored(&[1], "GPU")]));
-    assert_eq!(
-        pairs(),
-        3,
-        "key 1 sheds b's lapsed holder: {:?}",
-        index.stats()
-    );
+    // Removing a replica: its holders go too, and a key it alone held.
+    index.remove_replica("b");
     assert_eq!(holders(1), ["c"]);
+    assert!(holders(2).is_empty());
+    assert_eq!(pairs(), 1, "{:?}", index.stats());
+    assert_eq!(index.stats().keys, 1);
     // A clear is a lapse too.
     index.apply(a, &batch(vec![stored(&[1], "GPU")]));
     index.apply(
         c,
         &batch(vec![wire::Event::AllBlocksCleared(Default::default())]),
     );
-    index.apply(a, &batch(vec![stored(&[1], "GPU")]));
     assert_eq!(holders(1), ["a"]);
-    // Key 2 keeps its two lapsed holders (a's and b's) until it is stored again.
-    assert_eq!(
-        pairs(),
-        3,
-        "key 1 sheds c's lapsed holder: {:?}",
-        index.stats()
-    );
+    assert_eq!(pairs(), 1, "{:?}", index.stats());
 }
 
 /// An engine that clears its cache often (RL weight syncs) must never bring back what it held
@@ -514,7 +501,7 @@ fn a_shared_key_sheds_the_holders_that_lapsed_when_it_is_stored_again() {
 #[test]
 fn many_clears_never_bring_back_what_a_source_held_before_them() {
     let index = Index::new(engine_keys());
-    let [a, b] = ["a", "b"].map(|r| index.add_source(r));
+    let [a, b] = ["a", "b"].map(|r| index.add_source(r).expect("a source"));
     // Both hold key 1; `a` only until its first clear. `b` keeps the list shared, so `a`'s
     // lapsed holder stays in it (dropped only when the key is stored again).
     index.apply(a, &batch(vec![stored(&[1], "GPU")]));
@@ -539,7 +526,7 @@ fn many_clears_never_bring_back_what_a_source_held_before_them() {
 /// many stored (each evicting the oldest).
 fn churned(resident: u64) -> (IndexStats, IndexStats) {
     let index = Index::new(engine_keys());
-    let a = index.add_source("a");
+    let a = index.add_source("a").expect("a source");
     index.apply(
         a,
         &batch(vec![stored(&(0..resident).collect::<Vec<_>>(), "GPU")]),
@@ -589,11 +576,11 @@ fn matched(index: &Index, keys: &[u64]) -> Vec<(String, u32)> {
 fn a_loading_source_counts_only_once_promoted_and_replaces_the_old_one_at_once() {
     use kvevent_index::KeyChange;
     let index = Index::new(Config::default());
-    let old = index.add_source("a");
+    let old = index.add_source("a").expect("a source");
     index.apply_keys(old, &keyed(1..5));
     assert_eq!(matched(&index, &[1, 2, 3, 4]), [("a".to_owned(), 4)]);
     // A new snapshot loads: the old state still answers, the half-loaded one does not.
-    let new = index.add_loading_source("a");
+    let new = index.add_loading_source("a").expect("a source");
     index.apply_keys(new, &keyed(1..3));
     assert_eq!(matched(&index, &[1, 2, 3, 4]), [("a".to_owned(), 4)]);
     index.apply_keys(new, &keyed(7..9));
@@ -623,4 +610,139 @@ fn a_loading_source_counts_only_once_promoted_and_replaces_the_old_one_at_once()
     index.remove_source(new);
     index.apply_keys(new, &keyed(1..3));
     assert!(matched(&index, &[1]).is_empty());
+}
+
+/// A fleet that churns: replicas come and go under new names (a rollout), each loading a
+/// snapshot and replacing it. The index's slots, names, pairs and keys follow the live set,
+/// not its history, and a handle kept past its source's removal changes nothing.
+#[test]
+fn an_index_forgets_what_left_and_reuses_its_slots() {
+    let index = Index::new(Config::default());
+    let live = 8u64;
+    let per = 50u64;
+    // Replica i holds keys of a shared prompt (0..10) and its own.
+    let keys_of = |i: u64| -> Vec<kvevent_index::KeyChange<'static>> {
+        let mut k = keyed(0..10);
+        k.extend(keyed(1000 + i * per..1000 + (i + 1) * per));
+        k
+    };
+    let mut sources: Vec<(String, kvevent_index::SourceId)> = (0..live)
+        .map(|i| {
+            let name = format!("r{i}");
+            let s = index.add_source(&name).expect("a source");
+            index.apply_keys(s, &keys_of(i));
+            (name, s)
+        })
+        .collect();
+    let fresh = index.stats();
+    let mut retired = Vec::new();
+    for round in 0..2_000u64 {
+        let i = (round % live) as usize;
+        let (name, old) = sources[i].clone();
+        if round % 2 == 0 {
+            // A new incarnation under a new name.
+            index.remove_replica(&name);
+            let name = format!("r{i}-{round}");
+            let s = index.add_source(&name).expect("a source");
+            index.apply_keys(s, &keys_of(i as u64));
+            sources[i] = (name, s);
+        } else {
+            // A re-snapshot of the same replica.
+            let s = index.add_loading_source(&name).expect("a source");
+            index.apply_keys(s, &keys_of(i as u64));
+            index.promote(s, Some(old));
+            sources[i].1 = s;
+        }
+        retired.push(old);
+    }
+    let after = index.stats();
+    assert_eq!(after.sources, live as usize);
+    assert!(after.source_slots <= live as usize + 1, "{after:?}");
+    assert!(after.replica_slots <= live as usize + 1, "{after:?}");
+    assert_eq!(
+        (after.pairs, after.keys),
+        (fresh.pairs, fresh.keys),
+        "{after:?}"
+    );
+    assert!(
+        after.bytes <= fresh.bytes * 12 / 10,
+        "{fresh:?} -> {after:?}"
+    );
+    // Handles of removed sources name nothing, though their slots are reused.
+    for old in &retired[retired.len() - 16..] {
+        index.apply_keys(*old, &keyed(5000..5001));
+        index.remove_source(*old);
+        index.reset(*old);
+    }
+    assert!(matched(&index, &[5000]).is_empty());
+    assert_eq!(index.stats().sources, live as usize);
+    assert_eq!(matched(&index, &[0, 1]).len(), live as usize);
+    // Names gone are unknown; the live ones are known.
+    let answer = index.score_among(
+        &Query {
+            adapter: "",
+            keys: QueryKeys::Keys(&[0]),
+        },
+        &["r0", &sources[0].0],
+    );
+    assert_eq!(answer.unknown(), [0]);
+    assert_eq!(answer.len(), 1);
+}
+
+#[test]
+fn a_snapshot_loading_beside_other_replicas_keeps_every_key_it_loaded() {
+    let index = Index::new(Config::default());
+    let b = index.add_source("b").expect("a source");
+    let loading = index.add_loading_source("a").expect("a source");
+    index.apply_keys(loading, &keyed(1..3));
+    // Another replica stores the same keys while the snapshot loads.
+    index.apply_keys(b, &keyed(1..3));
+    index.promote(loading, None);
+    let mut held = matched(&index, &[1, 2]);
+    held.sort();
+    assert_eq!(held, [("a".to_owned(), 2), ("b".to_owned(), 2)]);
+}
+
+#[test]
+fn candidates_are_answered_each_known_matching_or_not_and_states_are_carried() {
+    use kvevent_index::{Degraded, ReplicaState};
+    let index = Index::new(Config::default());
+    let a = index.add_source("a").expect("a source");
+    index.apply_keys(a, &keyed(1..3));
+    let b = index.add_source("b").expect("a source");
+    index.set_fresh(b, false);
+    // Known with no source: its follower said so.
+    index.set_replica_state("c", ReplicaState::Degraded(Degraded::Connecting));
+    let query = Query {
+        adapter: "",
+        keys: QueryKeys::Keys(&[1, 2]),
+    };
+    let answer = index.score_among(&query, &["x", "c", "b", "a", "a"]);
+    let got: Vec<_> = answer
+        .iter()
+        .map(|s| (s.replica, s.matched_blocks, s.state))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            ("a", 2, ReplicaState::Exact),
+            ("b", 0, ReplicaState::Degraded(Degraded::Replaying)),
+            ("c", 0, ReplicaState::Degraded(Degraded::Connecting)),
+        ]
+    );
+    assert_eq!(answer.unknown(), [0]);
+    // An adapter nobody stored: the candidates are still answered.
+    let other = index.score_among(
+        &Query {
+            adapter: "lora",
+            keys: QueryKeys::Keys(&[1]),
+        },
+        &["a"],
+    );
+    assert_eq!(
+        other.first().map(|s| (s.replica, s.matched_blocks)),
+        Some(("a", 0))
+    );
+    index.remove_replica("c");
+    assert_eq!(index.score_among(&query, &["c"]).unknown(), [0]);
 }

@@ -3,8 +3,9 @@
 
 use std::time::{Duration, Instant};
 
-use kvevent_feed::{
-    EngineSockets, Fleet, FleetConfig, Query, QueryKeys, ReplicaSource, ReplicaState, SidecarFeed,
+use kvevent_fleet::{
+    Degraded, EngineSockets, Fleet, FleetConfig, Lost, Query, QueryKeys, ReplicaSource,
+    ReplicaState, SidecarFeed,
 };
 use kvevent_pipeline::{Settings, start};
 use kvevent_test_support::RecordingServer;
@@ -153,4 +154,121 @@ async fn a_late_router_following_the_sidecar_knows_every_resident_prefix() {
         );
     });
     running.shutdown(Duration::from_secs(2)).await;
+}
+
+/// Kill the engine behind a live sidecar, then the sidecar: a router's `Fleet` following the
+/// sidecar shows each as what it is (the engine lost, then the source lost) within
+/// `dead_after` + 0.5 s, as a router following the engine directly sees the engine go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_following_a_sidecar_sees_its_engine_die_then_the_sidecar() {
+    let server = RecordingServer::start().await;
+    let ctx = zmq::Context::new();
+    let engine =
+        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    let s = Settings {
+        feed_address: "127.0.0.1:0".into(),
+        ..crate::loopback(&engine, &server)
+    };
+    let running = start(&s, &ctx).await.expect("start");
+    let feed_url = format!("http://{}", running.feed_addr().expect("feed address"));
+    let dead_after = Duration::from_millis(800);
+    let fleet = Fleet::new(FleetConfig {
+        dead_after,
+        ..FleetConfig::default()
+    })
+    .expect("fleet");
+    fleet
+        .ensure_replica(
+            "via-sidecar",
+            ReplicaSource::Sidecar(SidecarFeed::new(feed_url)),
+        )
+        .expect("sidecar");
+    fleet
+        .ensure_replica(
+            "direct",
+            ReplicaSource::Engine(EngineSockets::new(engine.endpoint())),
+        )
+        .expect("engine");
+    tokio::task::block_in_place(|| assert!(engine.wait_for_subscribers(2, WAIT)));
+    engine.publish(&stored(1)).expect("publish");
+    fleet.ready(WAIT).await.expect("both exact");
+    let via = fleet
+        .replicas()
+        .into_iter()
+        .find(|r| r.name == "via-sidecar")
+        .expect("via");
+    assert_eq!(via.ranks.len(), 1, "{via:?}");
+    assert!(via.ranks[0].connected, "{via:?}");
+    let state = |name: &str| {
+        fleet
+            .replicas()
+            .into_iter()
+            .find(|r| r.name == name)
+            .map(|r| r.state)
+    };
+    let until = |name: &'static str, want: fn(ReplicaState) -> bool, within: Duration| {
+        let mut changes = fleet.changes();
+        let state = &state;
+        async move {
+            tokio::time::timeout(within, async {
+                while !state(name).is_some_and(want) {
+                    changes.changed().await.expect("fleet alive");
+                }
+            })
+            .await
+            .unwrap_or_else(|_| panic!("{name}: not reached in {within:?}: {:?}", state(name)));
+        }
+    };
+    // The engine dies.
+    drop(engine);
+    until(
+        "via-sidecar",
+        |s| s == ReplicaState::Degraded(Degraded::EngineLost),
+        Duration::from_millis(500),
+    )
+    .await;
+    until(
+        "via-sidecar",
+        |s| {
+            matches!(
+                s,
+                ReplicaState::Stale {
+                    lost: Lost::Engine,
+                    ..
+                }
+            )
+        },
+        dead_after + Duration::from_millis(500),
+    )
+    .await;
+    until(
+        "direct",
+        |s| {
+            matches!(
+                s,
+                ReplicaState::Stale {
+                    lost: Lost::Source,
+                    ..
+                }
+            )
+        },
+        dead_after + Duration::from_millis(500),
+    )
+    .await;
+    // Then the sidecar: its feed is lost.
+    running.shutdown(Duration::from_secs(2)).await;
+    until(
+        "via-sidecar",
+        |s| {
+            matches!(
+                s,
+                ReplicaState::Stale {
+                    lost: Lost::Source,
+                    ..
+                }
+            )
+        },
+        dead_after + Duration::from_millis(500),
+    )
+    .await;
 }

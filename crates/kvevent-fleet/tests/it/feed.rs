@@ -5,9 +5,10 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
-use kvevent_feed::{
-    Fleet, FleetConfig, Hub, HubConfig, Query, QueryKeys, ReplicaSource, ReplicaState,
-    ServeOptions, SidecarFeed,
+use kvevent_feed::{Hub, HubConfig, RankHealth, ServeOptions};
+use kvevent_fleet::{
+    Degraded, Fleet, FleetConfig, Lost, Query, QueryKeys, ReplicaSource, ReplicaState, ScoreError,
+    SidecarFeed,
 };
 use kvevent_mapper::{Identity, KeyMode, Mapper, Options};
 use kvevent_wire as wire;
@@ -250,11 +251,11 @@ async fn a_follower_resumes_from_its_position_and_a_lost_sidecar_turns_stale_the
     publish(&hub, &mut m, &stored(2, 2));
     tokio::task::block_in_place(|| {
         wait_until("stale", || {
-            matches!(state_of(&fleet, "a"), Some(ReplicaState::Stale(_)))
+            matches!(state_of(&fleet, "a"), Some(ReplicaState::Stale { .. }))
         });
         assert!(matches!(
             matched(&fleet, 1, 2),
-            Some((2, ReplicaState::Stale(_)))
+            Some((2, ReplicaState::Stale { .. }))
         ));
     });
     // It comes back at the same address: the follower resumes (no snapshot) and gets what it
@@ -287,9 +288,18 @@ async fn a_stream_naming_another_replica_is_refused_and_a_slow_follower_is_cut_o
         .ensure_replica("b", ReplicaSource::Sidecar(feed))
         .expect("ensure");
     tokio::task::block_in_place(|| {
-        wait_until("refused", || hub.metrics().refused.load(Relaxed) >= 1);
+        wait_until("refused", || {
+            fleet.replicas()[0].error.as_deref()
+                == Some("refused: the sidecar serves replica `replica-a`, not `replica-b`")
+        });
     });
+    assert!(hub.metrics().refused.load(Relaxed) >= 1);
     assert_ne!(state_of(&fleet, "b"), Some(ReplicaState::Exact));
+    let not_ready = fleet
+        .ready(Duration::from_millis(50))
+        .await
+        .expect_err("refused");
+    assert!(not_ready.to_string().contains("refused"), "{not_ready}");
     fleet.remove_replica("b");
     assert!(fleet.replicas().is_empty());
     served.stop().await;
@@ -340,34 +350,62 @@ async fn a_stream_naming_another_replica_is_refused_and_a_slow_follower_is_cut_o
     served.stop().await;
 }
 
+/// A runtime for the tests that run on a plain thread, as a router without tokio would.
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
 #[test]
 fn bad_replicas_are_refused_and_lose_nothing() {
-    let fleet = Fleet::new(FleetConfig::default()).expect("fleet");
+    let rt = runtime();
+    let fleet = Fleet::with_runtime(FleetConfig::default(), rt.handle().clone());
     fleet
         .ensure_replica(
             "a",
-            ReplicaSource::Engine(kvevent_feed::EngineSockets::new("tcp://127.0.0.1:1")),
+            ReplicaSource::Engine(kvevent_fleet::EngineSockets::new("tcp://127.0.0.1:1")),
         )
         .expect("engine");
     let err = fleet
         .ensure_replica(
             "a",
-            ReplicaSource::Engine(kvevent_feed::EngineSockets::new("tcp://nowhere-valid")),
+            ReplicaSource::Engine(kvevent_fleet::EngineSockets::new("tcp://nowhere-valid")),
         )
         .expect_err("no port");
     assert!(err.to_string().contains("replica `a`"), "{err}");
     assert_eq!(fleet.replicas().len(), 1, "the old source of `a` stays");
-    let engine_keys = Fleet::new(FleetConfig {
-        index: kvevent_feed::IndexConfig {
-            mapping: kvevent_mapper::Options {
-                key_mode: KeyMode::Engine,
-                ..kvevent_mapper::Options::default()
+    // A sidecar URL without its scheme is refused, as a bad engine endpoint is.
+    for url in [
+        "127.0.0.1:27101",
+        "http://",
+        "http://host",
+        "grpc://127.0.0.1:1",
+    ] {
+        let err = fleet
+            .ensure_replica("a", ReplicaSource::Sidecar(SidecarFeed::new(url)))
+            .expect_err(url);
+        assert!(err.to_string().contains("http://HOST:PORT"), "{err}");
+    }
+    assert_eq!(fleet.replicas()[0].source, "tcp://127.0.0.1:1");
+    // Outside a runtime, without a handle: a clear error.
+    let err = Fleet::new(FleetConfig::default()).expect_err("no runtime");
+    assert!(err.to_string().contains("tokio runtime"), "{err}");
+    let engine_keys = Fleet::with_runtime(
+        FleetConfig {
+            index: kvevent_fleet::IndexConfig {
+                mapping: kvevent_mapper::Options {
+                    key_mode: KeyMode::Engine,
+                    ..kvevent_mapper::Options::default()
+                },
+                ..kvevent_fleet::IndexConfig::default()
             },
-            ..kvevent_feed::IndexConfig::default()
+            ..FleetConfig::default()
         },
-        ..FleetConfig::default()
-    })
-    .expect("fleet");
+        rt.handle().clone(),
+    );
     let err = engine_keys
         .ensure_replica(
             "b",
@@ -395,19 +433,20 @@ fn a_fleet_follows_vllm_and_sglang_engines_side_by_side() {
     )
     .expect("vector");
     sglang.publish_payload(payload);
-    let fleet = Fleet::new(FleetConfig::default()).expect("fleet");
+    let rt = runtime();
+    let fleet = Fleet::with_runtime(FleetConfig::default(), rt.handle().clone());
     let sockets = |p: &Publisher, engine| {
-        ReplicaSource::Engine(kvevent_feed::EngineSockets {
+        ReplicaSource::Engine(kvevent_fleet::EngineSockets {
             replay: p.replay_endpoint().map(str::to_owned),
             engine,
-            ..kvevent_feed::EngineSockets::new(p.endpoint())
+            ..kvevent_fleet::EngineSockets::new(p.endpoint())
         })
     };
     fleet
-        .ensure_replica("v", sockets(&vllm, kvevent_feed::Engine::Vllm))
+        .ensure_replica("v", sockets(&vllm, kvevent_wire::Engine::Vllm))
         .expect("vllm");
     fleet
-        .ensure_replica("s", sockets(&sglang, kvevent_feed::Engine::Sglang))
+        .ensure_replica("s", sockets(&sglang, kvevent_wire::Engine::Sglang))
         .expect("sglang");
     let ids: Vec<u32> = (0..32).collect();
     let query = Query {
@@ -425,16 +464,21 @@ fn a_fleet_follows_vllm_and_sglang_engines_side_by_side() {
         keys: query.keys.clone(),
     };
     let blocks = |q: &Query<'_>| -> Vec<(String, u32)> {
-        fleet
-            .score(q)
-            .expect("score")
-            .iter()
-            .map(|s| (s.replica.clone(), s.matched_blocks))
-            .collect()
+        // Until a store said the block size, a token query cannot be chained.
+        match fleet.score(q) {
+            Ok(scores) => scores
+                .iter()
+                .map(|s| (s.replica.to_owned(), s.matched_blocks))
+                .collect(),
+            Err(e) => {
+                assert_eq!(e, ScoreError::BlockSizeUnknown);
+                Vec::new()
+            }
+        }
     };
     let deadline = Instant::now() + WAIT;
     loop {
-        let scores = fleet.score(&query).expect("score");
+        let scores = fleet.score(&query);
         if blocks(&query) == [("v".to_owned(), 2), ("s".to_owned(), 1)]
             && blocks(&salted) == [("s".to_owned(), 2)]
         {
@@ -447,4 +491,147 @@ fn a_fleet_follows_vllm_and_sglang_engines_side_by_side() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// The sidecar loses its engine: the replica, followed through the live sidecar, is degraded
+/// at once and stale after `dead_after`, saying the engine was lost; its engine back, it is
+/// exact again. Then the sidecar itself goes: stale, saying the source was lost. Each within
+/// `dead_after` + 0.5 s, watched through `changes`, not polled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_lost_behind_a_live_sidecar_and_a_lost_sidecar_are_told_apart() {
+    let hub = Hub::new(HubConfig {
+        heartbeat: Duration::from_millis(200),
+        ..HubConfig::new("replica-a", "m")
+    });
+    let up = |connected| {
+        [RankHealth {
+            rank: 0,
+            connected,
+            degraded: false,
+        }]
+    };
+    hub.set_engine(&up(true));
+    let mut m = mapper();
+    publish(&hub, &mut m, &stored(1, 2));
+    let served = serve_on(&hub, "127.0.0.1:0").await;
+    let dead_after = Duration::from_millis(600);
+    let fleet = Fleet::new(FleetConfig {
+        dead_after,
+        ..FleetConfig::default()
+    })
+    .expect("fleet");
+    fleet
+        .ensure_replica(
+            "a",
+            ReplicaSource::Sidecar(SidecarFeed::new(served.url.clone())),
+        )
+        .expect("ensure");
+    fleet.ready(WAIT).await.expect("ready");
+    let status = &fleet.replicas()[0];
+    assert_eq!(status.ranks.len(), 1);
+    assert!(
+        status.ranks[0].connected && status.error.is_none(),
+        "{status:?}"
+    );
+    let state = || fleet.replicas()[0].state;
+    let until = |want: fn(ReplicaState) -> bool, within: Duration| {
+        let mut changes = fleet.changes();
+        let state = &state;
+        async move {
+            let started = Instant::now();
+            tokio::time::timeout(within, async {
+                while !want(state()) {
+                    changes.changed().await.expect("fleet alive");
+                }
+            })
+            .await
+            .unwrap_or_else(|_| panic!("not reached in {within:?}: {:?}", state()));
+            started.elapsed()
+        }
+    };
+    // The engine goes: degraded at once (well before a heartbeat), then stale.
+    hub.set_engine(&up(false));
+    until(
+        |s| s == ReplicaState::Degraded(Degraded::EngineLost),
+        Duration::from_millis(500),
+    )
+    .await;
+    assert!(!fleet.replicas()[0].ranks[0].connected);
+    let waited = until(
+        |s| {
+            matches!(
+                s,
+                ReplicaState::Stale {
+                    lost: Lost::Engine,
+                    ..
+                }
+            )
+        },
+        dead_after + Duration::from_millis(500),
+    )
+    .await;
+    assert!(
+        waited + Duration::from_millis(50) >= dead_after / 2,
+        "{waited:?}"
+    );
+    // Its entries still count, stale, until drop_after.
+    assert!(matches!(
+        matched(&fleet, 1, 2),
+        Some((
+            2,
+            ReplicaState::Stale {
+                lost: Lost::Engine,
+                ..
+            }
+        ))
+    ));
+    // It comes back.
+    hub.set_engine(&up(true));
+    until(|s| s == ReplicaState::Exact, Duration::from_millis(500)).await;
+    // The sidecar goes: degraded (connecting), then stale, the source lost.
+    served.stop().await;
+    until(
+        |s| {
+            matches!(
+                s,
+                ReplicaState::Stale {
+                    lost: Lost::Source,
+                    ..
+                }
+            )
+        },
+        dead_after + Duration::from_millis(500) + HubConfig::new("", "").heartbeat * 3,
+    )
+    .await;
+    assert!(fleet.replicas()[0].error.is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn before_any_block_size_is_known_a_token_query_says_so() {
+    let fleet = Fleet::new(FleetConfig::default()).expect("fleet");
+    let ids = prompt(0, 1);
+    let query = Query {
+        adapter: "",
+        keys: QueryKeys::Tokens {
+            ids: &ids,
+            block_size: BLOCK,
+        },
+    };
+    assert_eq!(
+        fleet.score(&query).expect_err("unknown"),
+        ScoreError::BlockSizeUnknown
+    );
+    // Keys need no block size; a replica not followed is named as such.
+    let keys = Query {
+        adapter: "",
+        keys: QueryKeys::Keys(&[1]),
+    };
+    let answer = fleet.score_among(&keys, &["nobody"]).expect("keys");
+    assert_eq!((answer.len(), answer.unknown()), (0, &[0usize][..]));
+    // Waiting for a replica that is not followed ends in time, naming it.
+    let err = fleet
+        .ready_among(&["nobody"], Duration::from_millis(50))
+        .await
+        .expect_err("not followed");
+    assert!(err.to_string().contains("nobody (not followed)"), "{err}");
 }

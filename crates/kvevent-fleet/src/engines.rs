@@ -1,0 +1,399 @@
+//! Following engines' sockets directly: one thread (`kvevent-engines`, started with the first
+//! engine replica) blocks in one `poll(2)` over every engine's sockets and a waker, applies
+//! what comes into the index, and sets each replica's state from its sockets.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvevent_index::{Degraded, SourceId};
+use kvevent_source::{Subscriber, View};
+
+use crate::status::{self, Shared};
+use crate::{Core, EngineSockets, FleetError, RankStatus, lock};
+
+/// The sockets of `e`'s ranks, checked.
+pub(crate) fn sources(
+    name: &str,
+    e: &EngineSockets,
+) -> Result<Vec<kvevent_zmq::Source>, FleetError> {
+    for endpoint in std::iter::once(&e.endpoint).chain(&e.replay) {
+        if !connectable(endpoint) {
+            return Err(FleetError::Endpoint {
+                replica: name.to_owned(),
+                endpoint: endpoint.clone(),
+            });
+        }
+    }
+    kvevent_zmq::dp_sources(&e.endpoint, e.replay.as_deref(), e.dp, &e.topic, false).map_err(
+        |source| FleetError::Engine {
+            replica: name.to_owned(),
+            source,
+        },
+    )
+}
+
+/// `tcp://HOST:PORT`, `ipc://PATH` or `inproc://NAME`.
+fn connectable(endpoint: &str) -> bool {
+    if let Some(rest) = endpoint.strip_prefix("tcp://") {
+        return rest
+            .rsplit_once(':')
+            .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+    }
+    ["ipc://", "inproc://"]
+        .iter()
+        .any(|p| endpoint.strip_prefix(p).is_some_and(|r| !r.is_empty()))
+}
+
+enum Command {
+    Add {
+        name: String,
+        sources: Vec<kvevent_zmq::Source>,
+        engine: kvevent_wire::Engine,
+        status: Shared,
+    },
+    Remove {
+        status: Shared,
+    },
+}
+
+/// The engine thread, its inbox and its waker.
+pub(crate) struct Engines {
+    commands: Arc<Mutex<Vec<Command>>>,
+    stop: Arc<AtomicBool>,
+    waker: kvevent_zmq::Waker,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// One engine rank as the thread follows it.
+struct Rank {
+    name: String,
+    id: SourceId,
+    status: Shared,
+    rank: u32,
+    connected: bool,
+    degraded: bool,
+    /// When `connected` last changed.
+    changed: Instant,
+}
+
+/// Most updates applied under one write lock.
+const APPLY_MAX: usize = 64;
+
+/// How often, at most, the thread reads every rank's sockets' state while batches flow (an
+/// idle poll reads them each time it wakes: a socket's connection or loss wakes it).
+const STATUS_EVERY: Duration = Duration::from_millis(100);
+
+/// The longest the thread blocks in its poll with nothing due.
+const IDLE_WAIT: Duration = Duration::from_secs(1);
+
+impl Engines {
+    pub(crate) fn start(core: Arc<Core>) -> std::io::Result<Self> {
+        let context = zmq::Context::new();
+        let mut subscriber = Subscriber::start(&context, kvevent_source::Config::new(Vec::new()))
+            .map_err(std::io::Error::other)?;
+        let waker = subscriber.waker().map_err(std::io::Error::other)?;
+        let commands = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (commands, stop) = (commands.clone(), stop.clone());
+            std::thread::Builder::new()
+                .name("kvevent-engines".into())
+                .spawn(move || {
+                    Thread {
+                        core,
+                        subscriber,
+                        ranks: Vec::new(),
+                        last_pass: Instant::now(),
+                    }
+                    .run(&commands, &stop);
+                    drop(context);
+                })?
+        };
+        Ok(Self {
+            commands,
+            stop,
+            waker,
+            thread: Some(thread),
+        })
+    }
+
+    pub(crate) fn add(
+        &self,
+        name: &str,
+        sources: Vec<kvevent_zmq::Source>,
+        engine: kvevent_wire::Engine,
+        status: Shared,
+    ) {
+        lock(&self.commands).push(Command::Add {
+            name: name.to_owned(),
+            sources,
+            engine,
+            status,
+        });
+        self.waker.wake();
+    }
+
+    pub(crate) fn remove(&self, status: &Shared) {
+        lock(&self.commands).push(Command::Remove {
+            status: status.clone(),
+        });
+        self.waker.wake();
+    }
+
+    pub(crate) fn stop(mut self) {
+        self.stop.store(true, Relaxed);
+        self.waker.wake();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+struct Thread {
+    core: Arc<Core>,
+    subscriber: Subscriber,
+    /// By subscriber source number.
+    ranks: Vec<Option<Rank>>,
+    last_pass: Instant,
+}
+
+impl Thread {
+    fn run(mut self, commands: &Mutex<Vec<Command>>, stop: &AtomicBool) {
+        while !stop.load(Relaxed) {
+            let commands = std::mem::take(&mut *lock(commands));
+            let commanded = !commands.is_empty();
+            for command in commands {
+                self.command(command);
+            }
+            let wait = self.wait();
+            let applied = self.apply(wait);
+            let now = Instant::now();
+            if commanded || !applied || now.duration_since(self.last_pass) >= STATUS_EVERY {
+                self.last_pass = now;
+                self.pass(now);
+            }
+        }
+        self.subscriber.shutdown();
+    }
+
+    fn command(&mut self, command: Command) {
+        let index = &self.core.index;
+        match command {
+            Command::Add {
+                name,
+                sources,
+                engine,
+                status,
+            } => {
+                for (rank, source) in sources.into_iter().enumerate() {
+                    let endpoint = source.endpoint.clone();
+                    let added = self.subscriber.add_source_of(source, engine);
+                    let id = index.add_source(&name);
+                    match (added, id) {
+                        (Ok(i), Ok(id)) => {
+                            if self.ranks.len() <= i {
+                                self.ranks.resize_with(i + 1, || None);
+                            }
+                            lock(&status).sources.push(id);
+                            self.ranks[i] = Some(Rank {
+                                name: name.clone(),
+                                id,
+                                status: status.clone(),
+                                rank: rank as u32,
+                                connected: false,
+                                degraded: false,
+                                changed: Instant::now(),
+                            });
+                        }
+                        (added, id) => {
+                            let error = match (&added, &id) {
+                                (Err(e), _) => e.to_string(),
+                                (_, Err(e)) => e.to_string(),
+                                _ => String::new(),
+                            };
+                            if let Ok(i) = added {
+                                self.subscriber.remove_source(i);
+                            }
+                            if let Ok(id) = id {
+                                index.remove_source(id);
+                            }
+                            lock(&status)
+                                .set_error(&name, format!("cannot follow {endpoint}: {error}"));
+                        }
+                    }
+                }
+            }
+            Command::Remove { status } => {
+                for (i, slot) in self.ranks.iter_mut().enumerate() {
+                    if slot
+                        .as_ref()
+                        .is_some_and(|r| Arc::ptr_eq(&r.status, &status))
+                    {
+                        *slot = None;
+                        self.subscriber.remove_source(i);
+                    }
+                }
+            }
+        }
+    }
+
+    /// How long to block in the poll: until the next state deadline of a replica lost, else
+    /// [`IDLE_WAIT`]; a command wakes it sooner.
+    fn wait(&self) -> Duration {
+        let now = Instant::now();
+        self.ranks
+            .iter()
+            .flatten()
+            .filter_map(|r| lock(&r.status).next_deadline(&self.core))
+            .map(|d| d.saturating_duration_since(now))
+            .min()
+            .map_or(IDLE_WAIT, |d| d.clamp(Duration::from_millis(1), IDLE_WAIT))
+    }
+
+    /// Applies what the sockets hold (waiting up to `wait` for it): true if anything came.
+    fn apply(&mut self, wait: Duration) -> bool {
+        let (index, ranks) = (&self.core.index, &self.ranks);
+        let mut block_sizes: Vec<(usize, u32)> = Vec::new();
+        let applied = self.subscriber.next_many(wait, APPLY_MAX, |views| {
+            let mut run = Vec::with_capacity(views.len());
+            let mut touched = Vec::new();
+            for view in views {
+                match view {
+                    View::Batch { source, batch, .. } => {
+                        if let Some(Some(r)) = ranks.get(*source) {
+                            run.push((r.id, *batch));
+                            touched.push(*source);
+                            if let Some(b) = batch.events.iter().find_map(|e| match e {
+                                kvevent_wire::Event::BlockStored(s) => Some(s.block_size),
+                                _ => None,
+                            }) {
+                                block_sizes.push((*source, b));
+                            }
+                        }
+                    }
+                    View::Reset { source, .. } => {
+                        if let Some(Some(r)) = ranks.get(*source) {
+                            index.apply_many(&run);
+                            run.clear();
+                            index.reset(r.id);
+                            touched.push(*source);
+                        }
+                    }
+                }
+            }
+            index.apply_many(&run);
+            touched
+        });
+        for (source, size) in block_sizes {
+            if let Some(Some(r)) = self.ranks.get(source) {
+                self.core.note_block_size(size);
+                if size > 0 {
+                    lock(&r.status).block_size = size;
+                }
+            }
+        }
+        let Some(mut touched) = applied else {
+            return false;
+        };
+        let now = Instant::now();
+        touched.dedup();
+        for source in touched {
+            if let Some(Some(r)) = self.ranks.get(source) {
+                lock(&r.status).newest = Some(now);
+            }
+        }
+        true
+    }
+
+    /// Each replica's status from its ranks' sockets: lost while any rank's is, degraded
+    /// while any is; published when its state changes. Lost for `drop_after`: its entries
+    /// stop counting, and its sources start over empty (its engine's replay brings back what
+    /// it still holds when it returns).
+    fn pass(&mut self, now: Instant) {
+        let index = &self.core.index;
+        let metrics = self.subscriber.metrics();
+        let mut replicas: HashMap<*const Mutex<status::Status>, Seen> = HashMap::new();
+        for (i, slot) in self.ranks.iter_mut().enumerate() {
+            let Some(r) = slot else { continue };
+            let m = &metrics[i];
+            let (connected, degraded) = (m.connected.load(Relaxed), m.degraded.load(Relaxed));
+            if connected != r.connected {
+                r.connected = connected;
+                r.changed = now;
+            }
+            if degraded != r.degraded {
+                r.degraded = degraded;
+                index.set_fresh(r.id, !degraded);
+            }
+            let seen = replicas
+                .entry(Arc::as_ptr(&r.status))
+                .or_insert_with(|| Seen {
+                    name: r.name.clone(),
+                    status: r.status.clone(),
+                    batches: 0,
+                    ranks: Vec::new(),
+                });
+            seen.batches += m.batches.load(Relaxed);
+            let rank = RankStatus {
+                rank: r.rank,
+                connected: r.connected,
+                since: None,
+                degraded: r.degraded,
+            };
+            seen.ranks.push((rank, Some(r.changed)));
+        }
+        for seen in replicas.into_values() {
+            let lost_since = seen
+                .ranks
+                .iter()
+                .filter(|(r, _)| !r.connected)
+                .filter_map(|(_, changed)| *changed)
+                .min();
+            let mut s = lock(&seen.status);
+            s.batches = seen.batches;
+            s.degraded = seen
+                .ranks
+                .iter()
+                .any(|(r, _)| r.degraded)
+                .then_some(Degraded::Replaying);
+            s.ranks = seen.ranks;
+            s.source_lost = lost_since;
+            if lost_since.is_none() {
+                s.dropped = false;
+                s.error = None;
+            }
+            let expired = !s.dropped
+                && lost_since.is_some_and(|t| {
+                    now.saturating_duration_since(t) >= self.core.config.drop_after
+                });
+            s.dropped |= expired;
+            drop(s);
+            if expired {
+                let mut ids = Vec::new();
+                for r in self.ranks.iter_mut().flatten() {
+                    if Arc::ptr_eq(&r.status, &seen.status) {
+                        index.remove_source(r.id);
+                        match index.add_source(&r.name) {
+                            Ok(id) => r.id = id,
+                            Err(e) => lock(&seen.status).set_error(&seen.name, e.to_string()),
+                        }
+                        r.degraded = false;
+                        ids.push(r.id);
+                    }
+                }
+                lock(&seen.status).sources = ids;
+            }
+            status::publish(&self.core, &seen.name, &seen.status);
+        }
+    }
+}
+
+/// One replica's ranks as a pass saw them.
+struct Seen {
+    name: String,
+    status: Shared,
+    batches: u64,
+    ranks: Vec<(RankStatus, Option<Instant>)>,
+}

@@ -1,0 +1,550 @@
+//! Following one sidecar's feed: a task on the fleet's runtime for as long as the replica is
+//! in the fleet.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvevent_feed::pb;
+use kvevent_index::{Degraded, KeyChange, SourceId, Tier};
+use tonic::transport::Endpoint;
+
+use crate::status::{self, Shared};
+use crate::{Core, RankStatus, SidecarFeed, lock};
+
+/// `http://HOST:PORT` or `https://HOST:PORT`, as the feed's client connects to it.
+pub(crate) fn valid_url(url: &str) -> bool {
+    let Some(rest) = url
+        .strip_prefix("http://")
+        .or_else(|| url.strip_prefix("https://"))
+    else {
+        return false;
+    };
+    let authority = rest.trim_end_matches('/');
+    let port = authority.rsplit_once(':');
+    matches!(port, Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok())
+        && Endpoint::from_shared(url.to_owned()).is_ok()
+}
+
+/// Follows one sidecar's feed.
+pub(crate) struct FeedFollower {
+    core: Arc<Core>,
+    name: String,
+    feed: SidecarFeed,
+    status: Shared,
+    /// The source counting for the replica now.
+    source: Option<SourceId>,
+    /// The (epoch, seq) of the last change applied.
+    at: Option<(u64, u64)>,
+}
+
+/// The snapshot loading.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Loading {
+    source: SourceId,
+    epoch: u64,
+    seq: u64,
+    blocks: u64,
+}
+
+/// Why a feed's stream ended, in our words ([`ReplicaStatus::error`](crate::ReplicaStatus)).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum FeedError {
+    #[error("cannot connect: {0}")]
+    Connect(#[source] tonic::transport::Error),
+    #[error("the address is not valid: {0}")]
+    Address(String),
+    #[error("refused: {0}")]
+    Refused(String),
+    #[error("{}: {}", .0.code(), .0.message())]
+    Status(tonic::Status),
+    #[error("nothing heard for {0:?}")]
+    Silent(Duration),
+    #[error("refused: the sidecar serves {what} `{served}`, not `{asked}`")]
+    Mismatch {
+        what: &'static str,
+        served: String,
+        asked: String,
+    },
+    #[error("a malformed feed: {0}")]
+    Malformed(&'static str),
+    #[error("the index follows too many sources")]
+    Full,
+    #[error("the stream ended")]
+    Ended,
+}
+
+impl FeedError {
+    fn of(status: tonic::Status) -> Self {
+        match status.code() {
+            tonic::Code::FailedPrecondition
+            | tonic::Code::Unauthenticated
+            | tonic::Code::PermissionDenied => Self::Refused(status.message().to_owned()),
+            _ => Self::Status(status),
+        }
+    }
+}
+
+impl FeedFollower {
+    pub(crate) fn new(core: Arc<Core>, name: &str, feed: SidecarFeed, status: Shared) -> Self {
+        Self {
+            core,
+            name: name.to_owned(),
+            feed,
+            status,
+            source: None,
+            at: None,
+        }
+    }
+
+    pub(crate) async fn run(mut self) {
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            let result = self.follow_once().await;
+            {
+                let mut s = lock(&self.status);
+                s.source_lost.get_or_insert_with(Instant::now);
+                match result {
+                    Ok(()) => backoff = Duration::from_millis(100),
+                    Err(e) => s.set_error(&self.name, e.to_string()),
+                }
+            }
+            self.publish();
+            // Back off, waking for the state's deadlines (stale, dropped) on the way.
+            let until = tokio::time::Instant::now() + backoff;
+            loop {
+                let deadline = lock(&self.status).next_deadline(&self.core);
+                let wake = deadline.map_or(until, |d| until.min(d.into()));
+                tokio::time::sleep_until(wake).await;
+                self.publish();
+                if wake >= until {
+                    break;
+                }
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+        }
+    }
+
+    /// Publishes the replica's state; past `drop_after` without its source, its entries stop
+    /// counting.
+    fn publish(&mut self) {
+        status::publish(&self.core, &self.name, &self.status);
+        let lost = lock(&self.status)
+            .source_lost
+            .is_some_and(|t| t.elapsed() >= self.core.config.drop_after);
+        if lost && let Some(source) = self.source.take() {
+            self.core.index.remove_source(source);
+            self.at = None;
+            let mut s = lock(&self.status);
+            s.blocks = 0;
+            s.dropped = true;
+        }
+    }
+
+    async fn follow_once(&mut self) -> Result<(), FeedError> {
+        let config = &self.core.config;
+        let endpoint = Endpoint::from_shared(self.feed.url.clone())
+            .map_err(|e| FeedError::Address(e.to_string()))?
+            .connect_timeout(config.connect_timeout)
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(Duration::from_secs(10))
+            .keep_alive_timeout(Duration::from_secs(5));
+        let endpoint = match &self.feed.tls {
+            Some(tls) => endpoint
+                .tls_config(tls.clone())
+                .map_err(FeedError::Connect)?,
+            None => endpoint,
+        };
+        let channel = tokio::time::timeout(config.connect_timeout, endpoint.connect())
+            .await
+            .map_err(|_| FeedError::Silent(config.connect_timeout))?
+            .map_err(FeedError::Connect)?;
+        let mut client = pb::feed_client::FeedClient::new(channel)
+            .max_decoding_message_size(config.max_message_bytes);
+        let mut request = tonic::Request::new(pb::FollowRequest {
+            replica: self.feed.replica.clone(),
+            model: self.feed.model.clone(),
+            resume: self.at.map(|(epoch, seq)| pb::Position { epoch, seq }),
+        });
+        if let Some(token) = &self.feed.token {
+            let value = format!("Bearer {token}")
+                .parse()
+                .map_err(|_| FeedError::Address("the token is not a valid header value".into()))?;
+            request.metadata_mut().insert("authorization", value);
+        }
+        let mut stream = tokio::time::timeout(config.connect_timeout, client.follow(request))
+            .await
+            .map_err(|_| FeedError::Silent(config.connect_timeout))?
+            .map_err(FeedError::of)?
+            .into_inner();
+        // Until the Hello says otherwise.
+        let mut silent_after = config.dead_after;
+        let mut loading: Option<Loading> = None;
+        let result = loop {
+            let deadline = lock(&self.status).next_deadline(&self.core);
+            let message = tokio::select! {
+                m = tokio::time::timeout(silent_after, stream.message()) => m,
+                () = sleep_until(deadline) => {
+                    self.publish();
+                    continue;
+                }
+            };
+            let message = match message {
+                Err(_) => break Err(FeedError::Silent(silent_after)),
+                Ok(Err(status)) => break Err(FeedError::of(status)),
+                Ok(Ok(None)) => break Err(FeedError::Ended),
+                Ok(Ok(Some(m))) => m,
+            };
+            if let Err(e) = self.take(message, &mut loading, &mut silent_after) {
+                break Err(e);
+            }
+            self.publish();
+        };
+        self.stream_ended(&mut loading);
+        result
+    }
+
+    /// A stream ended (or failed): a snapshot cut short never counts, and the state before it
+    /// goes on counting (degraded, then stale) until a whole snapshot arrives.
+    pub(crate) fn stream_ended(&mut self, loading: &mut Option<Loading>) {
+        if let Some(l) = loading.take() {
+            self.core.index.remove_source(l.source);
+        }
+        lock(&self.status)
+            .source_lost
+            .get_or_insert_with(Instant::now);
+    }
+
+    /// The sidecar's view of its engine, from a Hello or a Heartbeat.
+    fn engine_health(&mut self, health: &pb::EngineHealth) {
+        let now = Instant::now();
+        let mut s = lock(&self.status);
+        let lost = health.ranks.iter().filter(|r| !r.connected);
+        // The engine is lost while any rank is: since the rank lost longest ago.
+        let lost_since = lost
+            .map(|r| {
+                now.checked_sub(Duration::from_millis(r.since_ms))
+                    .unwrap_or(now)
+            })
+            .min();
+        s.engine_lost = match (s.engine_lost, lost_since) {
+            (Some(kept), Some(_)) => Some(kept),
+            (None, Some(since)) => Some(since),
+            (_, None) => None,
+        };
+        s.ranks = health
+            .ranks
+            .iter()
+            .map(|r| {
+                (
+                    RankStatus {
+                        rank: r.rank,
+                        connected: r.connected,
+                        since: Some(Duration::from_millis(r.since_ms)),
+                        degraded: r.degraded,
+                    },
+                    Some(now),
+                )
+            })
+            .collect();
+        let degraded = health.ranks.iter().any(|r| r.degraded);
+        match (s.degraded, degraded) {
+            (None, true) => s.degraded = Some(Degraded::Replaying),
+            (Some(Degraded::Replaying), false) => s.degraded = None,
+            _ => {}
+        }
+    }
+
+    pub(crate) fn take(
+        &mut self,
+        message: pb::FeedMessage,
+        loading: &mut Option<Loading>,
+        silent_after: &mut Duration,
+    ) -> Result<(), FeedError> {
+        use pb::feed_message::Body;
+        let (epoch, seq) = (message.epoch, message.seq);
+        match message.body {
+            Some(Body::Hello(hello)) => {
+                for (what, asked, served) in [
+                    ("replica", &self.feed.replica, &hello.replica),
+                    ("model", &self.feed.model, &hello.model),
+                ] {
+                    if !asked.is_empty() && asked != served {
+                        return Err(FeedError::Mismatch {
+                            what,
+                            served: served.clone(),
+                            asked: asked.clone(),
+                        });
+                    }
+                }
+                // Three heartbeats missed: the stream is lost.
+                if hello.heartbeat_ms > 0 {
+                    *silent_after = Duration::from_millis(u64::from(hello.heartbeat_ms) * 3)
+                        .max(Duration::from_millis(500));
+                }
+                self.core.note_block_size(hello.block_size);
+                let mut s = lock(&self.status);
+                s.source_lost = None;
+                s.dropped = false;
+                s.error = None;
+                if hello.block_size > 0 {
+                    s.block_size = hello.block_size;
+                }
+                s.degraded = (!hello.resumed).then_some(Degraded::SnapshotLoading);
+            }
+            Some(Body::Snapshot(chunk)) => {
+                let fresh = !loading.is_some_and(|l| l.epoch == epoch && l.seq == seq);
+                if fresh {
+                    if let Some(old) = loading.take() {
+                        self.core.index.remove_source(old.source);
+                    }
+                    let source = self.add_loading_source()?;
+                    *loading = Some(Loading {
+                        source,
+                        epoch,
+                        seq,
+                        blocks: 0,
+                    });
+                    lock(&self.status).degraded = Some(Degraded::SnapshotLoading);
+                }
+                let Some(l) = loading.as_mut() else {
+                    return Err(FeedError::Malformed("no snapshot loading"));
+                };
+                let changes: Vec<KeyChange<'_>> = chunk.blocks.iter().map(stored).collect();
+                self.core.index.apply_keys(l.source, &changes);
+                l.blocks += chunk.blocks.len() as u64;
+            }
+            Some(Body::SnapshotEnd(end)) => {
+                let (source, count) = match loading.take() {
+                    Some(l) if l.epoch == epoch && l.seq == seq => (l.source, l.blocks),
+                    Some(_) => return Err(FeedError::Malformed("a snapshot's end of another")),
+                    // An empty snapshot has no chunk.
+                    None => (self.add_loading_source()?, 0),
+                };
+                if count != end.blocks {
+                    self.core.index.remove_source(source);
+                    return Err(FeedError::Malformed("a snapshot's chunks do not add up"));
+                }
+                self.core.index.promote(source, self.source);
+                self.source = Some(source);
+                self.at = Some((epoch, seq));
+                let mut s = lock(&self.status);
+                s.blocks = count;
+                s.degraded = None;
+                s.newest = Some(Instant::now());
+            }
+            Some(Body::Changes(changes)) => {
+                let (Some((at_epoch, _)), Some(source)) = (self.at, self.source) else {
+                    return Err(FeedError::Malformed("changes before any snapshot"));
+                };
+                if at_epoch != epoch {
+                    return Err(FeedError::Malformed("changes of another epoch"));
+                }
+                let mut applied = Vec::with_capacity(changes.changes.len());
+                let mut blocks = lock(&self.status).blocks as i64;
+                for c in &changes.changes {
+                    match &c.kind {
+                        Some(pb::change::Kind::Stored(b)) => {
+                            blocks += 1;
+                            applied.push(stored(b));
+                        }
+                        Some(pb::change::Kind::Moved(b)) => applied.push(stored(b)),
+                        Some(pb::change::Kind::Removed(r)) => {
+                            blocks -= 1;
+                            applied.push(KeyChange::Evicted {
+                                key: r.key,
+                                adapter: &r.adapter,
+                            });
+                        }
+                        None => {}
+                    }
+                }
+                self.core.index.apply_keys(source, &applied);
+                self.at = Some((epoch, seq));
+                let mut s = lock(&self.status);
+                s.blocks = blocks.max(0) as u64;
+                s.newest = Some(Instant::now());
+                s.batches += 1;
+            }
+            Some(Body::Heartbeat(_)) | None => {}
+        }
+        if let Some(health) = &message.engine {
+            self.engine_health(health);
+        }
+        Ok(())
+    }
+
+    /// A loading source for the replica, unless it left the fleet (then its name is not
+    /// brought back).
+    fn add_loading_source(&self) -> Result<SourceId, FeedError> {
+        let s = lock(&self.status);
+        if s.removed {
+            return Err(FeedError::Ended);
+        }
+        self.core
+            .index
+            .add_loading_source(&self.name)
+            .map_err(|_| FeedError::Full)
+    }
+}
+
+/// Sleeps until `deadline`, or forever.
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
+fn stored(b: &pb::Block) -> KeyChange<'_> {
+    KeyChange::Stored {
+        key: b.key,
+        tokens: b.tokens,
+        tier: if b.tier == pb::Tier::T2 as i32 {
+            Tier::T2
+        } else {
+            Tier::T1
+        },
+        adapter: &b.adapter,
+    }
+}
+#[cfg(test)]
+mod tests {
+    //! The follower's rules for one stream's messages, without a network: snapshots load
+    //! beside the state they replace and count only when whole; a stream cut short or
+    //! malformed leaves the previous state counting.
+
+    use super::*;
+    use kvevent_index::{Query, QueryKeys};
+
+    fn follower(index: &Arc<kvevent_index::Index>) -> FeedFollower {
+        let core = Arc::new(Core {
+            index: index.clone(),
+            config: crate::FleetConfig::default(),
+            block_size: std::sync::atomic::AtomicU32::new(0),
+            changes: tokio::sync::watch::channel(0).0,
+        });
+        let status = Arc::new(std::sync::Mutex::new(crate::status::Status::new(
+            "http://unused:1",
+        )));
+        FeedFollower::new(core, "a", SidecarFeed::new("http://unused:1"), status)
+    }
+
+    fn message(epoch: u64, seq: u64, body: pb::feed_message::Body) -> pb::FeedMessage {
+        pb::FeedMessage {
+            epoch,
+            seq,
+            body: Some(body),
+            engine: None,
+        }
+    }
+
+    fn blocks(keys: &[u64]) -> pb::feed_message::Body {
+        pb::feed_message::Body::Snapshot(pb::Blocks {
+            blocks: keys
+                .iter()
+                .map(|k| pb::Block {
+                    key: *k,
+                    tokens: 16,
+                    tier: pb::Tier::T1 as i32,
+                    ..Default::default()
+                })
+                .collect(),
+        })
+    }
+
+    fn end(n: u64) -> pb::feed_message::Body {
+        pb::feed_message::Body::SnapshotEnd(pb::SnapshotEnd { blocks: n })
+    }
+
+    fn holds(index: &kvevent_index::Index, key: u64) -> bool {
+        !index
+            .score(&Query {
+                adapter: "",
+                keys: QueryKeys::Keys(&[key]),
+            })
+            .is_empty()
+    }
+
+    #[test]
+    fn a_new_snapshot_replaces_the_old_state_only_when_whole() {
+        let index = Arc::new(kvevent_index::Index::new(kvevent_index::Config::default()));
+        let mut f = follower(&index);
+        let mut loading = None;
+        let mut silent = Duration::from_secs(3);
+        let mut take = |f: &mut FeedFollower, m, loading: &mut Option<Loading>| {
+            f.take(m, loading, &mut silent)
+        };
+        take(&mut f, message(1, 5, blocks(&[1, 2])), &mut loading).expect("chunk");
+        assert!(!holds(&index, 1), "a snapshot counts only when whole");
+        take(&mut f, message(1, 5, end(2)), &mut loading).expect("end");
+        assert!(holds(&index, 1) && holds(&index, 2));
+        assert_eq!(f.at, Some((1, 5)));
+        // A new epoch's snapshot loads beside it; the old state counts meanwhile.
+        take(&mut f, message(2, 0, blocks(&[3])), &mut loading).expect("chunk");
+        assert!(holds(&index, 1) && !holds(&index, 3));
+        // The sidecar dies mid-snapshot: the old state goes on counting.
+        f.stream_ended(&mut loading);
+        assert!(holds(&index, 1) && !holds(&index, 3));
+        assert!(lock(&f.status).source_lost.is_some());
+        // The next stream's whole snapshot replaces it at once.
+        take(&mut f, message(2, 0, blocks(&[3])), &mut loading).expect("chunk");
+        take(&mut f, message(2, 0, end(1)), &mut loading).expect("end");
+        assert!(!holds(&index, 1) && holds(&index, 3));
+        // Changes go on from its position.
+        let removed = pb::Change {
+            kind: Some(pb::change::Kind::Removed(pb::Removed {
+                key: 3,
+                ..Default::default()
+            })),
+        };
+        let changes = pb::feed_message::Body::Changes(pb::Changes {
+            changes: vec![removed],
+        });
+        take(&mut f, message(2, 1, changes), &mut loading).expect("changes");
+        assert!(!holds(&index, 3));
+        assert_eq!(f.at, Some((2, 1)));
+    }
+
+    #[test]
+    fn a_malformed_stream_is_an_error_and_the_state_before_it_stays() {
+        let index = Arc::new(kvevent_index::Index::new(kvevent_index::Config::default()));
+        let mut f = follower(&index);
+        let mut loading = None;
+        let mut silent = Duration::from_secs(3);
+        // Changes before any snapshot.
+        let changes = || pb::feed_message::Body::Changes(pb::Changes::default());
+        assert!(
+            f.take(message(1, 1, changes()), &mut loading, &mut silent)
+                .is_err()
+        );
+        f.take(message(1, 0, blocks(&[7])), &mut loading, &mut silent)
+            .expect("chunk");
+        f.take(message(1, 0, end(1)), &mut loading, &mut silent)
+            .expect("end");
+        // Chunks that do not add up.
+        f.take(message(2, 0, blocks(&[8])), &mut loading, &mut silent)
+            .expect("chunk");
+        assert!(
+            f.take(message(2, 0, end(5)), &mut loading, &mut silent)
+                .is_err()
+        );
+        f.stream_ended(&mut loading);
+        assert!(holds(&index, 7) && !holds(&index, 8));
+        // Changes of another epoch than the follower's.
+        assert!(
+            f.take(message(9, 3, changes()), &mut loading, &mut silent)
+                .is_err()
+        );
+        // A hello naming another replica than asked for.
+        f.feed.replica = "a".into();
+        let hello = pb::feed_message::Body::Hello(pb::Hello {
+            replica: "b".into(),
+            ..Default::default()
+        });
+        let err = f
+            .take(message(1, 0, hello), &mut loading, &mut silent)
+            .expect_err("another replica");
+        assert!(err.to_string().contains("`b`"), "{err}");
+        assert!(holds(&index, 7));
+    }
+}
