@@ -85,7 +85,7 @@ pub(crate) struct Options {
     #[arg(long, value_name = "N")]
     #[serde(skip_serializing_if = "Option::is_none")]
     dp_size: Option<String>,
-    /// InferenceCache server: host:port, http://… or https://…
+    /// InferenceCache server: host:port, http://… or https://…; empty: 127.0.0.1:9090, or none with --feed-address (a sidecar serving routers only: no reports, no stats)
     #[arg(long, value_name = "ADDRESS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     server: Option<String>,

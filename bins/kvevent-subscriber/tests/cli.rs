@@ -28,7 +28,7 @@ fn help_documents_every_option_with_its_default_and_env_name() {
         "[default: tcp://127.0.0.1:5557]",
         "[env: KVEVENT_ENGINE_ENDPOINT]",
         "--server",
-        "[default: 127.0.0.1:9090]",
+        "empty: 127.0.0.1:9090, or none with --feed-address",
         "--window",
         "[default: 100ms]",
         "--lora-adapter-names",
@@ -452,5 +452,134 @@ async fn colliding_block_hashes_are_counted_and_warned_about_once() {
     assert!(
         line.contains(engine.endpoint()) && line.contains("170"),
         "names the source and how many blocks: {line}"
+    );
+}
+
+/// GET `path` from the binary's HTTP endpoint: the whole response.
+fn get(port: u16, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    s.set_read_timeout(Some(WAIT)).expect("timeout");
+    s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
+        .expect("write");
+    let mut body = String::new();
+    s.read_to_string(&mut body).expect("read");
+    body
+}
+
+/// A sidecar with `--feed-address` and no `--server` (the flag left out, or empty) serves
+/// routers only: it starts clean, says nothing of a server, is ready once the engine's socket
+/// is connected, and a router following it knows what the engine stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_feed_only_sidecar_runs_clean_beside_an_engine_and_serves_a_router() {
+    use kvevent_fleet::{Fleet, FleetConfig, Query, QueryKeys, ReplicaSource, SidecarFeed};
+    let ctx = zmq::Context::new();
+    let engine =
+        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    let mut child = spawn_subscribed(
+        &engine,
+        &[
+            &format!("--engine-endpoint={}", engine.endpoint()),
+            "--feed-address=127.0.0.1:0",
+            "--replica-id=r",
+            "--model-id=m",
+            "--metrics-address=127.0.0.1:0",
+        ],
+    );
+    let stderr = Stderr::of(&mut child);
+    let metrics = metrics_port(&stderr);
+    let log = stderr.wait_for(&["serving the router feed", "pipeline started"]);
+    assert!(log.contains("none (a feed-only sidecar)"), "{log}");
+    let line = log
+        .lines()
+        .find(|l| l.contains("serving the router feed"))
+        .expect("the line");
+    let at = line.find("127.0.0.1:").expect("an address");
+    let feed: String = line[at..]
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
+        .collect();
+    let fleet = Fleet::new(FleetConfig::default()).expect("fleet");
+    fleet
+        .ensure_replica(
+            "r",
+            ReplicaSource::Sidecar(SidecarFeed::new(format!("http://{feed}"))),
+        )
+        .expect("follow");
+    fleet.ready(WAIT).await.expect("the router follows it");
+    let batch = kvevent_wire::EventBatch {
+        ts: 1.0,
+        events: vec![kvevent_wire::Event::BlockStored(
+            kvevent_wire::BlockStored {
+                block_hashes: (1..=2)
+                    .map(|h| kvevent_wire::BlockHash::Int(kvevent_wire::Int::U64(h)))
+                    .collect(),
+                token_ids: (0..32u32).collect::<Vec<_>>().into(),
+                block_size: 16,
+                ..Default::default()
+            },
+        )],
+        data_parallel_rank: None,
+        unknown_events: 0,
+    };
+    engine.publish(&batch).expect("publish");
+    let ids: Vec<u32> = (0..32).collect();
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let matched = fleet
+            .score(&Query {
+                adapter: "",
+                keys: QueryKeys::Tokens {
+                    ids: &ids,
+                    block_size: 16,
+                },
+            })
+            .ok()
+            .and_then(|s| s.first().map(|s| s.matched_blocks));
+        if matched == Some(2) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the router never saw the blocks");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let readyz = get(metrics, "/readyz");
+    assert!(
+        readyz.contains("200") && readyz.contains("ready (feed only"),
+        "{readyz}"
+    );
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let _ = child.wait();
+
+    // `--server=` (empty), and an engine that is not there: the watch's first look warns of
+    // the engine socket, and in the same pass says nothing of a server.
+    let nothing = HeldPort::new();
+    let mut child = Command::new(BIN)
+        .args([
+            &format!("--engine-endpoint={}", nothing.tcp()),
+            "--server=",
+            "--feed-address=127.0.0.1:0",
+            "--replica-id=r",
+            "--model-id=m",
+            "--metrics-address=127.0.0.1:0",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let stderr = Stderr::of(&mut child);
+    let metrics = metrics_port(&stderr);
+    let log = stderr.wait_for(&["no connection to the engine's KV-event socket"]);
+    let readyz = get(metrics, "/readyz");
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let _ = child.wait();
+    assert!(!log.contains("server cannot be reached"), "{log}");
+    assert!(!log.contains("InferenceCache server"), "{log}");
+    assert!(
+        readyz.contains("503") && readyz.contains(&nothing.tcp()) && !readyz.contains("server"),
+        "{readyz}"
     );
 }

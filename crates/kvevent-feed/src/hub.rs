@@ -259,7 +259,11 @@ impl Hub {
     /// The engine's block size, from its stored events; said in `Hello`.
     pub fn note_block_size(&self, block_size: u32) {
         if block_size > 0 {
-            self.lock().block_size = block_size;
+            let before = std::mem::replace(&mut self.lock().block_size, block_size);
+            if before != block_size {
+                // Followers that connected before the first block learn it at once.
+                self.health.send_modify(|n| *n = n.wrapping_add(1));
+            }
         }
     }
 
@@ -493,13 +497,19 @@ impl Hub {
         self.health.send_modify(|n| *n = n.wrapping_add(1));
     }
 
-    /// The engine's health as the feed carries it (`None` before [`Hub::set_engine`]).
+    /// The engine's health as the feed carries it, and the block size (`None` before
+    /// [`Hub::set_engine`] and the first block).
     pub(crate) fn engine_health(&self) -> Option<pb::EngineHealth> {
+        let block_size = self.block_size();
         let engine = self.engine.lock().unwrap_or_else(PoisonError::into_inner);
-        let ranks = engine.as_ref()?;
+        if engine.is_none() && block_size == 0 {
+            return None;
+        }
         Some(pb::EngineHealth {
-            ranks: ranks
+            block_size,
+            ranks: engine
                 .iter()
+                .flatten()
                 .map(|(r, since)| pb::RankHealth {
                     rank: r.rank,
                     connected: r.connected,

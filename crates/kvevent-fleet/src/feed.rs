@@ -217,7 +217,11 @@ impl FeedFollower {
     /// The sidecar's view of its engine, from a Hello or a Heartbeat.
     fn engine_health(&mut self, health: &pb::EngineHealth) {
         let now = Instant::now();
+        self.core.note_block_size(health.block_size);
         let mut s = lock(&self.status);
+        if health.block_size > 0 {
+            s.block_size = health.block_size;
+        }
         let lost = health.ranks.iter().filter(|r| !r.connected);
         // The engine is lost while any rank is: since the rank lost longest ago.
         let lost_since = lost

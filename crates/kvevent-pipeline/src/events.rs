@@ -16,7 +16,8 @@ pub(crate) struct EventsLoop {
     pub(crate) subscriber: Subscriber,
     /// One mapper per source.
     pub(crate) mappers: Vec<Mapper>,
-    pub(crate) forwarder: fwd::Handle,
+    /// None for a feed-only sidecar: reports only feed the hub.
+    pub(crate) forwarder: Option<fwd::Handle>,
     /// Resident blocks are re-reported once per this interval (0: off).
     pub(crate) refresh_interval: Duration,
     /// A source silent this long is warned about, once per silence.
@@ -210,7 +211,8 @@ impl EventsLoop {
                 feed.engine_health(&lp.subscriber);
             }
             lp.warn_silent(&mut turn);
-            let refreshed = lp.refresh(&mut turn);
+            // Refreshes keep a server's TTL from expiring prefixes: a feed-only sidecar has none.
+            let refreshed = lp.forwarder.is_some() && lp.refresh(&mut turn);
             lp.publish_mapper_stats(&turn, mapped, refreshed);
             lp.submit(&mut turn);
             if let Some((tx, _)) = &writer {
@@ -374,11 +376,15 @@ impl EventsLoop {
     /// forwarder logs it at a bounded rate). A clear waits for room: losing it would leave
     /// the server holding what the engine dropped.
     fn submit(&self, turn: &mut Turn) {
+        let Some(forwarder) = &self.forwarder else {
+            turn.reports.clear();
+            return;
+        };
         for report in turn.reports.drain(..) {
             let closed = if report.is_barrier() {
-                self.forwarder.blocking_submit(report).is_err()
+                forwarder.blocking_submit(report).is_err()
             } else {
-                self.forwarder.try_submit(report) == fwd::Submit::Closed
+                forwarder.try_submit(report) == fwd::Submit::Closed
             };
             if closed {
                 self.telemetry.reports_after_shutdown.fetch_add(1, Relaxed);

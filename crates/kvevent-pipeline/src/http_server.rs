@@ -20,6 +20,9 @@ pub(crate) struct Readiness {
     pub(crate) max_silence: Duration,
     /// With no batch from any source for this long since the start, say so.
     pub(crate) silence_grace: Duration,
+    /// No server (a sidecar serving routers only): ready once the engine's sockets are
+    /// connected.
+    pub(crate) feed_only: bool,
 }
 
 fn now_ms() -> u64 {
@@ -60,6 +63,26 @@ fn route(path: &str, telemetry: &Telemetry, readiness: Readiness) -> hyper::Resp
                 .filter(|(_, m)| !m.connected.load(Relaxed))
                 .map(|(label, _)| label.as_str())
                 .collect();
+            if readiness.feed_only {
+                return match (subscribed, unconnected.is_empty()) {
+                    (false, _) => respond(
+                        503,
+                        "text/plain",
+                        "not ready: engine subscription is not up\n".into(),
+                    ),
+                    (true, false) => respond(
+                        503,
+                        "text/plain",
+                        format!(
+                            "not ready: no connection to the engine socket(s) {}: nothing listens there or the host cannot be reached\n",
+                            unconnected.join(", ")
+                        ),
+                    ),
+                    (true, true) => {
+                        respond(200, "text/plain", "ready (feed only: no server)\n".into())
+                    }
+                };
+            }
             let unreachable = telemetry
                 .server_unreachable
                 .lock()

@@ -84,7 +84,8 @@ pub enum StartError {
 pub struct Running {
     stop_events: Arc<AtomicBool>,
     events: Option<std::thread::JoinHandle<()>>,
-    forwarder: fwd::Forwarder,
+    /// None for a feed-only sidecar (no server).
+    forwarder: Option<fwd::Forwarder>,
     stop_stats: tokio::sync::watch::Sender<bool>,
     stats: Option<tokio::task::JoinHandle<()>>,
     /// Says what does not answer (engine sockets, the server).
@@ -112,7 +113,7 @@ fn identity(s: &Settings) -> Result<mapper::Identity, mapper::Error> {
 
 fn client_config(s: &Settings) -> Result<fwd::ClientConfig, StartError> {
     let tls = credentials::tls_config(s)?;
-    let mut address = s.server.trim().to_owned();
+    let mut address = s.server().unwrap_or_default();
     if tls.is_some() && !address.starts_with("https://") {
         let bare = address.trim_start_matches("http://").to_owned();
         address = format!("https://{bare}");
@@ -234,7 +235,11 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         // One engine's map: dense keeps the sidecar's memory target (≤ 100 MB at 500k
         // blocks/s stored) with room; it keeps up with that rate as it is.
     };
-    let client = fwd::connect(&client_config(settings)?)?;
+    // No server (a feed-only sidecar): no client, forwarder, server watch or stats.
+    let client = match settings.server() {
+        Some(_) => Some(fwd::connect(&client_config(settings)?)?),
+        None => None,
+    };
     let sources = if settings.engine_discovery_url.is_empty() {
         transport::dp_sources(
             &settings.engine_endpoint,
@@ -252,7 +257,10 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         )
         .await?
     };
-    let scraper = if settings.engine_metrics_url.is_empty() || settings.stats_interval.0.is_zero() {
+    let scraper = if client.is_none()
+        || settings.engine_metrics_url.is_empty()
+        || settings.stats_interval.0.is_zero()
+    {
         None
     } else {
         Some(kvevent_scrape::Scraper::new(
@@ -271,7 +279,13 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         drain_timeout: settings.drain_timeout.0,
         ..fwd::Config::default()
     };
-    let (handle, forwarder) = fwd::spawn(client.clone(), fwd_config);
+    let (handle, forwarder) = match &client {
+        Some(client) => {
+            let (handle, forwarder) = fwd::spawn(client.clone(), fwd_config);
+            (Some(handle), Some(forwarder))
+        }
+        None => (None, None),
+    };
 
     let labels: Vec<String> = sources.iter().map(transport::Source::label).collect();
     let key_mode = settings.key_mode.word();
@@ -310,7 +324,9 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
     let telemetry = Arc::new(Telemetry::new(
         sources.iter().map(transport::Source::label).collect(),
         subscriber.metrics().to_vec(),
-        handle.metrics().clone(),
+        handle
+            .as_ref()
+            .map_or_else(Default::default, |h| h.metrics().clone()),
     ));
     telemetry.subscribed.store(true, Relaxed);
 
@@ -326,6 +342,7 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         let readiness = http_server::Readiness {
             silence_grace: settings.engine_silence_grace.0,
             max_silence: (settings.stats_interval.0 * 3).max(Duration::from_secs(30)),
+            feed_only: client.is_none(),
         };
         let served = http_server::serve(addr, telemetry.clone(), readiness)
             .await
@@ -407,7 +424,7 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         }
         .run(stop_rx.clone()),
     );
-    let stats = scraper.map(|scraper| {
+    let stats = scraper.zip(client).map(|(scraper, client)| {
         tokio::spawn(
             stats_reporter::StatsReporter {
                 scraper,
@@ -421,7 +438,7 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
     });
     tracing::info!(
         engine = %labels.join(" "),
-        server = %settings.server,
+        server = %settings.server().unwrap_or_else(|| "none (a feed-only sidecar)".into()),
         replica = %settings.replica_id,
         model = %settings.model_id,
         key_mode = key_mode,
@@ -540,7 +557,10 @@ impl Running {
             let _ = stop.send(());
             let _ = tokio::time::timeout(Duration::from_secs(2), task).await;
         }
-        let report = self.forwarder.shutdown(drain).await;
+        let report = match self.forwarder.take() {
+            Some(forwarder) => forwarder.shutdown(drain).await,
+            None => fwd::DrainReport::default(),
+        };
         if let Some((_, task)) = self.http.take() {
             task.abort();
         }

@@ -19,7 +19,8 @@ const EVERY: Duration = Duration::from_secs(5);
 const REPEAT: Duration = Duration::from_secs(30);
 
 pub(crate) struct Watch {
-    pub(crate) client: fwd::Client,
+    /// The server's client; none for a feed-only sidecar (nothing to probe, nothing to warn).
+    pub(crate) client: Option<fwd::Client>,
     pub(crate) telemetry: Arc<Telemetry>,
     /// The engine sockets bind (the engine connects to us) rather than connect.
     pub(crate) engine_binds: bool,
@@ -69,7 +70,9 @@ impl Watch {
             wait = EVERY;
             let now = Instant::now();
             self.look_at_engines(&mut engines, now);
-            self.probe_server(&mut server, now).await;
+            if let Some(client) = &self.client {
+                self.probe_server(client, &mut server, now).await;
+            }
         }
     }
 
@@ -96,8 +99,8 @@ impl Watch {
         }
     }
 
-    async fn probe_server(&self, said: &mut Said, now: Instant) {
-        let outcome = self.client.probe(self.connect_timeout).await;
+    async fn probe_server(&self, client: &fwd::Client, said: &mut Said, now: Instant) {
+        let outcome = client.probe(self.connect_timeout).await;
         self.telemetry.server_probed.store(true, Relaxed);
         let mut unreachable = self
             .telemetry
@@ -108,13 +111,13 @@ impl Watch {
             Ok(()) => {
                 *unreachable = None;
                 if said.over() {
-                    tracing::info!(server = %self.client.address(), "server reachable");
+                    tracing::info!(server = %client.address(), "server reachable");
                 }
             }
             Err(why) => {
                 if said.due(now) {
                     tracing::warn!(
-                        server = %self.client.address(),
+                        server = %client.address(),
                         error = %why,
                         "the InferenceCache server cannot be reached: reports wait (bounded by --max-pending) and are retried"
                     );

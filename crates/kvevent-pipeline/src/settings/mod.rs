@@ -17,6 +17,10 @@ pub use value::{GoDuration, LogFormat, Words, parse_duration};
 /// Prefix of every environment variable (`KVEVENT_REPLICA_ID`, ...).
 pub const ENV_PREFIX: &str = "KVEVENT_";
 
+/// The InferenceCache server when `--server` is empty and no `--feed-address` is given (the
+/// Go sidecar's default).
+pub const DEFAULT_SERVER: &str = "127.0.0.1:9090";
+
 /// Every option, with the Go sidecar's names and defaults where it has them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -45,7 +49,8 @@ pub struct Settings {
     /// Data-parallel ranks to subscribe to (endpoints by vLLM's port-offset rule).
     #[serde(with = "value::number")]
     pub dp_size: u32,
-    /// The InferenceCache server: `host:port`, `http://…` or `https://…`.
+    /// The InferenceCache server: `host:port`, `http://…` or `https://…`; empty:
+    /// [`DEFAULT_SERVER`], or none with `feed_address` (see [`Settings::server`]).
     #[serde(deserialize_with = "lenient_string")]
     pub server: String,
     /// This replica's id (required).
@@ -199,7 +204,7 @@ impl Default for Settings {
             replay_endpoint: String::new(),
             topic: "kv-events".into(),
             dp_size: 1,
-            server: "127.0.0.1:9090".into(),
+            server: String::new(),
             replica_id: String::new(),
             model_id: String::new(),
             tenant_id: String::new(),
@@ -575,12 +580,14 @@ impl Settings {
                 }
             }
         }
-        let server = self.server.trim();
+        let server = self.server().unwrap_or_default();
         let host_port = server
             .strip_prefix("http://")
             .or_else(|| server.strip_prefix("https://"))
-            .unwrap_or(server);
-        if host_port.is_empty()
+            .unwrap_or(&server);
+        if self.server().is_none() {
+            // A feed-only sidecar: no server, and nothing to check.
+        } else if host_port.is_empty()
             || !host_port.contains(':')
             || host_port.contains('/')
             || format!("http://{host_port}").parse::<http::Uri>().is_err()
@@ -705,6 +712,17 @@ impl Settings {
             Ok(())
         } else {
             Err(ConfigError(problems))
+        }
+    }
+
+    /// The InferenceCache server reports go to: `--server`, or when it is empty,
+    /// [`DEFAULT_SERVER`] — unless `--feed-address` is given: then an empty `--server` means
+    /// none, a sidecar that serves routers only.
+    pub fn server(&self) -> Option<String> {
+        match self.server.trim() {
+            "" if self.feed_address.trim().is_empty() => Some(DEFAULT_SERVER.to_owned()),
+            "" => None,
+            server => Some(server.to_owned()),
         }
     }
 

@@ -43,7 +43,11 @@ fn precedence_is_defaults_then_file_then_env_then_flags() {
         assert_eq!(s.window.0, Duration::from_millis(250));
         assert_eq!(s.dp_size, 2);
         assert!(s.engine_bind);
-        assert_eq!(s.server, "127.0.0.1:9090", "default kept");
+        assert_eq!(
+            s.server().as_deref(),
+            Some("127.0.0.1:9090"),
+            "default kept"
+        );
         Ok(())
     });
 }
