@@ -125,6 +125,15 @@ async fn python_publishers_into_the_router_and_scores_out() {
     let replicas = router.replicas();
     for r in replicas["replicas"].as_array().expect("replicas") {
         assert_eq!(r["state"], "exact", "{r}");
+        assert_eq!(r["reason"], serde_json::Value::Null, "{r}");
+        assert_eq!(r["error"], serde_json::Value::Null, "{r}");
+        assert!(
+            r["source"]
+                .as_str()
+                .is_some_and(|s| s.starts_with("tcp://")),
+            "{r}"
+        );
+        assert_eq!(r["ranks"][0]["connected"], true, "{r}");
         assert_eq!(r["blocks"], 2, "{r}");
         assert_eq!(r["block_size"], 16, "{r}");
     }
@@ -141,6 +150,27 @@ async fn python_publishers_into_the_router_and_scores_out() {
     let (_, v) = post(addr, "/score", &only_b.to_string()).await;
     assert_eq!(v["scores"].as_array().map(Vec::len), Some(1), "{v}");
     assert_eq!(v["scores"][0]["replica"], "b", "{v}");
+    // A candidate the router does not follow is named, not dropped without a word.
+    let with_c = serde_json::json!({"model": "m", "token_ids": tokens, "candidates": ["b", "c"]});
+    let (_, v) = post(addr, "/score", &with_c.to_string()).await;
+    assert_eq!(v["not_followed"], serde_json::json!(["c"]), "{v}");
+    // An engine gone: its replica is degraded at once, then stale, and says why.
+    drop(a);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let replicas = router.replicas();
+        let ra = replicas["replicas"]
+            .as_array()
+            .and_then(|r| r.iter().find(|r| r["name"] == "a").cloned())
+            .expect("a");
+        if ra["state"] == "stale" {
+            assert_eq!(ra["reason"], "source_lost", "{ra}");
+            assert_eq!(ra["ranks"][0]["connected"], false, "{ra}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "{ra}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     drop(_server);
 }
 
