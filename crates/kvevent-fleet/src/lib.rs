@@ -45,6 +45,7 @@ use std::time::{Duration, Instant};
 
 use kvevent_index::Index;
 
+pub mod accounting;
 #[cfg(feature = "engines")]
 mod engines;
 mod feed;
@@ -54,6 +55,7 @@ pub use kvevent_index::{
     Config as IndexConfig, Degraded, IndexStats, KeyMode, Lost, Query, QueryKeys, ReplicaState,
     Score, Scores, ScoresIter, Tier,
 };
+pub use accounting::{ERROR_BUCKETS, Outcome, Prediction, ReplicaAccounting};
 pub use tonic::transport::ClientTlsConfig;
 
 use status::{Shared, Status};
@@ -361,6 +363,7 @@ pub struct Fleet {
     runtime: tokio::runtime::Handle,
     #[cfg(feature = "engines")]
     engines: Mutex<Option<engines::Engines>>,
+    accounting: Mutex<accounting::Accounting>,
 }
 
 impl std::fmt::Debug for Fleet {
@@ -392,6 +395,7 @@ impl Fleet {
             runtime,
             #[cfg(feature = "engines")]
             engines: Mutex::new(None),
+            accounting: Mutex::default(),
         }
     }
 
@@ -529,8 +533,23 @@ impl Fleet {
         let old = lock(&self.replicas).remove(name);
         if let Some(old) = old {
             self.stop(name, old);
+            lock(&self.accounting).forget(name);
             self.core.changed();
         }
+    }
+
+    /// Records what the engine reused for a request routed on `prediction` (the cached tokens
+    /// its response reports, `usage.prompt_tokens_details.cached_tokens` in vLLM's): counted
+    /// per replica as exact, optimistic or pessimistic, with its error in blocks (see
+    /// [`accounting`] for the last-block rule). A replica whose predictions drift while it is
+    /// exact is warned about, naming it, at most once a minute.
+    pub fn record(&self, prediction: &Prediction, realized_cached_tokens: u32) -> Outcome {
+        lock(&self.accounting).record(prediction, realized_cached_tokens)
+    }
+
+    /// Every replica's predictions so far, by name ([`Fleet::record`]).
+    pub fn accounting(&self) -> Vec<(String, ReplicaAccounting)> {
+        lock(&self.accounting).snapshot()
     }
 
     fn stop(&self, name: &str, replica: Replica) {

@@ -457,8 +457,8 @@ impl Holder {
     }
 }
 
-/// Sources an index can have been given over its life (29 bits of a [`Holder`]).
-const MAX_SOURCES: u32 = 1 << 29;
+/// Sources an index follows at once, at most (29 bits of a holder word).
+pub const MAX_SOURCES: u32 = 1 << 29;
 
 /// The sources holding a key, sorted by source (one holder a source at most), in one word:
 /// none, one inline (the [`Holder`] word, its kind in bits 0–1), or the number of a list in
