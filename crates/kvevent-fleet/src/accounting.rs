@@ -127,10 +127,7 @@ impl Accounting {
             std::cmp::Ordering::Greater => Outcome::Optimistic,
             std::cmp::Ordering::Less => Outcome::Pessimistic,
         };
-        let r = self
-            .replicas
-            .entry(prediction.replica.clone())
-            .or_default();
+        let r = self.replicas.entry(prediction.replica.clone()).or_default();
         let t = &mut r.totals;
         t.decisions += 1;
         match outcome {
@@ -156,8 +153,8 @@ impl Accounting {
         let count = |o: Outcome| r.recent.iter().filter(|x| **x == o).count();
         let (optimistic, pessimistic) = (count(Outcome::Optimistic), count(Outcome::Pessimistic));
         let n = r.recent.len();
-        let drifting = n >= DRIFT_MIN
-            && (optimistic.max(pessimistic) as f64) > DRIFT_SHARE * n as f64;
+        let drifting =
+            n >= DRIFT_MIN && (optimistic.max(pessimistic) as f64) > DRIFT_SHARE * n as f64;
         if drifting && r.warned.is_none_or(|t| t.elapsed() >= DRIFT_LOG_EVERY) {
             r.warned = Some(Instant::now());
             if optimistic >= pessimistic {
@@ -209,10 +206,19 @@ mod tests {
     #[test]
     fn the_last_block_is_never_expected_back() {
         // A 128-token prompt cached whole: the engine computes its last block again.
-        assert_eq!(prediction(128, 128, ReplicaState::Exact).expected_cached(), 96);
+        assert_eq!(
+            prediction(128, 128, ReplicaState::Exact).expected_cached(),
+            96
+        );
         // A prompt one token longer than its cached blocks reuses them all.
-        assert_eq!(prediction(128, 129, ReplicaState::Exact).expected_cached(), 128);
-        assert_eq!(prediction(64, 128, ReplicaState::Exact).expected_cached(), 64);
+        assert_eq!(
+            prediction(128, 129, ReplicaState::Exact).expected_cached(),
+            128
+        );
+        assert_eq!(
+            prediction(64, 128, ReplicaState::Exact).expected_cached(),
+            64
+        );
         assert_eq!(prediction(0, 1, ReplicaState::Exact).expected_cached(), 0);
     }
 
@@ -221,14 +227,29 @@ mod tests {
         let mut a = Accounting::default();
         let exact = ReplicaState::Exact;
         assert_eq!(a.record(&prediction(128, 128, exact), 96), Outcome::Exact);
-        assert_eq!(a.record(&prediction(128, 200, exact), 64), Outcome::Optimistic);
-        assert_eq!(a.record(&prediction(0, 200, exact), 32), Outcome::Pessimistic);
+        assert_eq!(
+            a.record(&prediction(128, 200, exact), 64),
+            Outcome::Optimistic
+        );
+        assert_eq!(
+            a.record(&prediction(0, 200, exact), 32),
+            Outcome::Pessimistic
+        );
         let stale = ReplicaState::Degraded(kvevent_index::Degraded::Connecting);
-        assert_eq!(a.record(&prediction(64, 200, stale), 0), Outcome::Optimistic);
+        assert_eq!(
+            a.record(&prediction(64, 200, stale), 0),
+            Outcome::Optimistic
+        );
         let (name, t) = &a.snapshot()[0];
         assert_eq!(name, "a");
         assert_eq!(
-            (t.decisions, t.exact, t.optimistic, t.pessimistic, t.not_exact_state),
+            (
+                t.decisions,
+                t.exact,
+                t.optimistic,
+                t.pessimistic,
+                t.not_exact_state
+            ),
             (4, 1, 2, 1, 1)
         );
         // Errors 0, +2, -1, +2 blocks.

@@ -51,11 +51,11 @@ mod engines;
 mod feed;
 mod status;
 
+pub use accounting::{ERROR_BUCKETS, Outcome, Prediction, ReplicaAccounting};
 pub use kvevent_index::{
     Config as IndexConfig, Degraded, IndexStats, KeyMode, Lost, Query, QueryKeys, ReplicaState,
     Score, Scores, ScoresIter, Tier,
 };
-pub use accounting::{ERROR_BUCKETS, Outcome, Prediction, ReplicaAccounting};
 pub use tonic::transport::ClientTlsConfig;
 
 use status::{Shared, Status};

@@ -6,6 +6,8 @@ mod discovery;
 mod docs;
 mod e2e;
 mod feed;
+#[cfg(feature = "real-engine")]
+mod real_engine;
 mod sglang;
 mod state_file;
 mod tls;

