@@ -1,7 +1,8 @@
 //! An example router: follows replicas, through their sidecars' feeds or their engines, into an
-//! in-process prefix index and answers `POST /score` (`{"model", "adapter", "token_ids",
-//! "block_size"?, "candidates"?}` → replicas best first, each with its state), `GET /replicas`
-//! and `GET /metrics`.
+//! in-process prefix index; routes `POST /v1/completions` to the replica holding the longest
+//! prefix of the prompt (its `--upstream`) and records what the engine then reused; answers
+//! `POST /score` (`{"model", "adapter", "token_ids", "block_size"?, "candidates"?}` → replicas
+//! best first, each with its state), `GET /replicas` and `GET /metrics`.
 //!
 //! ```text
 //! cargo run --release -p kvevent-examples --example router -- --listen 127.0.0.1:8080 \
@@ -12,6 +13,7 @@
 use std::sync::Arc;
 
 use anyhow::{Context as _, bail};
+use kvevent_examples::proxy::Upstream;
 use kvevent_examples::router::{self, Engine, Router, RouterConfig, Sidecar};
 
 const HELP: &str = "\
@@ -34,7 +36,19 @@ Options:
                          ,replay=tcp://HOST:PORT for its replay endpoint, ,dp=N for N
                          data-parallel ranks and ,engine=sglang for an SGLang engine; it knows
                          what the replay buffer holds (repeatable)
+  --upstream SPEC        where a replica serves completions: NAME=http://HOST:PORT (its
+                         vLLM server); POST /v1/completions is routed among these (repeatable)
+  --upstream-timeout S   seconds to wait for a routed response, and for each frame of a
+                         streamed one [default: 60]
   -h, --help             print this
+
+POST /v1/completions takes an OpenAI completions request whose prompt is token ids: it goes
+to the exact replica holding the longest prefix of it (ties: fewest requests in flight, then
+name; no exact replica: fewest in flight), and comes back as the replica sent it (streamed
+when asked; the usage chunk is asked for). A replica that fails it is a 502 naming it. What
+the engine reused (usage.prompt_tokens_details.cached_tokens) is recorded against what the
+index predicted: GET /metrics has kvevent_router_predictions_total and
+kvevent_router_prediction_error_blocks per replica, and kvevent_router_proxy_overhead_seconds.
 
 POST /score takes {\"model\", \"adapter\", \"token_ids\", \"block_size\"?, \"candidates\"?}; each
 score says the replica's state: exact, degraded (connecting, loading a snapshot, replaying) or
@@ -48,6 +62,8 @@ fn main() -> anyhow::Result<()> {
         block_size: None,
         engines: Vec::new(),
         sidecars: Vec::new(),
+        upstreams: Vec::new(),
+        upstream_timeout: std::time::Duration::from_secs(60),
     };
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
@@ -62,6 +78,14 @@ fn main() -> anyhow::Result<()> {
             "--block-size" => config.block_size = Some(value()?.parse().context("--block-size")?),
             "--engine" => config.engines.push(value()?.parse::<Engine>()?),
             "--sidecar" => config.sidecars.push(value()?.parse::<Sidecar>()?),
+            "--upstream" => config.upstreams.push(value()?.parse::<Upstream>()?),
+            "--upstream-timeout" => {
+                config.upstream_timeout = std::time::Duration::from_secs_f64(
+                    value()?
+                        .parse()
+                        .context("--upstream-timeout takes seconds")?,
+                );
+            }
             other => bail!(
                 "unknown flag {other} (router --help lists them): --listen ADDR --model M [--block-size N] (--sidecar NAME=http://host:port | --engine NAME=tcp://host:port[,replay=...][,dp=N])..."
             ),

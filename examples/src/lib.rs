@@ -4,6 +4,7 @@
 //!
 //! [`router`] is the example router's service, a library so tests can start it in-process.
 
+pub mod proxy;
 pub mod router;
 
 /// The README's embedding snippet, compiled and run as a doctest (`cargo test --doc -p

@@ -8,6 +8,7 @@ use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use crate::proxy::{Body, Proxy, Upstream};
 use anyhow::{Context as _, bail};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
@@ -103,12 +104,17 @@ pub struct RouterConfig {
     pub engines: Vec<Engine>,
     /// The replicas followed through their sidecars' feeds.
     pub sidecars: Vec<Sidecar>,
+    /// Where the replicas serve completions: `POST /v1/completions` is routed among these.
+    pub upstreams: Vec<Upstream>,
+    /// Deadline of a routed request's response (and of each frame of a streamed one).
+    pub upstream_timeout: std::time::Duration,
 }
 
 /// The running service: a [`Fleet`] of the replicas.
 pub struct Router {
     fleet: Fleet,
     config: RouterConfig,
+    proxy: Proxy,
 }
 
 impl Router {
@@ -136,7 +142,24 @@ impl Router {
                 }),
             )?;
         }
-        Ok(Self { fleet, config })
+        let followed = |name: &str| {
+            config.engines.iter().any(|e| e.name == name)
+                || config.sidecars.iter().any(|s| s.name == name)
+        };
+        if let Some(u) = config.upstreams.iter().find(|u| !followed(&u.name)) {
+            bail!(
+                "--upstream {}={}: no --engine or --sidecar follows a replica named `{}`",
+                u.name,
+                u.url,
+                u.name
+            );
+        }
+        let proxy = Proxy::new(config.upstreams.clone(), config.upstream_timeout);
+        Ok(Self {
+            fleet,
+            config,
+            proxy,
+        })
     }
 
     /// The fleet, for embedding.
@@ -238,8 +261,47 @@ impl Router {
         })
     }
 
-    /// The index's and replicas' counters in the Prometheus text format.
+    /// The index's and replicas' counters, the predictions' accounting and the proxy's own
+    /// latency, in the Prometheus text format.
     pub fn metrics(&self) -> String {
+        self.index_metrics() + &self.accounting_metrics() + &self.proxy.metrics()
+    }
+
+    /// Predicted against realized, per replica: decisions by outcome, and the error in blocks
+    /// (expected − reused: positive is optimistic) as a histogram.
+    fn accounting_metrics(&self) -> String {
+        let mut out = String::from(
+            "# TYPE kvevent_router_predictions counter
+# TYPE kvevent_router_prediction_error_blocks histogram
+",
+        );
+        for (replica, a) in self.fleet.accounting() {
+            for (outcome, n) in [
+                ("exact", a.exact),
+                ("optimistic", a.optimistic),
+                ("pessimistic", a.pessimistic),
+            ] {
+                out.push_str(&format!(
+                    "kvevent_router_predictions_total{{replica=\"{replica}\",outcome=\"{outcome}\"}} {n}\n"
+                ));
+            }
+            let mut cumulative = 0;
+            for (i, le) in kvevent_fleet::ERROR_BUCKETS.iter().enumerate() {
+                cumulative += a.error_blocks[i];
+                out.push_str(&format!(
+                    "kvevent_router_prediction_error_blocks_bucket{{replica=\"{replica}\",le=\"{le}\"}} {cumulative}\n"
+                ));
+            }
+            out.push_str(&format!(
+                "kvevent_router_prediction_error_blocks_bucket{{replica=\"{replica}\",le=\"+Inf\"}} {d}\nkvevent_router_prediction_error_blocks_sum{{replica=\"{replica}\"}} {}\nkvevent_router_prediction_error_blocks_count{{replica=\"{replica}\"}} {d}\n",
+                a.error_sum,
+                d = a.decisions,
+            ));
+        }
+        out
+    }
+
+    fn index_metrics(&self) -> String {
         let s = self.fleet.index().stats();
         let mut out = String::from(
             "# TYPE kvevent_batches_received_total counter\n# TYPE kvevent_replica_exact gauge\n",
@@ -265,8 +327,12 @@ impl Router {
     }
 }
 
-fn respond(status: u16, content_type: &str, body: String) -> hyper::Response<Full<Bytes>> {
-    let mut r = hyper::Response::new(Full::new(Bytes::from(body)));
+fn respond(status: u16, content_type: &str, body: String) -> hyper::Response<Body> {
+    let mut r = hyper::Response::new(
+        Full::new(Bytes::from(body))
+            .map_err(|never| match never {})
+            .boxed(),
+    );
     *r.status_mut() = hyper::StatusCode::from_u16(status).unwrap_or(hyper::StatusCode::OK);
     if let Ok(v) = content_type.parse() {
         r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
@@ -274,7 +340,8 @@ fn respond(status: u16, content_type: &str, body: String) -> hyper::Response<Ful
     r
 }
 
-/// Serves `/score` and `/metrics` on `listener` until the task is dropped.
+/// Serves `/v1/completions`, `/score`, `/replicas` and `/metrics` on `listener` until the task
+/// is dropped.
 pub async fn serve(listener: tokio::net::TcpListener, router: Arc<Router>) {
     loop {
         let Ok((stream, _)) = listener.accept().await else {
@@ -288,6 +355,13 @@ pub async fn serve(listener: tokio::net::TcpListener, router: Arc<Router>) {
                     let path = req.uri().path().to_owned();
                     let post = req.method() == hyper::Method::POST;
                     Ok::<_, Infallible>(match (post, path.as_str()) {
+                        (true, "/v1/completions") => {
+                            let recorder = router.clone();
+                            let record = move |p: &kvevent_fleet::Prediction, cached: u32| {
+                                recorder.fleet.record(p, cached);
+                            };
+                            router.proxy.complete(&router.fleet, req, record).await
+                        }
                         (true, "/score") => {
                             // Prompts are bounded: 8 MiB of JSON is ~1M token ids.
                             match Limited::new(req.into_body(), 8 << 20).collect().await {
@@ -311,7 +385,8 @@ pub async fn serve(listener: tokio::net::TcpListener, router: Arc<Router>) {
                         _ => respond(
                             404,
                             "text/plain",
-                            "POST /score, GET /replicas, GET /metrics\n".into(),
+                            "POST /v1/completions, POST /score, GET /replicas, GET /metrics\n"
+                                .into(),
                         ),
                     })
                 }

@@ -47,6 +47,8 @@ async fn python_publishers_into_the_router_and_scores_out() {
             block_size: Some(16),
             engines,
             sidecars: Vec::new(),
+            upstreams: Vec::new(),
+            upstream_timeout: Duration::from_secs(10),
         })
         .expect("router"),
     );
@@ -210,4 +212,264 @@ fn engine_flags_parse() {
     assert!("b=tcp://x:1,engine=trt".parse::<Engine>().is_err());
     assert!("tcp://x:1".parse::<Engine>().is_err());
     assert!("a=tcp://x:1,speed=9".parse::<Engine>().is_err());
+}
+
+/// A replica's OpenAI-compatible server, faked: answers `/v1/completions` with `cached`
+/// tokens in its usage for a prompt starting at token 0 (0 for others) (streamed as SSE when asked, the usage chunk only when asked for),
+/// naming itself in the text.
+async fn fake_upstream(
+    name: &'static str,
+    cached: u32,
+) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(
+                    move |req: hyper::Request<hyper::body::Incoming>| async move {
+                        use http_body_util::BodyExt;
+                        let body = req
+                            .into_body()
+                            .collect()
+                            .await
+                            .map(|b| b.to_bytes())
+                            .unwrap_or_default();
+                        let v: serde_json::Value =
+                            serde_json::from_slice(&body).unwrap_or_default();
+                        // Only the prompt it holds (token ids from 0) is cached.
+                        let cached = if v["prompt"][0] == 0 { cached } else { 0 };
+                        let usage =
+                            serde_json::json!({"prompt_tokens_details": {"cached_tokens": cached}});
+                        let text = if v["stream"] == true {
+                            let mut sse = format!(
+                                "data: {}\n\n",
+                                serde_json::json!({"choices": [{"text": name}], "usage": null})
+                            );
+                            if v["stream_options"]["include_usage"] == true {
+                                sse.push_str(&format!(
+                                    "data: {}\n\n",
+                                    serde_json::json!({"choices": [], "usage": usage})
+                                ));
+                            }
+                            sse + "data: [DONE]\n\n"
+                        } else {
+                            serde_json::json!({"choices": [{"text": name}], "usage": usage})
+                                .to_string()
+                        };
+                        Ok::<_, std::convert::Infallible>(hyper::Response::new(
+                            http_body_util::Full::new(bytes::Bytes::from(text)),
+                        ))
+                    },
+                );
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    (addr, task)
+}
+
+/// `POST path` over HTTP/1.1: status and the raw body.
+async fn post_raw(addr: std::net::SocketAddr, path: &str, body: &str) -> (u16, String) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let req = format!(
+        "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.expect("write");
+    let mut text = String::new();
+    tokio::time::timeout(Duration::from_secs(20), s.read_to_string(&mut text))
+        .await
+        .expect("a response in time")
+        .expect("read");
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .expect("status");
+    (
+        status,
+        text.split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accounted() {
+    use kvevent_examples::proxy::Upstream;
+    use kvevent_wire as wire;
+    let ctx = zmq::Context::new();
+    let engine = |_: u8| {
+        kvevent_zmq::publisher::Publisher::start(
+            &ctx,
+            kvevent_zmq::publisher::PublisherConfig::loopback(wire::Release::NEWEST_KNOWN),
+        )
+        .expect("engine")
+    };
+    let (a, b) = (engine(0), engine(1));
+    // Replica a stored the 128-token prompt (4 blocks of 32): the engine will reuse 96 of it.
+    let prompt: Vec<u32> = (0..128).collect();
+    a.publish(&wire::EventBatch {
+        ts: 1.0,
+        events: vec![wire::Event::BlockStored(wire::BlockStored {
+            block_hashes: (1..=4)
+                .map(|h| wire::BlockHash::Int(wire::Int::U64(h)))
+                .collect(),
+            token_ids: prompt.clone().into(),
+            block_size: 32,
+            ..Default::default()
+        })],
+        data_parallel_rank: None,
+        unknown_events: 0,
+    })
+    .expect("publish");
+    let ((ua, _ta), (ub, _tb)) = (fake_upstream("a", 96).await, fake_upstream("b", 0).await);
+    let nothing = kvevent_test_support::HeldPort::new();
+    let spec = |name: &str, p: &kvevent_zmq::publisher::Publisher| {
+        format!(
+            "{name}={},replay={}",
+            p.endpoint(),
+            p.replay_endpoint().unwrap_or_default()
+        )
+        .parse::<Engine>()
+        .expect("engine")
+    };
+    let c = kvevent_zmq::publisher::Publisher::start(
+        &ctx,
+        kvevent_zmq::publisher::PublisherConfig::loopback(wire::Release::NEWEST_KNOWN),
+    )
+    .expect("engine");
+    let router = Arc::new(
+        Router::start(RouterConfig {
+            model: "m".into(),
+            block_size: None,
+            engines: vec![spec("a", &a), spec("b", &b), spec("c", &c)],
+            sidecars: Vec::new(),
+            upstreams: vec![
+                Upstream {
+                    name: "a".into(),
+                    url: format!("http://{ua}"),
+                },
+                Upstream {
+                    name: "b".into(),
+                    url: format!("http://{ub}"),
+                },
+                // Nothing listens there: a replica that fails.
+                Upstream {
+                    name: "c".into(),
+                    url: format!("http://{}", nothing.addr()),
+                },
+            ],
+            upstream_timeout: Duration::from_secs(5),
+        })
+        .expect("router"),
+    );
+    let (addr, _server) = router::bind("127.0.0.1:0", router.clone())
+        .await
+        .expect("bind");
+    router
+        .fleet()
+        .ready(Duration::from_secs(20))
+        .await
+        .expect("exact");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while router.fleet().block_size().is_none() {
+        assert!(Instant::now() < deadline, "a's store never came");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let request = |stream: bool| {
+        serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": 1, "stream": stream})
+            .to_string()
+    };
+    // To a, which holds it, as it answered; its usage recorded: 128 predicted, 96 expected
+    // back (the last block), 96 reused.
+    let (status, body) = post_raw(addr, "/v1/completions", &request(false)).await;
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).expect("json");
+    assert_eq!(v["choices"][0]["text"], "a", "{v}");
+    // Streamed: passed on as it came, the usage chunk asked for and read.
+    let (status, body) = post_raw(addr, "/v1/completions", &request(true)).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.contains("\"text\":\"a\"")
+            && body.contains("cached_tokens")
+            && body.contains("[DONE]"),
+        "{body}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let accounted = loop {
+        let a = router.fleet().accounting();
+        if a.iter().any(|(n, t)| n == "a" && t.decisions == 2) {
+            break a;
+        }
+        assert!(Instant::now() < deadline, "{a:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let (_, t) = accounted.iter().find(|(n, _)| n == "a").expect("a");
+    assert_eq!((t.exact, t.optimistic, t.pessimistic), (2, 0, 0), "{t:?}");
+    // A new prompt: every replica ties at 0; the first by name among the least loaded.
+    let other =
+        serde_json::json!({"model": "m", "prompt": [900, 901, 902], "max_tokens": 1}).to_string();
+    let (status, body) = post_raw(addr, "/v1/completions", &other).await;
+    assert_eq!(status, 200, "{body}");
+    // A text prompt needs a tokenizer this router does not have: a clear 400.
+    let text = serde_json::json!({"model": "m", "prompt": "hello"}).to_string();
+    let (status, body) = post_raw(addr, "/v1/completions", &text).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("tokenizer"), "{body}");
+    // c holds a prompt now: it goes there, and c fails it: a 502 naming it.
+    c.publish(&wire::EventBatch {
+        ts: 1.0,
+        events: vec![wire::Event::BlockStored(wire::BlockStored {
+            block_hashes: vec![wire::BlockHash::Int(wire::Int::U64(77))],
+            token_ids: (500..532).collect::<Vec<u32>>().into(),
+            block_size: 32,
+            ..Default::default()
+        })],
+        data_parallel_rank: None,
+        unknown_events: 0,
+    })
+    .expect("publish");
+    let held: Vec<u32> = (500..540).collect();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let scores = router.fleet().score(&kvevent_fleet::Query {
+            adapter: "",
+            keys: kvevent_fleet::QueryKeys::Tokens {
+                ids: &held,
+                block_size: 32,
+            },
+        });
+        if scores.is_ok_and(|s| s.first().is_some_and(|s| s.replica == "c")) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "c's store never came");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let to_c = serde_json::json!({"model": "m", "prompt": held, "max_tokens": 1}).to_string();
+    let (status, body) = post_raw(addr, "/v1/completions", &to_c).await;
+    assert_eq!(status, 502, "{body}");
+    assert!(
+        body.contains("replica `c`") && body.contains(&nothing.addr().to_string()),
+        "{body}"
+    );
+    // /metrics: the accounting and the proxy's own latency.
+    let metrics = router.metrics();
+    for needle in [
+        "kvevent_router_predictions_total{replica=\"a\",outcome=\"exact\"} 3",
+        "kvevent_router_predictions_total{replica=\"a\",outcome=\"pessimistic\"} 0",
+        "kvevent_router_prediction_error_blocks_bucket{replica=\"a\",le=\"0\"} 3",
+        "kvevent_router_proxy_overhead_seconds_count 3",
+        "kvevent_router_responses_total{replica=\"c\",code=\"502\"} 1",
+    ] {
+        assert!(metrics.contains(needle), "no {needle} in\n{metrics}");
+    }
 }

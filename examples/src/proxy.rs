@@ -1,0 +1,412 @@
+//! `POST /v1/completions` routed: the prompt's token ids are scored against the replicas
+//! that have an upstream (`--upstream NAME=http://HOST:PORT`, the replica's OpenAI-compatible
+//! server), the request goes to the best, and the response comes back as it came (streamed when
+//! it streams). The cached tokens its usage reports are recorded against the prediction the
+//! choice acted on ([`kvevent_fleet::Fleet::record`]).
+//!
+//! **The rule.** Among the replicas whose state is exact, the one holding the longest prefix of
+//! the prompt; ties (a new prompt ties at 0) go to the one with the fewest requests in flight
+//! through this router, then by name. With no exact replica, or before any block size is
+//! known, the one with the fewest requests in flight (fail open).
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, Limited, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use kvevent_fleet::{Fleet, Prediction, Query, QueryKeys, ReplicaState};
+
+/// One `--upstream NAME=http://HOST:PORT`: where a replica serves completions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Upstream {
+    /// The replica's name, as followed.
+    pub name: String,
+    /// Its OpenAI-compatible server, `http://HOST:PORT`.
+    pub url: String,
+}
+
+impl std::str::FromStr for Upstream {
+    type Err = anyhow::Error;
+
+    fn from_str(s: &str) -> anyhow::Result<Self> {
+        let Some((name, url)) = s.split_once('=') else {
+            anyhow::bail!("`{s}`: an upstream is NAME=http://HOST:PORT (the replica's server)");
+        };
+        let authority = url.strip_prefix("http://").unwrap_or_default();
+        if name.is_empty() || authority.is_empty() || !authority.trim_end_matches('/').contains(':')
+        {
+            anyhow::bail!("`{s}`: an upstream is NAME=http://HOST:PORT (the replica's server)");
+        }
+        Ok(Self {
+            name: name.to_owned(),
+            url: url.trim_end_matches('/').to_owned(),
+        })
+    }
+}
+
+pub(crate) type Body = BoxBody<Bytes, std::io::Error>;
+
+fn full(bytes: impl Into<Bytes>) -> Body {
+    Full::new(bytes.into())
+        .map_err(|never| match never {})
+        .boxed()
+}
+
+/// Upper bounds of the proxy overhead histogram, in seconds.
+const OVERHEAD_BUCKETS: [f64; 8] = [
+    0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.05,
+];
+
+/// The proxy's own latency: what the router adds to a request (choosing, rewriting, handing
+/// the response back), not the upstream's time.
+#[derive(Debug, Default)]
+struct Overhead {
+    buckets: [u64; OVERHEAD_BUCKETS.len() + 1],
+    sum: f64,
+    count: u64,
+}
+
+/// The routing half of the example router.
+pub(crate) struct Proxy {
+    client: Client<HttpConnector, Full<Bytes>>,
+    upstreams: Vec<Upstream>,
+    in_flight: HashMap<String, AtomicU32>,
+    timeout: Duration,
+    overhead: Mutex<Overhead>,
+    /// Responses by replica and status ("502" for a replica that failed).
+    responses: Mutex<HashMap<(String, u16), u64>>,
+}
+
+/// Counts a request in flight to a replica while it lasts.
+struct InFlight<'a>(&'a AtomicU32);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
+}
+
+fn error(status: u16, message: String) -> hyper::Response<Body> {
+    let mut r = hyper::Response::new(full(serde_json::json!({ "error": message }).to_string()));
+    *r.status_mut() = hyper::StatusCode::from_u16(status).unwrap_or(hyper::StatusCode::BAD_GATEWAY);
+    r.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+/// The cached tokens an OpenAI-style usage object reports (0 when it reports none).
+fn cached_tokens(v: &serde_json::Value) -> Option<u32> {
+    let usage = v.get("usage").filter(|u| !u.is_null())?;
+    Some(
+        usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0) as u32,
+    )
+}
+
+impl Proxy {
+    pub(crate) fn new(upstreams: Vec<Upstream>, timeout: Duration) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(timeout));
+        Self {
+            client: Client::builder(TokioExecutor::new()).build(connector),
+            in_flight: upstreams
+                .iter()
+                .map(|u| (u.name.clone(), AtomicU32::new(0)))
+                .collect(),
+            upstreams,
+            timeout,
+            overhead: Mutex::default(),
+            responses: Mutex::default(),
+        }
+    }
+
+    fn note_overhead(&self, d: Duration) {
+        let s = d.as_secs_f64();
+        let mut o = self.overhead.lock().unwrap_or_else(|e| e.into_inner());
+        let i = OVERHEAD_BUCKETS
+            .iter()
+            .position(|le| s <= *le)
+            .unwrap_or(OVERHEAD_BUCKETS.len());
+        o.buckets[i] += 1;
+        o.sum += s;
+        o.count += 1;
+    }
+
+    fn note_response(&self, replica: &str, status: u16) {
+        let mut r = self.responses.lock().unwrap_or_else(|e| e.into_inner());
+        *r.entry((replica.to_owned(), status)).or_default() += 1;
+    }
+
+    /// The replica for `prompt`, and the prediction the choice acts on.
+    fn choose(&self, fleet: &Fleet, prompt: &[u32]) -> Option<(&Upstream, Prediction)> {
+        let block = fleet.block_size();
+        let names: Vec<&str> = self.upstreams.iter().map(|u| u.name.as_str()).collect();
+        let in_flight = |name: &str| self.in_flight.get(name).map_or(0, |n| n.load(Relaxed));
+        let scores = block.and_then(|b| {
+            fleet
+                .score_among(
+                    &Query {
+                        adapter: "",
+                        keys: QueryKeys::Tokens {
+                            ids: prompt,
+                            block_size: b as usize,
+                        },
+                    },
+                    &names,
+                )
+                .ok()
+        });
+        let prompt_tokens = prompt.len() as u32;
+        let of = |name: &str, tokens: u32, state: ReplicaState| Prediction {
+            replica: name.to_owned(),
+            predicted_tokens: tokens,
+            prompt_tokens,
+            block_size: block.unwrap_or(0),
+            state,
+        };
+        let best = scores.as_ref().and_then(|scores| {
+            scores
+                .iter()
+                .filter(|s| s.state == ReplicaState::Exact)
+                .max_by(|a, b| {
+                    a.matched_tokens
+                        .cmp(&b.matched_tokens)
+                        .then(in_flight(b.replica).cmp(&in_flight(a.replica)))
+                        .then(b.replica.cmp(a.replica))
+                })
+                .map(|s| of(s.replica, s.matched_tokens, s.state))
+        });
+        let prediction = best.or_else(|| {
+            // Fail open: the least loaded, with what the index says of it.
+            let name = names
+                .iter()
+                .min_by(|a, b| in_flight(a).cmp(&in_flight(b)).then(a.cmp(b)))?;
+            let known = scores
+                .as_ref()
+                .and_then(|s| s.iter().find(|s| s.replica == *name))
+                .map(|s| (s.matched_tokens, s.state));
+            let (tokens, state) = known.unwrap_or((
+                0,
+                ReplicaState::Degraded(kvevent_fleet::Degraded::Connecting),
+            ));
+            Some(of(name, tokens, state))
+        })?;
+        let upstream = self
+            .upstreams
+            .iter()
+            .find(|u| u.name == prediction.replica)?;
+        Some((upstream, prediction))
+    }
+
+    /// Routes one `POST /v1/completions`.
+    pub(crate) async fn complete(
+        &self,
+        fleet: &Fleet,
+        req: hyper::Request<Incoming>,
+        record: impl Fn(&Prediction, u32) + Send + Sync + Clone + 'static,
+    ) -> hyper::Response<Body> {
+        let started = Instant::now();
+        let authorization = req.headers().get(hyper::header::AUTHORIZATION).cloned();
+        let body = match Limited::new(req.into_body(), 8 << 20).collect().await {
+            Ok(b) => b.to_bytes(),
+            Err(e) => return error(413, format!("body: {e}")),
+        };
+        let mut v: serde_json::Value = match serde_json::from_slice(&body) {
+            Ok(v) => v,
+            Err(e) => return error(400, format!("not JSON: {e}")),
+        };
+        let prompt: Vec<u32> = match &v["prompt"] {
+            serde_json::Value::Array(ids) => match ids
+                .iter()
+                .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+                .collect::<Option<_>>()
+            {
+                Some(ids) => ids,
+                None => {
+                    return error(
+                        400,
+                        "`prompt` must be token ids (unsigned 32-bit) or a string".into(),
+                    );
+                }
+            },
+            serde_json::Value::String(_) => {
+                return error(
+                    400,
+                    "text prompts need a tokenizer, and this router has none: send token ids"
+                        .into(),
+                );
+            }
+            _ => return error(400, "`prompt` must be an array of token ids".into()),
+        };
+        let Some((upstream, prediction)) = self.choose(fleet, &prompt) else {
+            return error(
+                503,
+                "no replica to route to: give --upstream NAME=http://HOST:PORT".into(),
+            );
+        };
+        // Streaming: ask for the usage chunk, whose cached tokens are the engine's truth.
+        let streaming = v["stream"].as_bool().unwrap_or(false);
+        let body = if streaming {
+            v["stream_options"]["include_usage"] = serde_json::Value::Bool(true);
+            Bytes::from(v.to_string())
+        } else {
+            body
+        };
+        let mut request = hyper::Request::post(format!("{}/v1/completions", upstream.url))
+            .header(hyper::header::CONTENT_TYPE, "application/json");
+        if let Some(a) = authorization {
+            request = request.header(hyper::header::AUTHORIZATION, a);
+        }
+        let request = match request.body(Full::new(body)) {
+            Ok(r) => r,
+            Err(e) => return error(500, format!("request: {e}")),
+        };
+        let counter = &self.in_flight[&upstream.name];
+        counter.fetch_add(1, Relaxed);
+        let in_flight = InFlight(counter);
+        let before = started.elapsed();
+        let failed = |why: String| {
+            self.note_response(&upstream.name, 502);
+            error(
+                502,
+                format!(
+                    "replica `{}` ({}) failed the request: {why}",
+                    upstream.name, upstream.url
+                ),
+            )
+        };
+        let response = match tokio::time::timeout(self.timeout, self.client.request(request)).await
+        {
+            Err(_) => return failed(format!("no response within {:?}", self.timeout)),
+            Ok(Err(e)) => return failed(format!("{e}")),
+            Ok(Ok(r)) => r,
+        };
+        let status = response.status();
+        if status.is_server_error() {
+            return failed(format!("it answered {status}"));
+        }
+        self.note_response(&upstream.name, status.as_u16());
+        let (parts, upstream_body) = response.into_parts();
+        if !streaming {
+            let bytes = match tokio::time::timeout(self.timeout, upstream_body.collect()).await {
+                Ok(Ok(b)) => b.to_bytes(),
+                Ok(Err(e)) => return failed(format!("its body: {e}")),
+                Err(_) => return failed(format!("no whole body within {:?}", self.timeout)),
+            };
+            let after = Instant::now();
+            if status.is_success()
+                && let Some(cached) = serde_json::from_slice(&bytes)
+                    .ok()
+                    .as_ref()
+                    .and_then(cached_tokens)
+            {
+                record(&prediction, cached);
+            }
+            drop(in_flight);
+            let r = hyper::Response::from_parts(parts, full(bytes));
+            self.note_overhead(before + after.elapsed());
+            return r;
+        }
+        // Streamed: each frame goes on as it comes; the usage chunk is read on the way.
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, std::io::Error>>(16);
+        let timeout = self.timeout;
+        tokio::spawn(async move {
+            let mut body = upstream_body;
+            let mut line = Vec::new();
+            let mut cached = None;
+            loop {
+                let frame = match tokio::time::timeout(timeout, body.frame()).await {
+                    Ok(Some(Ok(f))) => f,
+                    Ok(Some(Err(e))) => {
+                        let _ = tx.send(Err(std::io::Error::other(e))).await;
+                        break;
+                    }
+                    Ok(None) => break,
+                    Err(_) => {
+                        let _ = tx
+                            .send(Err(std::io::Error::other("upstream stalled")))
+                            .await;
+                        break;
+                    }
+                };
+                if let Some(data) = frame.data_ref() {
+                    for b in data.iter() {
+                        if *b == b'\n' {
+                            if let Some(json) = line.strip_prefix(b"data: ")
+                                && let Some(c) = serde_json::from_slice(json)
+                                    .ok()
+                                    .as_ref()
+                                    .and_then(cached_tokens)
+                            {
+                                cached = Some(c);
+                            }
+                            line.clear();
+                        } else if line.len() < 1 << 20 {
+                            line.push(*b);
+                        }
+                    }
+                }
+                if tx.send(Ok(frame)).await.is_err() {
+                    break;
+                }
+            }
+            if let Some(c) = cached {
+                record(&prediction, c);
+            }
+        });
+        let r = hyper::Response::from_parts(
+            parts,
+            BodyExt::boxed(StreamBody::new(tokio_stream_from(rx))),
+        );
+        self.note_overhead(before);
+        // Counted while the router hands the stream on.
+        drop(in_flight);
+        r
+    }
+
+    /// The proxy's lines of `/metrics`.
+    pub(crate) fn metrics(&self) -> String {
+        let mut out = String::new();
+        out.push_str("# TYPE kvevent_router_responses_total counter\n");
+        let responses = self.responses.lock().unwrap_or_else(|e| e.into_inner());
+        let mut rows: Vec<_> = responses.iter().collect();
+        rows.sort();
+        for ((replica, status), n) in rows {
+            out.push_str(&format!(
+                "kvevent_router_responses_total{{replica=\"{replica}\",code=\"{status}\"}} {n}\n"
+            ));
+        }
+        let o = self.overhead.lock().unwrap_or_else(|e| e.into_inner());
+        out.push_str("# TYPE kvevent_router_proxy_overhead_seconds histogram\n");
+        let mut cumulative = 0;
+        for (i, le) in OVERHEAD_BUCKETS.iter().enumerate() {
+            cumulative += o.buckets[i];
+            out.push_str(&format!(
+                "kvevent_router_proxy_overhead_seconds_bucket{{le=\"{le}\"}} {cumulative}\n"
+            ));
+        }
+        out.push_str(&format!(
+            "kvevent_router_proxy_overhead_seconds_bucket{{le=\"+Inf\"}} {}\nkvevent_router_proxy_overhead_seconds_sum {}\nkvevent_router_proxy_overhead_seconds_count {}\n",
+            o.count, o.sum, o.count
+        ));
+        out
+    }
+}
+
+/// A receiver as a stream of frames.
+fn tokio_stream_from(
+    mut rx: tokio::sync::mpsc::Receiver<Result<Frame<Bytes>, std::io::Error>>,
+) -> impl futures_util::Stream<Item = Result<Frame<Bytes>, std::io::Error>> {
+    futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
+}
