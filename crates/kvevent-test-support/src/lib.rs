@@ -10,6 +10,7 @@
 //! - [`Publisher`]: the Rust fake engine (re-exported from `kvevent-zmq`).
 //! - [`PythonPublisher`]: a publisher built on msgspec + pyzmq exactly as vLLM's is, run as a
 //!   child process, so both sides' libzmq really talk.
+//! - [`Vllm`]: a real vLLM engine on CPU, for the real-engine checks (`.ci/real-engine`).
 //!
 //! Used only as a dev-dependency. Every wait is bounded by a timeout.
 
@@ -17,6 +18,8 @@ mod ports;
 #[cfg(feature = "engine")]
 mod python;
 mod server;
+#[cfg(feature = "engine")]
+mod vllm;
 
 #[cfg(feature = "engine")]
 pub use kvevent_zmq::publisher::{Publisher, PublisherConfig};
@@ -24,6 +27,8 @@ pub use ports::HeldPort;
 #[cfg(feature = "engine")]
 pub use python::{PythonPublisher, python};
 pub use server::{Behaviour, Received, RecordingServer, distinct_prefixes};
+#[cfg(feature = "engine")]
+pub use vllm::{VLLM_BLOCK, VLLM_CACHE_BLOCKS, Vllm, vllm_venv};
 
 /// The repository's `testdata/` (vectors, metrics fixtures, golden fingerprints; see its
 /// README for where each comes from).

@@ -7,8 +7,6 @@
 //! Block size 32 (the CPU attention takes multiples of 32), 64 blocks of cache (so that 17
 //! prompts of 4 blocks evict), prompts of token ids on `/v1/completions` with one token out.
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvevent_fleet::{
@@ -18,155 +16,11 @@ use kvevent_fleet::{
 use kvevent_pipeline::settings::GoDuration;
 use kvevent_pipeline::{Settings, start};
 use kvevent_proto as pb;
-use kvevent_test_support::{HeldPort, Received, RecordingServer};
+use kvevent_test_support::{
+    HeldPort, Received, RecordingServer, VLLM_BLOCK as BLOCK, Vllm as Engine, vllm_venv,
+};
 
-const BLOCK: u32 = 32;
-const CACHE_BLOCKS: u32 = 64;
-const UP_WITHIN: Duration = Duration::from_secs(300);
 const WAIT: Duration = Duration::from_secs(30);
-
-/// The engine: vLLM's OpenAI-compatible server, run by `.ci/real-engine/serve.py`, which ends it
-/// (and every process it started) on SIGTERM or when this test's process goes.
-struct Engine {
-    child: Child,
-    http: std::net::SocketAddr,
-    log: PathBuf,
-}
-
-impl Engine {
-    fn start(venv: &std::path::Path, http: u16, events: u16, replay: u16, log: PathBuf) -> Self {
-        // vLLM binds its PUB only to a wildcard endpoint (a host it connects to: the
-        // sidecar's --engine-bind); the sidecar and the router connect to it on loopback.
-        let config = format!(
-            r#"{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:{events}","replay_endpoint":"tcp://*:{replay}","topic":"kv-events"}}"#
-        );
-        let out = std::fs::File::create(&log).expect("engine log");
-        let serve =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.ci/real-engine/serve.py");
-        let child = Command::new(venv.join("bin/python"))
-            .arg(serve)
-            .arg("--model")
-            .arg(venv.join("tiny-llama"))
-            .args([
-                "--served-model-name=tiny",
-                "--skip-tokenizer-init",
-                "--dtype=float32",
-                &format!("--block-size={BLOCK}"),
-                &format!("--num-gpu-blocks-override={CACHE_BLOCKS}"),
-                "--enable-prompt-tokens-details",
-                "--max-model-len=1024",
-                "--host=127.0.0.1",
-                &format!("--port={http}"),
-                "--kv-events-config",
-                &config,
-            ])
-            .env("VLLM_CPU_KVCACHE_SPACE", "1")
-            .env("VLLM_LOGGING_LEVEL", "WARNING")
-            .stdin(Stdio::null())
-            .stdout(out.try_clone().expect("log"))
-            .stderr(out)
-            .spawn()
-            .expect("start vLLM");
-        Self {
-            child,
-            http: ([127, 0, 0, 1], http).into(),
-            log,
-        }
-    }
-
-    /// Waits until `/health` answers 200; a process that exits first fails with its log.
-    async fn up(&mut self) -> Duration {
-        let started = Instant::now();
-        loop {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                panic!(
-                    "vLLM exited ({status}) before it was up:\n{}",
-                    self.log_tail()
-                );
-            }
-            let health = tokio::time::timeout(Duration::from_secs(2), async {
-                tokio::net::TcpStream::connect(self.http).await.ok()?;
-                Some(crate::http_get(self.http, "/health").await.0)
-            });
-            if let Ok(Some(200)) = health.await {
-                return started.elapsed();
-            }
-            assert!(
-                started.elapsed() < UP_WITHIN,
-                "vLLM not up within {UP_WITHIN:?}:\n{}",
-                self.log_tail()
-            );
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
-    }
-
-    fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(40)..].join("\n")
-    }
-
-    /// Stops the engine and every process it started (`serve.py` waits for them).
-    fn stop(&mut self) {
-        if let Ok(Some(_)) = self.child.try_wait() {
-            return;
-        }
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
-        let _ = self.child.wait();
-    }
-
-    /// One completion of `prompt` (token ids, one token out): the cached tokens its usage
-    /// reports.
-    async fn complete(&self, prompt: &[u32]) -> u32 {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let body = serde_json::json!({
-            "model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0,
-        })
-        .to_string();
-        let exchange = async {
-            let mut stream = tokio::net::TcpStream::connect(self.http)
-                .await
-                .expect("connect");
-            let request = format!(
-                "POST /v1/completions HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-                body.len()
-            );
-            stream.write_all(request.as_bytes()).await.expect("write");
-            let mut text = String::new();
-            stream.read_to_string(&mut text).await.expect("read");
-            text
-        };
-        let text = tokio::time::timeout(WAIT, exchange)
-            .await
-            .expect("a completion in time");
-        let json = text
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b)
-            .unwrap_or_default();
-        let v: serde_json::Value =
-            serde_json::from_str(json).unwrap_or_else(|e| panic!("{e}: {text}"));
-        let cached = &v["usage"]["prompt_tokens_details"]["cached_tokens"];
-        cached
-            .as_u64()
-            .unwrap_or_else(|| panic!("no cached tokens: {v}")) as u32
-    }
-
-    async fn metric(&self, name: &str) -> f64 {
-        let (_, text) = crate::http_get(self.http, "/metrics").await;
-        text.lines()
-            .filter(|l| l.starts_with(name) && !l.starts_with('#'))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
-    }
-}
-
-impl Drop for Engine {
-    fn drop(&mut self) {
-        self.stop();
-    }
-}
 
 /// A prompt of `blocks` blocks of token ids, distinct per `seed` (ids stay in the model's
 /// vocabulary of 1,024).
@@ -270,9 +124,7 @@ fn stats(received: &[Received]) -> Vec<pb::ReplicaStats> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sidecar_and_routers_against_a_real_vllm_engine() {
-    let venv = PathBuf::from(std::env::var("KVEVENT_VLLM_VENV").expect(
-        "KVEVENT_VLLM_VENV: the real engine's virtualenv (bash .ci/real-engine/run installs it and runs this test)",
-    ));
+    let venv = vllm_venv();
     let check_started = Instant::now();
     let logs = std::env::temp_dir().join(format!("kvevent-real-engine-{}", std::process::id()));
     std::fs::create_dir_all(&logs).expect("log dir");

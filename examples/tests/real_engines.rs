@@ -1,0 +1,176 @@
+//! The example router between two real vLLM engines on CPU (feature `real-engine`, run by
+//! `bash .ci/real-engine/run`): token-id prompts go to the engine that holds them, and
+//! `/metrics` shows each prediction against what the engine reused.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvevent_examples::proxy::Upstream;
+use kvevent_examples::router::{self, Engine, Router, RouterConfig};
+use kvevent_test_support::{HeldPort, VLLM_BLOCK, Vllm, vllm_venv};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// `POST /v1/completions` through the router: status and body.
+async fn complete(addr: std::net::SocketAddr, prompt: &[u32]) -> (u16, serde_json::Value) {
+    let body =
+        serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
+            .to_string();
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.expect("write");
+    let mut text = String::new();
+    tokio::time::timeout(Duration::from_secs(60), s.read_to_string(&mut text))
+        .await
+        .expect("in time")
+        .expect("read");
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .expect("status");
+    let json = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b)
+        .unwrap_or_default();
+    (status, serde_json::from_str(json).unwrap_or_default())
+}
+
+fn prompt(seed: u32) -> Vec<u32> {
+    (0..4 * VLLM_BLOCK)
+        .map(|t| 3 + (seed * 131 + t * 7) % 1000)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_router_routes_between_two_real_engines() {
+    let venv = vllm_venv();
+    let logs = std::env::temp_dir().join(format!("kvevent-real-engines-{}", std::process::id()));
+    std::fs::create_dir_all(&logs).expect("log dir");
+    let ports: Vec<[HeldPort; 3]> = (0..2)
+        .map(|_| [HeldPort::new(), HeldPort::new(), HeldPort::new()])
+        .collect();
+    let mut engines: Vec<Vllm> = ports
+        .iter()
+        .enumerate()
+        .map(|(i, [http, events, replay])| {
+            Vllm::start(
+                &venv,
+                http.port(),
+                events.port(),
+                replay.port(),
+                logs.join(format!("vllm-{i}.log")),
+            )
+        })
+        .collect();
+    for e in &mut engines {
+        e.up().await;
+    }
+    let names = ["e1", "e2"];
+    let router = Arc::new(
+        Router::start(RouterConfig {
+            model: "tiny".into(),
+            block_size: None,
+            engines: ports
+                .iter()
+                .zip(names)
+                .map(|([_, events, replay], name)| {
+                    format!("{name}={},replay={}", events.tcp(), replay.tcp())
+                        .parse::<Engine>()
+                        .expect("engine")
+                })
+                .collect(),
+            sidecars: Vec::new(),
+            upstreams: engines
+                .iter()
+                .zip(names)
+                .map(|(e, name)| Upstream {
+                    name: name.into(),
+                    url: format!("http://{}", e.http),
+                })
+                .collect(),
+            upstream_timeout: Duration::from_secs(60),
+        })
+        .expect("router"),
+    );
+    let (addr, _server) = router::bind("127.0.0.1:0", router.clone())
+        .await
+        .expect("bind");
+    router
+        .fleet()
+        .ready(Duration::from_secs(60))
+        .await
+        .expect("both exact");
+    // e2 served p2 before (straight to it); p1 is new to both.
+    let (p1, p2) = (prompt(1), prompt(2));
+    assert_eq!(engines[1].complete(&p2).await, 0);
+    let known = |ids: &[u32]| {
+        router
+            .fleet()
+            .score(&kvevent_fleet::Query {
+                adapter: "",
+                keys: kvevent_fleet::QueryKeys::Tokens {
+                    ids,
+                    block_size: VLLM_BLOCK as usize,
+                },
+            })
+            .ok()
+            .and_then(|s| s.first().map(|s| (s.replica.to_owned(), s.matched_tokens)))
+    };
+    let settle = |ids: Vec<u32>, on: &'static str| {
+        let known = &known;
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while known(&ids) != Some((on.to_owned(), 4 * VLLM_BLOCK)) {
+                assert!(
+                    Instant::now() < deadline,
+                    "{on} never held it: {:?}",
+                    known(&ids)
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    settle(p2.clone(), "e2").await;
+    // p2 goes to e2, which holds it: 96 of 128 reused (the last block is computed again).
+    let (status, v) = complete(addr, &p2).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        v["usage"]["prompt_tokens_details"]["cached_tokens"], 96,
+        "{v}"
+    );
+    // p1 is new: both tie at 0, and it goes to e1 (neither busy; by name). Then again to e1.
+    let (status, v) = complete(addr, &p1).await;
+    assert_eq!(
+        (
+            status,
+            &v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        ),
+        (200, &serde_json::json!(0)),
+        "{v}"
+    );
+    settle(p1.clone(), "e1").await;
+    let (status, v) = complete(addr, &p1).await;
+    assert_eq!(
+        (
+            status,
+            &v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        ),
+        (200, &serde_json::json!(96)),
+        "{v}"
+    );
+    let metrics = router.metrics();
+    for needle in [
+        "kvevent_router_predictions_total{replica=\"e1\",outcome=\"exact\"} 2",
+        "kvevent_router_predictions_total{replica=\"e2\",outcome=\"exact\"} 1",
+        "kvevent_router_responses_total{replica=\"e1\",code=\"200\"} 2",
+        "kvevent_router_responses_total{replica=\"e2\",code=\"200\"} 1",
+    ] {
+        assert!(metrics.contains(needle), "no {needle} in\n{metrics}");
+    }
+    for e in &mut engines {
+        e.stop();
+    }
+}
