@@ -40,9 +40,13 @@ Options:
                          vLLM server); POST /v1/completions is routed among these (repeatable)
   --upstream-timeout S   seconds to wait for a routed response, and for each frame of a
                          streamed one [default: 60]
+  --tokenizer FILE       the engine's tokenizer.json: text prompts are tokenized as the engine
+                         does (special tokens added) to find their prefix; without it a text
+                         prompt is refused with 400
   -h, --help             print this
 
-POST /v1/completions takes an OpenAI completions request whose prompt is token ids: it goes
+POST /v1/completions takes an OpenAI completions request whose prompt is token ids (or text,
+with --tokenizer): it goes
 to the exact replica holding the longest prefix of it (ties: fewest requests in flight, then
 name; no exact replica: fewest in flight), and comes back as the replica sent it (streamed
 when asked; the usage chunk is asked for). A replica that fails it is a 502 naming it. What
@@ -64,6 +68,7 @@ fn main() -> anyhow::Result<()> {
         sidecars: Vec::new(),
         upstreams: Vec::new(),
         upstream_timeout: std::time::Duration::from_secs(60),
+        tokenizer: None,
     };
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
@@ -79,6 +84,7 @@ fn main() -> anyhow::Result<()> {
             "--engine" => config.engines.push(value()?.parse::<Engine>()?),
             "--sidecar" => config.sidecars.push(value()?.parse::<Sidecar>()?),
             "--upstream" => config.upstreams.push(value()?.parse::<Upstream>()?),
+            "--tokenizer" => config.tokenizer = Some(value()?.into()),
             "--upstream-timeout" => {
                 config.upstream_timeout = std::time::Duration::from_secs_f64(
                     value()?

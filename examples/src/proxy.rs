@@ -1,4 +1,6 @@
-//! `POST /v1/completions` routed: the prompt's token ids are scored against the replicas
+//! `POST /v1/completions` routed: the prompt's token ids (a text prompt's, with a tokenizer:
+//! the engine's own `tokenizer.json`, special tokens added as vLLM adds them) are scored
+//! against the replicas
 //! that have an upstream (`--upstream NAME=http://HOST:PORT`, the replica's OpenAI-compatible
 //! server), the request goes to the best, and the response comes back as it came (streamed when
 //! it streams). The cached tokens its usage reports are recorded against the prediction the
@@ -82,6 +84,8 @@ pub(crate) struct Proxy {
     overhead: Mutex<Overhead>,
     /// Responses by replica and status ("502" for a replica that failed).
     responses: Mutex<HashMap<(String, u16), u64>>,
+    /// Turns text prompts into the engine's token ids, when given.
+    tokenizer: Option<tokenizers::Tokenizer>,
 }
 
 /// Counts a request in flight to a replica while it lasts.
@@ -114,7 +118,11 @@ fn cached_tokens(v: &serde_json::Value) -> Option<u32> {
 }
 
 impl Proxy {
-    pub(crate) fn new(upstreams: Vec<Upstream>, timeout: Duration) -> Self {
+    pub(crate) fn new(
+        upstreams: Vec<Upstream>,
+        timeout: Duration,
+        tokenizer: Option<tokenizers::Tokenizer>,
+    ) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(timeout));
@@ -128,6 +136,7 @@ impl Proxy {
             timeout,
             overhead: Mutex::default(),
             responses: Mutex::default(),
+            tokenizer,
         }
     }
 
@@ -240,13 +249,19 @@ impl Proxy {
                     );
                 }
             },
-            serde_json::Value::String(_) => {
-                return error(
-                    400,
-                    "text prompts need a tokenizer, and this router has none: send token ids"
-                        .into(),
-                );
-            }
+            serde_json::Value::String(text) => match &self.tokenizer {
+                // The request goes on as text: the engine tokenizes it the same way.
+                Some(t) => match t.encode(text.as_str(), true) {
+                    Ok(encoding) => encoding.get_ids().to_vec(),
+                    Err(e) => return error(400, format!("the prompt cannot be tokenized: {e}")),
+                },
+                None => {
+                    return error(
+                        400,
+                        "text prompts need a tokenizer (--tokenizer tokenizer.json), and this router has none: send token ids".into(),
+                    );
+                }
+            },
             _ => return error(400, "`prompt` must be an array of token ids".into()),
         };
         let Some((upstream, prediction)) = self.choose(fleet, &prompt) else {

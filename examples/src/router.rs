@@ -108,6 +108,8 @@ pub struct RouterConfig {
     pub upstreams: Vec<Upstream>,
     /// Deadline of a routed request's response (and of each frame of a streamed one).
     pub upstream_timeout: std::time::Duration,
+    /// The engine's `tokenizer.json`, for text prompts (token ids need none).
+    pub tokenizer: Option<std::path::PathBuf>,
 }
 
 /// The running service: a [`Fleet`] of the replicas.
@@ -154,7 +156,13 @@ impl Router {
                 u.name
             );
         }
-        let proxy = Proxy::new(config.upstreams.clone(), config.upstream_timeout);
+        let tokenizer = match &config.tokenizer {
+            Some(path) => Some(tokenizers::Tokenizer::from_file(path).map_err(|e| {
+                anyhow::anyhow!("--tokenizer {}: not a tokenizer.json: {e}", path.display())
+            })?),
+            None => None,
+        };
+        let proxy = Proxy::new(config.upstreams.clone(), config.upstream_timeout, tokenizer);
         Ok(Self {
             fleet,
             config,

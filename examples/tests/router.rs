@@ -49,6 +49,7 @@ async fn python_publishers_into_the_router_and_scores_out() {
             sidecars: Vec::new(),
             upstreams: Vec::new(),
             upstream_timeout: Duration::from_secs(10),
+            tokenizer: None,
         })
         .expect("router"),
     );
@@ -215,7 +216,7 @@ fn engine_flags_parse() {
 }
 
 /// A replica's OpenAI-compatible server, faked: answers `/v1/completions` with `cached`
-/// tokens in its usage for a prompt starting at token 0 (0 for others) (streamed as SSE when asked, the usage chunk only when asked for),
+/// tokens in its usage for a prompt starting at token 0 or the word `w0` (0 for others) (streamed as SSE when asked, the usage chunk only when asked for),
 /// naming itself in the text.
 async fn fake_upstream(
     name: &'static str,
@@ -243,7 +244,9 @@ async fn fake_upstream(
                         let v: serde_json::Value =
                             serde_json::from_slice(&body).unwrap_or_default();
                         // Only the prompt it holds (token ids from 0) is cached.
-                        let cached = if v["prompt"][0] == 0 { cached } else { 0 };
+                        let held = v["prompt"][0] == 0
+                            || v["prompt"].as_str().is_some_and(|t| t.starts_with("w0 "));
+                        let cached = if held { cached } else { 0 };
                         let usage =
                             serde_json::json!({"prompt_tokens_details": {"cached_tokens": cached}});
                         let text = if v["stream"] == true {
@@ -347,6 +350,29 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
         kvevent_zmq::publisher::PublisherConfig::loopback(wire::Release::NEWEST_KNOWN),
     )
     .expect("engine");
+    // A word-level tokenizer.json: w0..w127 are the ids 0..127.
+    let vocab: serde_json::Map<String, serde_json::Value> = (0..128)
+        .map(|i| (format!("w{i}"), serde_json::json!(i)))
+        .chain(std::iter::once((
+            "[UNK]".to_owned(),
+            serde_json::json!(1000),
+        )))
+        .collect();
+    let tokenizer = std::env::temp_dir().join(format!(
+        "kvevent-router-tokenizer-{}.json",
+        std::process::id()
+    ));
+    std::fs::write(
+        &tokenizer,
+        serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"},
+            "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"},
+        })
+        .to_string(),
+    )
+    .expect("tokenizer.json");
     let router = Arc::new(
         Router::start(RouterConfig {
             model: "m".into(),
@@ -369,6 +395,7 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
                 },
             ],
             upstream_timeout: Duration::from_secs(5),
+            tokenizer: Some(tokenizer.clone()),
         })
         .expect("router"),
     );
@@ -420,9 +447,32 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
         serde_json::json!({"model": "m", "prompt": [900, 901, 902], "max_tokens": 1}).to_string();
     let (status, body) = post_raw(addr, "/v1/completions", &other).await;
     assert_eq!(status, 200, "{body}");
-    // A text prompt needs a tokenizer this router does not have: a clear 400.
-    let text = serde_json::json!({"model": "m", "prompt": "hello"}).to_string();
+    // A text prompt, tokenized as the engine would (this router's tokenizer.json maps the words
+    // w0..w127 to the ids 0..127): the prompt a holds, so it goes to a.
+    let words: Vec<String> = (0..128).map(|i| format!("w{i}")).collect();
+    let text =
+        serde_json::json!({"model": "m", "prompt": words.join(" "), "max_tokens": 1}).to_string();
     let (status, body) = post_raw(addr, "/v1/completions", &text).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("\"text\":\"a\""), "{body}");
+    // Without a tokenizer, a text prompt is a clear 400.
+    let bare = Arc::new(
+        Router::start(RouterConfig {
+            model: "m".into(),
+            block_size: None,
+            engines: vec![spec("a", &a)],
+            sidecars: Vec::new(),
+            upstreams: vec![Upstream {
+                name: "a".into(),
+                url: format!("http://{ua}"),
+            }],
+            upstream_timeout: Duration::from_secs(5),
+            tokenizer: None,
+        })
+        .expect("router"),
+    );
+    let (bare_addr, _bare_server) = router::bind("127.0.0.1:0", bare).await.expect("bind");
+    let (status, body) = post_raw(bare_addr, "/v1/completions", &text).await;
     assert_eq!(status, 400, "{body}");
     assert!(body.contains("tokenizer"), "{body}");
     // c holds a prompt now: it goes there, and c fails it: a 502 naming it.
@@ -464,10 +514,10 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
     // /metrics: the accounting and the proxy's own latency.
     let metrics = router.metrics();
     for needle in [
-        "kvevent_router_predictions_total{replica=\"a\",outcome=\"exact\"} 3",
+        "kvevent_router_predictions_total{replica=\"a\",outcome=\"exact\"} 4",
         "kvevent_router_predictions_total{replica=\"a\",outcome=\"pessimistic\"} 0",
-        "kvevent_router_prediction_error_blocks_bucket{replica=\"a\",le=\"0\"} 3",
-        "kvevent_router_proxy_overhead_seconds_count 3",
+        "kvevent_router_prediction_error_blocks_bucket{replica=\"a\",le=\"0\"} 4",
+        "kvevent_router_proxy_overhead_seconds_count 4",
         "kvevent_router_responses_total{replica=\"c\",code=\"502\"} 1",
     ] {
         assert!(metrics.contains(needle), "no {needle} in\n{metrics}");

@@ -113,6 +113,7 @@ fn main() -> anyhow::Result<()> {
                 url: format!("http://{server}"),
             }],
             upstream_timeout: Duration::from_secs(10),
+            tokenizer: None,
         })?);
         let (addr, _task) = router::bind("127.0.0.1:0", router.clone()).await?;
         router
