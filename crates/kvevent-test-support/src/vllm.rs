@@ -34,6 +34,19 @@ impl Vllm {
     /// Starts the engine from `venv`, serving HTTP on `http`, its events on `events` and
     /// its replay on `replay` (every port on the host), its output in `log`.
     pub fn start(venv: &Path, http: u16, events: u16, replay: u16, log: PathBuf) -> Self {
+        Self::start_with(venv, http, events, replay, log, &[])
+    }
+
+    /// [`Vllm::start`] with more of vLLM's flags (`--data-parallel-size=2`: rank `r` on the
+    /// event and replay ports + `r`).
+    pub fn start_with(
+        venv: &Path,
+        http: u16,
+        events: u16,
+        replay: u16,
+        log: PathBuf,
+        flags: &[&str],
+    ) -> Self {
         // vLLM binds its PUB only to a wildcard endpoint (a host it connects to: the
         // sidecar's --engine-bind); the sidecar and the router connect to it on loopback.
         let config = format!(
@@ -59,6 +72,7 @@ impl Vllm {
                 "--kv-events-config",
                 &config,
             ])
+            .args(flags)
             .env("VLLM_CPU_KVCACHE_SPACE", "1")
             .env("VLLM_LOGGING_LEVEL", "WARNING")
             .stdin(Stdio::null())

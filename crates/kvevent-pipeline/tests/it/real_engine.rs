@@ -350,3 +350,60 @@ async fn the_sidecar_and_routers_against_a_real_vllm_engine() {
         check_started.elapsed()
     );
 }
+
+/// vLLM with two data-parallel ranks on CPU: the sidecar reads both from the engine's own
+/// `/kv_event_sources` (vLLM 0.32 answers an object by rank) and a router following its feed
+/// knows the prompts either rank served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sidecar_discovers_and_follows_both_ranks_of_a_real_dp_2_engine() {
+    let venv = vllm_venv();
+    let logs = std::env::temp_dir().join(format!("kvevent-real-engine-dp-{}", std::process::id()));
+    std::fs::create_dir_all(&logs).expect("log dir");
+    // Rank r publishes on events + r and replays on replay + r: the bases far apart.
+    let http = HeldPort::new();
+    let events = HeldPort::consecutive(2);
+    let replay = HeldPort::consecutive(2);
+    let mut engine = Engine::start_with(
+        &venv,
+        http.port(),
+        events[0].port(),
+        replay[0].port(),
+        logs.join("vllm-dp.log"),
+        &["--data-parallel-size=2"],
+    );
+    engine.up().await;
+    let server = RecordingServer::start().await;
+    let ctx = zmq::Context::new();
+    let settings = Settings {
+        engine_discovery_url: format!("http://{}/kv_event_sources", engine.http),
+        server: server.addr().to_string(),
+        replica_id: "vllm-cpu-dp".into(),
+        model_id: "tiny".into(),
+        feed_address: "127.0.0.1:0".into(),
+        window: GoDuration::ms(20),
+        metrics_address: String::new(),
+        ..Settings::default()
+    };
+    let running = start(&settings, &ctx).await.expect("the sidecar starts");
+    let labels = running.telemetry().sources.clone();
+    assert_eq!(labels.len(), 2, "both ranks discovered: {labels:?}");
+    let feed_url = format!("http://{}", running.feed_addr().expect("feed"));
+    let fleet = Fleet::new(FleetConfig::default()).expect("fleet");
+    fleet
+        .ensure_replica("dp", ReplicaSource::Sidecar(SidecarFeed::new(feed_url)))
+        .expect("follow the sidecar");
+    fleet.ready(WAIT).await.expect("exact through the sidecar");
+    let status = fleet.replicas().into_iter().next().expect("dp");
+    assert_eq!(status.ranks.len(), 2, "{status:?}");
+    assert!(status.ranks.iter().all(|r| r.connected), "{status:?}");
+    // Prompts spread over the ranks by vLLM: the router knows every one.
+    let prompts: Vec<Vec<u32>> = (0..6).map(|s| prompt(400 + s, 4)).collect();
+    for p in &prompts {
+        assert_eq!(engine.complete(p).await, 0);
+    }
+    for p in &prompts {
+        settled(&[(&fleet, "dp")], p, 4 * BLOCK).await;
+    }
+    running.shutdown(Duration::from_secs(2)).await;
+    engine.stop();
+}
