@@ -63,6 +63,11 @@ fn bad_configuration_exits_64_naming_every_problem() {
     }
     let out = run(&["--no-such-flag"]);
     assert_eq!(out.status.code(), Some(64));
+    // Words are exact, as the Go sidecar's (its TestCacheTierIsValid refuses AUTO).
+    let out = run(&["--cache-tier=AUTO", "--replica-id=r", "--model-id=m"]);
+    assert_eq!(out.status.code(), Some(64));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("did you mean `auto`"), "{err}");
 }
 
 /// The binary with `args`, its log piped, once it subscribed to `engine`.

@@ -133,9 +133,14 @@ impl Vllm {
     /// One completion of `prompt` (token ids, one token out): the cached tokens its usage
     /// reports.
     pub async fn complete(&self, prompt: &[u32]) -> u32 {
+        self.complete_as("tiny", prompt).await
+    }
+
+    /// [`Vllm::complete`] as `model`: the served model, or a LoRA adapter's name.
+    pub async fn complete_as(&self, model: &str, prompt: &[u32]) -> u32 {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let body = serde_json::json!({
-            "model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0,
+            "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
         })
         .to_string();
         let exchange = async {

@@ -144,19 +144,22 @@ pub trait Words: Sized + Copy + PartialEq + 'static {
             .map_or("", |(_, w)| w)
     }
 
-    /// The value a word names, or why it names none.
+    /// The value a word names, or why it names none. Words are exact, as the Go sidecar's
+    /// are (`AUTO` is not `auto`); a word that differs only in case is pointed out.
     fn from_word(word: &str) -> Result<Self, String> {
         let word = word.trim();
-        Self::WORDS
+        if let Some((v, _)) = Self::WORDS.iter().find(|(_, w)| *w == word) {
+            return Ok(*v);
+        }
+        let hint = Self::WORDS
             .iter()
             .find(|(_, w)| w.eq_ignore_ascii_case(word))
-            .map(|(v, _)| *v)
-            .ok_or_else(|| {
-                format!(
-                    "`{word}` is not {}",
-                    one_of(Self::WORDS.iter().map(|(_, w)| *w))
-                )
-            })
+            .map(|(_, w)| format!(" (did you mean `{w}`? words are exact)"))
+            .unwrap_or_default();
+        Err(format!(
+            "`{word}` is not {}{hint}",
+            one_of(Self::WORDS.iter().map(|(_, w)| *w))
+        ))
     }
 }
 
@@ -320,8 +323,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn words_are_read_in_any_case_and_refused_naming_the_choices() {
-        assert_eq!(LogFormat::from_word(" JSON "), Ok(LogFormat::Json));
+    fn words_are_exact_and_refused_naming_the_choices() {
+        assert_eq!(LogFormat::from_word(" json "), Ok(LogFormat::Json));
+        // As the Go sidecar's: another case is another word, pointed out.
+        assert_eq!(
+            LogFormat::from_word("JSON"),
+            Err("`JSON` is not text or json (did you mean `json`? words are exact)".to_owned())
+        );
         assert_eq!(
             kvevent_mapper::KeyMode::from_word("magic"),
             Err("`magic` is not engine or fingerprint".to_owned())

@@ -351,14 +351,26 @@ async fn the_sidecar_and_routers_against_a_real_vllm_engine() {
     );
 }
 
-/// vLLM with two data-parallel ranks on CPU: the sidecar reads both from the engine's own
-/// `/kv_event_sources` (vLLM 0.32 answers an object by rank) and a router following its feed
-/// knows the prompts either rank served.
+/// vLLM with two data-parallel ranks and a LoRA adapter (made locally) on CPU: the sidecar
+/// reads both ranks from the engine's own `/kv_event_sources` (vLLM 0.32 answers an object by
+/// rank); a router following its feed knows the prompts either rank served, and the adapter's
+/// apart from the base model's, as the engine keeps them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_sidecar_discovers_and_follows_both_ranks_of_a_real_dp_2_engine() {
+async fn the_sidecar_follows_both_ranks_and_a_lora_adapter_of_a_real_engine() {
     let venv = vllm_venv();
     let logs = std::env::temp_dir().join(format!("kvevent-real-engine-dp-{}", std::process::id()));
     std::fs::create_dir_all(&logs).expect("log dir");
+    let lora = logs.join("tiny-lora");
+    let made = std::process::Command::new(venv.join("bin/python"))
+        .arg(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../.ci/real-engine/make_lora.py"),
+        )
+        .arg(&lora)
+        .status()
+        .expect("make the LoRA adapter");
+    assert!(made.success(), "make_lora.py failed");
+    let lora_module = format!("--lora-modules=tiny-lora={}", lora.display());
     // Rank r publishes on events + r and replays on replay + r: the bases far apart.
     let http = HeldPort::new();
     let events = HeldPort::consecutive(2);
@@ -369,7 +381,13 @@ async fn the_sidecar_discovers_and_follows_both_ranks_of_a_real_dp_2_engine() {
         events[0].port(),
         replay[0].port(),
         logs.join("vllm-dp.log"),
-        &["--data-parallel-size=2"],
+        &[
+            "--data-parallel-size=2",
+            "--enable-lora",
+            &lora_module,
+            "--max-lora-rank=8",
+            "--max-loras=1",
+        ],
     );
     engine.up().await;
     let server = RecordingServer::start().await;
@@ -404,6 +422,40 @@ async fn the_sidecar_discovers_and_follows_both_ranks_of_a_real_dp_2_engine() {
     for p in &prompts {
         settled(&[(&fleet, "dp")], p, 4 * BLOCK).await;
     }
+    // Through the adapter: its blocks are the adapter's (the engine keys them apart), so the
+    // router knows them under its name and not under the base model.
+    let lora_prompt = prompt(500, 4);
+    assert_eq!(engine.complete_as("tiny-lora", &lora_prompt).await, 0);
+    let under = |adapter: &str| {
+        fleet
+            .score(&Query {
+                adapter,
+                keys: QueryKeys::Tokens {
+                    ids: &lora_prompt,
+                    block_size: BLOCK as usize,
+                },
+            })
+            .ok()
+            .and_then(|s| s.first().map(|s| s.matched_tokens))
+    };
+    let deadline = Instant::now() + WAIT;
+    while under("tiny-lora") != Some(4 * BLOCK) {
+        assert!(
+            Instant::now() < deadline,
+            "the adapter's blocks never came: {:?}",
+            under("tiny-lora")
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        under(""),
+        None,
+        "the base model does not hold the adapter's prompt"
+    );
+    // The same prompt again through the adapter: vLLM's own balancer picks a rank, not by
+    // prefix; the rank that served it first reuses 96 tokens, the other none (seen both ways).
+    let again = engine.complete_as("tiny-lora", &lora_prompt).await;
+    assert!(again == 3 * BLOCK || again == 0, "reused {again}");
     running.shutdown(Duration::from_secs(2)).await;
     engine.stop();
 }
