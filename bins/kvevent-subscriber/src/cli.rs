@@ -57,7 +57,7 @@ pub(crate) struct Options {
     #[arg(long, value_name = "ENDPOINT")]
     #[serde(skip_serializing_if = "Option::is_none")]
     engine_endpoint: Option<String>,
-    /// vLLM 0.31+ endpoint listing, e.g. http://127.0.0.1:8000/kv_event_sources: every DP rank's PUB and replay endpoints are read from it (replacing --engine-endpoint, --replay-endpoint and --dp-size), and read again when a rank's connection is lost for good
+    /// The engine's own list of its KV-event endpoints: vLLM 0.31+'s /kv_event_sources (e.g. http://127.0.0.1:8000/kv_event_sources) or SGLang 0.5.13+'s /server_info (e.g. http://127.0.0.1:30000/server_info): every DP rank's PUB and replay endpoints are read from it (replacing --engine-endpoint, --replay-endpoint and --dp-size), and read again when a rank's connection is lost for good
     #[arg(long, value_name = "URL")]
     #[serde(skip_serializing_if = "Option::is_none")]
     engine_discovery_url: Option<String>,

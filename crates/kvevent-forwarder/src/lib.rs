@@ -36,9 +36,9 @@
 //!   returns what could not be sent ([`DrainReport`]).
 //!
 //! Memory: at most `max_pending` queued entries plus the window in flight (itself at most
-//! `max_pending` when it was queued). A queued entry costs at most about 220 bytes (an op of
-//! ≤ 72 bytes and an index entry of ≤ 64 bytes in a table 7/16 to 7/8 full); a window in
-//! flight drops its index, and builds its messages per attempt.
+//! `max_pending` when it was queued): a queued entry is one op and one index entry (the bytes
+//! are measured in `docs/performance.md`); a window in flight drops its index, and builds its
+//! messages per attempt.
 //!
 //! [`Client`] is the thin deadline-bounded gRPC client, shared with the stats path. It knows
 //! proto messages, never msgpack. Counters live in [`Metrics`] for the caller to export.

@@ -232,8 +232,8 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         all_kv_groups: settings.all_kv_groups,
         lora_adapters: mapper::parse_lora_adapters(&settings.lora_adapter_names)?,
         max_tracked_blocks: settings.max_tracked_blocks,
-        // One engine's map: dense keeps the sidecar's memory target (≤ 100 MB at 500k
-        // blocks/s stored) with room; it keeps up with that rate as it is.
+        // One engine's map, dense: it keeps the sidecar within its memory target at the
+        // highest store rate measured (docs/performance.md, `load --store-only`).
     };
     // No server (a feed-only sidecar): no client, forwarder, server watch or stats.
     let client = match settings.server() {

@@ -20,11 +20,9 @@ pub struct Config {
     pub socket: transport::SourceOptions,
     /// Every source read by the thread that calls [`Subscriber::next`] (false, the default),
     /// or each by a thread of its own (true). Reading in the caller saves two thread wakeups
-    /// a message, and under load it batches: measured (`fleet-load`), 256 engines at 1k
-    /// blocks/s each into an index took 1.1 cores with no loss read in the caller, while a
-    /// thread each took 1.8 cores and fell 30 s behind. Idle, 256 sources cost 4.4 % of a core
-    /// read in the caller (a poll of every socket every 100 ms), 2.9 % on threads. The caller
-    /// must call `next` regularly (libzmq attaches reconnections when the socket is used).
+    /// a message, and under load it batches (`docs/performance.md`, `fleet-load` and
+    /// `fleet-idle`, has the figures). The caller must call `next` regularly (libzmq attaches
+    /// reconnections when the socket is used).
     pub threads: bool,
     /// Capacity of the frames channel between the source threads and the subscriber.
     /// Default 1,024 messages.

@@ -9,10 +9,10 @@
 //!   `zmq_poll` over every source, no handoff between threads) or by a named std thread per
 //!   source over a bounded channel ([`Transport::start`]), which sleeps until its sockets or
 //!   its doorbell (a Unix socket pair, rung for commands and stops) wake it. Sources are added
-//!   and removed while the others run ([`Transport::add`], [`Transport::remove`]). Measured
-//!   (`fleet-idle`, `fleet-load`): 256 idle sources cost 2.9 % of a core on threads and 4.4 %
-//!   read in the caller; 256 busy engines (1k blocks/s each) were followed with nothing lost
-//!   read in the caller, and fell behind on threads. TCP sources beyond 200 a context get
+//!   and removed while the others run ([`Transport::add`], [`Transport::remove`]). What each
+//!   way costs idle and under load is measured in `docs/performance.md` (`fleet-idle`,
+//!   `fleet-load`): read in the caller keeps up where threads fall behind. TCP sources beyond
+//!   200 a context get
 //!   contexts of their own (a libzmq context holds 1,023 sockets).
 //! - [`dp_endpoint`] applies vLLM's data-parallel port-offset rule.
 //! - [`publisher::Publisher`] is the other side: a publisher that behaves as vLLM's does (PUB
