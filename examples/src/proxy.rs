@@ -12,8 +12,8 @@
 //! known, the one with the fewest requests in flight (fail open).
 
 use std::collections::HashMap;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -79,7 +79,7 @@ struct Overhead {
 pub(crate) struct Proxy {
     client: Client<HttpConnector, Full<Bytes>>,
     upstreams: Vec<Upstream>,
-    in_flight: HashMap<String, AtomicU32>,
+    in_flight: HashMap<String, Arc<AtomicU32>>,
     timeout: Duration,
     overhead: Mutex<Overhead>,
     /// Responses by replica and status ("502" for a replica that failed).
@@ -89,9 +89,16 @@ pub(crate) struct Proxy {
 }
 
 /// Counts a request in flight to a replica while it lasts.
-struct InFlight<'a>(&'a AtomicU32);
+struct InFlight(Arc<AtomicU32>);
 
-impl Drop for InFlight<'_> {
+impl InFlight {
+    fn new(counter: &Arc<AtomicU32>) -> Self {
+        counter.fetch_add(1, Relaxed);
+        Self(counter.clone())
+    }
+}
+
+impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Relaxed);
     }
@@ -130,7 +137,7 @@ impl Proxy {
             client: Client::builder(TokioExecutor::new()).build(connector),
             in_flight: upstreams
                 .iter()
-                .map(|u| (u.name.clone(), AtomicU32::new(0)))
+                .map(|u| (u.name.clone(), Arc::default()))
                 .collect(),
             upstreams,
             timeout,
@@ -287,9 +294,7 @@ impl Proxy {
             Ok(r) => r,
             Err(e) => return error(500, format!("request: {e}")),
         };
-        let counter = &self.in_flight[&upstream.name];
-        counter.fetch_add(1, Relaxed);
-        let in_flight = InFlight(counter);
+        let in_flight = InFlight::new(&self.in_flight[&upstream.name]);
         let before = started.elapsed();
         let failed = |why: String| {
             self.note_response(&upstream.name, 502);
@@ -379,14 +384,14 @@ impl Proxy {
             if let Some(c) = cached {
                 record(&prediction, c);
             }
+            // In flight until the stream has been handed on whole.
+            drop(in_flight);
         });
         let r = hyper::Response::from_parts(
             parts,
             BodyExt::boxed(StreamBody::new(tokio_stream_from(rx))),
         );
         self.note_overhead(before);
-        // Counted while the router hands the stream on.
-        drop(in_flight);
         r
     }
 

@@ -27,6 +27,8 @@ A router's index in a churning fleet (see the source's header). Defaults: 64 rep
 20000 queries a measure, 10000 prompts a replica for the 5 M-pair index, 3000 ms of rollout,
 256 replicas for the Fleet's score.";
 
+/// index-probe's generator, kept here: `benches/churn.sh` builds this file on the build before
+/// too, whose benches library has no shared one.
 struct Rng(u64);
 
 impl Rng {

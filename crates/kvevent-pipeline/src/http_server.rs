@@ -63,24 +63,28 @@ fn route(path: &str, telemetry: &Telemetry, readiness: Readiness) -> hyper::Resp
                 .filter(|(_, m)| !m.connected.load(Relaxed))
                 .map(|(label, _)| label.as_str())
                 .collect();
+            if !subscribed {
+                return respond(
+                    503,
+                    "text/plain",
+                    "not ready: engine subscription is not up\n".into(),
+                );
+            }
+            let no_connection = || {
+                format!(
+                    "no connection to the engine socket(s) {}: nothing listens there or the host cannot be reached",
+                    unconnected.join(", ")
+                )
+            };
             if readiness.feed_only {
-                return match (subscribed, unconnected.is_empty()) {
-                    (false, _) => respond(
+                return if unconnected.is_empty() {
+                    respond(200, "text/plain", "ready (feed only: no server)\n".into())
+                } else {
+                    respond(
                         503,
                         "text/plain",
-                        "not ready: engine subscription is not up\n".into(),
-                    ),
-                    (true, false) => respond(
-                        503,
-                        "text/plain",
-                        format!(
-                            "not ready: no connection to the engine socket(s) {}: nothing listens there or the host cannot be reached\n",
-                            unconnected.join(", ")
-                        ),
-                    ),
-                    (true, true) => {
-                        respond(200, "text/plain", "ready (feed only: no server)\n".into())
-                    }
+                        format!("not ready: {}\n", no_connection()),
+                    )
                 };
             }
             let unreachable = telemetry
@@ -88,16 +92,10 @@ fn route(path: &str, telemetry: &Telemetry, readiness: Readiness) -> hyper::Resp
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .clone();
-            if subscribed
-                && (engine_silent || !recent)
-                && (!unconnected.is_empty() || unreachable.is_some())
-            {
+            if (engine_silent || !recent) && (!unconnected.is_empty() || unreachable.is_some()) {
                 let mut why = String::from("not ready:");
                 if !unconnected.is_empty() {
-                    why.push_str(&format!(
-                        " no connection to the engine socket(s) {}: nothing listens there or the host cannot be reached;",
-                        unconnected.join(", ")
-                    ));
+                    why.push_str(&format!(" {};", no_connection()));
                 }
                 if let Some(e) = unreachable {
                     why.push_str(&format!(" the server cannot be reached ({e});"));
@@ -106,7 +104,7 @@ fn route(path: &str, telemetry: &Telemetry, readiness: Readiness) -> hyper::Resp
                 why.push('\n');
                 return respond(503, "text/plain", why);
             }
-            if subscribed && engine_silent {
+            if engine_silent {
                 return respond(
                     503,
                     "text/plain",
@@ -116,21 +114,17 @@ fn route(path: &str, telemetry: &Telemetry, readiness: Readiness) -> hyper::Resp
                     ),
                 );
             }
-            match (subscribed, recent) {
-                (true, true) => respond(200, "text/plain", "ready\n".into()),
-                (false, _) => respond(
-                    503,
-                    "text/plain",
-                    "not ready: engine subscription is not up\n".into(),
-                ),
-                (true, false) => respond(
+            if recent {
+                respond(200, "text/plain", "ready\n".into())
+            } else {
+                respond(
                     503,
                     "text/plain",
                     format!(
                         "not ready: no report accepted by the server in the last {:?}\n",
                         readiness.max_silence
                     ),
-                ),
+                )
             }
         }
         _ => respond(

@@ -14,7 +14,9 @@
 //!
 //! With `--state-file`, [`state_file`] saves each source's mapper and last batch periodically
 //! and at shutdown, and [`start`] resumes from it. With `--feed-address` the events thread
-//! hands each turn's changes to a [`kvevent_feed::Hub`], served to routers.
+//! hands each turn's changes and its engine's health to a [`kvevent_feed::Hub`], served to
+//! routers; with no server as well ([`Settings::server`]), that is all it serves: no
+//! forwarder, server probe or stats.
 //!
 //! This is the only crate that knows every layer: the others know their neighbours'
 //! abstractions, never each other.
