@@ -46,10 +46,9 @@ Options:
   -h, --help             print this
 
 POST /v1/completions takes an OpenAI completions request whose prompt is token ids (or text,
-with --tokenizer): it goes
-to the exact replica holding the longest prefix of it (ties: fewest requests in flight, then
-name; no exact replica: fewest in flight), and comes back as the replica sent it (streamed
-when asked; the usage chunk is asked for). A replica that fails it is a 502 naming it. What
+with --tokenizer): it goes to the exact replica holding the longest prefix of it (ties: fewest
+requests in flight, then name; no exact replica: fewest in flight), and comes back as the
+replica sent it (streamed when asked; the usage chunk is asked for). A replica that fails it is a 502 naming it. What
 the engine reused (usage.prompt_tokens_details.cached_tokens) is recorded against what the
 index predicted: GET /metrics has kvevent_router_predictions_total and
 kvevent_router_prediction_error_blocks per replica, and kvevent_router_proxy_overhead_seconds.

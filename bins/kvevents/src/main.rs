@@ -64,7 +64,8 @@ enum Command {
     /// Act as a vLLM engine: publish batches on ZMQ and serve replays, as that release does.
     /// Binds network sockets.
     ///
-    /// Publishes the JSON batches given (one per file, in order), or a scripted workload.
+    /// Publishes the JSON batches given (one per file, in order, repeating until --count
+    /// batches or forever; --once publishes each file once), or a scripted workload.
     Publish(PublishArgs),
     /// Check an engine's KV-event setup over the network: endpoints (discovered or given),
     /// exposure beyond loopback, block size and hash algorithm, whether anything listens,
@@ -105,10 +106,59 @@ struct PublishArgs {
     #[arg(long, default_value_t = 100)]
     interval_ms: u64,
     /// Stop after this many batches (0: run until interrupted).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, conflicts_with = "once")]
     count: u64,
-    /// JSON batch files to publish instead of the scripted workload.
+    /// Publish each FILE once, in order, then stop (without it, the files repeat in a cycle).
+    #[arg(long, requires = "files")]
+    once: bool,
+    /// JSON batch files to publish instead of the scripted workload, in order, repeated until
+    /// --count batches (or forever) unless --once. A file holds one batch, e.g.
+    /// {"ts": 0, "events": [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash":
+    /// null, "token_ids": [1, 2, 3, 4], "block_size": 4}]} (docs/operating.md, "Test your router").
     files: Vec<PathBuf>,
+}
+
+/// Lines a person reads while `publish` runs: every publish of the first round, then a summary
+/// at most every few seconds, and a last line with the total.
+struct Progress {
+    published: u64,
+    last_summary: std::time::Instant,
+}
+
+impl Progress {
+    const SUMMARY_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
+    fn published(&mut self, seq: u64, what: &str, first_round: bool) {
+        self.published += 1;
+        if first_round {
+            eprintln!("kvevents: published seq {seq}: {what}");
+        } else if self.last_summary.elapsed() >= Self::SUMMARY_EVERY {
+            eprintln!(
+                "kvevents: {} batches published, up to seq {seq} (repeating; --count or --once to stop)",
+                self.published
+            );
+        } else {
+            return;
+        }
+        self.last_summary = std::time::Instant::now();
+    }
+}
+
+/// What a batch holds, in a few words.
+fn summary(batch: &wire::EventBatch<'_>) -> String {
+    let (mut stored, mut removed, mut cleared) = (0usize, 0usize, 0usize);
+    for event in &batch.events {
+        match event {
+            wire::Event::BlockStored(e) => stored += e.block_hashes.len(),
+            wire::Event::BlockRemoved(e) => removed += e.block_hashes.len(),
+            wire::Event::AllBlocksCleared(_) => cleared += 1,
+        }
+    }
+    let mut words = vec![format!("{stored} block(s) stored"), format!("{removed} removed")];
+    if cleared > 0 {
+        words.push(format!("{cleared} clear(s)"));
+    }
+    words.join(", ")
 }
 
 fn publish(args: PublishArgs) -> anyhow::Result<()> {
@@ -119,6 +169,7 @@ fn publish(args: PublishArgs) -> anyhow::Result<()> {
         topic,
         interval_ms,
         count,
+        once,
         files,
     } = args;
     let files = files.as_slice();
@@ -140,6 +191,7 @@ fn publish(args: PublishArgs) -> anyhow::Result<()> {
         .zip(files)
         .map(|(v, f)| json::from_json(v).with_context(|| f.display().to_string()))
         .collect::<anyhow::Result<Vec<_>>>()?;
+    let count = if once { batches.len() as u64 } else { count };
     let ctx = zmq::Context::new();
     let config = PublisherConfig {
         endpoint,
@@ -149,24 +201,43 @@ fn publish(args: PublishArgs) -> anyhow::Result<()> {
         ..PublisherConfig::loopback(release)
     };
     let engine = Publisher::start(&ctx, config)?;
+    let what = match (files.len(), count) {
+        (0, _) => "a scripted workload".to_string(),
+        (n, c) if c == n as u64 => format!("{n} file(s) once"),
+        (n, _) => format!("{n} file(s), repeated in order"),
+    };
+    let until = match count {
+        0 => "until interrupted".to_string(),
+        c => format!("{c} batch(es)"),
+    };
     eprintln!(
-        "kvevents: publishing as vLLM {release} on {} (replay: {})",
+        "kvevents: publishing {what} as vLLM {release} on {} (replay: {}), one batch every {interval_ms} ms, {until}",
         engine.endpoint(),
         engine.replay_endpoint().unwrap_or("none")
     );
+    let mut progress = Progress {
+        published: 0,
+        last_summary: std::time::Instant::now(),
+    };
     let mut step = 0u64;
     while count == 0 || step < count {
-        let seq = if batches.is_empty() {
-            engine.publish(&scripted_batch(step))?
+        let (seq, what) = if batches.is_empty() {
+            let batch = scripted_batch(step);
+            (engine.publish(&batch)?, summary(&batch))
         } else {
-            engine.publish(&batches[(step as usize) % batches.len()])?
+            let i = (step as usize) % batches.len();
+            let batch = &batches[i];
+            let what = format!("{} ({})", files[i].display(), summary(batch));
+            (engine.publish(batch)?, what)
         };
-        if seq % 100 == 0 {
-            eprintln!("kvevents: published seq {seq}");
-        }
+        let first_round = step < batches.len().max(1) as u64;
+        progress.published(seq, &what, first_round);
         step += 1;
-        std::thread::sleep(std::time::Duration::from_millis(interval_ms));
+        if count == 0 || step < count {
+            std::thread::sleep(std::time::Duration::from_millis(interval_ms));
+        }
     }
+    eprintln!("kvevents: published {step} batch(es); closing in 0.5 s");
     // Let subscribers replay the tail before the sockets close.
     std::thread::sleep(std::time::Duration::from_millis(500));
     Ok(())

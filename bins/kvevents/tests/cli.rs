@@ -195,6 +195,62 @@ fn publish_speaks_to_a_subscriber() {
     kvevent_wire::decode(live.payload).expect("a payload vLLM 0.33 would send");
 }
 
+#[test]
+fn publish_once_sends_each_file_once_in_order_and_says_so() {
+    let dir = std::env::temp_dir().join(format!("kvevents-once-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let stored = dir.join("stored.json");
+    let removed = dir.join("removed.json");
+    std::fs::write(
+        &stored,
+        r#"{"ts": 0, "events": [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": null, "token_ids": [1, 2, 3, 4], "block_size": 4}]}"#,
+    )
+    .expect("write");
+    std::fs::write(
+        &removed,
+        r#"{"ts": 1, "events": [{"type": "BlockRemoved", "block_hashes": [1]}]}"#,
+    )
+    .expect("write");
+    let ctx = zmq::Context::new();
+    let sub = ctx.socket(zmq::SUB).expect("sub");
+    sub.set_subscribe(b"").expect("subscribe");
+    sub.set_rcvtimeo(10_000).expect("timeout");
+    sub.bind("tcp://127.0.0.1:*").expect("bind");
+    let endpoint = sub.get_last_endpoint().expect("endpoint").expect("utf-8");
+    let child = Command::new(env!("CARGO_BIN_EXE_kvevents"))
+        .args(["publish", "--endpoint", &endpoint, "--replay-endpoint", ""])
+        // The first publish waits out the slow joiner; the interval gives it time.
+        .args(["--interval-ms", "300", "--once"])
+        .arg(&stored)
+        .arg(&removed)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let mut got = Vec::new();
+    while let Ok(msg) = sub.recv_multipart(0) {
+        let live = kvevent_wire::frames::parse_live(&msg).expect("frames");
+        let batch = kvevent_wire::decode(live.payload).expect("payload");
+        got.push((live.seq, batch.events.len()));
+        if live.seq == 1 {
+            break;
+        }
+    }
+    let out = child.wait_with_output().expect("wait");
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stderr);
+    // Each file once, in order: a subscriber may miss the first (slow joiner), never gets more.
+    assert!(!got.is_empty(), "nothing arrived; stderr: {text}");
+    assert_eq!(got.last().map(|&(seq, _)| seq), Some(1), "{got:?}");
+    assert!(text.contains("2 file(s) once"), "{text}");
+    assert!(text.contains("seq 0: ") && text.contains("stored.json (1 block(s) stored, 0 removed)"), "{text}");
+    assert!(text.contains("seq 1: ") && text.contains("removed.json (0 block(s) stored, 1 removed)"), "{text}");
+    assert!(text.contains("published 2 batch(es)"), "{text}");
+    // It stopped on its own: a third batch never comes.
+    sub.set_rcvtimeo(0).expect("timeout");
+    assert!(sub.recv_multipart(0).is_err());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Serves `/metrics` and `/kv_event_sources` with these bodies on loopback, for a while.
 fn engine_http(metrics: String, listing: String) -> u16 {
     use std::io::{BufRead, BufReader, Write};
