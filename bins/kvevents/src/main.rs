@@ -154,7 +154,10 @@ fn summary(batch: &wire::EventBatch<'_>) -> String {
             wire::Event::AllBlocksCleared(_) => cleared += 1,
         }
     }
-    let mut words = vec![format!("{stored} block(s) stored"), format!("{removed} removed")];
+    let mut words = vec![
+        format!("{stored} block(s) stored"),
+        format!("{removed} removed"),
+    ];
     if cleared > 0 {
         words.push(format!("{cleared} clear(s)"));
     }

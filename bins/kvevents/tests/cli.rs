@@ -242,8 +242,14 @@ fn publish_once_sends_each_file_once_in_order_and_says_so() {
     assert!(!got.is_empty(), "nothing arrived; stderr: {text}");
     assert_eq!(got.last().map(|&(seq, _)| seq), Some(1), "{got:?}");
     assert!(text.contains("2 file(s) once"), "{text}");
-    assert!(text.contains("seq 0: ") && text.contains("stored.json (1 block(s) stored, 0 removed)"), "{text}");
-    assert!(text.contains("seq 1: ") && text.contains("removed.json (0 block(s) stored, 1 removed)"), "{text}");
+    assert!(
+        text.contains("seq 0: ") && text.contains("stored.json (1 block(s) stored, 0 removed)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("seq 1: ") && text.contains("removed.json (0 block(s) stored, 1 removed)"),
+        "{text}"
+    );
     assert!(text.contains("published 2 batch(es)"), "{text}");
     // It stopped on its own: a third batch never comes.
     sub.set_rcvtimeo(0).expect("timeout");

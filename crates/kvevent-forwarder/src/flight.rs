@@ -296,6 +296,7 @@ impl<D: Deliver> Task<D> {
                         }
                         if !self.log.failing {
                             self.log.failing = true;
+                            self.log.outage = Some((Instant::now(), 0));
                             self.log_now(Instant::now(), true);
                         }
                         return true;
@@ -306,7 +307,12 @@ impl<D: Deliver> Task<D> {
         };
         if result.is_ok() && self.log.failing {
             self.log.failing = false;
-            tracing::info!("server accepting reports again");
+            let (since, total) = self.log.outage.take().unwrap_or((Instant::now(), 0));
+            tracing::info!(
+                failed_calls = total + std::mem::take(&mut self.log.rpc_failures),
+                failing_for = %format_args!("{}s", since.elapsed().as_secs()),
+                "server accepting reports again"
+            );
         }
         let Some(stage) = self.pending.stages.front_mut() else {
             return false;

@@ -65,9 +65,13 @@ pub(crate) struct LogGate {
     last: Option<Instant>,
     dropped_prefixes: [u64; DropReason::ALL.len()],
     dropped_events: [u64; DropReason::ALL.len()],
+    /// Failed calls since the last line.
     pub(crate) rpc_failures: u64,
     pub(crate) last_failure: Option<(tonic::Code, String)>,
     pub(crate) failing: bool,
+    /// While `failing`: when the outage began and its failed calls so far, so that every line
+    /// of one outage counts up from its start.
+    pub(crate) outage: Option<(Instant, u64)>,
     /// The input-full drops (prefixes, events) already taken into the log: a handle counts
     /// them where it drops them, the task logs them.
     input_full_seen: (u64, u64),
@@ -383,11 +387,14 @@ impl<D: Deliver> Task<D> {
                 .last_failure
                 .clone()
                 .unwrap_or((tonic::Code::Unknown, String::new()));
+            let (since, total) = g.outage.get_or_insert((now, 0));
+            *total += g.rpc_failures;
             tracing::warn!(
                 server = %self.deliver.address(),
                 code = ?code,
                 message = %message,
-                failures = g.rpc_failures,
+                failed_calls = *total,
+                failing_for = %format_args!("{}s", now.duration_since(*since).as_secs()),
                 "rpcs to the server failing; keeping the work and retrying"
             );
             g.rpc_failures = 0;

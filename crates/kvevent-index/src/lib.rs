@@ -74,7 +74,6 @@ use std::collections::HashMap;
 use std::sync::{Arc, PoisonError, RwLock};
 
 use kvevent_mapper::{self as mapper, Identity, Mapper};
-use kvevent_proto as pb;
 use kvevent_table::Entry as TableEntry;
 use kvevent_wire as wire;
 
@@ -185,14 +184,8 @@ impl ReplicaState {
     }
 }
 
-/// Where a matched prefix is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Tier {
-    /// In the engine's GPU memory.
-    T1,
-    /// In an offload tier the engine can reload from.
-    T2,
-}
+/// Where a matched prefix is: the mapper's tier of its blocks.
+pub use mapper::Tier;
 
 /// How the index is bounded.
 #[derive(Debug, Clone)]
@@ -1219,16 +1212,9 @@ impl Apply<'_> {
 }
 
 impl mapper::Sink for Apply<'_> {
-    fn prefix(
-        &mut self,
-        key: &[u8],
-        tokens: u32,
-        tier: pb::CacheTier,
-        adapter: &Arc<str>,
-        _new: bool,
-    ) {
+    fn prefix(&mut self, key: &[u8], tokens: u32, tier: Tier, adapter: &Arc<str>, _new: bool) {
         let key = KeyId::new(key_of(key), self.adapter(adapter));
-        let tier = u8::from(tier != pb::CacheTier::T1);
+        let tier = u8::from(tier != Tier::T1);
         self.inner.prefetch_key(&key);
         self.inner
             .pending

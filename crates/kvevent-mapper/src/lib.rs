@@ -147,11 +147,29 @@ pub fn is_prefix_group(kind: Option<&str>) -> bool {
     matches!(kind, None | Some("full_attention" | "mla_attention"))
 }
 
+/// Where a block (or a matched prefix) is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Tier {
+    /// In the engine's GPU memory.
+    T1,
+    /// In an offload tier the engine can reload from.
+    T2,
+}
+
+impl From<Tier> for pb::CacheTier {
+    fn from(tier: Tier) -> Self {
+        match tier {
+            Tier::T1 => pb::CacheTier::T1,
+            Tier::T2 => pb::CacheTier::T2,
+        }
+    }
+}
+
 /// The tier a medium maps to: GPU (or no medium, before 0.10.2) → T1, anything else → T2.
-pub fn tier_of(medium: Option<&wire::Medium<'_>>) -> pb::CacheTier {
+pub fn tier_of(medium: Option<&wire::Medium<'_>>) -> Tier {
     match medium.map(wire::Medium::kind) {
-        None | Some(wire::MediumKind::Gpu) => pb::CacheTier::T1,
-        Some(_) => pb::CacheTier::T2,
+        None | Some(wire::MediumKind::Gpu) => Tier::T1,
+        Some(_) => Tier::T2,
     }
 }
 

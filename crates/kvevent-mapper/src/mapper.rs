@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::blocks::{BlockId, Blocks, Insert, Snapshot, T1, T2, Touched, Tracked};
-use crate::{Identity, KeyMode, Options, fingerprint, fingerprint_key, pb, tier_of, wire};
+use crate::{Identity, KeyMode, Options, Tier, fingerprint, fingerprint_key, pb, tier_of, wire};
 
 /// What the mapper did and refused, since it was made. Plain counters: the caller exports them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -63,14 +63,7 @@ pub trait Sink {
     /// A prefix is present at `tier` (`new`: the first report of this block, the server cannot
     /// hold it yet). `key` is the reported key: 8 bytes (an int hash or a fingerprint,
     /// big-endian) or a digest's bytes; `tokens` the cumulative token count.
-    fn prefix(
-        &mut self,
-        key: &[u8],
-        tokens: u32,
-        tier: pb::CacheTier,
-        adapter: &Arc<str>,
-        new: bool,
-    );
+    fn prefix(&mut self, key: &[u8], tokens: u32, tier: Tier, adapter: &Arc<str>, new: bool);
     /// The prefixes since the last call belong together (one stored event, or one re-report
     /// at another tier), made at batch time `ts` (µs).
     fn end_update(&mut self, ts: i64);
@@ -90,18 +83,11 @@ struct Reports<'o> {
 }
 
 impl Sink for Reports<'_> {
-    fn prefix(
-        &mut self,
-        key: &[u8],
-        tokens: u32,
-        tier: pb::CacheTier,
-        adapter: &Arc<str>,
-        new: bool,
-    ) {
+    fn prefix(&mut self, key: &[u8], tokens: u32, tier: Tier, adapter: &Arc<str>, new: bool) {
         let entry = pb::PrefixEntry {
             prefix_hash: key.to_vec(),
             token_count: i32::try_from(tokens).unwrap_or(i32::MAX),
-            tier: tier as i32,
+            tier: pb::CacheTier::from(tier) as i32,
             adapter_id: adapter.to_string(),
             ..Default::default()
         };
@@ -217,8 +203,8 @@ impl Key<'_> {
     }
 }
 
-fn tier_bit(tier: pb::CacheTier) -> u8 {
-    if tier == pb::CacheTier::T1 { T1 } else { T2 }
+fn tier_bit(tier: Tier) -> u8 {
+    if tier == Tier::T1 { T1 } else { T2 }
 }
 
 impl Mapper {
@@ -436,14 +422,14 @@ impl Mapper {
         let t = self.blocks.get(id)?;
         let key = self.key_of(id, t)?;
         let tier = if t.tiers() & T1 != 0 {
-            pb::CacheTier::T1
+            Tier::T1
         } else {
-            pb::CacheTier::T2
+            Tier::T2
         };
         Some(pb::PrefixEntry {
             prefix_hash: key.bytes().to_vec(),
             token_count: i32::try_from(t.tokens()).unwrap_or(i32::MAX),
-            tier: tier as i32,
+            tier: pb::CacheTier::from(tier) as i32,
             adapter_id: self.blocks.adapter(t.adapter()).to_string(),
             ..Default::default()
         })
@@ -654,7 +640,7 @@ impl Mapper {
     /// A clear of one tier (`AllBlocksCleared` with a medium): every block held there is
     /// removed from it, as if the engine had sent a removal for each. The other tier's
     /// prefixes stay.
-    fn clear_tier(&mut self, tier: pb::CacheTier, ts: i64, sink: &mut impl Sink) {
+    fn clear_tier(&mut self, tier: Tier, ts: i64, sink: &mut impl Sink) {
         for (hash, group) in self.blocks.ids_in_tier(tier_bit(tier)) {
             let hash = wire::BlockHash::Bytes(std::borrow::Cow::Owned(hash));
             self.remove_one(&hash, Some(group), tier, ts, sink);
@@ -667,11 +653,11 @@ impl Mapper {
         &mut self,
         hash: &wire::BlockHash<'_>,
         group: Option<u16>,
-        tier: pb::CacheTier,
+        tier: Tier,
         ts: i64,
         sink: &mut impl Sink,
     ) {
-        let offload = self.options.engine_has_offload_tier && tier == pb::CacheTier::T1;
+        let offload = self.options.engine_has_offload_tier && tier == Tier::T1;
         // The tiers still holding the block after this removal, in one walk: the block goes
         // when none holds it any more, or when it leaves the GPU with an offload tier (it is
         // re-reported at T2: the map never grows with the offload tier's contents).
@@ -709,9 +695,9 @@ impl Mapper {
                 // Another tier still holds the block (an offload tier, or a store we saw on
                 // another medium): report it there instead of evicting the prefix.
                 let still = if remaining & T1 != 0 {
-                    pb::CacheTier::T1
+                    Tier::T1
                 } else {
-                    pb::CacheTier::T2
+                    Tier::T2
                 };
                 self.stats.offload_rereports += 1;
                 self.stats.prefixes += 1;
