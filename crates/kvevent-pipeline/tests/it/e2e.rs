@@ -241,26 +241,42 @@ async fn readyz_waits_for_the_server_to_accept_something() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_drains_adds_still_in_their_window() {
     let (server, ctx, engine) = ends().await;
+    // Stats reports go to the same server on their own: one that arrives after the forwarder
+    // holds the adds is the later event that proves they were not sent.
+    let (metrics_addr, metrics_task) = demo::serve_metrics(demo::METRICS_FIXTURE)
+        .await
+        .expect("metrics fixture");
     let s = Settings {
         window: GoDuration::secs(60),
+        engine_metrics_url: format!("http://{metrics_addr}/metrics"),
+        stats_interval: GoDuration::ms(50),
         ..settings(&engine, &server)
     };
     let running = start(&s, &ctx).await.expect("start");
     wait_subscribed(&engine).await;
     engine.publish(&scripted_batch(0)).expect("publish");
     engine.publish(&scripted_batch(1)).expect("publish");
+    // Both batches read, and the forwarder holds their adds.
+    let depth = || running.telemetry().forwarder.queue_depth.load(Relaxed);
     let deadline = Instant::now() + WAIT;
-    while running.telemetry().source_metrics[0].batches.load(Relaxed) < 2 {
-        assert!(Instant::now() < deadline);
+    while running.telemetry().source_metrics[0].batches.load(Relaxed) < 2 || depth() == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the adds never reached the forwarder"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    // Give the events thread a moment to hand the reports over.
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let stats_before = stats_of(&server.received()).len();
+    server
+        .wait_for(WAIT, |r| stats_of(r).len() > stats_before)
+        .await;
     assert!(
         server.prefixes().is_empty(),
         "still inside the one-minute window"
     );
+    assert!(depth() > 0, "still held, not sent");
     let left = running.shutdown(Duration::from_secs(5)).await;
+    metrics_task.abort();
     assert_eq!(left.unsent_prefixes + left.unsent_events, 0);
     assert_eq!(
         server.prefixes().len(),
@@ -450,6 +466,20 @@ async fn a_silent_engine_makes_readyz_say_why_until_it_sends() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_source_shows_whether_its_socket_reaches_the_engine() {
     let (server, ctx, engine) = ends().await;
+    // A port nobody listens on never connects: a pipeline on one runs beside the other from
+    // the start, and is looked at once the other has connected and seen its engine go.
+    let nothing = HeldPort::new();
+    let unreachable = Settings {
+        engine_endpoint: nothing.tcp(),
+        replay_endpoint: String::new(),
+        server: server.addr().to_string(),
+        replica_id: "r2".into(),
+        model_id: "llama".into(),
+        metrics_address: String::new(),
+        engine_metrics_url: String::new(),
+        ..Settings::default()
+    };
+    let never = start(&unreachable, &ctx).await.expect("start");
     let running = start(&settings(&engine, &server), &ctx)
         .await
         .expect("start");
@@ -482,22 +512,8 @@ async fn a_source_shows_whether_its_socket_reaches_the_engine() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     running.shutdown(Duration::from_secs(2)).await;
-    // A port nobody listens on never connects.
-    let nothing = HeldPort::new();
-    let s = Settings {
-        engine_endpoint: nothing.tcp(),
-        replay_endpoint: String::new(),
-        server: server.addr().to_string(),
-        replica_id: "r1".into(),
-        model_id: "llama".into(),
-        metrics_address: String::new(),
-        engine_metrics_url: String::new(),
-        ..Settings::default()
-    };
-    let running = start(&s, &ctx).await.expect("start");
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(!connected(&running));
-    running.shutdown(Duration::from_secs(2)).await;
+    assert!(!connected(&never));
+    never.shutdown(Duration::from_secs(2)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,6 +1,6 @@
 //! TLS and mTLS with certificates made in the test; the bearer token header.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvevent_pipeline::settings::GoDuration;
 use kvevent_pipeline::{Settings, start};
@@ -96,16 +96,23 @@ async fn mtls_with_a_custom_ca_delivers_and_a_missing_client_cert_does_not() {
         ..base(&engine, &server)
     };
     let running = deliver_one(&s, &engine, &ctx).await;
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let errors = || -> u64 {
+        running
+            .telemetry()
+            .forwarder
+            .rpc_errors
+            .iter()
+            .map(|c| c.load(std::sync::atomic::Ordering::Relaxed))
+            .sum()
+    };
+    // Failed handshakes are counted; the second is a retry of the first's report, so by then
+    // the first has certainly not been delivered.
+    let deadline = Instant::now() + WAIT;
+    while errors() < 2 {
+        assert!(Instant::now() < deadline, "failed handshakes are counted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert!(server.received().is_empty());
-    let errors: u64 = running
-        .telemetry()
-        .forwarder
-        .rpc_errors
-        .iter()
-        .map(|c| c.load(std::sync::atomic::Ordering::Relaxed))
-        .sum();
-    assert!(errors >= 1, "failed handshakes are counted");
     running.shutdown(Duration::from_millis(200)).await;
 
     // With it, reports arrive.
@@ -151,10 +158,25 @@ async fn the_bearer_token_is_sent_and_rotates_with_its_file() {
     let new = token.with_extension("new");
     std::fs::write(&new, "secret-2-longer\n").expect("write");
     std::fs::rename(&new, &token).expect("rename");
-    // The file is looked at again at most once a second.
-    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    // The file is looked at again at most once a second: each call until then still carries
+    // the old token, and the first with the new one is followed only by new ones.
+    let deadline = Instant::now() + WAIT;
+    let mut step = 2;
+    loop {
+        let calls = server.calls();
+        engine.publish(&scripted_batch(step)).expect("publish");
+        step += 1;
+        server.wait_for_calls(calls + 1, WAIT).await;
+        let last = server.auth_headers().last().cloned().flatten();
+        if last.as_deref() == Some("Bearer secret-2-longer") {
+            break;
+        }
+        assert_eq!(last.as_deref(), Some("Bearer secret-1"));
+        assert!(Instant::now() < deadline, "the new token was never sent");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let calls = server.calls();
-    engine.publish(&scripted_batch(2)).expect("publish");
+    engine.publish(&scripted_batch(step)).expect("publish");
     server.wait_for_calls(calls + 1, WAIT).await;
     assert_eq!(
         server.auth_headers().last().cloned().flatten().as_deref(),
