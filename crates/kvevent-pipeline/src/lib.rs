@@ -296,9 +296,6 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         None => None,
     };
     let mut sub_config = source::Config::new(sources.clone());
-    // One engine's ranks, decoded and mapped on the events thread anyway: read there too (no
-    // thread handoff a batch; see `source::Config::threads`).
-    sub_config.threads = false;
     // The engine is local: a reconnect that no replay can check is most likely a restart.
     sub_config.state.reset_on_unverified_reconnect = true;
     sub_config.engine = settings.engine;

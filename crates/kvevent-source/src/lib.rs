@@ -15,8 +15,8 @@
 //!   through [`Subscriber::next_with`], the decoded batch itself so that it is decoded once.
 //!   Sources are added and removed while the others run ([`Subscriber::add_source`],
 //!   [`Subscriber::remove_source`]). It is the in-process API for a Rust router, independent of
-//!   any gRPC forwarding. By default the thread calling `next` reads every source's sockets
-//!   itself (no thread handoff a message); [`Config::threads`] gives each a thread instead.
+//!   any gRPC forwarding. The thread calling `next` reads every source's sockets itself (no
+//!   thread handoff a message).
 //!
 //! A consumer that saved its state resumes a source where it stopped ([`Resume`],
 //! [`Config::resume`]): the replay starts at the saved last batch, which must come back with

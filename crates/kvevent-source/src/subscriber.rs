@@ -3,7 +3,6 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use kvevent_wire::{self as wire, frames};
@@ -18,15 +17,6 @@ pub struct Config {
     pub sources: Vec<transport::Source>,
     /// Socket options.
     pub socket: transport::SourceOptions,
-    /// Every source read by the thread that calls [`Subscriber::next`] (false, the default),
-    /// or each by a thread of its own (true). Reading in the caller saves two thread wakeups
-    /// a message, and under load it batches (`docs/performance.md`, `fleet-load` and
-    /// `fleet-idle`, has the figures). The caller must call `next` regularly (libzmq attaches
-    /// reconnections when the socket is used).
-    pub threads: bool,
-    /// Capacity of the frames channel between the source threads and the subscriber.
-    /// Default 1,024 messages.
-    pub channel_capacity: usize,
     /// Per-source state settings (`has_replay` is taken from each source).
     pub state: StateConfig,
     /// Limits on what one payload may hold.
@@ -44,8 +34,6 @@ impl Config {
         Self {
             sources,
             socket: transport::SourceOptions::default(),
-            threads: false,
-            channel_capacity: 1024,
             state: StateConfig::default(),
             limits: wire::Limits::DEFAULT,
             engine: wire::Engine::Vllm,
@@ -113,10 +101,11 @@ pub enum Update {
 
 /// Subscribes to engine sources and yields their updates.
 pub struct Subscriber {
+    /// Every source's sockets, read by the thread that calls [`Subscriber::next`] (and the
+    /// other reads): no thread of its own, no handoff between threads. That thread must read
+    /// regularly (libzmq attaches reconnections when the socket is used).
     transport: Option<transport::Transport>,
-    /// `None` when the caller's thread reads the sockets.
-    frames: Option<Receiver<transport::Frames>>,
-    /// Frames read in the caller, not yet handled.
+    /// Frames read, not yet handled.
     inbox: VecDeque<transport::Frames>,
     states: Vec<SourceState>,
     metrics: Vec<Arc<SourceMetrics>>,
@@ -145,16 +134,9 @@ impl std::fmt::Debug for Subscriber {
 }
 
 impl Subscriber {
-    /// Opens every source's sockets (and, with [`Config::threads`], starts a thread each).
+    /// Opens every source's sockets.
     pub fn start(ctx: &zmq::Context, config: Config) -> Result<Self, transport::Error> {
-        let (transport, rx) = if config.threads {
-            let (tx, rx) = mpsc::sync_channel(config.channel_capacity.max(1));
-            let t = transport::Transport::start(ctx, &config.sources, &config.socket, tx)?;
-            (t, Some(rx))
-        } else {
-            let t = transport::Transport::in_caller(ctx, &config.sources, &config.socket)?;
-            (t, None)
-        };
+        let transport = transport::Transport::start(ctx, &config.sources, &config.socket)?;
         let metrics: Vec<_> = config
             .sources
             .iter()
@@ -175,7 +157,6 @@ impl Subscriber {
             .collect();
         let mut subscriber = Self {
             transport: Some(transport),
-            frames: rx,
             inbox: VecDeque::new(),
             states,
             metrics,
@@ -255,7 +236,7 @@ impl Subscriber {
         Ok(index)
     }
 
-    /// Stops following source `index` (a pod went away): its thread ends and its sockets close,
+    /// Stops following source `index` (a pod went away): its sockets close,
     /// the others are not touched, and no update of it is handed out any more (a consumer
     /// forgets what it held). False when there is no such source.
     pub fn remove_source(&mut self, index: usize) -> bool {
@@ -388,16 +369,8 @@ impl Subscriber {
     }
 
     /// Whether updates were read and wait to be handed out: the next [`Subscriber::next_with`]
-    /// returns without reading the sockets. Frames that source threads ([`Config::threads`])
-    /// have sent count too.
+    /// returns without reading the sockets.
     pub fn has_pending(&mut self) -> bool {
-        if self.ready.is_empty()
-            && self.inbox.is_empty()
-            && let Some(rx) = &self.frames
-            && let Ok(frames) = rx.try_recv()
-        {
-            self.inbox.push_back(frames);
-        }
         !self.ready.is_empty() || !self.inbox.is_empty()
     }
 
@@ -413,21 +386,11 @@ impl Subscriber {
                 continue;
             }
             let left = deadline.saturating_duration_since(Instant::now());
-            match (&self.frames, self.transport.as_mut()) {
-                (Some(rx), _) => match rx.recv_timeout(left) {
-                    Ok(frames) => self.handle(frames),
-                    Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => {
-                        return None;
-                    }
-                },
-                (None, Some(transport)) => {
-                    let woken = transport.poll(left, &mut self.inbox);
-                    // Woken, or a connection made or lost: the caller looks at it now.
-                    if self.inbox.is_empty() && (woken || Instant::now() >= deadline) {
-                        return None;
-                    }
-                }
-                (None, None) => return None,
+            let transport = self.transport.as_mut()?;
+            let woken = transport.poll(left, &mut self.inbox);
+            // Woken, or a connection made or lost: the caller looks at it now.
+            if self.inbox.is_empty() && (woken || Instant::now() >= deadline) {
+                return None;
             }
         }
     }
@@ -567,7 +530,7 @@ impl Subscriber {
         }
     }
 
-    /// Closes every source (and stops their threads).
+    /// Closes every source's sockets.
     pub fn shutdown(mut self) {
         if let Some(t) = self.transport.take() {
             t.shutdown();

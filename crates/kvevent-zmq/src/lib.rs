@@ -5,21 +5,18 @@
 //!   configured with a non-wildcard endpoint ([`Source::bind`]) — and, when the engine has a
 //!   replay endpoint, a DEALER speaking vLLM's ROUTER replay protocol. It hands out raw frames
 //!   with the source's index ([`Frames`]) and never decodes payloads. The sockets are read
-//!   either by the caller's thread ([`Transport::in_caller`], [`Transport::poll`]: one
-//!   `zmq_poll` over every source, no handoff between threads) or by a named std thread per
-//!   source over a bounded channel ([`Transport::start`]), which sleeps until its sockets or
-//!   its doorbell (a Unix socket pair, rung for commands and stops) wake it. Sources are added
-//!   and removed while the others run ([`Transport::add`], [`Transport::remove`]). What each
-//!   way costs idle and under load is measured in `docs/performance.md` (`fleet-idle`,
-//!   `fleet-load`): read in the caller keeps up where threads fall behind. TCP sources beyond
-//!   200 a context get
-//!   contexts of their own (a libzmq context holds 1,023 sockets).
+//!   by the caller's thread ([`Transport::poll`]: one `zmq_poll` over every source's
+//!   descriptors, no thread and no handoff between threads; a source thread each was measured
+//!   and dropped, `docs/decisions/0002-reading-the-engine.md`). Sources are added and removed
+//!   while the others run ([`Transport::add`], [`Transport::remove`]). TCP sources beyond 200
+//!   a context get contexts of their own (a libzmq context holds 1,023 sockets).
 //! - [`dp_endpoint`] applies vLLM's data-parallel port-offset rule.
 //! - [`publisher::Publisher`] is the other side: a publisher that behaves as vLLM's does (PUB
 //!   `[topic, seq, payload]`, a bounded ROUTER replay buffer, either reply format, restarts,
 //!   injected gaps), for tests, demos and `kvevents publish`.
 //!
-//! libzmq is blocking: sockets live on their own threads, never inside an async runtime.
+//! libzmq is blocking: sockets are read by a thread of the caller's, never inside an async
+//! runtime.
 //! **Invariant:** no tokio, tonic, hyper or prost here.
 //!
 //! libzmq 4.3 is built from source by `zmq-sys` and linked statically (LGPL-3.0 with a
@@ -38,14 +35,20 @@
 //!     bind: false,
 //!     dp_rank: 0,
 //! };
-//! // Raw frames from every source's thread arrive on one bounded channel.
-//! let (tx, rx) = std::sync::mpsc::sync_channel(64);
-//! let transport = Transport::start(&ctx, &[source], &SourceOptions::default(), tx)?;
-//! engine.wait_for_subscribers(1, Duration::from_secs(10));
-//! engine.publish_payload(b"\x90".to_vec());
+//! // Raw frames from every source, read by this thread while it polls.
+//! let mut transport = Transport::start(&ctx, &[source], &SourceOptions::default())?;
+//! let mut got = std::collections::VecDeque::new();
+//! let deadline = std::time::Instant::now() + Duration::from_secs(10);
+//! let mut published = false;
 //! let frames = loop {
-//!     let got = rx.recv_timeout(Duration::from_secs(10))?;
-//!     if let Delivery::Live(frames) = got.delivery {
+//!     assert!(std::time::Instant::now() < deadline, "nothing arrived");
+//!     transport.poll(Duration::from_millis(100), &mut got);
+//!     // The subscription reaches the engine once this thread has used the socket.
+//!     if !published && engine.wait_for_subscribers(1, Duration::ZERO) {
+//!         engine.publish_payload(b"\x90".to_vec());
+//!         published = true;
+//!     }
+//!     if let Some(Delivery::Live(frames)) = got.pop_front().map(|f| f.delivery) {
 //!         break frames;
 //!     }
 //! };

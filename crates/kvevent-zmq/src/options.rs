@@ -48,8 +48,6 @@ pub struct SourceOptions {
     /// A replay with no reply for this long is over (the end marker can be lost before 0.33).
     /// Default 3 s.
     pub replay_idle_timeout: Duration,
-    /// Capacity of each source's command queue. Internal; default 16.
-    pub command_capacity: usize,
 }
 
 impl Default for SourceOptions {
@@ -62,7 +60,6 @@ impl Default for SourceOptions {
             reconnect_interval_max: Duration::from_secs(5),
             tcp_keepalive_idle: Duration::from_secs(60),
             replay_idle_timeout: Duration::from_secs(3),
-            command_capacity: 16,
         }
     }
 }

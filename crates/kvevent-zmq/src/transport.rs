@@ -1,13 +1,11 @@
-//! Source threads: SUB and replay DEALER sockets, raw frames out.
+//! The engine sources' sockets (SUB and replay DEALER), read by the caller's thread: raw frames out.
 
 use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
-use std::thread::JoinHandle;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use kvevent_wire::frames::{self, ReplayReply};
@@ -15,17 +13,12 @@ use kvevent_wire::frames::{self, ReplayReply};
 use crate::options::ms;
 use crate::{Error, Source, SourceOptions};
 
-/// Longest a source thread waits in `poll`. Commands and stops ring the thread's doorbell, so
-/// this only bounds how long a lost doorbell could go unnoticed: an idle source wakes once a
-/// second, which keeps hundreds of idle sources cheap.
-const POLL_INTERVAL: Duration = Duration::from_secs(1);
-
 /// Most sources whose sockets share one libzmq context. A context holds at most 1,023 sockets
 /// (`ZMQ_MAX_SOCKETS`, which the `zmq` crate cannot raise) and a source uses up to four (SUB,
 /// the monitor's two PAIRs, the replay DEALER): further TCP sources get contexts of their own,
 /// each with its own I/O thread. `inproc://` sources must share the caller's context.
 const SOURCES_PER_CONTEXT: usize = 200;
-/// Most messages read from one socket before the thread looks at the other one.
+/// Most messages read from one socket before the others are looked at.
 const BURST: usize = 256;
 
 /// A source's sockets, in `Reader::fds` and `Reader::unread`.
@@ -53,7 +46,7 @@ fn has_input(socket: &zmq::Socket) -> bool {
     socket.get_events().is_ok_and(|e| e.contains(zmq::POLLIN))
 }
 
-/// What a source thread hands out.
+/// What a source hands out.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Delivery {
     /// A message from the SUB socket, frames as received.
@@ -82,7 +75,8 @@ pub enum ReplayOutcome {
     Failed(String),
 }
 
-/// Frames from one source, tagged with the source's index in [`Transport::start`]'s list.
+/// Frames from one source, tagged with the source's index in [`Transport::start`]'s list
+/// (or as [`Transport::add`] returned it).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Frames {
     /// Index of the source.
@@ -91,33 +85,15 @@ pub struct Frames {
     pub delivery: Delivery,
 }
 
-enum Command {
-    Replay { from: u64 },
-}
-
-/// Who reads a source's sockets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Mode {
-    /// A thread per source, frames out over the channel ([`Transport::start`]).
-    Threads,
-    /// The caller's thread, in [`Transport::poll`] ([`Transport::in_caller`]).
-    Caller,
-}
-
 /// The running sources. Sources can be added and removed while it runs; a source's index is
 /// never reused.
 pub struct Transport {
-    mode: Mode,
     /// The caller's context first, then the ones made for more TCP sources, with how many
     /// running sources each holds.
     contexts: Vec<(zmq::Context, usize)>,
     opts: SourceOptions,
-    /// Where source threads send frames (`Mode::Threads`).
-    out: Option<SyncSender<Frames>>,
-    /// Frames made outside [`Transport::poll`] (`Mode::Caller`): a replay that could not be asked.
+    /// Frames made outside [`Transport::poll`]: a replay that could not be asked.
     early: Vec<Frames>,
-    /// Stops every thread.
-    stop: Arc<AtomicBool>,
     /// By source index; `None` once removed.
     slots: Vec<Option<Slot>>,
     /// The read end of [`Transport::waker`]'s pipe, polled with the sockets, and its waker.
@@ -139,31 +115,9 @@ impl Waker {
 
 /// One source.
 struct Slot {
-    runner: Runner,
+    reader: Box<Reader>,
     /// Index in `Transport::contexts` of the context holding its sockets.
     context: usize,
-}
-
-enum Runner {
-    Thread(Box<ThreadSlot>),
-    Caller(Box<Reader>),
-}
-
-/// A source's thread.
-struct ThreadSlot {
-    /// Stops this thread alone.
-    stop: Arc<AtomicBool>,
-    thread: JoinHandle<()>,
-    commands: SyncSender<Command>,
-    /// Wakes the thread from its `poll` (a command or a stop is waiting).
-    doorbell: UnixStream,
-}
-
-impl ThreadSlot {
-    fn ring(&self) {
-        // A full doorbell already rings: nothing is lost by a failed write.
-        let _ = (&self.doorbell).write(&[1]);
-    }
 }
 
 /// A source's sockets, made before it starts.
@@ -172,7 +126,6 @@ type Sockets = (zmq::Socket, zmq::Socket, Option<zmq::Socket>);
 impl std::fmt::Debug for Transport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Transport")
-            .field("mode", &self.mode)
             .field("sources", &self.slots.iter().flatten().count())
             .finish()
     }
@@ -281,49 +234,22 @@ fn dealer_socket(
 }
 
 impl Transport {
-    /// Creates every source's sockets (so a bad endpoint fails here, before any thread runs),
-    /// then starts one thread per source, named `kvevent-src-<index>`. Frames go to `out`; a
-    /// full `out` stops that thread reading (libzmq then queues up to the HWM, and the engine's
-    /// PUB drops beyond it: the engine is never slowed down).
+    /// Creates every source's sockets, read by the caller's thread in [`Transport::poll`]: no
+    /// thread, no channel, no handoff between threads for a message. A busy source is read
+    /// between another's messages, and what waits queues in libzmq up to the HWM (the
+    /// engine's PUB drops beyond it: the engine is never slowed down). The caller must keep
+    /// polling (every 100 ms or so, idle or not): libzmq attaches a new or re-made connection,
+    /// and sends its subscription, only when the socket's thread uses the socket.
     pub fn start(
         ctx: &zmq::Context,
         sources: &[Source],
         opts: &SourceOptions,
-        out: SyncSender<Frames>,
-    ) -> Result<Self, Error> {
-        Self::new(Mode::Threads, ctx, sources, opts, Some(out))
-    }
-
-    /// Creates every source's sockets, read by the caller's thread in [`Transport::poll`]: no
-    /// thread, no channel, no handoff between threads for a message. For a consumer that
-    /// follows a few sources (one engine's DP ranks) on one thread anyway; a busy source is
-    /// read between another's messages, and what waits queues in libzmq up to the HWM.
-    /// The caller must keep polling (every 100 ms or so, idle or not): libzmq attaches a new
-    /// or re-made connection, and sends its subscription, only when the socket's thread uses
-    /// the socket.
-    pub fn in_caller(
-        ctx: &zmq::Context,
-        sources: &[Source],
-        opts: &SourceOptions,
-    ) -> Result<Self, Error> {
-        Self::new(Mode::Caller, ctx, sources, opts, None)
-    }
-
-    fn new(
-        mode: Mode,
-        ctx: &zmq::Context,
-        sources: &[Source],
-        opts: &SourceOptions,
-        out: Option<SyncSender<Frames>>,
     ) -> Result<Self, Error> {
         let mut transport = Self {
-            mode,
             contexts: vec![(ctx.clone(), 0)],
             opts: opts.clone(),
-            out,
             early: Vec::new(),
             wake: None,
-            stop: Arc::new(AtomicBool::new(false)),
             slots: Vec::with_capacity(sources.len()),
         };
         let prepared = sources
@@ -331,7 +257,7 @@ impl Transport {
             .map(|s| transport.sockets(s))
             .collect::<Result<Vec<_>, _>>()?;
         for ((sockets, context), source) in prepared.into_iter().zip(sources) {
-            transport.spawn(source, sockets, context)?;
+            transport.spawn(source, sockets, context);
         }
         Ok(transport)
     }
@@ -373,12 +299,7 @@ impl Transport {
         Ok(((sub, monitor, dealer), c))
     }
 
-    fn spawn(
-        &mut self,
-        source: &Source,
-        (sub, monitor, dealer): Sockets,
-        context: usize,
-    ) -> Result<usize, Error> {
+    fn spawn(&mut self, source: &Source, (sub, monitor, dealer): Sockets, context: usize) -> usize {
         let index = self.slots.len();
         let fds = [
             fd_of(&sub),
@@ -397,56 +318,25 @@ impl Transport {
             fds,
             unread: [true; 3],
         };
-        let runner = match (self.mode, &self.out) {
-            (Mode::Threads, Some(out)) => {
-                let (doorbell, bell_rx) = UnixStream::pair().map_err(Error::Spawn)?;
-                bell_rx.set_nonblocking(true).map_err(Error::Spawn)?;
-                doorbell.set_nonblocking(true).map_err(Error::Spawn)?;
-                let (cmd_tx, cmd_rx) = mpsc::sync_channel(self.opts.command_capacity.max(1));
-                let own = Arc::new(AtomicBool::new(false));
-                let worker = Worker {
-                    reader,
-                    commands: cmd_rx,
-                    out: out.clone(),
-                    stop: self.stop.clone(),
-                    own_stop: own.clone(),
-                    doorbell: bell_rx,
-                };
-                let thread = std::thread::Builder::new()
-                    .name(format!("kvevent-src-{index}"))
-                    .spawn(move || worker.run())
-                    .map_err(Error::Spawn)?;
-                Runner::Thread(Box::new(ThreadSlot {
-                    stop: own,
-                    thread,
-                    commands: cmd_tx,
-                    doorbell,
-                }))
-            }
-            _ => Runner::Caller(Box::new(reader)),
-        };
-        self.slots.push(Some(Slot { runner, context }));
-        Ok(index)
+        self.slots.push(Some(Slot {
+            reader: Box::new(reader),
+            context,
+        }));
+        index
     }
 
     /// Starts one more source while the others run; returns its index (never reused).
     pub fn add(&mut self, source: &Source) -> Result<usize, Error> {
         let (sockets, context) = self.sockets(source)?;
-        self.spawn(source, sockets, context)
+        Ok(self.spawn(source, sockets, context))
     }
 
-    /// Stops source `index` and closes its sockets (its doorbell wakes its thread at once); the others
-    /// are not touched. Frames it sent before are still in the channel. False when there is no
-    /// such running source.
+    /// Stops source `index` and closes its sockets; the others are not touched. False when
+    /// there is no such running source.
     pub fn remove(&mut self, index: usize) -> bool {
         let Some(slot) = self.slots.get_mut(index).and_then(Option::take) else {
             return false;
         };
-        if let Runner::Thread(t) = slot.runner {
-            t.stop.store(true, Ordering::SeqCst);
-            t.ring();
-            let _ = t.thread.join();
-        }
         self.early.retain(|f| f.source != index);
         self.contexts[slot.context].1 -= 1;
         true
@@ -462,20 +352,9 @@ impl Transport {
     /// has no replay endpoint or has stopped.
     pub fn request_replay(&mut self, source: usize, from: u64) -> bool {
         match self.slots.get_mut(source).and_then(Option::as_mut) {
-            Some(Slot {
-                runner: Runner::Thread(t),
-                ..
-            }) => {
-                let sent = t.commands.try_send(Command::Replay { from }).is_ok();
-                t.ring();
-                sent
-            }
-            Some(Slot {
-                runner: Runner::Caller(reader),
-                ..
-            }) => {
+            Some(slot) => {
                 let early = &mut self.early;
-                reader.start_replay(from, &mut |f| {
+                slot.reader.start_replay(from, &mut |f| {
                     early.push(f);
                     true
                 });
@@ -499,10 +378,9 @@ impl Transport {
         Ok(waker)
     }
 
-    /// Reads every caller-read source's sockets ([`Transport::in_caller`]) into `out`, waiting
-    /// up to `timeout` for the first message. Returns at once when something is ready, or
-    /// when woken ([`Transport::waker`]); at most 256 messages a socket per call. Sources on
-    /// threads of their own are not read here. True when it returned for something other
+    /// Reads every source's sockets into `out`, waiting up to `timeout` for the first message.
+    /// Returns at once when something is ready, or when woken ([`Transport::waker`]); at most
+    /// 256 messages a socket per call. True when it returned for something other
     /// than a message: woken, or a connection made or lost (the caller may look at its
     /// sources' state now).
     pub fn poll(&mut self, timeout: Duration, out: &mut VecDeque<Frames>) -> bool {
@@ -513,10 +391,7 @@ impl Transport {
             .slots
             .iter_mut()
             .flatten()
-            .filter_map(|s| match &mut s.runner {
-                Runner::Caller(r) => Some(&mut **r),
-                Runner::Thread(_) => None,
-            })
+            .map(|s| &mut *s.reader)
             .collect();
         if readers.is_empty() {
             if out.len() == had {
@@ -586,24 +461,8 @@ impl Transport {
         woken
     }
 
-    /// Stops every source thread and waits for them (their doorbells wake them at once).
-    pub fn shutdown(mut self) {
-        self.stop_and_join();
-    }
-
-    fn stop_and_join(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        for slot in self.slots.iter().flatten() {
-            if let Runner::Thread(t) = &slot.runner {
-                t.ring();
-            }
-        }
-        for slot in self.slots.iter_mut().filter_map(Option::take) {
-            if let Runner::Thread(t) = slot.runner {
-                let _ = t.thread.join();
-            }
-        }
-    }
+    /// Closes every source's sockets.
+    pub fn shutdown(self) {}
 }
 
 /// Empties a waker's pipe (it is non-blocking).
@@ -612,86 +471,8 @@ fn drain(mut wake: &UnixStream) {
     while matches!(wake.read(&mut buf), Ok(n) if n > 0) {}
 }
 
-impl Drop for Transport {
-    fn drop(&mut self) {
-        self.stop_and_join();
-    }
-}
-
-/// A source's thread: its [`Reader`], commands, and where frames go.
-struct Worker {
-    reader: Reader,
-    commands: Receiver<Command>,
-    out: SyncSender<Frames>,
-    /// Stops every source.
-    stop: Arc<AtomicBool>,
-    /// Stops this source alone (it was removed).
-    own_stop: Arc<AtomicBool>,
-    /// Rung when a command or a stop is waiting.
-    doorbell: UnixStream,
-}
-
-impl Worker {
-    fn run(mut self) {
-        tracing::debug!(source = %self.reader.source.label(), "source thread started");
-        let Self {
-            reader,
-            commands,
-            out,
-            stop,
-            own_stop,
-            doorbell,
-        } = &mut self;
-        let stopped = || stop.load(Ordering::Relaxed) || own_stop.load(Ordering::Relaxed);
-        // Hands frames out, waiting while the channel is full (false: stopping).
-        let mut emit = |mut frames: Frames| loop {
-            match out.try_send(frames) {
-                Ok(()) => return true,
-                Err(TrySendError::Full(back)) => {
-                    if stopped() {
-                        return false;
-                    }
-                    frames = back;
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                Err(TrySendError::Disconnected(_)) => {
-                    stop.store(true, Ordering::Relaxed);
-                    return false;
-                }
-            }
-        };
-        while !stopped() {
-            while let Ok(Command::Replay { from }) = commands.try_recv() {
-                reader.start_replay(from, &mut emit);
-            }
-            let mut items = Vec::with_capacity(4);
-            reader.poll_items(&mut items);
-            items.push(zmq::PollItem::from_fd(doorbell.as_raw_fd(), zmq::POLLIN));
-            // Wake for a running replay's idle deadline too.
-            let wait = reader.replay_deadline.map_or(POLL_INTERVAL, |d| {
-                d.saturating_duration_since(Instant::now())
-                    .min(POLL_INTERVAL)
-            });
-            if let Err(e) = zmq::poll(&mut items, ms(wait).max(1).into()) {
-                tracing::warn!(source = %reader.source.label(), error = %e, "poll failed");
-                std::thread::sleep(POLL_INTERVAL);
-                continue;
-            }
-            let (sub, monitor) = (items[0].is_readable(), items[1].is_readable());
-            let dealer = reader.dealer.is_some() && items[2].is_readable();
-            if items.last().is_some_and(|i| i.is_readable()) {
-                let mut rung = [0u8; 64];
-                while (&*doorbell).read(&mut rung).is_ok_and(|n| n > 0) {}
-            }
-            drop(items);
-            reader.read(sub, monitor, dealer, &mut emit);
-        }
-        tracing::debug!(source = %self.reader.source.label(), "source thread stopped");
-    }
-}
-
-/// One source's sockets and replay progress; reads what is ready and emits it. Driven by a
-/// [`Worker`] thread or by [`Transport::poll`].
+/// One source's sockets and replay progress; reads what is ready and emits it, in
+/// [`Transport::poll`].
 struct Reader {
     index: usize,
     ctx: zmq::Context,
@@ -703,7 +484,7 @@ struct Reader {
     dealer: Option<zmq::Socket>,
     /// Set while a replay is running: when it is over if nothing more arrives.
     replay_deadline: Option<Instant>,
-    /// Read by the caller ([`Transport::poll`]): the `ZMQ_FD` descriptors of the SUB, monitor
+    /// The `ZMQ_FD` descriptors of the SUB, monitor
     /// and DEALER sockets (-1: none), and which of them may hold input although their
     /// descriptor did not signal (read up to `BURST` and not to the end, just made, or used
     /// to send). See [`Reader::read_signalled`].
@@ -715,33 +496,6 @@ struct Reader {
 type Emit<'a> = dyn FnMut(Frames) -> bool + 'a;
 
 impl Reader {
-    /// Its sockets to poll: SUB, monitor, then the DEALER if any.
-    fn poll_items<'s>(&'s self, items: &mut Vec<zmq::PollItem<'s>>) {
-        items.push(self.sub.as_poll_item(zmq::POLLIN));
-        items.push(self.monitor.as_poll_item(zmq::POLLIN));
-        if let Some(d) = &self.dealer {
-            items.push(d.as_poll_item(zmq::POLLIN));
-        }
-    }
-
-    /// Reads the sockets found ready, then ends a replay whose idle deadline passed.
-    fn read(&mut self, sub: bool, monitor: bool, dealer: bool, emit: &mut Emit<'_>) {
-        // Before the live messages: what follows a disconnect may be a new engine process.
-        if monitor {
-            self.read_monitor(emit);
-        }
-        if dealer {
-            self.read_replay(emit);
-        }
-        if sub {
-            self.read_live(emit);
-        }
-        if self.replay_deadline.is_some_and(|d| Instant::now() >= d) {
-            tracing::warn!(source = %self.source.label(), "replay timed out");
-            self.end_replay(ReplayOutcome::TimedOut, emit);
-        }
-    }
-
     /// Reads the caller's way, libzmq's edge-triggered one: a socket whose descriptor
     /// signalled (or that may hold unread input) first has its commands processed (asking
     /// for its events: connections attach, pipes wake), then is read until it is empty and

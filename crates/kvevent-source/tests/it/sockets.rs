@@ -43,9 +43,8 @@ fn source_of(p: &Publisher, replay: bool) -> transport::Source {
     }
 }
 
-fn subscriber(ctx: &zmq::Context, sources: Vec<transport::Source>, threads: bool) -> Subscriber {
+fn subscriber(ctx: &zmq::Context, sources: Vec<transport::Source>) -> Subscriber {
     let mut config = Config::new(sources);
-    config.threads = threads;
     config.socket.replay_idle_timeout = Duration::from_millis(300);
     config.state.replay_backoff_initial = Duration::from_millis(100);
     Subscriber::start(ctx, config).expect("subscriber")
@@ -86,10 +85,11 @@ fn engine(release: Release) -> (zmq::Context, Publisher) {
     (ctx, publisher)
 }
 
-fn live_batches_flow_in_order(threads: bool) {
+#[test]
+fn live_batches_flow_in_order() {
     let release = Release::NEWEST_KNOWN;
     let (ctx, engine) = engine(release);
-    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)], threads);
+    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)]);
     // Synchronise on the subscription instead of sleeping (slow joiner).
     assert!(engine.wait_for_subscribers(1, WAIT));
     for i in 0..5 {
@@ -105,14 +105,15 @@ fn live_batches_flow_in_order(threads: bool) {
     assert!(!m.degraded.load(Relaxed));
 }
 
-fn a_late_joiner_bootstraps_from_replay(threads: bool) {
+#[test]
+fn a_late_joiner_bootstraps_from_replay() {
     for release in [Release::new(0, 20, 0), Release::new(0, 33, 0)] {
         // Both replay reply formats: [seq, payload] before 0.26, [topic, seq, payload] after.
         let (ctx, engine) = engine(release);
         for i in 0..6 {
             engine.publish(&batch(i)).expect("publish");
         }
-        let mut sub = subscriber(&ctx, vec![source_of(&engine, true)], threads);
+        let mut sub = subscriber(&ctx, vec![source_of(&engine, true)]);
         assert!(engine.wait_for_subscribers(1, WAIT));
         engine.publish(&batch(6)).expect("publish");
         let seen = collect(&mut sub, has("B0:6"));
@@ -134,10 +135,11 @@ fn a_late_joiner_bootstraps_from_replay(threads: bool) {
     }
 }
 
-fn a_gap_is_repaired_by_replay(threads: bool) {
+#[test]
+fn a_gap_is_repaired_by_replay() {
     let release = Release::NEWEST_KNOWN;
     let (ctx, engine) = engine(release);
-    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)], threads);
+    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)]);
     assert!(engine.wait_for_subscribers(1, WAIT));
     engine.publish(&batch(0)).expect("publish");
     engine.publish_lost(payload(release, 1));
@@ -149,7 +151,8 @@ fn a_gap_is_repaired_by_replay(threads: bool) {
     assert_eq!((m.gaps.load(Relaxed), m.missing_seqs.load(Relaxed)), (1, 2));
 }
 
-fn a_truncated_replay_clears_the_source(threads: bool) {
+#[test]
+fn a_truncated_replay_clears_the_source() {
     let release = Release::NEWEST_KNOWN;
     let ctx = zmq::Context::new();
     let config = PublisherConfig {
@@ -157,7 +160,7 @@ fn a_truncated_replay_clears_the_source(threads: bool) {
         ..PublisherConfig::loopback(release)
     };
     let engine = Publisher::start(&ctx, config).expect("publisher");
-    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)], threads);
+    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)]);
     assert!(engine.wait_for_subscribers(1, WAIT));
     engine.publish(&batch(0)).expect("publish");
     for i in 1..=4 {
@@ -173,10 +176,11 @@ fn a_truncated_replay_clears_the_source(threads: bool) {
     assert!(sub.metrics()[0].degraded.load(Relaxed));
 }
 
-fn a_restarted_engine_clears_then_rebuilds(threads: bool) {
+#[test]
+fn a_restarted_engine_clears_then_rebuilds() {
     let release = Release::NEWEST_KNOWN;
     let (ctx, engine) = engine(release);
-    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)], threads);
+    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)]);
     assert!(engine.wait_for_subscribers(1, WAIT));
     for i in 0..3 {
         engine.publish(&batch(i)).expect("publish");
@@ -190,7 +194,8 @@ fn a_restarted_engine_clears_then_rebuilds(threads: bool) {
     assert_eq!(sub.metrics()[0].restarts.load(Relaxed), 1);
 }
 
-fn a_lost_end_marker_times_out_and_live_batches_go_on(threads: bool) {
+#[test]
+fn a_lost_end_marker_times_out_and_live_batches_go_on() {
     let release = Release::new(0, 26, 0);
     let ctx = zmq::Context::new();
     let config = PublisherConfig {
@@ -198,7 +203,7 @@ fn a_lost_end_marker_times_out_and_live_batches_go_on(threads: bool) {
         ..PublisherConfig::loopback(release)
     };
     let engine = Publisher::start(&ctx, config).expect("publisher");
-    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)], threads);
+    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)]);
     assert!(engine.wait_for_subscribers(1, WAIT));
     // The bootstrap replay asked for at start never ends either: its idle timeout closes it,
     // and the replay backoff (100 ms here) passes before the engine publishes.
@@ -231,10 +236,11 @@ fn a_lost_end_marker_times_out_and_live_batches_go_on(threads: bool) {
     assert_eq!(collect(&mut sub, has("B0:3")), ["B0:3"]);
 }
 
-fn without_a_replay_endpoint_a_lost_batch_clears_the_source(threads: bool) {
+#[test]
+fn without_a_replay_endpoint_a_lost_batch_clears_the_source() {
     let release = Release::NEWEST_KNOWN;
     let (ctx, engine) = engine(release);
-    let mut sub = subscriber(&ctx, vec![source_of(&engine, false)], threads);
+    let mut sub = subscriber(&ctx, vec![source_of(&engine, false)]);
     assert!(engine.wait_for_subscribers(1, WAIT));
     engine.publish(&batch(0)).expect("publish");
     engine.skip_seq();
@@ -243,7 +249,8 @@ fn without_a_replay_endpoint_a_lost_batch_clears_the_source(threads: bool) {
     assert_eq!(seen, ["R0:startup", "B0:0", "R0:gap", "B0:2"]);
 }
 
-fn two_dp_ranks_are_kept_apart(threads: bool) {
+#[test]
+fn two_dp_ranks_are_kept_apart() {
     // Endpoints derived by vLLM's rule from one base (inproc: `x` → `x_dp1`).
     let ctx = zmq::Context::new();
     let release = Release::NEWEST_KNOWN;
@@ -267,7 +274,7 @@ fn two_dp_ranks_are_kept_apart(threads: bool) {
         })
         .collect();
     assert_eq!(engines[1].endpoint(), "inproc://kv_dp1");
-    let mut sub = subscriber(&ctx, sources, threads);
+    let mut sub = subscriber(&ctx, sources);
     for e in &engines {
         assert!(e.wait_for_subscribers(1, WAIT));
     }
@@ -288,7 +295,8 @@ fn two_dp_ranks_are_kept_apart(threads: bool) {
     assert_eq!(rank("R1"), ["R1:startup"]);
 }
 
-fn malformed_frames_and_payloads_are_counted_and_skipped(threads: bool) {
+#[test]
+fn malformed_frames_and_payloads_are_counted_and_skipped() {
     let ctx = zmq::Context::new();
     let publisher = ctx.socket(zmq::XPUB).expect("socket");
     publisher.bind("tcp://127.0.0.1:*").expect("bind");
@@ -303,7 +311,7 @@ fn malformed_frames_and_payloads_are_counted_and_skipped(threads: bool) {
         bind: false,
         dp_rank: 0,
     };
-    let mut sub = subscriber(&ctx, vec![source], threads);
+    let mut sub = subscriber(&ctx, vec![source]);
     publisher.recv_bytes(0).expect("subscription");
     let good = payload(Release::NEWEST_KNOWN, 0);
     let seq = |s: u64| s.to_be_bytes().to_vec();
@@ -330,24 +338,26 @@ fn malformed_frames_and_payloads_are_counted_and_skipped(threads: bool) {
     assert_eq!(m.resets(ResetReason::Corrupt), 1);
 }
 
-fn a_gap_across_a_reconnect_is_rebuilt_from_the_new_process(threads: bool) {
+#[test]
+fn a_gap_across_a_reconnect_is_rebuilt_from_the_new_process() {
     // Seq 6 is above our last (2): without the check it would pass for a gap of 3..=5.
-    restarted_across_a_reconnect(threads, 6);
+    restarted_across_a_reconnect(6);
 }
 
-fn a_restart_whose_seqs_continue_ours_is_caught_at_the_reconnect(threads: bool) {
+#[test]
+fn a_restart_whose_seqs_continue_ours_is_caught_at_the_reconnect() {
     // The new process's seq 3 continues our last (2): only its payload digest at seq 2 tells.
-    restarted_across_a_reconnect(threads, 3);
+    restarted_across_a_reconnect(3);
 }
 
 /// The engine process dies after seqs 0..=2; a new one on the same ports publishes `lost`
 /// batches (seqs 0..lost) before we are back, then one more live.
-fn restarted_across_a_reconnect(threads: bool, lost: u64) {
+fn restarted_across_a_reconnect(lost: u64) {
     let release = Release::NEWEST_KNOWN;
     let (ctx, first) = engine(release);
     let endpoint = first.endpoint().to_owned();
     let replay = first.replay_endpoint().map(str::to_owned);
-    let mut sub = subscriber(&ctx, vec![source_of(&first, true)], threads);
+    let mut sub = subscriber(&ctx, vec![source_of(&first, true)]);
     assert!(first.wait_for_subscribers(1, WAIT));
     for i in 0..3 {
         first.publish(&batch(i)).expect("publish");
@@ -396,10 +406,11 @@ fn restarted_across_a_reconnect(threads: bool, lost: u64) {
     assert_eq!(sub.metrics()[0].restarts.load(Relaxed), 1);
 }
 
-fn next_with_hands_over_the_decoded_batch_and_corrupt_ones_as_resets(threads: bool) {
+#[test]
+fn next_with_hands_over_the_decoded_batch_and_corrupt_ones_as_resets() {
     let release = Release::NEWEST_KNOWN;
     let (ctx, engine) = engine(release);
-    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)], threads);
+    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)]);
     assert!(engine.wait_for_subscribers(1, WAIT));
     engine.publish(&batch(0)).expect("publish");
     engine.publish_payload(b"\x93\xcb".to_vec());
@@ -430,23 +441,14 @@ fn next_with_hands_over_the_decoded_batch_and_corrupt_ones_as_resets(threads: bo
     );
 }
 
-fn next_many_hands_over_what_is_ready_in_order_and_at_most_max(threads: bool) {
+#[test]
+fn next_many_hands_over_what_is_ready_in_order_and_at_most_max() {
     let release = Release::NEWEST_KNOWN;
     let (ctx, engine) = engine(release);
-    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)], threads);
+    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)]);
     assert!(engine.wait_for_subscribers(1, WAIT));
-    engine.publish(&batch(0)).expect("publish");
-    engine.publish_payload(b"\x93\xcb".to_vec());
-    for i in 2..10 {
-        engine.publish(&batch(i)).expect("publish");
-    }
-    // Everything is on loopback before the first call: calls hand over several at once.
-    std::thread::sleep(Duration::from_millis(500));
-    let deadline = Instant::now() + WAIT;
-    let (mut seen, mut sizes) = (Vec::new(), Vec::new());
-    while seen.len() < 11 {
-        assert!(Instant::now() < deadline, "saw {seen:?}");
-        let got = sub.next_many(Duration::from_millis(100), 4, |views| {
+    let take = |sub: &mut Subscriber| {
+        sub.next_many(Duration::from_millis(100), 4, |views| {
             views
                 .iter()
                 .map(|view| match view {
@@ -461,50 +463,59 @@ fn next_many_hands_over_what_is_ready_in_order_and_at_most_max(threads: bool) {
                     }
                 })
                 .collect::<Vec<_>>()
-        });
-        if let Some(got) = got {
-            sizes.push(got.len());
-            seen.extend(got);
+        })
+    };
+    // Rounds of ten batches published at once, each taken whole, until a call has handed over
+    // several (what was ready together): no wait for them to arrive is assumed.
+    let deadline = Instant::now() + WAIT;
+    let (mut seen, mut sizes, mut want) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0u64.. {
+        let first = round * 10;
+        if round == 0 {
+            engine.publish(&batch(0)).expect("publish");
+            engine.publish_payload(b"\x93\xcb".to_vec());
+            want.extend(["R:startup", "B0:Int(U64(100))", "R:corrupt"].map(str::to_owned));
+        } else {
+            for i in first..first + 2 {
+                engine.publish(&batch(i)).expect("publish");
+                want.push(format!("B{i}:Int(U64({}))", 100 + i));
+            }
         }
+        for i in first + 2..first + 10 {
+            engine.publish(&batch(i)).expect("publish");
+            want.push(format!("B{i}:Int(U64({}))", 100 + i));
+        }
+        while seen.len() < want.len() {
+            assert!(Instant::now() < deadline, "saw {seen:?}");
+            if let Some(got) = take(&mut sub) {
+                sizes.push(got.len());
+                seen.extend(got);
+            }
+        }
+        if sizes.iter().any(|n| *n > 1) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "never more than one at once: {sizes:?}"
+        );
     }
-    let want: Vec<String> = ["R:startup", "B0:Int(U64(100))", "R:corrupt"]
-        .into_iter()
-        .map(str::to_owned)
-        .chain((2..10).map(|i| format!("B{i}:Int(U64({}))", 100 + i)))
-        .collect();
     assert_eq!(seen, want);
     assert!(sizes.iter().all(|n| (1..=4).contains(n)), "{sizes:?}");
-    assert!(
-        sizes.iter().any(|n| *n > 1),
-        "never more than one at once: {sizes:?}"
-    );
     assert_eq!(
         sub.next_many(Duration::from_millis(50), 4, |v| v.len()),
         None
     );
 }
 
-/// Threads of this process whose name starts with `prefix`.
-fn threads_named(prefix: &str) -> usize {
-    std::fs::read_dir("/proc/self/task")
-        .map(|d| {
-            d.filter_map(Result::ok)
-                .filter(|t| {
-                    std::fs::read_to_string(t.path().join("comm"))
-                        .is_ok_and(|c| c.starts_with(prefix))
-                })
-                .count()
-        })
-        .unwrap_or(0)
-}
-
-fn sources_come_and_go_at_run_time_without_disturbing_the_others(threads: bool) {
+#[test]
+fn sources_come_and_go_at_run_time_without_disturbing_the_others() {
     let release = Release::NEWEST_KNOWN;
     let ctx = zmq::Context::new();
     let engines: Vec<Publisher> = (0..3)
         .map(|_| Publisher::start(&ctx, PublisherConfig::loopback(release)).expect("engine"))
         .collect();
-    let mut sub = subscriber(&ctx, vec![source_of(&engines[0], true)], threads);
+    let mut sub = subscriber(&ctx, vec![source_of(&engines[0], true)]);
     assert!(engines[0].wait_for_subscribers(1, WAIT));
     engines[0].publish(&batch(0)).expect("publish");
     collect(&mut sub, has("B0:0"));
@@ -522,12 +533,9 @@ fn sources_come_and_go_at_run_time_without_disturbing_the_others(threads: bool) 
         has("B1:0")(s) && has("B2:0")(s) && has("B0:1")(s)
     });
     assert!(seen.contains(&"R1:startup".to_owned()) && seen.contains(&"R2:startup".to_owned()));
-    // One goes away: its thread and sockets go, the others keep flowing.
-    let before = threads_named("kvevent-src-");
+    // One goes away: its sockets go, the others keep flowing.
     assert!(sub.remove_source(1));
     assert!(!sub.remove_source(1), "removed once");
-    let gone = usize::from(threads);
-    assert_eq!(threads_named("kvevent-src-"), before - gone);
     assert_eq!(sub.active_sources(), 2);
     engines[1].publish(&batch(1)).expect("publish");
     engines[2].publish(&batch(1)).expect("publish");
@@ -542,12 +550,13 @@ fn sources_come_and_go_at_run_time_without_disturbing_the_others(threads: bool) 
     sub.shutdown();
 }
 
-fn three_hundred_sources_in_one_process(threads: bool) {
+#[test]
+fn three_hundred_sources_in_one_process() {
     let release = Release::NEWEST_KNOWN;
     let (ctx, engine) = engine(release);
-    // Every source follows the same engine: 300 SUB sockets and threads in this process, more
+    // Every source follows the same engine: 300 SUB sockets in this process, more
     // than one libzmq context holds (the transport opens a second one).
-    let mut sub = subscriber(&ctx, Vec::new(), threads);
+    let mut sub = subscriber(&ctx, Vec::new());
     for _ in 0..300 {
         sub.add_source(source_of(&engine, false)).expect("add");
     }
@@ -567,14 +576,15 @@ fn three_hundred_sources_in_one_process(threads: bool) {
     sub.shutdown();
 }
 
-fn a_subscriber_joining_an_idle_engine_learns_what_it_published(threads: bool) {
+#[test]
+fn a_subscriber_joining_an_idle_engine_learns_what_it_published() {
     let release = Release::NEWEST_KNOWN;
     let (ctx, engine) = engine(release);
     // Published before anyone listened, and nothing after: only the replay buffer has them.
     for i in 0..3 {
         engine.publish_lost(payload(release, i));
     }
-    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)], threads);
+    let mut sub = subscriber(&ctx, vec![source_of(&engine, true)]);
     let seen = collect(&mut sub, has("B0:2"));
     assert_eq!(seen, ["R0:startup", "B0:0", "B0:1", "B0:2"]);
     assert!(
@@ -582,38 +592,3 @@ fn a_subscriber_joining_an_idle_engine_learns_what_it_published(threads: bool) {
         "complete from seq 0"
     );
 }
-
-/// Every test twice: sources on threads of their own, and read by the caller's thread.
-macro_rules! both_ways {
-    ($($name:ident),* $(,)?) => {$(
-        mod $name {
-            #[test]
-            fn on_source_threads() {
-                super::$name(true)
-            }
-            #[test]
-            fn in_the_caller() {
-                super::$name(false)
-            }
-        }
-    )*};
-}
-
-both_ways!(
-    live_batches_flow_in_order,
-    a_late_joiner_bootstraps_from_replay,
-    a_gap_is_repaired_by_replay,
-    a_truncated_replay_clears_the_source,
-    a_restarted_engine_clears_then_rebuilds,
-    a_lost_end_marker_times_out_and_live_batches_go_on,
-    without_a_replay_endpoint_a_lost_batch_clears_the_source,
-    two_dp_ranks_are_kept_apart,
-    malformed_frames_and_payloads_are_counted_and_skipped,
-    a_gap_across_a_reconnect_is_rebuilt_from_the_new_process,
-    a_restart_whose_seqs_continue_ours_is_caught_at_the_reconnect,
-    next_with_hands_over_the_decoded_batch_and_corrupt_ones_as_resets,
-    next_many_hands_over_what_is_ready_in_order_and_at_most_max,
-    sources_come_and_go_at_run_time_without_disturbing_the_others,
-    three_hundred_sources_in_one_process,
-    a_subscriber_joining_an_idle_engine_learns_what_it_published,
-);

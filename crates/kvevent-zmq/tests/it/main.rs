@@ -1,6 +1,6 @@
 //! The transport over real sockets: both topologies and the replay protocol, frames untouched.
 
-use std::sync::mpsc;
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use kvevent_test_support::HeldPort;
@@ -10,13 +10,26 @@ use kvevent_zmq::{Delivery, Frames, ReplayOutcome, Source, SourceOptions, Transp
 
 const WAIT: Duration = Duration::from_secs(10);
 
-/// The next delivery that is not a `Connected` (checked on its own below).
-fn recv(rx: &mpsc::Receiver<Frames>) -> Frames {
+/// The next delivery that is not a `Connected` (checked on its own below), read by polling.
+fn recv(transport: &mut Transport, got: &mut VecDeque<Frames>) -> Frames {
+    let deadline = Instant::now() + WAIT;
     loop {
-        let got = rx.recv_timeout(WAIT).expect("frames within the wait");
-        if got.delivery != Delivery::Connected {
-            return got;
+        while let Some(f) = got.pop_front() {
+            if f.delivery != Delivery::Connected {
+                return f;
+            }
         }
+        assert!(Instant::now() < deadline, "frames within the wait");
+        transport.poll(Duration::from_millis(100), got);
+    }
+}
+
+/// Polls until `engine` has `n` subscribers: libzmq sends a subscription as the socket is used.
+fn subscribed(transport: &mut Transport, got: &mut VecDeque<Frames>, engine: &Publisher, n: usize) {
+    let deadline = Instant::now() + WAIT;
+    while !engine.wait_for_subscribers(n, Duration::ZERO) {
+        assert!(Instant::now() < deadline, "no subscription within the wait");
+        transport.poll(Duration::from_millis(20), got);
     }
 }
 
@@ -45,18 +58,18 @@ fn reverse_topology_the_engine_connects_and_we_bind() {
         bind: true,
         dp_rank: 0,
     };
-    let (tx, rx) = mpsc::sync_channel(16);
-    let transport =
-        Transport::start(&ctx, &[source], &SourceOptions::default(), tx).expect("start");
+    let mut transport =
+        Transport::start(&ctx, &[source], &SourceOptions::default()).expect("start");
     let config = PublisherConfig {
         endpoint,
         replay_endpoint: None,
         ..PublisherConfig::loopback(Release::NEWEST_KNOWN)
     };
     let engine = Publisher::start(&ctx, config).expect("engine");
-    assert!(engine.wait_for_subscribers(1, WAIT));
+    let mut got = VecDeque::new();
+    subscribed(&mut transport, &mut got, &engine, 1);
     engine.publish_payload(b"\x90".to_vec());
-    let got = recv(&rx);
+    let got = recv(&mut transport, &mut got);
     assert_eq!(got.source, 0);
     let Delivery::Live(msg) = got.delivery else {
         panic!("{got:?}")
@@ -84,13 +97,13 @@ fn a_replay_hands_out_raw_replies_then_done() {
         bind: false,
         dp_rank: 0,
     };
-    let (tx, rx) = mpsc::sync_channel(16);
     let mut transport =
-        Transport::start(&ctx, &[source], &SourceOptions::default(), tx).expect("start");
+        Transport::start(&ctx, &[source], &SourceOptions::default()).expect("start");
     assert!(transport.request_replay(0, 1));
     let mut seqs = Vec::new();
+    let mut got = VecDeque::new();
     loop {
-        match recv(&rx).delivery {
+        match recv(&mut transport, &mut got).delivery {
             Delivery::Replay(msg) => match frames::parse_replay(&msg).expect("reply") {
                 frames::ReplayReply::Batch {
                     topic,
@@ -133,12 +146,11 @@ fn a_replay_with_no_answer_times_out() {
         replay_idle_timeout: Duration::from_millis(200),
         ..SourceOptions::default()
     };
-    let (tx, rx) = mpsc::sync_channel(16);
-    let mut transport = Transport::start(&ctx, &[source], &opts, tx).expect("start");
+    let mut transport = Transport::start(&ctx, &[source], &opts).expect("start");
     let started = Instant::now();
     assert!(transport.request_replay(0, 0));
     assert_eq!(
-        recv(&rx).delivery,
+        recv(&mut transport, &mut VecDeque::new()).delivery,
         Delivery::ReplayDone(ReplayOutcome::TimedOut)
     );
     assert!(started.elapsed() >= Duration::from_millis(200));
@@ -153,7 +165,7 @@ fn a_replay_with_no_answer_times_out() {
 /// The next deliveries that are not `Connected`, read by the caller's thread.
 fn poll_until(transport: &mut Transport, n: usize) -> Vec<Frames> {
     let deadline = Instant::now() + WAIT;
-    let mut got = std::collections::VecDeque::new();
+    let mut got = VecDeque::new();
     while got
         .iter()
         .filter(|f: &&Frames| f.delivery != Delivery::Connected)
@@ -169,7 +181,7 @@ fn poll_until(transport: &mut Transport, n: usize) -> Vec<Frames> {
 }
 
 #[test]
-fn read_in_the_caller_live_replay_and_timeout_with_no_thread() {
+fn live_replay_and_timeout_read_in_the_caller_with_no_thread() {
     let ctx = zmq::Context::new();
     let engine =
         Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
@@ -198,8 +210,8 @@ fn read_in_the_caller_live_replay_and_timeout_with_no_thread() {
         ..SourceOptions::default()
     };
     let threads = std::fs::read_dir("/proc/self/task").map(|d| d.count()).ok();
-    let mut transport = Transport::in_caller(&ctx, &sources, &opts).expect("start");
-    assert!(engine.wait_for_subscribers(1, WAIT));
+    let mut transport = Transport::start(&ctx, &sources, &opts).expect("start");
+    subscribed(&mut transport, &mut VecDeque::new(), &engine, 1);
     engine.publish_payload(b"\x90".to_vec());
     let got = poll_until(&mut transport, 1);
     let Delivery::Live(msg) = &got[0].delivery else {
@@ -236,27 +248,38 @@ fn read_in_the_caller_live_replay_and_timeout_with_no_thread() {
         std::fs::read_dir("/proc/self/task").map(|d| d.count()).ok(),
         threads
     );
-    // A removed source is not read any more.
+    // A removed source is not read any more: a source added after it, on the same engine,
+    // gets the message it would have had.
     assert!(transport.remove(0));
-    engine.publish_payload(b"\x90".to_vec());
-    let mut rest = std::collections::VecDeque::new();
-    transport.poll(Duration::from_millis(300), &mut rest);
+    let again = transport.add(&sources[0]).expect("add");
+    assert_eq!(again, 2, "an index is never reused");
+    // Published until it arrives (the new subscription takes its time to reach the engine).
+    let mut rest: VecDeque<Frames> = VecDeque::new();
+    let deadline = Instant::now() + WAIT;
+    while !rest.iter().any(|f| matches!(f.delivery, Delivery::Live(_))) {
+        assert!(
+            Instant::now() < deadline,
+            "the new source got nothing: {rest:?}"
+        );
+        engine.publish_payload(b"\x90".to_vec());
+        transport.poll(Duration::from_millis(100), &mut rest);
+    }
     assert!(rest.iter().all(|f| f.source != 0), "{rest:?}");
     transport.shutdown();
 }
 
-/// Read in the caller, a socket is read when its descriptor signals (libzmq's edge-triggered
+/// A socket is read when its descriptor signals (libzmq's edge-triggered
 /// way): a burst longer than one read is finished on the next calls, and a socket read to
 /// its end signals again for what comes later, as does the monitor for a disconnect.
 #[test]
-fn read_in_the_caller_a_burst_is_finished_and_later_messages_still_wake_it() {
+fn a_burst_is_finished_and_later_messages_still_wake_the_poll() {
     let ctx = zmq::Context::new();
     let engine =
         Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
     let source = connect_to(engine.endpoint().to_owned());
     let mut transport =
-        Transport::in_caller(&ctx, &[source], &SourceOptions::default()).expect("start");
-    assert!(engine.wait_for_subscribers(1, WAIT));
+        Transport::start(&ctx, &[source], &SourceOptions::default()).expect("start");
+    subscribed(&mut transport, &mut VecDeque::new(), &engine, 1);
     // More than two reads' worth (256 messages a socket a call), queued before any read.
     for _ in 0..600 {
         engine.publish_payload(b"\x90".to_vec());
@@ -274,7 +297,7 @@ fn read_in_the_caller_a_burst_is_finished_and_later_messages_still_wake_it() {
         (0..600).collect::<Vec<_>>()
     );
     // Drained and idle: nothing more.
-    let mut idle = std::collections::VecDeque::new();
+    let mut idle = VecDeque::new();
     transport.poll(Duration::from_millis(200), &mut idle);
     assert!(
         idle.iter().all(|f| f.delivery == Delivery::Connected),
@@ -301,8 +324,7 @@ fn a_bad_endpoint_fails_at_start_with_its_name() {
         bind: true,
         dp_rank: 0,
     };
-    let (tx, _rx) = mpsc::sync_channel(1);
-    let err = Transport::start(&ctx, &[source], &SourceOptions::default(), tx).expect_err("bad");
+    let err = Transport::start(&ctx, &[source], &SourceOptions::default()).expect_err("bad");
     assert!(err.to_string().contains("tcp://nowhere-valid"), "{err}");
 }
 
@@ -311,9 +333,7 @@ fn shutdown_is_prompt() {
     let ctx = zmq::Context::new();
     let nothing = HeldPort::new();
     let source = connect_to(nothing.tcp());
-    let (tx, _rx) = mpsc::sync_channel(1);
-    let transport =
-        Transport::start(&ctx, &[source], &SourceOptions::default(), tx).expect("start");
+    let transport = Transport::start(&ctx, &[source], &SourceOptions::default()).expect("start");
     let started = Instant::now();
     transport.shutdown();
     assert!(started.elapsed() < Duration::from_secs(1));
@@ -325,13 +345,20 @@ fn losing_the_engine_is_reported_as_a_disconnect() {
     let engine =
         Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
     let source = connect_to(engine.endpoint().to_owned());
-    let (tx, rx) = mpsc::sync_channel(16);
-    let transport =
-        Transport::start(&ctx, &[source], &SourceOptions::default(), tx).expect("start");
-    assert!(engine.wait_for_subscribers(1, WAIT));
-    let first = rx.recv_timeout(WAIT).expect("a delivery");
-    assert_eq!(first.delivery, Delivery::Connected);
+    let mut transport =
+        Transport::start(&ctx, &[source], &SourceOptions::default()).expect("start");
+    let mut got = VecDeque::new();
+    subscribed(&mut transport, &mut got, &engine, 1);
+    let deadline = Instant::now() + WAIT;
+    while got.is_empty() {
+        assert!(Instant::now() < deadline, "no delivery");
+        transport.poll(Duration::from_millis(100), &mut got);
+    }
+    assert_eq!(got[0].delivery, Delivery::Connected);
     engine.shutdown();
-    assert_eq!(recv(&rx).delivery, Delivery::Disconnected);
+    assert_eq!(
+        recv(&mut transport, &mut got).delivery,
+        Delivery::Disconnected
+    );
     transport.shutdown();
 }
