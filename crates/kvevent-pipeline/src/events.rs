@@ -143,17 +143,17 @@ impl Saver {
                 for (image, started) in rx {
                     match state_file::write(&path, &image) {
                         Ok(_) => {
-                            telemetry.state_writes.written.fetch_add(1, Relaxed);
-                            telemetry.state_bytes.store(image.len() as u64, Relaxed);
+                            telemetry.state_file.writes.written.fetch_add(1, Relaxed);
+                            telemetry.state_file.bytes.store(image.len() as u64, Relaxed);
                             telemetry
-                                .state_write_us
+                                .state_file.write_us
                                 .store(started.elapsed().as_micros() as u64, Relaxed);
                             if std::mem::take(&mut failing) {
                                 tracing::info!(path = %path.display(), "state file written again");
                             }
                         }
                         Err(e) => {
-                            telemetry.state_writes.failed.fetch_add(1, Relaxed);
+                            telemetry.state_file.writes.failed.fetch_add(1, Relaxed);
                             if !std::mem::replace(&mut failing, true) {
                                 tracing::warn!(path = %path.display(), error = %e, "cannot write the state file: a restart will clear the replica and rebuild (kvevent_state_file_writes_total counts the failures)");
                             }
@@ -235,7 +235,7 @@ impl EventsLoop {
                 batch,
                 payload,
             } => {
-                if let Some(last) = telemetry.last_batch_unix_ms.get(source) {
+                if let Some(last) = telemetry.sources.last_batch_unix_ms.get(source) {
                     last.store(crate::telemetry::unix_ms(), Relaxed);
                 }
                 if turn.track_applied
@@ -306,9 +306,10 @@ impl EventsLoop {
     /// idle engine that did send stays quiet, and that is fine): said once per silence.
     fn warn_silent(&self, turn: &mut Turn) {
         for (source, warned) in turn.warned.iter_mut().enumerate() {
-            let never = self.telemetry.last_batch_unix_ms[source].load(Relaxed) == 0;
-            let silent =
-                never && self.telemetry.silence_seconds(source) >= self.silence_grace.as_secs_f64();
+            let never = self.telemetry.sources.last_batch_unix_ms[source].load(Relaxed) == 0;
+            let silent = never
+                && self.telemetry.sources.silence_seconds(source)
+                    >= self.silence_grace.as_secs_f64();
             if silent && !*warned {
                 tracing::warn!(
                     source = %turn.labels[source],
@@ -348,6 +349,7 @@ impl EventsLoop {
         let mut stats = self
             .telemetry
             .mappers
+            .views
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         for source in touched {
@@ -387,7 +389,10 @@ impl EventsLoop {
                 forwarder.try_submit(report) == fwd::Submit::Closed
             };
             if closed {
-                self.telemetry.reports_after_shutdown.fetch_add(1, Relaxed);
+                self.telemetry
+                    .delivery
+                    .reports_after_shutdown
+                    .fetch_add(1, Relaxed);
             }
         }
     }
@@ -408,7 +413,11 @@ impl EventsLoop {
             self.feed.as_ref(),
         );
         if tx.try_send((image, turn.last_save)).is_err() {
-            self.telemetry.state_writes.skipped.fetch_add(1, Relaxed);
+            self.telemetry
+                .state_file
+                .writes
+                .skipped
+                .fetch_add(1, Relaxed);
         }
     }
 

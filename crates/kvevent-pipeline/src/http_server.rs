@@ -50,16 +50,17 @@ fn route(path: &str, telemetry: &Telemetry, readiness: Readiness) -> hyper::Resp
         "/healthz" => respond(200, "text/plain", "ok\n".into()),
         "/readyz" => {
             let subscribed = telemetry.subscribed.load(Relaxed);
-            let last = telemetry.last_success_unix_ms();
+            let last = telemetry.delivery.last_success_unix_ms();
             let recent = last > 0
                 && now_ms().saturating_sub(last) <= readiness.max_silence.as_millis() as u64;
-            let engine_silent = !telemetry.any_batch()
-                && now_ms().saturating_sub(telemetry.started_unix_ms)
+            let engine_silent = !telemetry.sources.any_batch()
+                && now_ms().saturating_sub(telemetry.sources.started_unix_ms)
                     >= readiness.silence_grace.as_millis() as u64;
             let unconnected: Vec<&str> = telemetry
                 .sources
+                .labels
                 .iter()
-                .zip(&telemetry.source_metrics)
+                .zip(&telemetry.sources.metrics)
                 .filter(|(_, m)| !m.connected.load(Relaxed))
                 .map(|(label, _)| label.as_str())
                 .collect();
@@ -88,6 +89,7 @@ fn route(path: &str, telemetry: &Telemetry, readiness: Readiness) -> hyper::Resp
                 };
             }
             let unreachable = telemetry
+                .delivery
                 .server_unreachable
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -110,7 +112,7 @@ fn route(path: &str, telemetry: &Telemetry, readiness: Readiness) -> hyper::Resp
                     "text/plain",
                     format!(
                         "not ready: no KV events from any engine source since the start ({}s): is vLLM started with --kv-events-config, and does --engine-endpoint name its PUB socket?\n",
-                        now_ms().saturating_sub(telemetry.started_unix_ms) / 1000
+                        now_ms().saturating_sub(telemetry.sources.started_unix_ms) / 1000
                     ),
                 );
             }

@@ -408,7 +408,7 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
                 timeout: settings.scrape_timeout.0,
                 topic: settings.topic.as_bytes().to_vec(),
                 current: sources.clone(),
-                metrics: telemetry.source_metrics.clone(),
+                metrics: telemetry.sources.metrics.clone(),
             }
             .run(layout_tx),
         )

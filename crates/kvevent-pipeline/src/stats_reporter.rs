@@ -43,17 +43,18 @@ impl StatsReporter {
             let started = std::time::Instant::now();
             let scraped = self.scraper.scrape().await;
             self.telemetry
-                .scrape_seconds
+                .scrapes
+                .seconds
                 .observe(started.elapsed().as_secs_f64());
             let stats = match scraped {
                 Ok(stats) => {
-                    self.telemetry.scrape("ok");
+                    self.telemetry.scrapes.scrape("ok");
                     self.count_gaps(&stats);
                     stats
                 }
                 Err(e) => {
                     tracing::warn!(error = %error_chain(&e), "engine metrics scrape failed; skipping this tick");
-                    self.telemetry.scrape(e.kind());
+                    self.telemetry.scrapes.scrape(e.kind());
                     continue;
                 }
             };
@@ -70,18 +71,19 @@ impl StatsReporter {
             });
             match self.client.report(vec![update]).await {
                 Ok(ack) if ack.accepted => {
-                    self.telemetry.stats_report("ok");
+                    self.telemetry.scrapes.stats_report("ok");
                     self.telemetry
+                        .delivery
                         .stats_last_success_unix_ms
                         .store(ts_ms, Relaxed);
                 }
                 Ok(ack) => {
                     tracing::warn!(reason = %ack.reason_code, "server did not accept the stats");
-                    self.telemetry.stats_report("rejected");
+                    self.telemetry.scrapes.stats_report("rejected");
                 }
                 Err(status) => {
                     tracing::warn!(code = ?status.code(), message = status.message(), "stats report failed; skipping this tick");
-                    self.telemetry.stats_report("rpc_error");
+                    self.telemetry.scrapes.stats_report("rpc_error");
                 }
             }
         }
@@ -92,11 +94,13 @@ impl StatsReporter {
     /// Counts what the scrape lacked; says so once per series (the stat is reported as 0).
     fn count_gaps(&self, stats: &kvevent_scrape::Stats) {
         self.telemetry
-            .scrape_non_finite
+            .scrapes
+            .non_finite
             .fetch_add(stats.non_finite, Relaxed);
         let mut absent = self
             .telemetry
-            .scrape_absent
+            .scrapes
+            .absent
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         for series in &stats.absent {

@@ -54,6 +54,7 @@ impl Watch {
         let mut engines: Vec<Said> = self
             .telemetry
             .sources
+            .labels
             .iter()
             .map(|_| Said::default())
             .collect();
@@ -78,7 +79,7 @@ impl Watch {
 
     fn look_at_engines(&self, said: &mut [Said], now: Instant) {
         let t = &self.telemetry;
-        for ((label, metrics), said) in t.sources.iter().zip(&t.source_metrics).zip(said) {
+        for ((label, metrics), said) in t.sources.labels.iter().zip(&t.sources.metrics).zip(said) {
             if metrics.connected.load(Relaxed) {
                 if said.over() {
                     tracing::info!(source = %label, "engine socket connected");
@@ -101,9 +102,10 @@ impl Watch {
 
     async fn probe_server(&self, client: &fwd::Client, said: &mut Said, now: Instant) {
         let outcome = client.probe(self.connect_timeout).await;
-        self.telemetry.server_probed.store(true, Relaxed);
+        self.telemetry.delivery.server_probed.store(true, Relaxed);
         let mut unreachable = self
             .telemetry
+            .delivery
             .server_unreachable
             .lock()
             .unwrap_or_else(|e| e.into_inner());

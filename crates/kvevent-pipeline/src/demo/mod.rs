@@ -142,7 +142,7 @@ pub async fn run(batches: u64) -> Result<Summary, Box<dyn std::error::Error + Se
     // Let the last batches, a replay and two stats ticks through.
     let deadline = Instant::now() + Duration::from_secs(10);
     while summarize(&server.received(), batches).stats_reports < 2
-        || running.telemetry().source_metrics[0]
+        || running.telemetry().sources.metrics[0]
             .last_seq
             .load(std::sync::atomic::Ordering::Relaxed)
             + 1
@@ -157,7 +157,7 @@ pub async fn run(batches: u64) -> Result<Summary, Box<dyn std::error::Error + Se
     let left = running.shutdown(Duration::from_secs(5)).await;
     metrics_task.abort();
     let summary = summarize(&server.received(), batches);
-    let m = &telemetry.source_metrics[0];
+    let m = &telemetry.sources.metrics[0];
     use std::sync::atomic::Ordering::Relaxed;
     println!("\nwhat flowed in {:.1} s:", started.elapsed().as_secs_f64());
     println!(

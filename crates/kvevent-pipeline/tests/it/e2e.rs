@@ -181,6 +181,7 @@ async fn a_failing_scrape_never_touches_the_event_path() {
     while running
         .telemetry()
         .scrapes
+        .outcomes
         .lock()
         .map(|m| m.get("request").copied().unwrap_or(0))
         .unwrap_or(0)
@@ -257,9 +258,16 @@ async fn shutdown_drains_adds_still_in_their_window() {
     engine.publish(&scripted_batch(0)).expect("publish");
     engine.publish(&scripted_batch(1)).expect("publish");
     // Both batches read, and the forwarder holds their adds.
-    let depth = || running.telemetry().forwarder.queue_depth.load(Relaxed);
+    let depth = || {
+        running
+            .telemetry()
+            .delivery
+            .forwarder
+            .queue_depth
+            .load(Relaxed)
+    };
     let deadline = Instant::now() + WAIT;
-    while running.telemetry().source_metrics[0].batches.load(Relaxed) < 2 || depth() == 0 {
+    while running.telemetry().sources.metrics[0].batches.load(Relaxed) < 2 || depth() == 0 {
         assert!(
             Instant::now() < deadline,
             "the adds never reached the forwarder"
@@ -345,7 +353,9 @@ async fn a_dp_rank_restart_evicts_only_that_rank() {
     want.sort();
     assert_eq!(got, want, "rank 1's prompt 1 blocks");
     assert_eq!(
-        running.telemetry().source_metrics[1].restarts.load(Relaxed),
+        running.telemetry().sources.metrics[1]
+            .restarts
+            .load(Relaxed),
         1
     );
     running.shutdown(Duration::from_secs(5)).await;
@@ -485,7 +495,7 @@ async fn a_source_shows_whether_its_socket_reaches_the_engine() {
         .expect("start");
     wait_subscribed(&engine).await;
     let connected = |r: &kvevent_pipeline::Running| {
-        r.telemetry().source_metrics[0]
+        r.telemetry().sources.metrics[0]
             .connected
             .load(std::sync::atomic::Ordering::Relaxed)
     };
@@ -550,7 +560,7 @@ async fn an_sglang_engine_is_read_with_engine_sglang_salts_and_eagle_pairs_inclu
         engine.publish_payload(payload(case));
     }
     let deadline = Instant::now() + WAIT;
-    let metrics = &running.telemetry().source_metrics[0];
+    let metrics = &running.telemetry().sources.metrics[0];
     while metrics.batches.load(Relaxed) < 3 {
         assert!(
             Instant::now() < deadline,

@@ -88,7 +88,7 @@ async fn a_late_router_following_the_sidecar_knows_every_resident_prefix() {
         for seed in 0..50 {
             engine.publish(&stored(seed)).expect("publish");
         }
-        let hub = running.telemetry().feed.get().expect("hub").clone();
+        let hub = running.telemetry().feed.hub().expect("hub").clone();
         wait_until("the sidecar holds them", || hub.blocks() == 100);
 
         let fleet = Fleet::new(FleetConfig::default()).expect("fleet");

@@ -403,7 +403,7 @@ async fn the_sidecar_follows_both_ranks_and_a_lora_adapter_of_a_real_engine() {
         ..Settings::default()
     };
     let running = start(&settings, &ctx).await.expect("the sidecar starts");
-    let labels = running.telemetry().sources.clone();
+    let labels = running.telemetry().sources.labels.clone();
     assert_eq!(labels.len(), 2, "both ranks discovered: {labels:?}");
     let feed_url = format!("http://{}", running.feed_addr().expect("feed"));
     let fleet = Fleet::new(FleetConfig::default()).expect("fleet");

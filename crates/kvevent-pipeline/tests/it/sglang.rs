@@ -152,7 +152,7 @@ async fn sglang_dp_ranks_publish_on_the_port_base_plus_rank() {
     };
     let running = start(&s, &ctx).await.expect("start");
     let deadline = std::time::Instant::now() + WAIT;
-    let metrics = running.telemetry().source_metrics.clone();
+    let metrics = running.telemetry().sources.metrics.clone();
     while metrics
         .iter()
         .any(|m| m.batches.load(std::sync::atomic::Ordering::Relaxed) < 4)
@@ -160,7 +160,7 @@ async fn sglang_dp_ranks_publish_on_the_port_base_plus_rank() {
         assert!(std::time::Instant::now() < deadline, "both ranks' batches");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert_eq!(running.telemetry().sources.len(), 2);
+    assert_eq!(running.telemetry().sources.labels.len(), 2);
     running.shutdown(Duration::from_secs(2)).await;
     drop(ranks);
 }

@@ -129,13 +129,13 @@ async fn a_restarted_sidecar_resumes_from_its_state_file_without_a_clear() {
     tail.dedup();
     assert_eq!(evicted(&server), tail);
     assert_eq!(clears(&server), 0, "resumed: no clear");
-    let metrics = &running.telemetry().source_metrics[0];
+    let metrics = &running.telemetry().sources.metrics[0];
     assert_eq!(metrics.resumes_verified.load(Relaxed), 1);
     assert_eq!(metrics.resumes_refused.load(Relaxed), 0);
     assert!(!metrics.degraded.load(Relaxed));
     // The periodic save runs too.
     let deadline = std::time::Instant::now() + WAIT;
-    while running.telemetry().state_writes.written.load(Relaxed) == 0 {
+    while running.telemetry().state_file.writes.written.load(Relaxed) == 0 {
         assert!(std::time::Instant::now() < deadline, "no periodic save");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -164,10 +164,10 @@ async fn a_state_file_a_new_engine_process_cannot_continue_is_refused_and_rebuil
         .wait_for(WAIT, |r| kvevent_test_support::distinct_prefixes(r) >= 4)
         .await;
     assert_eq!(clears(&server), 1, "the stale state is cleared");
-    let metrics = &running.telemetry().source_metrics[0];
+    let metrics = &running.telemetry().sources.metrics[0];
     assert_eq!(metrics.resumes_refused.load(Relaxed), 1);
     assert_eq!(metrics.resets(ResetReason::StaleCheckpoint), 1);
-    let tracked = running.telemetry().mappers.lock().expect("lock")[0].tracked;
+    let tracked = running.telemetry().mappers.views.lock().expect("lock")[0].tracked;
     assert_eq!(tracked, 4, "only the new process's blocks");
     running.shutdown(Duration::from_secs(5)).await;
     engine.shutdown();
@@ -207,7 +207,7 @@ async fn a_damaged_or_foreign_state_file_is_not_used_and_the_start_goes_on() {
             "{what}: cleared and rebuilt from the replay"
         );
         assert_eq!(
-            running.telemetry().source_metrics[0]
+            running.telemetry().sources.metrics[0]
                 .resumes_verified
                 .load(Relaxed),
             0,
@@ -262,7 +262,7 @@ async fn a_sidecar_restarted_from_its_state_file_keeps_its_feed_epoch_and_follow
     wait_subscribed(&engine, 1).await;
     engine.publish(&scripted_batch(0)).expect("publish");
     engine.publish(&scripted_batch(1)).expect("publish");
-    let hub = first.telemetry().feed.get().expect("feed").clone();
+    let hub = first.telemetry().feed.hub().expect("feed").clone();
     let deadline = std::time::Instant::now() + WAIT;
     while hub.blocks() < 6 {
         assert!(
@@ -276,7 +276,7 @@ async fn a_sidecar_restarted_from_its_state_file_keeps_its_feed_epoch_and_follow
 
     let second = start(&s, &ctx).await.expect("restart");
     let url = format!("http://{}", second.feed_addr().expect("feed address"));
-    let hub = second.telemetry().feed.get().expect("feed").clone();
+    let hub = second.telemetry().feed.hub().expect("feed").clone();
     assert_eq!(hub.position(), (epoch, seq), "the same history goes on");
     assert_eq!(hub.blocks(), 6, "what the state file holds");
     // A follower at the saved position resumes: no snapshot, then the new change.
@@ -314,7 +314,7 @@ async fn a_sidecar_restarted_from_its_state_file_keeps_its_feed_epoch_and_follow
     assert_eq!(next.epoch, epoch);
     assert!(next.seq > seq);
     assert_eq!(
-        second.telemetry().source_metrics[0]
+        second.telemetry().sources.metrics[0]
             .resumes_verified
             .load(Relaxed),
         1

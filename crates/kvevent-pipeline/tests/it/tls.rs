@@ -99,6 +99,7 @@ async fn mtls_with_a_custom_ca_delivers_and_a_missing_client_cert_does_not() {
     let errors = || -> u64 {
         running
             .telemetry()
+            .delivery
             .forwarder
             .rpc_errors
             .iter()
