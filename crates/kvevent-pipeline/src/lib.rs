@@ -204,8 +204,9 @@ async fn start_feed(
     }
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let address = settings
-        .feed_socket_addr()
-        .map_or_else(|| settings.feed_address.clone(), |a| a.to_string());
+        .feed_address
+        .addr()
+        .map_or_else(|| settings.feed_address.to_string(), |a| a.to_string());
     let (bound, task) = kvevent_feed::serve(&address, hub.clone(), options, async {
         let _ = stopped.await;
     })
@@ -232,7 +233,7 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         key_mode: settings.key_mode,
         engine_has_offload_tier: settings.ignore_block_removed,
         all_kv_groups: settings.all_kv_groups,
-        lora_adapters: mapper::parse_lora_adapters(&settings.lora_adapter_names)?,
+        lora_adapters: settings.lora_adapter_names.map().clone(),
         max_tracked_blocks: settings.max_tracked_blocks,
         // One engine's map, dense: it keeps the sidecar within its memory target at the
         // highest store rate measured (docs/performance.md, `load --store-only`).
@@ -268,7 +269,7 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         Some(kvevent_scrape::Scraper::new(
             &settings.engine_metrics_url,
             settings.scrape_timeout.0,
-            8 << 20,
+            settings.scrape_max_bytes,
             stats_config(settings),
         )?)
     };
@@ -332,9 +333,9 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
     let http = if settings.metrics_address.is_empty() {
         None
     } else {
-        let addr: SocketAddr = settings.metrics_socket_addr().ok_or_else(|| {
+        let addr: SocketAddr = settings.metrics_address.addr().ok_or_else(|| {
             StartError::MetricsAddress(
-                settings.metrics_address.clone(),
+                settings.metrics_address.to_string(),
                 std::io::Error::other("not host:port"),
             )
         })?;
@@ -345,7 +346,7 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         };
         let served = http_server::serve(addr, telemetry.clone(), readiness)
             .await
-            .map_err(|e| StartError::MetricsAddress(settings.metrics_address.clone(), e))?;
+            .map_err(|e| StartError::MetricsAddress(settings.metrics_address.to_string(), e))?;
         tracing::info!(address = %served.0, "serving /metrics, /healthz, /readyz");
         Some(served)
     };

@@ -5,14 +5,11 @@ use std::path::PathBuf;
 
 use figment::Figment;
 use figment::providers::{Env, Format, Serialized, Toml};
-use kvevent_mapper::KeyMode;
-use kvevent_scrape::{CacheTier, Profile};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
 mod value;
 
-use value::lenient_string;
-pub use value::{GoDuration, LogFormat, Words, parse_duration};
+pub use value::{GoDuration, ListenAddress, LogFormat, LoraAdapters, Words, parse_duration};
 
 /// Prefix of every environment variable (`KVEVENT_REPLICA_ID`, ...).
 pub const ENV_PREFIX: &str = "KVEVENT_";
@@ -21,239 +18,86 @@ pub const ENV_PREFIX: &str = "KVEVENT_";
 /// Go sidecar's default).
 pub const DEFAULT_SERVER: &str = "127.0.0.1:9090";
 
-/// Every option, with the Go sidecar's names and defaults where it has them.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct Settings {
-    /// The engine's KV-event PUB endpoint.
-    #[serde(deserialize_with = "lenient_string")]
-    pub engine_endpoint: String,
-    /// vLLM 0.31+'s endpoint listing (`http://host:8000/kv_event_sources`); when set, the
-    /// ranks' PUB and replay endpoints come from it instead of `engine_endpoint`,
-    /// `replay_endpoint` and `dp_size`.
-    #[serde(deserialize_with = "lenient_string")]
-    pub engine_discovery_url: String,
-    /// How long to wait at start for the discovery listing to answer.
-    pub engine_discovery_timeout: GoDuration,
-    /// A rank disconnected with no batch this long is lost for good: the listing is read again.
-    pub engine_discovery_recheck: GoDuration,
-    /// Bind the SUB socket instead of connecting (for engines with a non-wildcard endpoint).
-    #[serde(with = "value::switch")]
-    pub engine_bind: bool,
-    /// The engine's replay ROUTER endpoint; empty: no replay.
-    #[serde(deserialize_with = "lenient_string")]
-    pub replay_endpoint: String,
-    /// Topic prefix.
-    #[serde(deserialize_with = "lenient_string")]
-    pub topic: String,
-    /// Data-parallel ranks to subscribe to (endpoints by vLLM's port-offset rule).
-    #[serde(with = "value::number")]
-    pub dp_size: u32,
-    /// The InferenceCache server: `host:port`, `http://…` or `https://…`; empty:
-    /// [`DEFAULT_SERVER`], or none with `feed_address` (see [`Settings::server`]).
-    #[serde(deserialize_with = "lenient_string")]
-    pub server: String,
-    /// This replica's id (required).
-    #[serde(deserialize_with = "lenient_string")]
-    pub replica_id: String,
-    /// The model's id (required).
-    #[serde(deserialize_with = "lenient_string")]
-    pub model_id: String,
-    /// Tenant id (optional).
-    #[serde(deserialize_with = "lenient_string")]
-    pub tenant_id: String,
-    /// Hash scheme reported with every prefix (the server's comparison domain).
-    #[serde(deserialize_with = "lenient_string")]
-    pub hash_scheme: String,
-    /// Whose KV-event wire the engine speaks: `vllm` or `sglang` (`hash_scheme` `sglang`
-    /// implies it, as the Go sidecar's flag picks SGLang there).
-    #[serde(with = "value::words")]
-    pub engine: kvevent_wire::Engine,
-    /// Key mode: `engine` (engine block hashes) or `fingerprint` (content fingerprints).
-    #[serde(with = "value::words")]
-    pub key_mode: KeyMode,
-    /// Window over which adds and evictions are collected, netted and sent. `0` means the
-    /// default, as in the Go sidecar (with a warning, see [`Settings::adjustments`]).
-    pub window: GoDuration,
-    /// Changes [`Settings::load`] made to the configuration given, to be logged once logging is
-    /// set up (a zero `--window` becomes the default). Not an option.
-    #[serde(skip)]
-    pub adjustments: Vec<String>,
-    /// The engine's Prometheus endpoint; empty: no stats.
-    #[serde(deserialize_with = "lenient_string")]
-    pub engine_metrics_url: String,
-    /// Interval of stats reports; 0: no stats.
-    pub stats_interval: GoDuration,
-    /// The engine's KV cache size in bytes (0: unknown).
-    #[serde(with = "value::number")]
-    pub engine_cache_size_bytes: u64,
-    /// Running + waiting requests that count as full pressure.
-    #[serde(with = "value::number")]
-    pub max_concurrency_ceiling: u32,
-    /// Which usage gauge: auto, kv, gpu, cpu.
-    #[serde(with = "value::words")]
-    pub cache_tier: CacheTier,
-    /// Keep only metric series with this `model_name` label.
-    #[serde(deserialize_with = "lenient_string")]
-    pub engine_model_name: String,
-    /// Engine metrics profile: auto, vllm, vllm-legacy, sglang.
-    #[serde(with = "value::words")]
-    pub engine_profile: Option<Profile>,
-    /// The engine has an offload tier: GPU removals are re-reported at T2.
-    #[serde(with = "value::switch")]
-    pub ignore_block_removed: bool,
-    /// Report blocks of every KV-cache group of a hybrid model, not only full-attention ones.
-    #[serde(with = "value::switch")]
-    pub all_kv_groups: bool,
-    /// A source that sent no batch this long after the start is reported (a warning naming it;
-    /// `/readyz` says so while no source has sent anything).
-    pub engine_silence_grace: GoDuration,
-    /// Every resident block is re-reported at least once per this interval, spread evenly, so
-    /// the server's TTL never expires it (0: off).
-    pub refresh_interval: GoDuration,
-    /// Where the per-source state is saved (periodically and at shutdown) and resumed from at
-    /// start; empty: not saved (a restart clears the replica and rebuilds from the replay).
-    #[serde(with = "value::path")]
-    pub state_file: Option<PathBuf>,
-    /// How often the state file is written (0: only at shutdown).
-    pub state_interval: GoDuration,
-    /// Adapter names for LoRA ids: `1=a,2=b`.
-    #[serde(deserialize_with = "lenient_string")]
-    pub lora_adapter_names: String,
-    /// Our own HTTP endpoint (`/metrics`, `/healthz`, `/readyz`); empty: none.
-    #[serde(deserialize_with = "lenient_string")]
-    pub metrics_address: String,
-    /// Where routers follow this replica's feed (`kvevent.feed.v1`: a snapshot of every resident
-    /// prefix, then its changes); empty: off.
-    #[serde(deserialize_with = "lenient_string")]
-    pub feed_address: String,
-    /// Most bytes of encoded changes kept for feed followers to resume from.
-    #[serde(with = "value::number")]
-    pub feed_ring_bytes: usize,
-    /// Serve the feed over TLS with this certificate (PEM) and `feed_tls_key_file`.
-    #[serde(with = "value::path")]
-    pub feed_tls_cert_file: Option<PathBuf>,
-    /// The feed's TLS key (PEM).
-    #[serde(with = "value::path")]
-    pub feed_tls_key_file: Option<PathBuf>,
-    /// File holding the bearer token a feed follower must send; re-read for each stream.
-    #[serde(with = "value::path")]
-    pub feed_token_file: Option<PathBuf>,
-    /// Deadline to flush pending reports on shutdown.
-    pub drain_timeout: GoDuration,
-    /// Log format: text or json.
-    #[serde(with = "value::words")]
-    pub log_format: LogFormat,
-    /// Log level or filter (`info`, `kvevent=debug`).
-    #[serde(deserialize_with = "lenient_string")]
-    pub log_level: String,
-    /// Deadline of every RPC.
-    pub rpc_timeout: GoDuration,
-    /// Deadline of a connection attempt to the server.
-    pub connect_timeout: GoDuration,
-    /// Most prefix entries plus events waiting behind the work in flight; beyond, the oldest
-    /// queued work is dropped.
-    #[serde(with = "value::number")]
-    pub max_pending: usize,
-    /// Most RPCs in flight at once on the server connection.
-    #[serde(with = "value::number")]
-    pub max_in_flight: usize,
-    /// Longest delay between retries to the server.
-    pub max_backoff: GoDuration,
-    /// Engine blocks tracked per source (cumulative counts, fingerprint chains).
-    #[serde(with = "value::number")]
-    pub max_tracked_blocks: usize,
-    /// A replay with no reply for this long is over.
-    pub replay_timeout: GoDuration,
-    /// SUB receive high-water mark, in batches.
-    #[serde(with = "value::number")]
-    pub engine_rcvhwm: i32,
-    /// ZMTP heartbeat interval to the engine (0: none).
-    pub engine_heartbeat_interval: GoDuration,
-    /// An engine silent this long after a heartbeat is reconnected.
-    pub engine_heartbeat_timeout: GoDuration,
-    /// Longest delay between reconnection attempts to the engine.
-    pub engine_reconnect_max: GoDuration,
-    /// Deadline of a metrics scrape.
-    pub scrape_timeout: GoDuration,
-    /// CA bundle (PEM) to verify the server with; empty: system roots.
-    #[serde(with = "value::path")]
-    pub tls_ca_file: Option<PathBuf>,
-    /// Client certificate (PEM) for mTLS.
-    #[serde(with = "value::path")]
-    pub tls_cert_file: Option<PathBuf>,
-    /// Client key (PEM) for mTLS.
-    #[serde(with = "value::path")]
-    pub tls_key_file: Option<PathBuf>,
-    /// Name to verify the server's certificate against, if not the host in `server`.
-    #[serde(deserialize_with = "lenient_string")]
-    pub tls_server_name: String,
-    /// File holding a bearer token sent as `authorization`; re-read when it changes.
-    #[serde(with = "value::path")]
-    pub token_file: Option<PathBuf>,
+/// Defines [`Settings`] (each option a field, and the adjustments `load` made), its `Default`,
+/// and [`OPTIONS`], from the entries in `options.rs`.
+macro_rules! define_options {
+    ($(
+        $(#[doc = $doc:literal])+
+        $name:ident: $ty:ty = $default:expr, $value:literal $(, #[$attr:meta])?;
+    )*) => {
+        /// Every option, with the Go sidecar's names and defaults where it has them.
+        #[derive(Debug, Clone, PartialEq, ::serde::Serialize, ::serde::Deserialize)]
+        #[serde(default, deny_unknown_fields)]
+        pub struct Settings {
+            $(
+                $(#[doc = $doc])+
+                $(#[$attr])?
+                pub $name: $ty,
+            )*
+            /// Changes [`Settings::load`] made to the configuration given, to be logged once
+            /// logging is set up (a zero `--window` becomes the default). Not an option.
+            #[serde(skip)]
+            pub adjustments: Vec<String>,
+        }
+
+        impl Default for Settings {
+            fn default() -> Self {
+                Self {
+                    $($name: $default,)*
+                    adjustments: Vec::new(),
+                }
+            }
+        }
+
+        /// Every option's name, placeholder and help, in `--help` order.
+        pub const OPTIONS: &[$crate::settings::OptionSpec] = &[
+            $($crate::settings::OptionSpec {
+                name: stringify!($name),
+                value: $value,
+                doc: concat!($($doc, "\n"),+),
+            },)*
+        ];
+    };
+}
+pub(crate) use define_options;
+
+mod options;
+
+pub use options::{OPTIONS, Settings};
+
+/// One option as the command line shows it.
+#[derive(Debug, Clone, Copy)]
+pub struct OptionSpec {
+    /// Its name: the TOML key; the flag and the environment variable are made from it.
+    pub name: &'static str,
+    /// The placeholder for its value in `--help` (empty: the name in capitals; `BOOL`: a
+    /// switch).
+    pub value: &'static str,
+    /// Its doc comment, as written.
+    doc: &'static str,
 }
 
-impl Default for Settings {
-    fn default() -> Self {
-        Self {
-            engine_endpoint: "tcp://127.0.0.1:5557".into(),
-            engine_discovery_url: String::new(),
-            engine_discovery_timeout: GoDuration::secs(300),
-            engine_discovery_recheck: GoDuration::secs(30),
-            engine_bind: false,
-            replay_endpoint: String::new(),
-            topic: "kv-events".into(),
-            dp_size: 1,
-            server: String::new(),
-            replica_id: String::new(),
-            model_id: String::new(),
-            tenant_id: String::new(),
-            hash_scheme: "vllm".into(),
-            engine: kvevent_wire::Engine::Vllm,
-            key_mode: KeyMode::Fingerprint,
-            window: GoDuration::ms(100),
-            adjustments: Vec::new(),
-            engine_metrics_url: "http://127.0.0.1:8000/metrics".into(),
-            stats_interval: GoDuration::secs(10),
-            engine_cache_size_bytes: 0,
-            max_concurrency_ceiling: 256,
-            cache_tier: CacheTier::Auto,
-            engine_model_name: String::new(),
-            engine_profile: None,
-            ignore_block_removed: false,
-            all_kv_groups: false,
-            refresh_interval: GoDuration::secs(600),
-            state_file: None,
-            state_interval: GoDuration::secs(30),
-            engine_silence_grace: GoDuration::secs(60),
-            lora_adapter_names: String::new(),
-            metrics_address: "0.0.0.0:9095".into(),
-            feed_address: String::new(),
-            feed_ring_bytes: 64 << 20,
-            feed_tls_cert_file: None,
-            feed_tls_key_file: None,
-            feed_token_file: None,
-            drain_timeout: GoDuration::secs(5),
-            log_format: LogFormat::Text,
-            log_level: "info".into(),
-            rpc_timeout: GoDuration::secs(5),
-            connect_timeout: GoDuration::secs(5),
-            max_pending: 100_000,
-            max_in_flight: 256,
-            max_backoff: GoDuration::secs(10),
-            max_tracked_blocks: kvevent_mapper::DEFAULT_MAX_TRACKED_BLOCKS,
-            replay_timeout: GoDuration::secs(3),
-            engine_rcvhwm: 100_000,
-            engine_heartbeat_interval: GoDuration::secs(5),
-            engine_heartbeat_timeout: GoDuration::secs(15),
-            engine_reconnect_max: GoDuration::secs(5),
-            scrape_timeout: GoDuration::secs(5),
-            tls_ca_file: None,
-            tls_cert_file: None,
-            tls_key_file: None,
-            tls_server_name: String::new(),
-            token_file: None,
-        }
+impl OptionSpec {
+    /// Its `--help`: the doc comment on one line, without its last full stop.
+    pub fn help(&self) -> String {
+        let text = self
+            .doc
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .collect::<Vec<_>>()
+            .join(" ");
+        text.strip_suffix('.').map_or(text.clone(), str::to_owned)
+    }
+
+    /// A switch: `--flag` alone is `true`; a value must be given as `--flag=false`.
+    pub fn is_switch(&self) -> bool {
+        self.value == "BOOL"
+    }
+
+    /// The flag, `--` and the name with `-` for `_`.
+    pub fn flag(&self) -> String {
+        self.name.replace('_', "-")
     }
 }
 
@@ -498,17 +342,6 @@ impl Settings {
         Ok(settings)
     }
 
-    /// Where `/metrics` listens: `host:port` with an IP address, or Go's listen-address forms
-    /// `:port` (every address) and `localhost:port`. `None` when off or not an address.
-    pub fn metrics_socket_addr(&self) -> Option<std::net::SocketAddr> {
-        listen_addr(&self.metrics_address)
-    }
-
-    /// Where the router feed listens, in the forms of [`Settings::metrics_socket_addr`].
-    pub fn feed_socket_addr(&self) -> Option<std::net::SocketAddr> {
-        listen_addr(&self.feed_address)
-    }
-
     /// Checks every option; reports every problem at once.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let mut problems = Vec::new();
@@ -600,8 +433,8 @@ impl Settings {
         if let Err(why) = check_log_filter(&self.log_level) {
             bad("log_level", why);
         }
-        if let Err(e) = kvevent_mapper::parse_lora_adapters(&self.lora_adapter_names) {
-            bad("lora_adapter_names", e.to_string());
+        if let Some(why) = self.lora_adapter_names.problem() {
+            bad("lora_adapter_names", why.to_owned());
         }
         if !self.engine_metrics_url.is_empty() && !self.stats_interval.0.is_zero() {
             let ok = self
@@ -630,23 +463,13 @@ impl Settings {
                 );
             }
         }
-        if !self.metrics_address.is_empty() && self.metrics_socket_addr().is_none() {
-            bad(
-                "metrics_address",
-                format!(
-                    "`{}` is not host:port (an IP address or localhost, and a port; `:9095` listens on every address)",
-                    self.metrics_address
-                ),
-            );
-        }
-        if !self.feed_address.is_empty() && self.feed_socket_addr().is_none() {
-            bad(
-                "feed_address",
-                format!(
-                    "`{}` is not host:port (an IP address or localhost, and a port; `:7070` listens on every address)",
-                    self.feed_address
-                ),
-            );
+        for (option, address) in [
+            ("metrics_address", &self.metrics_address),
+            ("feed_address", &self.feed_address),
+        ] {
+            if let Err(why) = ListenAddress::parse(address.as_str()) {
+                bad(option, why);
+            }
         }
         if self.feed_ring_bytes == 0 {
             bad("feed_ring_bytes", "must be at least 1".into());
@@ -677,6 +500,9 @@ impl Settings {
         }
         if self.engine_reconnect_max.0.is_zero() {
             bad("engine_reconnect_max", "must be more than 0".into());
+        }
+        if self.scrape_max_bytes == 0 {
+            bad("scrape_max_bytes", "must be at least 1".into());
         }
         if self.max_pending == 0 {
             bad("max_pending", "must be at least 1".into());
@@ -720,7 +546,7 @@ impl Settings {
     /// none, a sidecar that serves routers only.
     pub fn server(&self) -> Option<String> {
         match self.server.trim() {
-            "" if self.feed_address.trim().is_empty() => Some(DEFAULT_SERVER.to_owned()),
+            "" if self.feed_address.is_empty() => Some(DEFAULT_SERVER.to_owned()),
             "" => None,
             server => Some(server.to_owned()),
         }
@@ -755,20 +581,4 @@ fn check_log_filter(filter: &str) -> Result<(), String> {
         }
     }
     Ok(())
-}
-
-/// A listen address: `host:port` with an IP address, or Go's forms `:port` (every address) and
-/// `localhost:port`. `None` when empty or not an address.
-fn listen_addr(address: &str) -> Option<std::net::SocketAddr> {
-    let a = address.trim();
-    if a.is_empty() {
-        return None;
-    }
-    if let Some(port) = a.strip_prefix(':') {
-        return port.parse::<u16>().ok().map(|p| ([0, 0, 0, 0], p).into());
-    }
-    if let Some(port) = a.strip_prefix("localhost:") {
-        return port.parse::<u16>().ok().map(|p| ([127, 0, 0, 1], p).into());
-    }
-    a.parse().ok()
 }

@@ -343,3 +343,131 @@ mod tests {
         }
     }
 }
+
+/// Where we listen: `host:port` with an IP address, or Go's forms `:port` (every address) and
+/// `localhost:port`; empty: not at all. Read once, as the option is; `start` binds what it holds.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ListenAddress {
+    text: String,
+    addr: Option<std::net::SocketAddr>,
+}
+
+impl ListenAddress {
+    /// The address, `None` when empty (or, built in code from bad text, not an address).
+    pub fn addr(&self) -> Option<std::net::SocketAddr> {
+        self.addr
+    }
+
+    /// Empty: do not listen.
+    pub fn is_empty(&self) -> bool {
+        self.text.trim().is_empty()
+    }
+
+    /// As written.
+    pub fn as_str(&self) -> &str {
+        &self.text
+    }
+
+    /// Parses `text`, or says why it is not an address.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let address = Self::from(text);
+        if address.is_empty() || address.addr.is_some() {
+            Ok(address)
+        } else {
+            Err(format!(
+                "`{text}` is not host:port (an IP address or localhost, and a port; `:PORT` listens on every address)"
+            ))
+        }
+    }
+}
+
+/// Reads `text` as it is; one that is not an address holds none (`Settings::validate` says so).
+impl From<&str> for ListenAddress {
+    fn from(text: &str) -> Self {
+        let a = text.trim();
+        let addr = if a.is_empty() {
+            None
+        } else if let Some(port) = a.strip_prefix(':') {
+            port.parse::<u16>().ok().map(|p| ([0, 0, 0, 0], p).into())
+        } else if let Some(port) = a.strip_prefix("localhost:") {
+            port.parse::<u16>().ok().map(|p| ([127, 0, 0, 1], p).into())
+        } else {
+            a.parse().ok()
+        };
+        Self {
+            text: text.to_owned(),
+            addr,
+        }
+    }
+}
+
+impl fmt::Display for ListenAddress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+impl Serialize for ListenAddress {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.text)
+    }
+}
+
+impl<'de> Deserialize<'de> for ListenAddress {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Self::parse(&lenient_string(d)?).map_err(serde::de::Error::custom)
+    }
+}
+
+/// Adapter names for LoRA ids (`1=a,2=b`), for engines whose events carry no `lora_name`. Read
+/// once, as the option is; the mapper takes the map.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LoraAdapters {
+    text: String,
+    map: std::collections::HashMap<i64, std::sync::Arc<str>>,
+    /// Why the text, built in code, is not a map (`Settings::validate` says so).
+    bad: Option<String>,
+}
+
+impl LoraAdapters {
+    /// The names by id.
+    pub fn map(&self) -> &std::collections::HashMap<i64, std::sync::Arc<str>> {
+        &self.map
+    }
+
+    /// Why the text is not a map, when it is not.
+    pub fn problem(&self) -> Option<&str> {
+        self.bad.as_deref()
+    }
+}
+
+/// Reads `text`; one that is not a map holds none and says why ([`LoraAdapters::problem`]).
+impl From<&str> for LoraAdapters {
+    fn from(text: &str) -> Self {
+        let (map, bad) = match kvevent_mapper::parse_lora_adapters(text) {
+            Ok(map) => (map, None),
+            Err(e) => (Default::default(), Some(e.to_string())),
+        };
+        Self {
+            text: text.to_owned(),
+            map,
+            bad,
+        }
+    }
+}
+
+impl Serialize for LoraAdapters {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.text)
+    }
+}
+
+impl<'de> Deserialize<'de> for LoraAdapters {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let adapters = Self::from(lenient_string(d)?.as_str());
+        match adapters.bad {
+            Some(why) => Err(serde::de::Error::custom(why)),
+            None => Ok(adapters),
+        }
+    }
+}

@@ -319,17 +319,58 @@ fn the_metrics_address_takes_go_listen_address_forms() {
         ..Settings::default()
     };
     assert_eq!(
-        with(":9095").metrics_socket_addr(),
+        with(":9095").metrics_address.addr(),
         Some("0.0.0.0:9095".parse().expect("addr"))
     );
     assert_eq!(
-        with("localhost:9095").metrics_socket_addr(),
+        with("localhost:9095").metrics_address.addr(),
         Some("127.0.0.1:9095".parse().expect("addr"))
     );
     assert_eq!(
-        with("10.0.0.1:1").metrics_socket_addr(),
+        with("10.0.0.1:1").metrics_address.addr(),
         Some("10.0.0.1:1".parse().expect("addr"))
     );
-    assert_eq!(with("nohost:x").metrics_socket_addr(), None);
-    assert_eq!(with("").metrics_socket_addr(), None);
+    assert_eq!(with("nohost:x").metrics_address.addr(), None);
+    assert_eq!(with("").metrics_address.addr(), None);
+}
+
+/// `--scrape-max-bytes`, the option added as one entry of `settings/options.rs`: each layer
+/// sets it, and 0 or a word is refused in our words.
+#[test]
+fn scrape_max_bytes_is_read_from_every_layer_and_checked() {
+    Jail::expect_with(|jail| {
+        let base = [("replica_id", "r"), ("model_id", "m")];
+        assert_eq!(
+            Settings::load(None, flags(&base))
+                .expect("valid")
+                .scrape_max_bytes,
+            8 << 20
+        );
+        jail.create_file("sub.toml", "scrape_max_bytes = 1024")?;
+        let path = jail.directory().join("sub.toml");
+        let s = Settings::load(Some(&path), flags(&base)).expect("valid");
+        assert_eq!(s.scrape_max_bytes, 1024);
+        jail.set_env("KVEVENT_SCRAPE_MAX_BYTES", "2048");
+        let s = Settings::load(Some(&path), flags(&base)).expect("valid");
+        assert_eq!(s.scrape_max_bytes, 2048);
+        let mut given = flags(&base);
+        given.insert("scrape_max_bytes".into(), "4096".into());
+        assert_eq!(
+            Settings::load(Some(&path), given.clone())
+                .expect("valid")
+                .scrape_max_bytes,
+            4096
+        );
+        given.insert("scrape_max_bytes".into(), "0".into());
+        let err = Settings::load(None, given.clone()).expect_err("0 is refused");
+        assert!(
+            err.to_string()
+                .contains("--scrape-max-bytes (KVEVENT_SCRAPE_MAX_BYTES): must be at least 1"),
+            "{err}"
+        );
+        given.insert("scrape_max_bytes".into(), "lots".into());
+        let err = Settings::load(None, given).expect_err("a word is refused");
+        assert!(err.to_string().contains("--scrape-max-bytes"), "{err}");
+        Ok(())
+    });
 }

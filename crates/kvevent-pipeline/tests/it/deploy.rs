@@ -64,7 +64,7 @@ fn the_example_configuration_loads() {
         assert_eq!(s.refresh_interval.0, std::time::Duration::from_secs(600));
         assert_eq!(s.max_pending, 100_000);
         assert_eq!(s.engine_cache_size_bytes, 68_719_476_736);
-        assert_eq!(s.metrics_address, ":9095");
+        assert_eq!(s.metrics_address.as_str(), ":9095");
         assert_eq!(s.log_format, kvevent_pipeline::settings::LogFormat::Json);
         assert_eq!(s.token_file, Some(jail.directory().join("token")));
         assert_eq!(s.state_file, Some(jail.directory().join("state")));

@@ -53,7 +53,7 @@ fn settings(url: String, server: &RecordingServer) -> Settings {
         server: server.addr().to_string(),
         replica_id: "r1".into(),
         model_id: "m".into(),
-        metrics_address: String::new(),
+        metrics_address: Default::default(),
         engine_metrics_url: String::new(),
         window: GoDuration::ms(20),
         ..Settings::default()

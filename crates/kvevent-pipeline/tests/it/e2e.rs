@@ -158,6 +158,50 @@ async fn events_and_stats_flow_end_to_end() {
     metrics_task.abort();
 }
 
+/// `--scrape-max-bytes`: a body past it fails the scrape, counted as `too_large`, and no stats
+/// come from it; with room for the body, stats flow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_metrics_body_past_scrape_max_bytes_fails_the_scrape() {
+    let (metrics_addr, metrics_task) = demo::serve_metrics(demo::METRICS_FIXTURE)
+        .await
+        .expect("metrics fixture");
+    assert!(demo::METRICS_FIXTURE.len() > 1000);
+    for (max, fits) in [(1000, false), (demo::METRICS_FIXTURE.len() + 1, true)] {
+        let (server, ctx, engine) = ends().await;
+        let s = Settings {
+            engine_metrics_url: format!("http://{metrics_addr}/metrics"),
+            stats_interval: GoDuration::ms(50),
+            scrape_max_bytes: max,
+            ..settings(&engine, &server)
+        };
+        let running = start(&s, &ctx).await.expect("start");
+        let scrapes = |outcome: &str| {
+            running
+                .telemetry()
+                .scrapes
+                .outcomes
+                .lock()
+                .map(|m| m.get(outcome).copied().unwrap_or(0))
+                .unwrap_or(0)
+        };
+        if fits {
+            server.wait_for(WAIT, |r| !stats_of(r).is_empty()).await;
+            assert_eq!(scrapes("too_large"), 0);
+        } else {
+            // The second failed scrape comes after the first one's tick is over.
+            let deadline = Instant::now() + WAIT;
+            while scrapes("too_large") < 2 {
+                assert!(Instant::now() < deadline, "too-large scrapes not counted");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            assert!(stats_of(&server.received()).is_empty());
+            assert_eq!(scrapes("ok"), 0);
+        }
+        running.shutdown(Duration::from_secs(2)).await;
+    }
+    metrics_task.abort();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_scrape_never_touches_the_event_path() {
     let (server, ctx, engine) = ends().await;
@@ -485,7 +529,7 @@ async fn a_source_shows_whether_its_socket_reaches_the_engine() {
         server: server.addr().to_string(),
         replica_id: "r2".into(),
         model_id: "llama".into(),
-        metrics_address: String::new(),
+        metrics_address: Default::default(),
         engine_metrics_url: String::new(),
         ..Settings::default()
     };

@@ -27,7 +27,7 @@ pub(crate) fn loopback(engine: &Publisher, server: &RecordingServer) -> Settings
         server: server.addr().to_string(),
         replica_id: "r1".into(),
         model_id: "llama".into(),
-        metrics_address: String::new(),
+        metrics_address: Default::default(),
         engine_metrics_url: String::new(),
         window: GoDuration::ms(20),
         ..Settings::default()

@@ -156,7 +156,7 @@ async fn the_sidecar_and_routers_against_a_real_vllm_engine() {
         engine_cache_size_bytes: 1 << 20,
         stats_interval: GoDuration::ms(500),
         window: GoDuration::ms(20),
-        metrics_address: String::new(),
+        metrics_address: Default::default(),
         ..Settings::default()
     };
     let running = start(&settings, &ctx).await.expect("the sidecar starts");
@@ -399,7 +399,7 @@ async fn the_sidecar_follows_both_ranks_and_a_lora_adapter_of_a_real_engine() {
         model_id: "tiny".into(),
         feed_address: "127.0.0.1:0".into(),
         window: GoDuration::ms(20),
-        metrics_address: String::new(),
+        metrics_address: Default::default(),
         ..Settings::default()
     };
     let running = start(&settings, &ctx).await.expect("the sidecar starts");

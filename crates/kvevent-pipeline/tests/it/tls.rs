@@ -71,7 +71,7 @@ fn base(engine: &Publisher, server: &RecordingServer) -> Settings {
         replica_id: "r1".into(),
         model_id: "m".into(),
         engine_metrics_url: String::new(),
-        metrics_address: String::new(),
+        metrics_address: Default::default(),
         window: GoDuration::ms(10),
         rpc_timeout: GoDuration::ms(800),
         tls_server_name: "inference-cache.test".into(),
