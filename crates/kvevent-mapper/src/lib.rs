@@ -127,6 +127,11 @@ pub struct Options {
     /// groups are (`kv_cache_spec_kind` `full_attention`, `mla_attention`, or none given): a
     /// sliding-window, chunked-local or mamba group's block is not a reusable prefix on its own.
     pub all_kv_groups: bool,
+    /// In engine key mode, keep each block's fingerprint too (its slot is there in either mode:
+    /// the cost is hashing each stored block's tokens), so that
+    /// [`Mapper::map_batch_with_fingerprints`] makes both keys' reports in one pass (the
+    /// sidecar's router feed beside engine-keyed reports). Fingerprint mode keeps them anyway.
+    pub fingerprints_too: bool,
 }
 
 impl Default for Options {
@@ -137,6 +142,7 @@ impl Default for Options {
             lora_adapters: HashMap::new(),
             max_tracked_blocks: DEFAULT_MAX_TRACKED_BLOCKS,
             all_kv_groups: false,
+            fingerprints_too: false,
         }
     }
 }

@@ -137,6 +137,114 @@ impl Sink for Reports<'_> {
     }
 }
 
+/// Where a block's changes go, given its reported key (`None`: it has none in this key mode)
+/// and its fingerprint (`None`: not kept, or not keyable).
+trait Emit {
+    fn prefix(
+        &mut self,
+        key: Option<&[u8]>,
+        fingerprint: Option<u64>,
+        tokens: u32,
+        tier: Tier,
+        adapter: &Arc<str>,
+        new: bool,
+    );
+    fn end_update(&mut self, ts: i64);
+    fn evicted(
+        &mut self,
+        key: Option<&[u8]>,
+        fingerprint: Option<u64>,
+        adapter: &Arc<str>,
+        ts: i64,
+    );
+    fn cleared(&mut self, ts: i64);
+}
+
+/// One sink, under the key mode's keys.
+struct One<'s, S>(&'s mut S);
+
+impl<S: Sink> Emit for One<'_, S> {
+    fn prefix(
+        &mut self,
+        key: Option<&[u8]>,
+        _: Option<u64>,
+        tokens: u32,
+        tier: Tier,
+        adapter: &Arc<str>,
+        new: bool,
+    ) {
+        if let Some(key) = key {
+            self.0.prefix(key, tokens, tier, adapter, new);
+        }
+    }
+
+    fn end_update(&mut self, ts: i64) {
+        self.0.end_update(ts);
+    }
+
+    fn evicted(&mut self, key: Option<&[u8]>, _: Option<u64>, adapter: &Arc<str>, ts: i64) {
+        if let Some(key) = key {
+            self.0.evicted(key, adapter, ts);
+        }
+    }
+
+    fn cleared(&mut self, ts: i64) {
+        self.0.cleared(ts);
+    }
+}
+
+/// Two sinks from one pass: the key mode's keys into the first, fingerprints into the second.
+struct Two<'a, 'b> {
+    keys: Reports<'a>,
+    fingerprints: Reports<'b>,
+}
+
+impl Emit for Two<'_, '_> {
+    fn prefix(
+        &mut self,
+        key: Option<&[u8]>,
+        fingerprint: Option<u64>,
+        tokens: u32,
+        tier: Tier,
+        adapter: &Arc<str>,
+        new: bool,
+    ) {
+        if let Some(key) = key {
+            self.keys.prefix(key, tokens, tier, adapter, new);
+        }
+        if let Some(p) = fingerprint {
+            let key = fingerprint::wire_key(p);
+            self.fingerprints.prefix(&key, tokens, tier, adapter, new);
+        }
+    }
+
+    fn end_update(&mut self, ts: i64) {
+        self.keys.end_update(ts);
+        self.fingerprints.end_update(ts);
+    }
+
+    fn evicted(
+        &mut self,
+        key: Option<&[u8]>,
+        fingerprint: Option<u64>,
+        adapter: &Arc<str>,
+        ts: i64,
+    ) {
+        if let Some(key) = key {
+            self.keys.evicted(key, adapter, ts);
+        }
+        if let Some(p) = fingerprint {
+            self.fingerprints
+                .evicted(&fingerprint::wire_key(p), adapter, ts);
+        }
+    }
+
+    fn cleared(&mut self, ts: i64) {
+        self.keys.cleared(ts);
+        self.fingerprints.cleared(ts);
+    }
+}
+
 /// Maps one engine source's batches to reports. Keep one per (endpoint, DP rank).
 #[derive(Debug)]
 pub struct Mapper {
@@ -263,6 +371,38 @@ impl Mapper {
     /// Maps one batch into `sink`, in event order: the same keys, counts, tiers and adapters as
     /// [`Mapper::map_batch`] reports, with no message made.
     pub fn map_batch_into(&mut self, batch: &wire::EventBatch<'_>, sink: &mut impl Sink) {
+        self.map_into(batch, &mut One(sink));
+    }
+
+    /// Maps one batch in one pass to both its reports under the key mode's keys (`out`, as
+    /// [`Mapper::map_batch`]) and the same under fingerprint keys (`fingerprints`): what the
+    /// router feed needs beside engine-keyed reports. The fingerprints are those of the blocks
+    /// stored with [`Options::fingerprints_too`] (or in fingerprint mode); without it
+    /// `fingerprints` gets only the clears.
+    pub fn map_batch_with_fingerprints(
+        &mut self,
+        batch: &wire::EventBatch<'_>,
+        out: &mut Vec<pb::Report>,
+        fingerprints: &mut Vec<pb::Report>,
+    ) {
+        let mut two = Two {
+            keys: Reports {
+                identity: self.identity.clone(),
+                out,
+                fresh: Vec::new(),
+                again: Vec::new(),
+            },
+            fingerprints: Reports {
+                identity: self.identity.clone(),
+                out: fingerprints,
+                fresh: Vec::new(),
+                again: Vec::new(),
+            },
+        };
+        self.map_into(batch, &mut two);
+    }
+
+    fn map_into(&mut self, batch: &wire::EventBatch<'_>, sink: &mut impl Emit) {
         self.touch(batch);
         self.stats.batches += 1;
         self.stats.unknown_events += batch.unknown_events as u64;
@@ -498,7 +638,7 @@ impl Mapper {
         }
     }
 
-    fn stored(&mut self, e: &wire::BlockStored<'_>, ts: i64, sink: &mut impl Sink) {
+    fn stored(&mut self, e: &wire::BlockStored<'_>, ts: i64, sink: &mut impl Emit) {
         self.stats.stored_events += 1;
         if e.block_size == 0 {
             self.stats.placeholder_stores += 1;
@@ -549,7 +689,7 @@ impl Mapper {
         // Fingerprints need every block's tokens, and a keyable parent when there is one; the
         // thread's buffers are taken only then (`prefixes` stays empty when blocks are not keyed).
         let mut scratch = None;
-        if self.options.key_mode == KeyMode::Fingerprint {
+        if self.options.key_mode == KeyMode::Fingerprint || self.options.fingerprints_too {
             let covered = e.token_ids.len() == n * e.block_size as usize;
             let parent_keyable = !matches!(parent_prefix, Some(None));
             if covered && parent_keyable {
@@ -600,10 +740,11 @@ impl Mapper {
             match (self.options.key_mode, prefix) {
                 (KeyMode::Engine, _) => {
                     let id = BlockId::new(hash, 0);
-                    sink.prefix(id.bytes(), tokens, tier, adapter, new);
+                    sink.prefix(Some(id.bytes()), prefix, tokens, tier, adapter, new);
                 }
                 (KeyMode::Fingerprint, Some(p)) => {
-                    sink.prefix(&fingerprint::wire_key(p), tokens, tier, adapter, new);
+                    let key = fingerprint::wire_key(p);
+                    sink.prefix(Some(&key), prefix, tokens, tier, adapter, new);
                 }
                 (KeyMode::Fingerprint, None) => continue,
             }
@@ -620,7 +761,7 @@ impl Mapper {
         sink.end_update(ts);
     }
 
-    fn removed(&mut self, e: &wire::BlockRemoved<'_>, ts: i64, sink: &mut impl Sink) {
+    fn removed(&mut self, e: &wire::BlockRemoved<'_>, ts: i64, sink: &mut impl Emit) {
         self.stats.removed_events += 1;
         if e.group_idx.is_some() && self.skipped_groups.contains(&e.group_idx) {
             // A group whose blocks are not reported (see `stored`): nothing to evict.
@@ -640,7 +781,7 @@ impl Mapper {
     /// A clear of one tier (`AllBlocksCleared` with a medium): every block held there is
     /// removed from it, as if the engine had sent a removal for each. The other tier's
     /// prefixes stay.
-    fn clear_tier(&mut self, tier: Tier, ts: i64, sink: &mut impl Sink) {
+    fn clear_tier(&mut self, tier: Tier, ts: i64, sink: &mut impl Emit) {
         for (hash, group) in self.blocks.ids_in_tier(tier_bit(tier)) {
             let hash = wire::BlockHash::Bytes(std::borrow::Cow::Owned(hash));
             self.remove_one(&hash, Some(group), tier, ts, sink);
@@ -655,7 +796,7 @@ impl Mapper {
         group: Option<u16>,
         tier: Tier,
         ts: i64,
-        sink: &mut impl Sink,
+        sink: &mut impl Emit,
     ) {
         let offload = self.options.engine_has_offload_tier && tier == Tier::T1;
         // The tiers still holding the block after this removal, in one walk: the block goes
@@ -685,12 +826,15 @@ impl Mapper {
                 (key, None, 0, remaining)
             }
         };
-        if let Some(key) = key {
+        // Its fingerprint, when kept: the second output of a two-key pass.
+        let fingerprint = known.and_then(|(_, t)| t.prefix());
+        if key.is_some() || fingerprint.is_some() {
             // Borrowed, not cloned: no reference count touched per removal.
             let adapter = match adapter_id {
                 Some(a) => self.blocks.adapter(a),
                 None => &self.base_adapter,
             };
+            let reported = key.as_ref().map(Key::bytes);
             if remaining != 0 {
                 // Another tier still holds the block (an offload tier, or a store we saw on
                 // another medium): report it there instead of evicting the prefix.
@@ -699,13 +843,17 @@ impl Mapper {
                 } else {
                     Tier::T2
                 };
-                self.stats.offload_rereports += 1;
-                self.stats.prefixes += 1;
-                sink.prefix(key.bytes(), tokens, still, adapter, false);
+                if key.is_some() {
+                    self.stats.offload_rereports += 1;
+                    self.stats.prefixes += 1;
+                }
+                sink.prefix(reported, fingerprint, tokens, still, adapter, false);
                 sink.end_update(ts);
             } else {
-                self.stats.evictions += 1;
-                sink.evicted(key.bytes(), adapter, ts);
+                if key.is_some() {
+                    self.stats.evictions += 1;
+                }
+                sink.evicted(reported, fingerprint, adapter, ts);
             }
         }
         // The interned names go with the last block, once its report is made.
@@ -734,9 +882,40 @@ impl Mapper {
     /// forgets them: a reset of one source among several of the same replica (DP ranks), where
     /// an `ALL_CLEARED` would also wipe the other ranks' prefixes.
     pub fn evict_all(&mut self, timestamp_us: i64) -> Vec<pb::Report> {
+        self.evict_all_into(timestamp_us, None)
+    }
+
+    /// [`Mapper::evict_all`], with the same evictions under fingerprint keys in the second list
+    /// (the blocks whose fingerprint is kept, see [`Mapper::map_batch_with_fingerprints`]).
+    pub fn evict_all_with_fingerprints(
+        &mut self,
+        timestamp_us: i64,
+    ) -> (Vec<pb::Report>, Vec<pb::Report>) {
+        let mut fingerprints = Vec::new();
+        let out = self.evict_all_into(timestamp_us, Some(&mut fingerprints));
+        (out, fingerprints)
+    }
+
+    fn evict_all_into(
+        &mut self,
+        timestamp_us: i64,
+        mut fingerprints: Option<&mut Vec<pb::Report>>,
+    ) -> Vec<pb::Report> {
         let blocks = self.blocks.drain();
         let mut out = Vec::with_capacity(blocks.len());
+        let evicted = |key: Vec<u8>, adapter: &str| {
+            pb::Report::Event(self.identity.event(
+                pb::cache_event::Type::PrefixEvicted,
+                key,
+                adapter,
+                timestamp_us,
+            ))
+        };
         for (engine_key, block) in blocks {
+            let adapter = self.blocks.adapter(block.adapter());
+            if let (Some(list), Some(prefix)) = (fingerprints.as_deref_mut(), block.prefix()) {
+                list.push(evicted(fingerprint_key(prefix), adapter));
+            }
             let key = match self.options.key_mode {
                 _ if !block.keyed() => None,
                 KeyMode::Engine => Some(engine_key),
@@ -744,12 +923,7 @@ impl Mapper {
             };
             if let Some(key) = key {
                 self.stats.evictions += 1;
-                out.push(pb::Report::Event(self.identity.event(
-                    pb::cache_event::Type::PrefixEvicted,
-                    key,
-                    self.blocks.adapter(block.adapter()),
-                    timestamp_us,
-                )));
+                out.push(evicted(key, adapter));
             }
         }
         self.blocks.clear();

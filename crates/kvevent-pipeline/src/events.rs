@@ -36,12 +36,13 @@ pub(crate) struct EventsLoop {
 /// do not: they change nothing), one sealed message a turn.
 pub(crate) struct Feed {
     pub(crate) hub: Arc<kvevent_feed::Hub>,
-    /// Fingerprint-key mappers, one per source, when the server is sent engine keys: the feed
-    /// always carries the fingerprints a router computes from token ids.
-    pub(crate) mappers: Option<Vec<Mapper>>,
+    /// The server is sent engine keys: the mappers make the feed's fingerprint-keyed reports
+    /// in the same pass (the feed always carries the fingerprints a router computes from token
+    /// ids). Otherwise the feed takes the server's reports as they are.
+    pub(crate) two_keys: bool,
     /// Each source's DP rank.
     pub(crate) ranks: Vec<u32>,
-    /// The fingerprint mappers' reports of this turn (kept for capacity).
+    /// This turn's fingerprint-keyed reports, with `two_keys` (kept for capacity).
     pub(crate) reports: Vec<kvevent_proto::Report>,
     /// What the sockets say of the engine, this turn (kept for capacity).
     pub(crate) health: Vec<kvevent_feed::RankHealth>,
@@ -107,7 +108,7 @@ impl Saver {
         header.at_shutdown = at_shutdown;
         // The feed's position goes with the blocks when the feed holds exactly what the saved
         // mappers hold (fingerprint keys: no mappers of its own).
-        header.feed = feed.filter(|f| f.mappers.is_none()).map(|f| {
+        header.feed = feed.filter(|f| !f.two_keys).map(|f| {
             let (epoch, seq) = f.hub.position();
             state_file::FeedPosition { epoch, seq }
         });
@@ -243,24 +244,31 @@ impl EventsLoop {
                 {
                     *a = Some((seq, kvevent_source::payload_digest(payload)));
                 }
-                mappers.get_mut(source)?.map_batch(batch, &mut turn.reports);
-                if let Some(feed) = feed.as_mut() {
-                    if let Some(size) = batch.events.iter().find_map(|e| match e {
-                        kvevent_wire::Event::BlockStored(s) => Some(s.block_size),
-                        _ => None,
-                    }) {
-                        feed.hub.note_block_size(size);
-                    }
-                    match feed.mappers.as_mut().and_then(|m| m.get_mut(source)) {
-                        Some(m) => {
+                let mapper = mappers.get_mut(source)?;
+                match feed.as_mut() {
+                    Some(feed) => {
+                        if let Some(size) = batch.events.iter().find_map(|e| match e {
+                            kvevent_wire::Event::BlockStored(s) => Some(s.block_size),
+                            _ => None,
+                        }) {
+                            feed.hub.note_block_size(size);
+                        }
+                        if feed.two_keys {
                             let mut reports = std::mem::take(&mut feed.reports);
-                            m.map_batch(batch, &mut reports);
+                            mapper.map_batch_with_fingerprints(
+                                batch,
+                                &mut turn.reports,
+                                &mut reports,
+                            );
                             feed.take(source, &reports);
                             reports.clear();
                             feed.reports = reports;
+                        } else {
+                            mapper.map_batch(batch, &mut turn.reports);
+                            feed.take(source, &turn.reports[before..]);
                         }
-                        None => feed.take(source, &turn.reports[before..]),
                     }
+                    None => mapper.map_batch(batch, &mut turn.reports),
                 }
                 Some(source)
             }
@@ -271,6 +279,8 @@ impl EventsLoop {
                 let mapper = mappers.get_mut(source)?;
                 let ts = now_us();
                 let startup_kept = matches!(reason, ResetReason::Startup) && turn.cleared_at_start;
+                let two_keys = feed.as_ref().is_some_and(|f| f.two_keys);
+                let mut fingerprints = Vec::new();
                 match reason {
                     ResetReason::Startup if turn.cleared_at_start => {}
                     ResetReason::Startup => {
@@ -278,22 +288,22 @@ impl EventsLoop {
                         turn.reports.push(mapper.reset(ts));
                     }
                     // Other ranks of the replica are still valid: evict only this one's.
+                    _ if several && two_keys => {
+                        let (reports, fps) = mapper.evict_all_with_fingerprints(ts);
+                        turn.reports.extend(reports);
+                        fingerprints = fps;
+                    }
                     _ if several => turn.reports.extend(mapper.evict_all(ts)),
                     _ => turn.reports.push(mapper.reset(ts)),
                 }
                 if let Some(feed) = feed.as_mut()
                     && !startup_kept
                 {
-                    match feed.mappers.as_mut().and_then(|m| m.get_mut(source)) {
-                        Some(m) => {
-                            let reports = if several {
-                                m.evict_all(ts)
-                            } else {
-                                vec![m.reset(ts)]
-                            };
-                            feed.take(source, &reports);
-                        }
-                        None => feed.take(source, &turn.reports[before..]),
+                    // A clear has no key: the same report serves both.
+                    if several && two_keys {
+                        feed.take(source, &fingerprints);
+                    } else {
+                        feed.take(source, &turn.reports[before..]);
                     }
                 }
                 Some(source)

@@ -151,8 +151,6 @@ type FeedServer = (
 async fn start_feed(
     settings: &Settings,
     sources: &[transport::Source],
-    identity: &mapper::Identity,
-    options: &mapper::Options,
     mappers: &mut [mapper::Mapper],
     restored: bool,
     saved_feed: Option<state_file::FeedPosition>,
@@ -162,19 +160,11 @@ async fn start_feed(
         ..kvevent_feed::HubConfig::new(&settings.replica_id, &settings.model_id)
     });
     let ranks: Vec<u32> = sources.iter().map(|s| s.dp_rank).collect();
-    // The feed carries fingerprints: with engine keys for the server, mappers of its own.
-    let own = (settings.key_mode != mapper::KeyMode::Fingerprint).then(|| {
-        let options = mapper::Options {
-            key_mode: mapper::KeyMode::Fingerprint,
-            ..options.clone()
-        };
-        sources
-            .iter()
-            .map(|_| mapper::Mapper::new(identity.clone(), options.clone()))
-            .collect::<Vec<_>>()
-    });
+    // The feed carries fingerprints: with engine keys for the server, the mappers make them
+    // in the same pass (`Options::fingerprints_too`).
+    let two_keys = settings.key_mode != mapper::KeyMode::Fingerprint;
     if restored {
-        if own.is_some() {
+        if two_keys {
             tracing::warn!(
                 "the state file holds engine keys: the router feed starts empty and fills as the engine stores blocks (use --key-mode fingerprint for a feed that resumes whole)"
             );
@@ -215,7 +205,7 @@ async fn start_feed(
     Ok((
         events::Feed {
             hub,
-            mappers: own,
+            two_keys,
             ranks,
             reports: Vec::new(),
             health: Vec::new(),
@@ -233,6 +223,7 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         key_mode: settings.key_mode,
         engine_has_offload_tier: settings.ignore_block_removed,
         all_kv_groups: settings.all_kv_groups,
+        fingerprints_too: !settings.feed_address.is_empty(),
         lora_adapters: settings.lora_adapter_names.map().clone(),
         max_tracked_blocks: settings.max_tracked_blocks,
         // One engine's map, dense: it keeps the sidecar within its memory target at the
@@ -354,16 +345,8 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
     let (feed, feed_server) = if settings.feed_address.is_empty() {
         (None, None)
     } else {
-        let (feed, served) = start_feed(
-            settings,
-            &sources,
-            &identity,
-            &options,
-            &mut mappers,
-            restored,
-            saved_feed,
-        )
-        .await?;
+        let (feed, served) =
+            start_feed(settings, &sources, &mut mappers, restored, saved_feed).await?;
         telemetry.set_feed(feed.hub.clone());
         (Some(feed), Some(served))
     };

@@ -3,6 +3,7 @@
 mod checkpoint;
 mod engine_mode;
 mod fingerprint_mode;
+mod two_keys;
 mod vectors;
 
 use std::borrow::Cow;

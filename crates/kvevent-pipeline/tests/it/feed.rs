@@ -8,7 +8,7 @@ use kvevent_fleet::{
     ReplicaState, SidecarFeed,
 };
 use kvevent_pipeline::{Settings, start};
-use kvevent_test_support::RecordingServer;
+use kvevent_test_support::{Received, RecordingServer};
 use kvevent_wire::{self as wire, Release};
 use kvevent_zmq::publisher::{Publisher, PublisherConfig};
 
@@ -271,4 +271,88 @@ async fn a_router_following_a_sidecar_sees_its_engine_die_then_the_sidecar() {
         dead_after + Duration::from_millis(500),
     )
     .await;
+}
+
+/// `--key-mode engine` with a feed: the server gets the engine's block hashes, the feed the
+/// fingerprints a router computes from token ids, both from one pass of the mappers; an
+/// eviction reaches both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_engine_key_mode_the_feed_carries_fingerprints_from_the_same_pass() {
+    let server = RecordingServer::start().await;
+    let ctx = zmq::Context::new();
+    let engine =
+        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    let s = Settings {
+        feed_address: "127.0.0.1:0".into(),
+        key_mode: kvevent_mapper::KeyMode::Engine,
+        ..crate::loopback(&engine, &server)
+    };
+    let running = start(&s, &ctx).await.expect("start");
+    let feed_url = format!("http://{}", running.feed_addr().expect("feed address"));
+    tokio::task::block_in_place(|| {
+        assert!(engine.wait_for_subscribers(1, WAIT));
+        for seed in 0..5 {
+            engine.publish(&stored(seed)).expect("publish");
+        }
+        // Seed 3's second block leaves the engine.
+        engine
+            .publish(&wire::EventBatch {
+                ts: 2.0,
+                events: vec![wire::Event::BlockRemoved(wire::BlockRemoved {
+                    block_hashes: vec![wire::BlockHash::Int(wire::Int::U64(32))],
+                    ..Default::default()
+                })],
+                data_parallel_rank: None,
+                unknown_events: 0,
+            })
+            .expect("publish");
+        let hub = running.telemetry().feed.hub().expect("hub").clone();
+        wait_until("the feed holds them", || hub.blocks() == 9);
+        let fleet = Fleet::new(FleetConfig::default()).expect("fleet");
+        fleet
+            .ensure_replica(
+                "r1",
+                ReplicaSource::Sidecar(SidecarFeed {
+                    replica: "r1".into(),
+                    model: "llama".into(),
+                    ..SidecarFeed::new(feed_url.clone())
+                }),
+            )
+            .expect("sidecar");
+        wait_until("the snapshot", || {
+            fleet
+                .replicas()
+                .iter()
+                .any(|r| r.name == "r1" && r.state == ReplicaState::Exact)
+        });
+        for seed in [0, 1, 2, 4] {
+            assert_eq!(blocks_matched(&fleet, "r1", seed), 2, "seed {seed}");
+        }
+        assert_eq!(
+            blocks_matched(&fleet, "r1", 3),
+            1,
+            "its second block was evicted"
+        );
+    });
+    // The server holds the engine's keys (block 32 evicted, or netted away with its store when
+    // both fell in one window).
+    let resident = |received: &[Received]| {
+        let mut keys = std::collections::BTreeSet::new();
+        for r in received {
+            match r {
+                Received::Update(u) => {
+                    keys.extend(u.prefixes.iter().map(|p| p.prefix_hash.clone()))
+                }
+                Received::Event(e) => {
+                    keys.remove(&e.prefix_hash);
+                }
+            }
+        }
+        keys.into_iter()
+            .map(|k| u64::from_be_bytes(k.try_into().expect("8 bytes")))
+            .collect::<Vec<u64>>()
+    };
+    let want = [1, 2, 11, 12, 21, 22, 31, 41, 42];
+    server.wait_for(WAIT, |r| resident(r) == want).await;
+    running.shutdown(Duration::from_secs(2)).await;
 }
