@@ -22,13 +22,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use kvevent_benches::http::{self, Guard, sum};
-use kvevent_benches::sink::EngineSide;
 use kvevent_proto as pb;
+use kvevent_test_support::EngineSide;
 use kvevent_wire as wire;
 use kvevent_zmq::publisher::{Publisher, PublisherConfig};
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
-use tonic::{Status, Streaming};
+use tonic::{Request, Response, Status, Streaming};
 
 const BLOCK: u32 = 16;
 /// Blocks a prompt (and a batch) stores.
@@ -67,12 +67,16 @@ struct Sink;
 
 #[tonic::async_trait]
 impl EngineSide for Sink {
-    async fn report(&self, mut updates: Streaming<pb::CacheStateUpdate>) -> Result<(), Status> {
+    async fn report(
+        &self,
+        request: Request<Streaming<pb::CacheStateUpdate>>,
+    ) -> Result<Response<pb::Ack>, Status> {
+        let mut updates = request.into_inner();
         while updates.message().await?.is_some() {}
-        Ok(())
+        Ok(kvevent_test_support::accepted())
     }
-    async fn publish(&self, _: pb::CacheEvent) -> Result<(), Status> {
-        Ok(())
+    async fn publish(&self, _: Request<pb::CacheEvent>) -> Result<Response<pb::Ack>, Status> {
+        Ok(kvevent_test_support::accepted())
     }
 }
 
@@ -252,7 +256,7 @@ fn main() -> anyhow::Result<()> {
     let prompts = blocks / u64::from(PROMPT_BLOCKS);
     let sidecar_bin = release_bin("kvevent-subscriber")?;
     let router_bin = release_bin("router")?;
-    let sink = kvevent_benches::sink::serve(Sink, Arc::new(AtomicBool::new(false)))?;
+    let sink = kvevent_test_support::serve_on_thread(Sink, Arc::new(AtomicBool::new(false)))?;
     let ctx = zmq::Context::new();
     println!(
         "{sidecars} sidecars x {blocks} resident blocks ({prompts} prompts of {PROMPT_BLOCKS} blocks), engine replay buffers of {buffer} batches"

@@ -24,12 +24,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context as _, bail};
-use kvevent_benches::sink::EngineSide;
 use kvevent_proto as pb;
+use kvevent_test_support::EngineSide;
 use kvevent_wire as wire;
 use kvevent_zmq::publisher::{Publisher, PublisherConfig};
 use tokio_stream::StreamExt;
-use tonic::{Status, Streaming};
+use tonic::{Request, Response, Status, Streaming};
 
 const STEP: Duration = Duration::from_millis(10);
 const BLOCK_SIZE: u32 = 16;
@@ -223,7 +223,11 @@ impl Sink {
 
 #[tonic::async_trait]
 impl EngineSide for Sink {
-    async fn report(&self, mut stream: Streaming<pb::CacheStateUpdate>) -> Result<(), Status> {
+    async fn report(
+        &self,
+        request: Request<Streaming<pb::CacheStateUpdate>>,
+    ) -> Result<Response<pb::Ack>, Status> {
+        let mut stream = request.into_inner();
         while let Some(update) = stream.next().await {
             let update = update?;
             let now = unix_us() as u64;
@@ -242,10 +246,11 @@ impl EngineSide for Sink {
             }
             self.last_arrival.store(now, Relaxed);
         }
-        Ok(())
+        Ok(kvevent_test_support::accepted())
     }
 
-    async fn publish(&self, e: pb::CacheEvent) -> Result<(), Status> {
+    async fn publish(&self, request: Request<pb::CacheEvent>) -> Result<Response<pb::Ack>, Status> {
+        let e = request.into_inner();
         let now = unix_us();
         let mut r = self.lock();
         if e.r#type == pb::cache_event::Type::AllCleared as i32 {
@@ -262,13 +267,13 @@ impl EngineSide for Sink {
             }
         }
         self.last_arrival.store(now as u64, Relaxed);
-        Ok(())
+        Ok(kvevent_test_support::accepted())
     }
 }
 
 /// Serves `sink` on a loopback port until `stop`; returns the address.
 fn serve(sink: Sink, stop: Arc<AtomicBool>) -> anyhow::Result<std::net::SocketAddr> {
-    Ok(kvevent_benches::sink::serve(sink, stop)?)
+    Ok(kvevent_test_support::serve_on_thread(sink, stop)?)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -3,6 +3,8 @@
 //! - [`RecordingServer`]: a real tonic InferenceCache server on `127.0.0.1:0` that records every
 //!   `CacheStateUpdate` and `CacheEvent` in arrival order, and can be told to refuse, delay or
 //!   hang, or be stopped and started again on the same port.
+//! - [`serve_on_thread`]: the same service over a benchmark's own [`EngineSide`] handler (one
+//!   that counts and keeps nothing), on a thread and runtime of its own.
 //! - [`HeldPort`]: a loopback port held (bound, not listening) for a test's life, to connect to
 //!   where nothing listens, or to hand to an engine before it binds.
 //!
@@ -26,7 +28,9 @@ pub use kvevent_zmq::publisher::{Publisher, PublisherConfig};
 pub use ports::HeldPort;
 #[cfg(feature = "engine")]
 pub use python::{PythonPublisher, python};
-pub use server::{Behaviour, Received, RecordingServer, distinct_prefixes};
+pub use server::{
+    Behaviour, EngineSide, Received, RecordingServer, accepted, distinct_prefixes, serve_on_thread,
+};
 #[cfg(feature = "engine")]
 pub use vllm::{VLLM_BLOCK, VLLM_CACHE_BLOCKS, Vllm, vllm_venv};
 

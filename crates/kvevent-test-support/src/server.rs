@@ -1,7 +1,11 @@
-//! A recording InferenceCache server for tests: records what it receives and can be told to
-//! refuse, nack, delay or hang, or be stopped and started again on the same port.
+//! The InferenceCache server of the tests and benchmarks: one tonic service over an
+//! [`EngineSide`] handler (what is done with the sidecar's two engine-side calls), run either
+//! as a [`RecordingServer`] on the caller's runtime (records everything; can refuse, nack,
+//! delay, hang, stop and start again on the same port) or by [`serve_on_thread`] on a runtime
+//! of its own (a benchmark's sink, counting and keeping nothing).
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -103,9 +107,89 @@ fn ack(accepted: bool) -> Response<pb::Ack> {
     })
 }
 
+/// What a server does with the sidecar's engine-side calls; the others answer `unimplemented`.
 #[tonic::async_trait]
-impl InferenceCache for Shared {
+pub trait EngineSide: Send + Sync + 'static {
+    /// One `ReportCacheState` stream.
+    async fn report(
+        &self,
+        request: Request<Streaming<pb::CacheStateUpdate>>,
+    ) -> Result<Response<pb::Ack>, Status>;
+    /// One `PublishEvent`.
+    async fn publish(&self, request: Request<pb::CacheEvent>) -> Result<Response<pb::Ack>, Status>;
+}
+
+/// The service: the handler's answers, and messages up to 64 MiB (a sidecar's largest update).
+struct Service<H>(Arc<H>);
+
+#[tonic::async_trait]
+impl<H: EngineSide> InferenceCache for Service<H> {
     async fn report_cache_state(
+        &self,
+        request: Request<Streaming<pb::CacheStateUpdate>>,
+    ) -> Result<Response<pb::Ack>, Status> {
+        self.0.report(request).await
+    }
+
+    async fn publish_event(
+        &self,
+        request: Request<pb::CacheEvent>,
+    ) -> Result<Response<pb::Ack>, Status> {
+        self.0.publish(request).await
+    }
+}
+
+fn service<H: EngineSide>(handler: Arc<H>) -> InferenceCacheServer<Service<H>> {
+    InferenceCacheServer::new(Service(handler)).max_decoding_message_size(64 << 20)
+}
+
+/// Serves `handler` on a loopback port from a thread named `sink`, on a runtime of its own,
+/// until `stop`; the address. For benchmarks, whose sink must not share the measured
+/// process's runtime.
+pub fn serve_on_thread<H: EngineSide>(
+    handler: H,
+    stop: Arc<AtomicBool>,
+) -> std::io::Result<SocketAddr> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    listener.set_nonblocking(true)?;
+    let addr = listener.local_addr()?;
+    let service = service(Arc::new(handler));
+    std::thread::Builder::new()
+        .name("sink".into())
+        .spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async move {
+                let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
+                    return;
+                };
+                let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+                let shutdown = async move {
+                    while !stop.load(Relaxed) {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                };
+                let _ = tonic::transport::Server::builder()
+                    .add_service(service)
+                    .serve_with_incoming_shutdown(incoming, shutdown)
+                    .await;
+            });
+        })?;
+    Ok(addr)
+}
+
+/// An accepted `Ack`.
+pub fn accepted() -> Response<pb::Ack> {
+    ack(true)
+}
+
+#[tonic::async_trait]
+impl EngineSide for Shared {
+    async fn report(
         &self,
         request: Request<Streaming<pb::CacheStateUpdate>>,
     ) -> Result<Response<pb::Ack>, Status> {
@@ -121,10 +205,7 @@ impl InferenceCache for Shared {
         Ok(ack(accept))
     }
 
-    async fn publish_event(
-        &self,
-        request: Request<pb::CacheEvent>,
-    ) -> Result<Response<pb::Ack>, Status> {
+    async fn publish(&self, request: Request<pb::CacheEvent>) -> Result<Response<pb::Ack>, Status> {
         let accept = self.gate(&request).await?;
         if accept {
             self.record([Received::Event(request.into_inner())]);
@@ -188,7 +269,7 @@ impl RecordingServer {
 
     fn serve(&mut self, listener: tokio::net::TcpListener) {
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
-        let service = InferenceCacheServer::new(self.shared.clone());
+        let service = service(Arc::new(self.shared.clone()));
         let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
         self.stop = Some(stop_tx);
         let mut builder = tonic::transport::Server::builder();
