@@ -161,15 +161,22 @@ fn fingerprint_prints_the_golden_chain() {
     }
 }
 
-#[test]
-fn publish_speaks_to_a_subscriber() {
-    // `kvevents publish` on a loopback port, read back with a plain SUB socket.
-    let ctx = zmq::Context::new();
+/// A SUB socket bound on a loopback port, subscribed to everything, reads waiting up to 10 s;
+/// and its endpoint, for `kvevents publish --endpoint` to connect to.
+fn bound_sub(ctx: &zmq::Context) -> (zmq::Socket, String) {
     let sub = ctx.socket(zmq::SUB).expect("sub");
     sub.set_subscribe(b"").expect("subscribe");
     sub.set_rcvtimeo(10_000).expect("timeout");
     sub.bind("tcp://127.0.0.1:*").expect("bind");
     let endpoint = sub.get_last_endpoint().expect("endpoint").expect("utf-8");
+    (sub, endpoint)
+}
+
+#[test]
+fn publish_speaks_to_a_subscriber() {
+    // `kvevents publish` on a loopback port, read back with a plain SUB socket.
+    let ctx = zmq::Context::new();
+    let (sub, endpoint) = bound_sub(&ctx);
     // The tool's endpoint has no wildcard: it connects, as vLLM's publisher would.
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvevents"))
         .args([
@@ -212,11 +219,7 @@ fn publish_once_sends_each_file_once_in_order_and_says_so() {
     )
     .expect("write");
     let ctx = zmq::Context::new();
-    let sub = ctx.socket(zmq::SUB).expect("sub");
-    sub.set_subscribe(b"").expect("subscribe");
-    sub.set_rcvtimeo(10_000).expect("timeout");
-    sub.bind("tcp://127.0.0.1:*").expect("bind");
-    let endpoint = sub.get_last_endpoint().expect("endpoint").expect("utf-8");
+    let (sub, endpoint) = bound_sub(&ctx);
     let child = Command::new(env!("CARGO_BIN_EXE_kvevents"))
         .args(["publish", "--endpoint", &endpoint, "--replay-endpoint", ""])
         // The first publish waits out the slow joiner; the interval gives it time.

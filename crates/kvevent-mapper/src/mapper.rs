@@ -82,6 +82,17 @@ struct Reports<'o> {
     again: Vec<pb::PrefixEntry>,
 }
 
+impl<'o> Reports<'o> {
+    fn new(identity: Arc<Identity>, out: &'o mut Vec<pb::Report>) -> Self {
+        Self {
+            identity,
+            out,
+            fresh: Vec::new(),
+            again: Vec::new(),
+        }
+    }
+}
+
 impl Sink for Reports<'_> {
     fn prefix(&mut self, key: &[u8], tokens: u32, tier: Tier, adapter: &Arc<str>, new: bool) {
         let entry = pb::PrefixEntry {
@@ -160,46 +171,14 @@ trait Emit {
     fn cleared(&mut self, ts: i64);
 }
 
-/// One sink, under the key mode's keys.
-struct One<'s, S>(&'s mut S);
-
-impl<S: Sink> Emit for One<'_, S> {
-    fn prefix(
-        &mut self,
-        key: Option<&[u8]>,
-        _: Option<u64>,
-        tokens: u32,
-        tier: Tier,
-        adapter: &Arc<str>,
-        new: bool,
-    ) {
-        if let Some(key) = key {
-            self.0.prefix(key, tokens, tier, adapter, new);
-        }
-    }
-
-    fn end_update(&mut self, ts: i64) {
-        self.0.end_update(ts);
-    }
-
-    fn evicted(&mut self, key: Option<&[u8]>, _: Option<u64>, adapter: &Arc<str>, ts: i64) {
-        if let Some(key) = key {
-            self.0.evicted(key, adapter, ts);
-        }
-    }
-
-    fn cleared(&mut self, ts: i64) {
-        self.0.cleared(ts);
-    }
+/// The key mode's keys into `keys`; with `fingerprints`, fingerprints into it too, from the same
+/// pass.
+struct Out<'s, S, F> {
+    keys: &'s mut S,
+    fingerprints: Option<&'s mut F>,
 }
 
-/// Two sinks from one pass: the key mode's keys into the first, fingerprints into the second.
-struct Two<'a, 'b> {
-    keys: Reports<'a>,
-    fingerprints: Reports<'b>,
-}
-
-impl Emit for Two<'_, '_> {
+impl<S: Sink, F: Sink> Emit for Out<'_, S, F> {
     fn prefix(
         &mut self,
         key: Option<&[u8]>,
@@ -212,15 +191,16 @@ impl Emit for Two<'_, '_> {
         if let Some(key) = key {
             self.keys.prefix(key, tokens, tier, adapter, new);
         }
-        if let Some(p) = fingerprint {
-            let key = fingerprint::wire_key(p);
-            self.fingerprints.prefix(&key, tokens, tier, adapter, new);
+        if let (Some(out), Some(p)) = (self.fingerprints.as_deref_mut(), fingerprint) {
+            out.prefix(&fingerprint::wire_key(p), tokens, tier, adapter, new);
         }
     }
 
     fn end_update(&mut self, ts: i64) {
         self.keys.end_update(ts);
-        self.fingerprints.end_update(ts);
+        if let Some(out) = self.fingerprints.as_deref_mut() {
+            out.end_update(ts);
+        }
     }
 
     fn evicted(
@@ -233,15 +213,16 @@ impl Emit for Two<'_, '_> {
         if let Some(key) = key {
             self.keys.evicted(key, adapter, ts);
         }
-        if let Some(p) = fingerprint {
-            self.fingerprints
-                .evicted(&fingerprint::wire_key(p), adapter, ts);
+        if let (Some(out), Some(p)) = (self.fingerprints.as_deref_mut(), fingerprint) {
+            out.evicted(&fingerprint::wire_key(p), adapter, ts);
         }
     }
 
     fn cleared(&mut self, ts: i64) {
         self.keys.cleared(ts);
-        self.fingerprints.cleared(ts);
+        if let Some(out) = self.fingerprints.as_deref_mut() {
+            out.cleared(ts);
+        }
     }
 }
 
@@ -359,19 +340,20 @@ impl Mapper {
 
     /// Maps one batch, appending its reports to `out` in event order.
     pub fn map_batch(&mut self, batch: &wire::EventBatch<'_>, out: &mut Vec<pb::Report>) {
-        let mut reports = Reports {
-            identity: self.identity.clone(),
-            out,
-            fresh: Vec::new(),
-            again: Vec::new(),
-        };
+        let mut reports = Reports::new(self.identity.clone(), out);
         self.map_batch_into(batch, &mut reports);
     }
 
     /// Maps one batch into `sink`, in event order: the same keys, counts, tiers and adapters as
     /// [`Mapper::map_batch`] reports, with no message made.
     pub fn map_batch_into(&mut self, batch: &wire::EventBatch<'_>, sink: &mut impl Sink) {
-        self.map_into(batch, &mut One(sink));
+        self.map_into(
+            batch,
+            &mut Out::<_, Reports<'_>> {
+                keys: sink,
+                fingerprints: None,
+            },
+        );
     }
 
     /// Maps one batch in one pass to both its reports under the key mode's keys (`out`, as
@@ -385,19 +367,11 @@ impl Mapper {
         out: &mut Vec<pb::Report>,
         fingerprints: &mut Vec<pb::Report>,
     ) {
-        let mut two = Two {
-            keys: Reports {
-                identity: self.identity.clone(),
-                out,
-                fresh: Vec::new(),
-                again: Vec::new(),
-            },
-            fingerprints: Reports {
-                identity: self.identity.clone(),
-                out: fingerprints,
-                fresh: Vec::new(),
-                again: Vec::new(),
-            },
+        let mut keys = Reports::new(self.identity.clone(), out);
+        let mut fingerprints = Reports::new(self.identity.clone(), fingerprints);
+        let mut two = Out {
+            keys: &mut keys,
+            fingerprints: Some(&mut fingerprints),
         };
         self.map_into(batch, &mut two);
     }

@@ -64,6 +64,30 @@ fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
+/// Follows the sidecar at `feed_url` (replica `r1` of `llama`) as `name`.
+fn follow_sidecar(fleet: &Fleet, name: &str, feed_url: &str) {
+    fleet
+        .ensure_replica(
+            name,
+            ReplicaSource::Sidecar(SidecarFeed {
+                replica: "r1".into(),
+                model: "llama".into(),
+                ..SidecarFeed::new(feed_url)
+            }),
+        )
+        .expect("sidecar");
+}
+
+/// Waits until `name` is exact: its snapshot is whole.
+fn wait_exact(fleet: &Fleet, name: &str) {
+    wait_until("the snapshot", || {
+        fleet
+            .replicas()
+            .iter()
+            .any(|r| r.name == name && r.state == ReplicaState::Exact)
+    });
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_router_following_the_sidecar_knows_every_resident_prefix() {
     let server = RecordingServer::start().await;
@@ -92,16 +116,7 @@ async fn a_late_router_following_the_sidecar_knows_every_resident_prefix() {
         wait_until("the sidecar holds them", || hub.blocks() == 100);
 
         let fleet = Fleet::new(FleetConfig::default()).expect("fleet");
-        fleet
-            .ensure_replica(
-                "via-sidecar",
-                ReplicaSource::Sidecar(SidecarFeed {
-                    replica: "r1".into(),
-                    model: "llama".into(),
-                    ..SidecarFeed::new(feed_url.clone())
-                }),
-            )
-            .expect("sidecar");
+        follow_sidecar(&fleet, "via-sidecar", &feed_url);
         fleet
             .ensure_replica(
                 "direct",
@@ -111,12 +126,7 @@ async fn a_late_router_following_the_sidecar_knows_every_resident_prefix() {
                 }),
             )
             .expect("engine");
-        wait_until("the snapshot", || {
-            fleet
-                .replicas()
-                .iter()
-                .any(|r| r.name == "via-sidecar" && r.state == ReplicaState::Exact)
-        });
+        wait_exact(&fleet, "via-sidecar");
         // Every resident prefix through the sidecar.
         let via_sidecar = (0..50)
             .filter(|s| blocks_matched(&fleet, "via-sidecar", *s) == 2)
@@ -161,10 +171,7 @@ async fn a_late_router_following_the_sidecar_knows_every_resident_prefix() {
 /// `dead_after` + 0.5 s, as a router following the engine directly sees the engine go.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_router_following_a_sidecar_sees_its_engine_die_then_the_sidecar() {
-    let server = RecordingServer::start().await;
-    let ctx = zmq::Context::new();
-    let engine =
-        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    let (server, ctx, engine) = crate::ends().await;
     let s = Settings {
         feed_address: "127.0.0.1:0".into(),
         ..crate::loopback(&engine, &server)
@@ -278,10 +285,7 @@ async fn a_router_following_a_sidecar_sees_its_engine_die_then_the_sidecar() {
 /// eviction reaches both.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_engine_key_mode_the_feed_carries_fingerprints_from_the_same_pass() {
-    let server = RecordingServer::start().await;
-    let ctx = zmq::Context::new();
-    let engine =
-        Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN)).expect("engine");
+    let (server, ctx, engine) = crate::ends().await;
     let s = Settings {
         feed_address: "127.0.0.1:0".into(),
         key_mode: kvevent_mapper::KeyMode::Engine,
@@ -309,22 +313,8 @@ async fn in_engine_key_mode_the_feed_carries_fingerprints_from_the_same_pass() {
         let hub = running.telemetry().feed.hub().expect("hub").clone();
         wait_until("the feed holds them", || hub.blocks() == 9);
         let fleet = Fleet::new(FleetConfig::default()).expect("fleet");
-        fleet
-            .ensure_replica(
-                "r1",
-                ReplicaSource::Sidecar(SidecarFeed {
-                    replica: "r1".into(),
-                    model: "llama".into(),
-                    ..SidecarFeed::new(feed_url.clone())
-                }),
-            )
-            .expect("sidecar");
-        wait_until("the snapshot", || {
-            fleet
-                .replicas()
-                .iter()
-                .any(|r| r.name == "r1" && r.state == ReplicaState::Exact)
-        });
+        follow_sidecar(&fleet, "r1", &feed_url);
+        wait_exact(&fleet, "r1");
         for seed in [0, 1, 2, 4] {
             assert_eq!(blocks_matched(&fleet, "r1", seed), 2, "seed {seed}");
         }
