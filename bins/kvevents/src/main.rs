@@ -13,6 +13,8 @@
 
 #[cfg(feature = "doctor")]
 mod doctor;
+mod record;
+mod stats;
 
 use std::io::{self, Read, Write};
 use std::path::PathBuf;
@@ -30,10 +32,11 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Decode payload files (the third ZMQ frame; `-` for stdin) to one JSON line each. Offline.
+    /// Decode payload files (the third ZMQ frame; `-` for stdin) to one JSON line each, or a
+    /// recording (`kvevents record`) to one line a batch with its rank, seq and time. Offline.
     ///
-    /// Exits 0 when every file decodes; otherwise reports each bad file on stderr (file,
-    /// byte offset, reason), goes on with the rest and exits 1.
+    /// Exits 0 when every file decodes; otherwise reports each bad file or record on stderr
+    /// (file, byte offset, reason), goes on with the rest and exits 1.
     Decode {
         /// Whose wire the payloads are: vllm or sglang.
         #[arg(long, default_value = "vllm")]
@@ -61,11 +64,23 @@ enum Command {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// Record an engine's KV-event stream to a file: each batch's payload byte for byte, with
+    /// its rank, topic, seq and receive time. Stops at --duration, --max-bytes or Ctrl-C; the
+    /// file is valid up to its last whole batch. Uses the network.
+    Record(record::RecordArgs),
+    /// What the cache of each replica, and of the fleet, did over recordings (one per
+    /// replica): blocks stored and removed a second, resident blocks, how long evicted blocks
+    /// stayed, re-stores of evicted prefixes, prefix depth; across the fleet, distinct
+    /// prefixes, the share held twice or more, and the replicas that most share. A table, JSON
+    /// (--json) or an SVG plot (--svg). Offline.
+    Stats(stats::StatsArgs),
     /// Act as a vLLM engine: publish batches on ZMQ and serve replays, as that release does.
     /// Binds network sockets.
     ///
     /// Publishes the JSON batches given (one per file, in order, repeating until --count
-    /// batches or forever; --once publishes each file once), or a scripted workload.
+    /// batches or forever; --once publishes each file once), a recording (--recording: its
+    /// ranks, topics, seqs and payloads at the recorded timing scaled by --speed), or a
+    /// scripted workload.
     Publish(PublishArgs),
     /// Check an engine's KV-event setup over the network: endpoints (discovered or given),
     /// exposure beyond loopback, block size and hash algorithm, whether anything listens,
@@ -111,6 +126,18 @@ struct PublishArgs {
     /// Publish each FILE once, in order, then stop (without it, the files repeat in a cycle).
     #[arg(long, requires = "files")]
     once: bool,
+    /// A recording (`kvevents record`) to publish as the engine did: each rank on its own port
+    /// (vLLM's offset from --endpoint and --replay-endpoint), its seqs and payload bytes as
+    /// recorded.
+    #[arg(long, conflicts_with_all = ["files", "count", "once", "interval_ms"])]
+    recording: Option<PathBuf>,
+    /// With --recording: the recorded timing scaled by this factor (10: ten times as fast), or
+    /// `max`: as fast as possible.
+    #[arg(long, default_value = "1", value_parser = record::speed, requires = "recording")]
+    speed: record::Speed,
+    /// With --recording: wait for this many subscribers on every rank before the first batch.
+    #[arg(long, default_value_t = 0, requires = "recording")]
+    wait_for: usize,
     /// JSON batch files to publish instead of the scripted workload, in order, repeated until
     /// --count batches (or forever) unless --once. A file holds one batch, e.g.
     /// {"ts": 0, "events": [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash":
@@ -173,8 +200,21 @@ fn publish(args: PublishArgs) -> anyhow::Result<()> {
         interval_ms,
         count,
         once,
+        recording,
+        speed,
+        wait_for,
         files,
     } = args;
+    if let Some(recording) = recording {
+        return record::publish_recording(record::Replay {
+            recording,
+            endpoint,
+            replay_endpoint,
+            release,
+            speed,
+            wait_for,
+        });
+    }
     let files = files.as_slice();
     use anyhow::Context as _;
     use kvevent_zmq::publisher::{Publisher, PublisherConfig, scripted_batch};
@@ -309,6 +349,17 @@ fn decode(engine: wire::Engine, files: &[PathBuf]) -> ExitCode {
                 continue;
             }
         };
+        if record::is_recording(&payload) {
+            match record::decode_recording(&name.to_string(), &payload, &mut out) {
+                Ok(true) => {}
+                Ok(false) => failed = true,
+                Err(e) => {
+                    eprintln!("kvevents: {e:#}");
+                    failed = true;
+                }
+            }
+            continue;
+        }
         match wire::decode_engine(&payload, engine, &wire::Limits::DEFAULT) {
             Ok(batch) => {
                 if batch.unknown_events > 0 {
@@ -410,6 +461,8 @@ fn main() -> ExitCode {
             out.as_ref(),
         )),
         Command::Publish(args) => report(publish(args)),
+        Command::Record(args) => report(record::record(args)),
+        Command::Stats(args) => report(stats::stats(args)),
         #[cfg(feature = "doctor")]
         Command::Doctor(args) => match doctor::run(&args) {
             Ok(true) => ExitCode::SUCCESS,

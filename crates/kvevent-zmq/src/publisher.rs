@@ -68,6 +68,8 @@ enum Command {
     Publish {
         payload: Vec<u8>,
         live: bool,
+        /// The seq to send it with (the next ones follow it); `None`: the next seq.
+        seq: Option<u64>,
         reply: Sender<u64>,
     },
     Skip(Sender<u64>),
@@ -209,6 +211,18 @@ impl Publisher {
         self.call(|reply| Command::Publish {
             payload,
             live: true,
+            seq: None,
+            reply,
+        })
+    }
+
+    /// Publishes a payload as it is with seq `seq` (the next ones follow it), as a recorded
+    /// engine sent it.
+    pub fn publish_payload_at(&self, seq: u64, payload: Vec<u8>) -> u64 {
+        self.call(|reply| Command::Publish {
+            payload,
+            live: true,
+            seq: Some(seq),
             reply,
         })
     }
@@ -218,6 +232,7 @@ impl Publisher {
         self.call(|reply| Command::Publish {
             payload,
             live: false,
+            seq: None,
             reply,
         })
     }
@@ -292,10 +307,11 @@ impl Worker {
             Command::Publish {
                 payload,
                 live,
+                seq,
                 reply,
             } => {
-                let seq = self.next_seq;
-                self.next_seq += 1;
+                let seq = seq.unwrap_or(self.next_seq);
+                self.next_seq = seq.wrapping_add(1);
                 if live {
                     let frames = wire::frames::live_frames(&self.config.topic, seq, &payload);
                     if let Err(e) = self.publisher.send_multipart(frames, zmq::DONTWAIT) {
