@@ -319,7 +319,7 @@ impl<R: Read> Reader<R> {
             return Err(Error::Foreign);
         }
         if n < 12 {
-            return Err(Error::corrupt(n as u64, "the file ends inside its header"));
+            return Err(Error::corrupt(8, "the file ends inside its header"));
         }
         if head[7] != VERSION {
             return Err(Error::Version(head[7]));
@@ -330,14 +330,14 @@ impl<R: Read> Reader<R> {
         }
         let mut json = vec![0u8; len as usize + 4];
         if read_up_to(&mut input, &mut json)? < json.len() {
-            return Err(Error::corrupt(12, "the file ends inside its header"));
+            return Err(Error::corrupt(8, "the file ends inside its header"));
         }
         let (json, crc) = json.split_at(len as usize);
         if crc32fast::hash(json).to_le_bytes() != crc {
-            return Err(Error::corrupt(12, "the header's checksum does not match"));
+            return Err(Error::corrupt(8, "the header's checksum does not match"));
         }
         let header: Header = serde_json::from_slice(json)
-            .map_err(|e| Error::corrupt(12, format!("the header is not valid: {e}")))?;
+            .map_err(|e| Error::corrupt(8, format!("the header is not valid: {e}")))?;
         Ok(Self {
             input,
             header,
