@@ -121,13 +121,15 @@ impl Sink for Collect<'_> {
     }
 }
 
-/// p50, p90, p99 of `values` (sorted here), in the values' unit.
+/// p50, p90, p99 of `values` (sorted here), nearest rank: the smallest value with at least
+/// that share of the values at or below it.
 fn percentiles(values: &mut [u64]) -> Option<[u64; 3]> {
     if values.is_empty() {
         return None;
     }
     values.sort_unstable();
-    let at = |p: f64| values[((values.len() - 1) as f64 * p).round() as usize];
+    let n = values.len();
+    let at = |p: f64| values[((p * n as f64).ceil() as usize).clamp(1, n) - 1];
     Some([at(0.5), at(0.9), at(0.99)])
 }
 

@@ -8,7 +8,7 @@ fn record(rank: u32, seq: u64, at_us: u64, topic: &[u8], payload: &[u8]) -> Reco
         seq,
         at_us,
         topic: topic.to_vec(),
-        replay: seq % 3 == 0,
+        replay: seq.is_multiple_of(3),
         payload: payload.to_vec(),
     }
 }
@@ -103,7 +103,9 @@ fn a_damaged_byte_is_an_error_naming_an_offset_or_reads_the_same_never_a_panic()
             match read_all(&damaged) {
                 Ok((_, got, _)) => assert!(got.len() <= all.len(), "byte {i}"),
                 Err(e) => {
-                    let offset = e.offset().unwrap_or_else(|| panic!("byte {i}: {e} names no offset"));
+                    let offset = e
+                        .offset()
+                        .unwrap_or_else(|| panic!("byte {i}: {e} names no offset"));
                     assert!(offset <= i as u64, "byte {i} damaged, {e} names {offset}");
                 }
             }

@@ -1,0 +1,555 @@
+//! `kvevents record`, `publish --recording`, `decode` and `stats` over real sockets: streams
+//! from the Python publishers built as vLLM's and SGLang's are, the real sidecar in process,
+//! test-support's InferenceCache server.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::{Duration, Instant};
+
+use kvevent_pipeline::settings::GoDuration;
+use kvevent_pipeline::{Settings, start};
+use kvevent_recording::{Header, Record, Writer, read_all};
+use kvevent_test_support::{PythonPublisher, Received, RecordingServer};
+use kvevent_wire as wire;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+fn kvevents() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kvevents"))
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvevents-rec-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    dir
+}
+
+/// Records `endpoint` (with its replay buffer first) to `out` until stopped.
+fn record(endpoint: &str, replay: &str, engine: &str, out: &Path) -> Child {
+    kvevents()
+        .args([
+            "record",
+            "--endpoint",
+            endpoint,
+            "--replay-endpoint",
+            replay,
+        ])
+        .args(["--replay-first", "--engine", engine, "-o"])
+        .arg(out)
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn record")
+}
+
+/// Waits until the recording at `path` holds `n` records.
+fn wait_recorded(path: &Path, n: usize) -> Vec<Record> {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Ok(bytes) = std::fs::read(path)
+            && let Ok((_, records, _)) = read_all(&bytes)
+            && records.len() >= n
+        {
+            return records;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "fewer than {n} records in {}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Stops a recorder as Ctrl-C would; it must exit 0 and leave a whole file.
+fn stop(mut child: Child) {
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let status = child.wait().expect("wait");
+    assert!(status.success(), "record exited {status}");
+}
+
+/// Publishes a recording on loopback ports the OS picks; returns the child and its rank 0's
+/// PUB and replay endpoints, read from what it prints.
+fn publish(recording: &Path, speed: &str, wait_for: usize) -> (Child, String, String) {
+    let mut child = kvevents()
+        .args(["publish", "--recording"])
+        .arg(recording)
+        .args([
+            "--endpoint",
+            "tcp://127.0.0.1:*",
+            "--replay-endpoint",
+            "tcp://127.0.0.1:*",
+        ])
+        .args(["--speed", speed, "--wait-for", &wait_for.to_string()])
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn publish");
+    let mut lines = BufReader::new(child.stderr.take().expect("stderr")).lines();
+    let line = loop {
+        let line = lines
+            .next()
+            .expect("publish printed its endpoints")
+            .expect("utf-8");
+        if line.contains("rank 0 on ") {
+            break line;
+        }
+    };
+    std::thread::spawn(move || for _ in lines {});
+    // "kvevents: rank 0 on tcp://127.0.0.1:P (replay: tcp://127.0.0.1:Q)"
+    let endpoint = line
+        .split("rank 0 on ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next());
+    let replay = line
+        .split("(replay: ")
+        .nth(1)
+        .map(|r| r.trim_end_matches(')'));
+    (
+        child,
+        endpoint.expect("endpoint").to_owned(),
+        replay.expect("replay").to_owned(),
+    )
+}
+
+fn sidecar(
+    endpoint: &str,
+    replay: &str,
+    engine: wire::Engine,
+    server: &RecordingServer,
+) -> Settings {
+    Settings {
+        engine_endpoint: endpoint.to_owned(),
+        replay_endpoint: replay.to_owned(),
+        engine,
+        server: server.addr().to_string(),
+        replica_id: "r1".into(),
+        model_id: "m".into(),
+        metrics_address: Default::default(),
+        engine_metrics_url: String::new(),
+        window: GoDuration::ms(20),
+        ..Settings::default()
+    }
+}
+
+/// What the server holds at the end: every prefix added and not evicted or cleared since, with
+/// its token count, tier and adapter.
+fn resident(received: &[Received]) -> BTreeMap<Vec<u8>, (i32, i32, String)> {
+    let mut held = BTreeMap::new();
+    for r in received {
+        match r {
+            Received::Update(u) => {
+                for p in &u.prefixes {
+                    held.insert(
+                        p.prefix_hash.clone(),
+                        (p.token_count, p.tier, p.adapter_id.clone()),
+                    );
+                }
+            }
+            Received::Event(e) if e.prefix_hash.is_empty() => held.clear(),
+            Received::Event(e) => {
+                held.remove(&e.prefix_hash);
+            }
+        }
+    }
+    held
+}
+
+/// Runs the sidecar against `endpoint` until it applied seq `last`, drains it; the server's
+/// resident state.
+async fn sidecar_state(
+    endpoint: &str,
+    replay: &str,
+    engine: wire::Engine,
+    last: u64,
+) -> BTreeMap<Vec<u8>, (i32, i32, String)> {
+    let server = RecordingServer::start().await;
+    let ctx = zmq::Context::new();
+    let running = start(&sidecar(endpoint, replay, engine, &server), &ctx)
+        .await
+        .expect("the sidecar starts");
+    let deadline = Instant::now() + WAIT;
+    let applied = |r: &kvevent_pipeline::Running| {
+        let m = &r.telemetry().sources.metrics[0];
+        m.batches.load(Relaxed) > 0 && m.last_seq.load(Relaxed) >= last
+    };
+    while !applied(&running) {
+        assert!(
+            Instant::now() < deadline,
+            "the sidecar never applied seq {last}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let left = running.shutdown(Duration::from_secs(5)).await;
+    assert_eq!(left.unsent_prefixes + left.unsent_events, 0);
+    resident(&server.received())
+}
+
+/// An engine's stream recorded, then replayed into a second sidecar: the server holds the same.
+async fn recorded_and_replayed_into_the_sidecar_leaves_the_same_state(
+    python: PythonPublisher,
+    engine: wire::Engine,
+    word: &str,
+    count: usize,
+) {
+    let dir = scratch(word);
+    let path = dir.join("live.kvrec");
+    let recorder = record(&python.endpoint, &python.replay_endpoint, word, &path);
+    // Live: the sidecar follows the engine as the recorder does.
+    let live = sidecar_state(
+        &python.endpoint,
+        &python.replay_endpoint,
+        engine,
+        count as u64 - 1,
+    )
+    .await;
+    let records = wait_recorded(&path, count);
+    stop(recorder);
+    drop(python);
+    assert!(!live.is_empty());
+    let seqs: Vec<u64> = records.iter().map(|r| r.seq).collect();
+    assert_eq!(
+        seqs,
+        (0..count as u64).collect::<Vec<_>>(),
+        "every batch, in order"
+    );
+    // Replayed, ten times as fast, into a fresh sidecar.
+    let (publisher, endpoint, replay) = publish(&path, "10", 1);
+    let replayed = sidecar_state(&endpoint, &replay, engine, count as u64 - 1).await;
+    let _ = publisher.wait_with_output();
+    assert_eq!(replayed, live, "the same server state as live");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vllm_stream_recorded_and_replayed_into_the_sidecar_leaves_the_same_state() {
+    let python = PythonPublisher::spawn("0.33.0", &["--count", "30", "--interval", "0.01"]);
+    recorded_and_replayed_into_the_sidecar_leaves_the_same_state(
+        python,
+        wire::Engine::Vllm,
+        "vllm",
+        30,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_sglang_stream_recorded_and_replayed_into_the_sidecar_leaves_the_same_state() {
+    let python = PythonPublisher::spawn_sglang(
+        "0.5.23",
+        &[
+            "--count",
+            "20",
+            "--interval",
+            "0.01",
+            "--topic",
+            "kv-events",
+        ],
+    );
+    recorded_and_replayed_into_the_sidecar_leaves_the_same_state(
+        python,
+        wire::Engine::Sglang,
+        "sglang",
+        20,
+    )
+    .await;
+}
+
+#[test]
+fn replayed_at_speed_10_it_keeps_its_order_seqs_and_bytes() {
+    let dir = scratch("speed");
+    let python = PythonPublisher::spawn("0.33.0", &["--count", "40", "--interval", "0.025"]);
+    let first = dir.join("first.kvrec");
+    let recorder = record(&python.endpoint, &python.replay_endpoint, "vllm", &first);
+    let original = wait_recorded(&first, 40);
+    stop(recorder);
+    drop(python);
+    // The replay waits for the second recorder's subscription, then goes at ten times the pace.
+    let (publisher, endpoint, replay) = publish(&first, "10", 1);
+    let second = dir.join("second.kvrec");
+    let recorder = record(&endpoint, &replay, "vllm", &second);
+    let again = wait_recorded(&second, 40);
+    stop(recorder);
+    let _ = publisher.wait_with_output();
+    let key = |r: &Record| (r.rank, r.seq, r.topic.clone(), r.payload.clone());
+    assert_eq!(
+        again.iter().map(key).collect::<Vec<_>>(),
+        original.iter().map(key).collect::<Vec<_>>()
+    );
+    let span = |r: &[Record]| r.last().expect("records").at_us - r[0].at_us;
+    assert!(
+        span(&again) * 3 < span(&original),
+        "not faster: {} µs against {} µs",
+        span(&again),
+        span(&original)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_recorder_killed_while_writing_leaves_a_file_that_reads_to_its_last_whole_batch() {
+    use kvevent_test_support::{Publisher, PublisherConfig};
+    let dir = scratch("kill");
+    let path = dir.join("killed.kvrec");
+    let ctx = zmq::Context::new();
+    let engine = Publisher::start(&ctx, PublisherConfig::loopback(wire::Release::NEWEST_KNOWN))
+        .expect("engine");
+    let mut recorder = kvevents()
+        .args(["record", "--endpoint", engine.endpoint(), "-o"])
+        .arg(&path)
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn");
+    // A batch of 40 blocks of 16 tokens: about 2 kB.
+    let payload = wire::encode(
+        &wire::EventBatch {
+            ts: 1.0,
+            events: vec![wire::Event::BlockStored(wire::BlockStored {
+                block_hashes: (1..=40)
+                    .map(|h| wire::BlockHash::Int(wire::Int::U64(h)))
+                    .collect(),
+                token_ids: (0..640u32).collect::<Vec<_>>().into(),
+                block_size: 16,
+                ..Default::default()
+            })],
+            data_parallel_rank: None,
+            unknown_events: 0,
+        },
+        wire::Release::NEWEST_KNOWN,
+    )
+    .expect("encode");
+    let stop_flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let publishing = std::thread::spawn({
+        let stop = stop_flag.clone();
+        let payload = payload.clone();
+        move || {
+            while !stop.load(Relaxed) {
+                engine.publish_payload(payload.clone());
+            }
+        }
+    });
+    let deadline = Instant::now() + WAIT;
+    while std::fs::metadata(&path).map_or(0, |m| m.len()) < 500_000 {
+        assert!(Instant::now() < deadline, "the recorder wrote too little");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    recorder.kill().expect("SIGKILL");
+    recorder.wait().expect("wait");
+    stop_flag.store(true, Relaxed);
+    publishing.join().expect("publisher");
+    let bytes = std::fs::read(&path).expect("read");
+    let (_, records, _cut) = read_all(&bytes).expect("a killed recording reads");
+    assert!(records.len() > 100, "{} records", records.len());
+    assert!(records.iter().all(|r| r.payload == payload));
+    // `decode` reads it to its last whole batch and exits 0 (every payload decodes).
+    let out = kvevents()
+        .arg("decode")
+        .arg(&path)
+        .output()
+        .expect("decode");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).lines().count(),
+        records.len()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_damaged_or_foreign_recording_is_an_error_naming_the_byte() {
+    let dir = scratch("damaged");
+    let good = dir.join("good.kvrec");
+    let payload = wire::encode(
+        &wire::EventBatch {
+            ts: 1.0,
+            events: vec![],
+            data_parallel_rank: None,
+            unknown_events: 0,
+        },
+        wire::Release::NEWEST_KNOWN,
+    )
+    .expect("encode");
+    let mut w = Writer::new(Vec::new(), &Header::new("vllm", 0)).expect("header");
+    for seq in 0..3 {
+        w.write(&Record {
+            rank: 0,
+            seq,
+            at_us: seq * 1000,
+            topic: b"kv-events".to_vec(),
+            replay: false,
+            payload: payload.clone(),
+        })
+        .expect("write");
+    }
+    let mut bytes = w.finish().expect("finish");
+    std::fs::write(&good, &bytes).expect("write");
+    assert!(
+        kvevents()
+            .arg("decode")
+            .arg(&good)
+            .status()
+            .expect("decode")
+            .success()
+    );
+    // A byte of the second record's payload flipped: its checksum no longer matches.
+    let n = bytes.len();
+    bytes[n - 6] ^= 0xff;
+    let damaged = dir.join("damaged.kvrec");
+    std::fs::write(&damaged, &bytes).expect("write");
+    for command in [&["decode"][..], &["stats"], &["publish", "--recording"]] {
+        let out = kvevents()
+            .args(command)
+            .arg(&damaged)
+            .output()
+            .expect("run");
+        let text = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{command:?}");
+        assert!(
+            text.contains("byte ") && text.contains("checksum"),
+            "{command:?}: {text}"
+        );
+    }
+    let foreign = dir.join("foreign.kvrec");
+    std::fs::write(&foreign, b"{\"not\": \"a recording\"}").expect("write");
+    for command in [&["stats"][..], &["publish", "--recording"]] {
+        let out = kvevents()
+            .args(command)
+            .arg(&foreign)
+            .output()
+            .expect("run");
+        let text = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        assert!(
+            text.contains("byte 0: not a kvevent recording"),
+            "{command:?}: {text}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Two replicas by hand, every figure worked out by hand:
+///
+/// replica a: t 0 s stores P (2 blocks: k1, k2), 1 s stores Q (kq), 2 s removes k2, 4 s stores
+/// k2 again (under k1), 5 s removes kq. replica b: t 0.5 s stores P (k1, k2), 3 s clears.
+#[test]
+fn stats_on_a_hand_made_fleet_give_the_figures_worked_out_by_hand() {
+    let dir = scratch("stats");
+    let hash = |h: u64| wire::BlockHash::Int(wire::Int::U64(h));
+    let stored = |hashes: &[u64], parent: Option<u64>, tokens: std::ops::Range<u32>| {
+        wire::Event::BlockStored(wire::BlockStored {
+            block_hashes: hashes.iter().map(|h| hash(*h)).collect(),
+            parent_block_hash: parent.map(hash),
+            token_ids: tokens.collect::<Vec<u32>>().into(),
+            block_size: 16,
+            ..Default::default()
+        })
+    };
+    let removed = |hashes: &[u64]| {
+        wire::Event::BlockRemoved(wire::BlockRemoved {
+            block_hashes: hashes.iter().map(|h| hash(*h)).collect(),
+            ..Default::default()
+        })
+    };
+    let write = |name: &str, batches: Vec<(u64, wire::Event<'static>)>| {
+        let path = dir.join(format!("{name}.kvrec"));
+        let mut w = Writer::new(Vec::new(), &Header::new("vllm", 1_000_000)).expect("header");
+        for (seq, (at_ms, event)) in batches.into_iter().enumerate() {
+            let batch = wire::EventBatch {
+                ts: 1.0,
+                events: vec![event],
+                data_parallel_rank: None,
+                unknown_events: 0,
+            };
+            w.write(&Record {
+                rank: 0,
+                seq: seq as u64,
+                at_us: at_ms * 1000,
+                topic: b"kv-events".to_vec(),
+                replay: false,
+                payload: wire::encode(&batch, wire::Release::NEWEST_KNOWN).expect("encode"),
+            })
+            .expect("write");
+        }
+        std::fs::write(&path, w.finish().expect("finish")).expect("write");
+        path
+    };
+    let a = write(
+        "a",
+        vec![
+            (0, stored(&[1, 2], None, 0..32)),
+            (1_000, stored(&[7], None, 100..116)),
+            (2_000, removed(&[2])),
+            (4_000, stored(&[2], Some(1), 16..32)),
+            (5_000, removed(&[7])),
+        ],
+    );
+    let b = write(
+        "b",
+        vec![
+            (500, stored(&[11, 12], None, 0..32)),
+            (3_000, wire::Event::AllBlocksCleared(Default::default())),
+        ],
+    );
+    let out = kvevents()
+        .args(["stats", "--json", "--svg"])
+        .arg(dir.join("plot.svg"))
+        .arg(&a)
+        .arg(&b)
+        .output()
+        .expect("stats");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let close = |got: &serde_json::Value, want: f64| {
+        let got = got.as_f64().unwrap_or(f64::NAN);
+        assert!((got - want).abs() < 1e-9, "{got} against {want}");
+    };
+    let ra = &v["replicas"][0];
+    assert_eq!(ra["name"], "a");
+    close(&ra["duration_s"], 5.0);
+    assert_eq!(ra["batches"], 5);
+    close(&ra["stored_per_s"], 4.0 / 5.0);
+    close(&ra["removed_per_s"], 2.0 / 5.0);
+    close(&ra["cleared_per_s"], 0.0);
+    assert_eq!(ra["resident_peak"], 3);
+    // 2 blocks for 1 s, 3 for 1 s, 2 for 2 s, 3 for 1 s: 12 block-seconds over 5 s.
+    close(&ra["resident_mean"], 12.0 / 5.0);
+    // k2 stayed 2 s, kq 4 s.
+    assert_eq!(ra["residency_s"], serde_json::json!([2.0, 4.0, 4.0]));
+    // 1 of 4 stores was of a prefix evicted before, 2 s after its eviction.
+    close(&ra["restore_share"], 0.25);
+    close(&ra["restore_gap_p50_s"], 2.0);
+    // Depths 1, 2, 1, 2 blocks.
+    assert_eq!(ra["depth_blocks"], serde_json::json!([1, 2, 2]));
+    let rb = &v["replicas"][1];
+    close(&rb["duration_s"], 2.5);
+    close(&rb["cleared_per_s"], 1.0 / 2.5);
+    assert_eq!(rb["resident_peak"], 2);
+    close(&rb["resident_mean"], 2.0);
+    assert_eq!(rb["residency_s"], serde_json::Value::Null);
+    let f = &v["fleet"];
+    assert_eq!(f["replicas"], 2);
+    assert_eq!(f["distinct_prefixes"], 3);
+    // Shares: 0 until 0.5 s, 1/2 until 1 s, 2/5 until 2 s, 1/4 until 3 s, then 0: 0.9 over 5 s.
+    close(&f["duplication_peak"], 0.5);
+    close(&f["duplication_mean"], 0.9 / 5.0);
+    close(&f["duplication_end"], 0.0);
+    assert_eq!(f["shared_pairs"], serde_json::json!([["a", "b", 2]]));
+    let svg = std::fs::read_to_string(dir.join("plot.svg")).expect("svg");
+    assert!(
+        svg.starts_with("<svg") && svg.matches("<polyline").count() == 3,
+        "{svg}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
