@@ -329,8 +329,17 @@ impl Router {
              # TYPE kvevent_index_bytes gauge\nkvevent_index_bytes {}\n\
              # TYPE kvevent_index_evicted_keys_total counter\nkvevent_index_evicted_keys_total {}\n\
              # TYPE kvevent_index_stashed gauge\nkvevent_index_stashed {}\n\
-             # TYPE kvevent_index_applied_total counter\nkvevent_index_applied_total {}\n",
-            s.keys, s.pairs, s.bytes, s.evicted_keys, s.stashed, s.applied,
+             # TYPE kvevent_index_applied_total counter\nkvevent_index_applied_total {}\n\
+             # TYPE kvevent_index_shared_pairs gauge\nkvevent_index_shared_pairs {}\n\
+             # TYPE kvevent_index_duplication_ratio gauge\nkvevent_index_duplication_ratio {}\n",
+            s.keys,
+            s.pairs,
+            s.bytes,
+            s.evicted_keys,
+            s.stashed,
+            s.applied,
+            s.shared_pairs,
+            s.duplication(),
         )
     }
 }

@@ -105,11 +105,17 @@ async fn python_publishers_into_the_router_and_scores_out() {
     assert_eq!(status, 404, "{v}");
     let (status, v) = post(addr, "/score", r#"{"model": "m", "token_ids": [-1]}"#).await;
     assert_eq!(status, 400, "{v}");
-    assert!(
-        router.metrics().contains("kvevent_index_pairs 4"),
-        "{}",
-        router.metrics()
-    );
+    // Two replicas hold the same two prefixes: 2 keys, 4 pairs, each key shared by one pair of
+    // replicas, half the entries duplicated.
+    let m = router.metrics();
+    for line in [
+        "kvevent_index_keys 2\n",
+        "kvevent_index_pairs 4\n",
+        "kvevent_index_shared_pairs 2\n",
+        "kvevent_index_duplication_ratio 0.5\n",
+    ] {
+        assert!(m.contains(line), "{line}{m}");
+    }
     let metrics = router.metrics();
     let value = |name: &str| {
         metrics

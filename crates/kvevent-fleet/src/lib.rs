@@ -404,6 +404,13 @@ impl Fleet {
         &self.core.index
     }
 
+    /// The index's counters: distinct prefixes (`keys`), (prefix, source) pairs, pairs of
+    /// sources sharing a prefix and the duplication share ([`IndexStats::duplication`]), kept
+    /// as changes apply.
+    pub fn stats(&self) -> IndexStats {
+        self.core.index.stats()
+    }
+
     /// Told of every change of a replica's state, error or ranks, and of every replica added
     /// or removed: `changed().await`, then read [`Fleet::replicas`].
     pub fn changes(&self) -> tokio::sync::watch::Receiver<u64> {

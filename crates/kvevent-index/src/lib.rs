@@ -407,6 +407,40 @@ pub struct IndexStats {
     pub source_slots: usize,
     /// Replica numbers the index keeps (in use and free), likewise.
     pub replica_slots: usize,
+    /// Pairs of sources holding the same key (a key held by h sources makes h(h−1)/2), stale
+    /// ones included until touched, as in `pairs`.
+    pub shared_pairs: u64,
+}
+
+impl IndexStats {
+    /// The share of (key, source) pairs whose key another source also holds: 1 − keys ÷
+    /// pairs, 0 when empty. What prefix-aware placement could win back of the fleet's cache.
+    /// A source is an engine's DP rank (each its own cache). Kept up to date as changes apply
+    /// (no scan); a source's lapsed holders (after a clear, a restart, a removal) count until
+    /// the sweep or a store of the key drops them.
+    pub fn duplication(&self) -> f64 {
+        if self.pairs == 0 {
+            0.0
+        } else {
+            1.0 - self.keys as f64 / self.pairs as f64
+        }
+    }
+}
+
+/// (key, source) pairs and pairs of sources sharing a key, kept as holders change.
+#[derive(Debug, Clone, Copy, Default)]
+struct Shares {
+    held: u64,
+    shared: u64,
+}
+
+impl Shares {
+    /// A key's holders went from `before` to `after`.
+    fn changed(&mut self, before: usize, after: usize) {
+        let pairs = |h: usize| (h * h.saturating_sub(1) / 2) as u64;
+        self.held = (self.held + after as u64).saturating_sub(before as u64);
+        self.shared = (self.shared + pairs(after)).saturating_sub(pairs(before));
+    }
 }
 
 /// A source holding a key, in one word: the source in bits 35–63, its epoch in 3–34, the
@@ -794,6 +828,8 @@ struct Inner {
     /// capacity).
     young_bytes: usize,
     old_bytes: usize,
+    /// Holders and sharing, as they change.
+    shares: Shares,
     stats: IndexStats,
     /// Changes, in order, with their sources, waiting for [`Inner::flush`] (kept for its
     /// capacity).
@@ -1084,15 +1120,8 @@ impl Index {
         let inner = &state.inner;
         let mut stats = inner.stats.clone();
         stats.keys = inner.young.len() + inner.old.len();
-        stats.pairs = inner
-            .young
-            .values()
-            .chain(inner.old.values())
-            .map(|e| {
-                let h = e.holders;
-                h.len(&inner.lists)
-            })
-            .sum();
+        stats.pairs = inner.shares.held as usize;
+        stats.shared_pairs = inner.shares.shared;
         stats.table_bytes = inner.young.bytes() + inner.old.bytes();
         stats.sources = inner.sources.iter().filter(|s| s.live).count();
         stats.source_slots = inner.sources.len();
@@ -1388,13 +1417,16 @@ impl Inner {
             } else {
                 (&mut self.young, &mut self.young_bytes)
             };
+            let shares = &mut self.shares;
             let (visited, next) = table.sweep(self.sweep.cursor, slots, |e| {
                 let holders = e.holders;
                 if holders.stamped_with(lapses) {
                     return true;
                 }
-                let before = entry_bytes(holders.len(lists));
+                let had = holders.len(lists);
+                let before = entry_bytes(had);
                 let kept = holders.retain(lists, |h| counts_or_loading(sources, h));
+                shares.changed(had, kept.len(lists));
                 let after = entry_bytes(kept.len(lists));
                 *bytes = (*bytes + after).saturating_sub(before);
                 e.holders = kept.stamped(lapses);
@@ -1442,8 +1474,10 @@ impl Inner {
             // One walk finds the key and removes it when its last holder goes.
             if let TableEntry::Occupied(mut entry) = map.entry(key) {
                 let holders = entry.get().holders;
-                let before = entry_bytes(holders.len(lists));
+                let had = holders.len(lists);
+                let before = entry_bytes(had);
                 let after = holders.remove(lists, source);
+                self.shares.changed(had, after.len(lists));
                 if after == Holders::NONE {
                     entry.remove();
                     *bytes = bytes.saturating_sub(before);
@@ -1472,8 +1506,10 @@ impl Inner {
                 // Already young: updated where it is (one lookup, no move).
                 let entry = o.into_mut();
                 let holders = entry.holders;
-                let before = entry_bytes(holders.len(lists));
+                let had = holders.len(lists);
+                let before = entry_bytes(had);
                 let after = holders.store(lists, self.lapses, valid, holder);
+                self.shares.changed(had, after.len(lists));
                 *entry = Entry {
                     tokens,
                     holders: after,
@@ -1495,7 +1531,9 @@ impl Inner {
             }
             None => Holders::NONE,
         };
+        let had = known.len(lists);
         let holders = known.store(lists, self.lapses, valid, holder);
+        self.shares.changed(had, holders.len(lists));
         let heap = entry_bytes(holders.len(lists));
         // The budget counts what the key tables really hold: when this insert would make the
         // young table grow past it, the old generation goes first and the young one becomes
@@ -1507,6 +1545,7 @@ impl Inner {
             self.stats.evicted_keys += self.old.len() as u64;
             for e in self.old.values() {
                 let h = e.holders;
+                self.shares.changed(h.len(lists), 0);
                 h.free(lists);
             }
             let fresh = Keys::new();
@@ -1526,8 +1565,11 @@ impl Inner {
             (&mut self.young, &mut self.young_bytes),
             (&mut self.old, &mut self.old_bytes),
         ] {
+            let shares = &mut self.shares;
             map.retain(|e| {
+                let had = { e.holders }.len(lists);
                 let kept = { e.holders }.retain(lists, |h| !gone(h));
+                shares.changed(had, kept.len(lists));
                 e.holders = kept;
                 kept != Holders::NONE
             });
@@ -1760,6 +1802,96 @@ mod tests {
         assert!(Holder::new(2, 5, 0) < Holder::new(2, 5, 1));
         assert!(Holder::new(2, 5, 0).same_id(Holder::new(2, 5, 1)));
         assert!(!Holder::new(2, 5, 0).same_id(Holder::new(2, 6, 0)));
+    }
+
+    /// The scan the counters replace: every key's holders, as stored.
+    fn scanned(index: &Index) -> (usize, u64, u64) {
+        let state = index.read();
+        let inner = &state.inner;
+        let lens: Vec<usize> = inner
+            .young
+            .values()
+            .chain(inner.old.values())
+            .map(|e| {
+                let h = e.holders;
+                h.len(&inner.lists)
+            })
+            .collect();
+        let held = lens.iter().sum::<usize>() as u64;
+        let shared = lens
+            .iter()
+            .map(|h| (h * h.saturating_sub(1) / 2) as u64)
+            .sum();
+        (lens.len(), held, shared)
+    }
+
+    /// The duplication figures, kept as changes apply, equal a full scan after every change:
+    /// stores, evictions, resets (lapses the sweep then drops), removals, a budget that drops
+    /// the old generation, sources added back into freed slots.
+    #[test]
+    fn the_sharing_counters_equal_a_scan_after_every_change() {
+        let config = Config {
+            mapping: mapper::Options {
+                key_mode: KeyMode::Engine,
+                ..mapper::Options::default()
+            },
+            byte_budget: 16 << 10,
+            ..Config::default()
+        };
+        let index = Index::new(config);
+        let mut sources: Vec<SourceId> = ["a", "b", "c", "d"]
+            .iter()
+            .map(|r| index.add_source(r).expect("source"))
+            .collect();
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for step in 0..20_000u64 {
+            let r = next();
+            let s = sources[(r % sources.len() as u64) as usize];
+            let key = (r >> 8) % 3_000 + 1;
+            match (r >> 40) % 1000 {
+                0..=1 => index.reset(s),
+                2..=3 if sources.len() > 2 => {
+                    index.remove_source(s);
+                    sources.retain(|x| *x != s);
+                }
+                4..=5 if sources.len() < 6 => {
+                    sources.push(index.add_source(&format!("r{step}")).expect("source"));
+                }
+                6..=200 => index.apply(
+                    s,
+                    &wire::EventBatch {
+                        ts: 0.0,
+                        events: vec![wire::Event::BlockRemoved(wire::BlockRemoved {
+                            block_hashes: vec![wire::BlockHash::Int(wire::Int::U64(key))],
+                            ..Default::default()
+                        })],
+                        data_parallel_rank: None,
+                        unknown_events: 0,
+                    },
+                ),
+                _ => index.apply(s, &stored(key)),
+            }
+            let stats = index.stats();
+            let (keys, held, shared) = scanned(&index);
+            assert_eq!(
+                (stats.keys, stats.pairs as u64, stats.shared_pairs),
+                (keys, held, shared),
+                "step {step}"
+            );
+            let d = stats.duplication();
+            assert!((0.0..1.0).contains(&d) || stats.pairs == 0, "{d}");
+        }
+        assert!(
+            index.stats().evicted_keys > 0,
+            "the budget dropped a generation: {:?}",
+            index.stats()
+        );
     }
 
     /// Should an epoch ever wrap, the source's older holders go at once: none of them can
