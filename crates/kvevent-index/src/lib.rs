@@ -1836,7 +1836,6 @@ mod tests {
                 ..mapper::Options::default()
             },
             byte_budget: 16 << 10,
-            ..Config::default()
         };
         let index = Index::new(config);
         let mut sources: Vec<SourceId> = ["a", "b", "c", "d"]
