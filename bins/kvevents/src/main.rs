@@ -138,10 +138,11 @@ struct PublishArgs {
     /// With --recording: wait for this many subscribers on every rank before the first batch.
     #[arg(long, default_value_t = 0, requires = "recording")]
     wait_for: usize,
-    /// JSON batch files to publish instead of the scripted workload, in order, repeated until
-    /// --count batches (or forever) unless --once. A file holds one batch, e.g.
-    /// {"ts": 0, "events": [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash":
-    /// null, "token_ids": [1, 2, 3, 4], "block_size": 4}]} (docs/operating.md, "Test your router").
+    // The help names a JSON batch: written as an attribute, not a doc comment, so that
+    // rustdoc does not read its brackets as links.
+    #[arg(
+        help = r#"JSON batch files to publish instead of the scripted workload, in order, repeated until --count batches (or forever) unless --once. A file holds one batch, e.g. {"ts": 0, "events": [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": null, "token_ids": [1, 2, 3, 4], "block_size": 4}]} (docs/operating.md, "Test your router")"#
+    )]
     files: Vec<PathBuf>,
 }
 
