@@ -319,7 +319,7 @@ impl<R: Read> Reader<R> {
             return Err(Error::Foreign);
         }
         if n < 12 {
-            return Err(Error::corrupt(8, "the file ends inside its header"));
+            return Err(Error::corrupt(n as u64, "the file ends inside its header"));
         }
         if head[7] != VERSION {
             return Err(Error::Version(head[7]));

@@ -123,3 +123,15 @@ fn a_foreign_file_or_another_version_is_named() {
     assert!(err.to_string().contains("version 9"), "{err}");
     assert_eq!(err.offset(), Some(7));
 }
+
+/// Found by the fuzzer: a file that ends within its first 12 bytes names where it ends, never a
+/// byte past it.
+#[test]
+fn a_file_that_ends_inside_its_header_names_where_it_ends() {
+    let bytes = file(&[]);
+    for n in 7..bytes.len() {
+        let err = read_all(&bytes[..n]).expect_err("a cut header");
+        let offset = err.offset().expect("an offset");
+        assert!(offset <= n as u64, "{n} bytes: {err}");
+    }
+}
