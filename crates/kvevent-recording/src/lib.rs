@@ -395,9 +395,11 @@ impl<R: Read> Reader<R> {
         if !(4..=MAX_RECORD + 64).contains(&len) {
             return Err(Error::corrupt(start, format!("a record of {len} bytes")));
         }
-        self.buf.resize(len as usize + 4, 0);
-        let got = read_up_to(&mut self.input, &mut self.buf)?;
-        if got < self.buf.len() {
+        // Read as it comes: a damaged length never allocates more than the bytes there are.
+        self.buf.clear();
+        let want = len + 4;
+        (&mut self.input).take(want).read_to_end(&mut self.buf)?;
+        if (self.buf.len() as u64) < want {
             self.truncated = Some(start);
             return Ok(None);
         }
