@@ -188,6 +188,27 @@ pub(crate) fn record(args: RecordArgs) -> anyhow::Result<()> {
                     if rank.last.is_some_and(|l| live.seq <= l) {
                         continue;
                     }
+                    // A gap: what the replay endpoint still holds fills it, live batches held
+                    // meanwhile so the file stays in seq order.
+                    if let Some(l) = rank.last
+                        && live.seq > l + 1
+                        && sources[f.source].replay_endpoint.is_some()
+                        && transport.request_replay(f.source, l + 1)
+                    {
+                        eprintln!(
+                            "kvevents: rank {rank_no}: seqs {}..{} missed live: asking the replay endpoint for them",
+                            l + 1,
+                            live.seq - 1
+                        );
+                        rank.replaying = true;
+                        rank.held.push((
+                            live.seq,
+                            live.topic.to_vec(),
+                            live.payload.to_vec(),
+                            now_us,
+                        ));
+                        continue;
+                    }
                     if let Some(l) = rank.last
                         && live.seq > l + 1
                     {
@@ -232,11 +253,23 @@ pub(crate) fn record(args: RecordArgs) -> anyhow::Result<()> {
                 Delivery::ReplayDone(outcome) => {
                     rank.replaying = false;
                     eprintln!(
-                        "kvevents: rank {rank_no}: the replay endpoint's buffer recorded ({outcome:?}); now live"
+                        "kvevents: rank {rank_no}: replay over ({outcome:?}); {} live batch(es) held meanwhile follow",
+                        rank.held.len()
                     );
                     for (seq, topic, payload, at_us) in std::mem::take(&mut rank.held) {
                         if rank.last.is_some_and(|l| seq <= l) {
                             continue;
+                        }
+                        if let Some(l) = rank.last
+                            && seq > l + 1
+                        {
+                            rank.gaps += 1;
+                            rank.missing += seq - l - 1;
+                            eprintln!(
+                                "kvevents: rank {rank_no}: seqs {}..{} never arrived, not even from the replay endpoint (the recording has a gap there)",
+                                l + 1,
+                                seq - 1
+                            );
                         }
                         write(seq, &topic, &payload, false, at_us)?;
                         rank.last = Some(seq);

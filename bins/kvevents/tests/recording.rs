@@ -553,3 +553,76 @@ fn stats_on_a_hand_made_fleet_give_the_figures_worked_out_by_hand() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Batches lost on the way (an HWM, a blip) are asked of the replay endpoint, as the sidecar
+/// does, and the file keeps every seq in order.
+#[test]
+fn a_gap_in_the_live_stream_is_filled_from_the_replay_endpoint() {
+    use kvevent_test_support::{Publisher, PublisherConfig};
+    let dir = scratch("gap");
+    let path = dir.join("gap.kvrec");
+    let ctx = zmq::Context::new();
+    let engine = Publisher::start(&ctx, PublisherConfig::loopback(wire::Release::NEWEST_KNOWN))
+        .expect("engine");
+    let payload = |i: u8| {
+        wire::encode(
+            &wire::EventBatch {
+                ts: f64::from(i),
+                events: vec![],
+                data_parallel_rank: None,
+                unknown_events: 0,
+            },
+            wire::Release::NEWEST_KNOWN,
+        )
+        .expect("encode")
+    };
+    // Not --replay-first: whatever comes from the replay endpoint comes for the gap.
+    let log = dir.join("record.log");
+    let recorder = kvevents()
+        .args([
+            "record",
+            "--endpoint",
+            engine.endpoint(),
+            "--replay-endpoint",
+        ])
+        .arg(engine.replay_endpoint().expect("replay"))
+        .arg("-o")
+        .arg(&path)
+        .stderr(std::fs::File::create(&log).expect("log"))
+        .spawn()
+        .expect("spawn record");
+    // Seq 0 arrives live (published until the recorder has it: it may join late).
+    let deadline = Instant::now() + WAIT;
+    loop {
+        engine.restart();
+        engine.publish_payload(payload(0));
+        std::thread::sleep(Duration::from_millis(100));
+        if std::fs::read(&path).is_ok_and(|b| read_all(&b).is_ok_and(|(_, r, _)| !r.is_empty())) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "seq 0 never recorded");
+    }
+    // Seqs 1 to 4 are lost on the way (kept for replay only), 5 to 7 arrive live.
+    for i in 1..=4 {
+        engine.publish_lost(payload(i));
+    }
+    for i in 5..=7 {
+        engine.publish_payload(payload(i));
+    }
+    let records = wait_recorded(&path, 8);
+    stop(recorder);
+    // Every seq, in order; 1 to 4 can only have come from the replay endpoint (5 to 7 may
+    // too: its answer runs up to what it holds, and the live copies held meanwhile are dropped
+    // as duplicates).
+    let seqs: Vec<u64> = records.iter().map(|r| r.seq).collect();
+    assert_eq!(seqs, (0..=7).collect::<Vec<u64>>());
+    assert!(records[1..=4].iter().all(|r| r.replay), "{records:?}");
+    assert!(!records[0].replay);
+    let said = std::fs::read_to_string(&log).expect("log");
+    assert!(
+        said.contains("seqs 1..4 missed live: asking the replay endpoint")
+            && said.contains("gaps: 0"),
+        "{said}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
