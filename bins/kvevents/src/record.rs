@@ -37,7 +37,8 @@ pub(crate) struct RecordArgs {
     /// Stop after this long: 90s, 10m, 1h (0: until interrupted).
     #[arg(long, default_value = "0", value_parser = seconds)]
     duration: f64,
-    /// Stop before the file passes this many bytes (0: no limit).
+    /// Stop once the file reaches this many bytes (it ends with the batch that reached it; 0: no
+    /// limit).
     #[arg(long, default_value_t = 0)]
     max_bytes: u64,
     /// The recording to write (replaced if it exists).
@@ -62,14 +63,64 @@ fn seconds(text: &str) -> Result<f64, String> {
         .ok_or_else(|| format!("`{text}` is not a duration (e.g. 90s, 10m, 1h)"))
 }
 
-/// Per rank: the last seq written, and the live batches held while the startup replay runs.
+/// A batch as it arrived: seq, topic, payload, µs since the start.
+type Batch = (u64, Vec<u8>, Vec<u8>, u64);
+
+/// Per rank: the last seq written, and the live batches held while a replay runs.
 #[derive(Default)]
 struct Rank {
     last: Option<u64>,
     replaying: bool,
-    held: Vec<(u64, Vec<u8>, Vec<u8>, u64)>,
+    held: Vec<Batch>,
     gaps: u64,
     missing: u64,
+}
+
+/// The recording being written, and what went into it.
+struct Out<W: std::io::Write> {
+    writer: Writer<W>,
+    batches: u64,
+    payload_bytes: u64,
+}
+
+impl<W: std::io::Write> Out<W> {
+    /// Writes `batch` of `rank` unless it was written already; a gap before it is counted and
+    /// named (the recording has it too).
+    fn put(
+        &mut self,
+        rank: &mut Rank,
+        rank_no: u32,
+        batch: Batch,
+        replay: bool,
+    ) -> anyhow::Result<()> {
+        let (seq, topic, payload, at_us) = batch;
+        if rank.last.is_some_and(|l| seq <= l) {
+            return Ok(());
+        }
+        if let Some(l) = rank.last
+            && seq > l + 1
+        {
+            rank.gaps += 1;
+            rank.missing += seq - l - 1;
+            eprintln!(
+                "kvevents: rank {rank_no}: seqs {}..{} never arrived (the recording has a gap there)",
+                l + 1,
+                seq - 1
+            );
+        }
+        self.payload_bytes += payload.len() as u64;
+        self.writer.write(&Record {
+            rank: rank_no,
+            seq,
+            at_us,
+            topic,
+            replay,
+            payload,
+        })?;
+        rank.last = Some(seq);
+        self.batches += 1;
+        Ok(())
+    }
 }
 
 /// Turns SIGINT and SIGTERM into a flag the loop looks at.
@@ -114,7 +165,6 @@ pub(crate) fn record(args: RecordArgs) -> anyhow::Result<()> {
     };
     let file = std::fs::File::create(&args.out)
         .with_context(|| format!("cannot create {}", args.out.display()))?;
-    let mut writer = Writer::new(std::io::BufWriter::with_capacity(1 << 20, file), &header)?;
     let ctx = zmq::Context::new();
     let mut transport = Transport::start(&ctx, &sources, &SourceOptions::default())?;
     let mut ranks: Vec<Rank> = sources.iter().map(|_| Rank::default()).collect();
@@ -140,7 +190,11 @@ pub(crate) fn record(args: RecordArgs) -> anyhow::Result<()> {
     );
     let start = Instant::now();
     let mut frames = std::collections::VecDeque::new();
-    let (mut batches, mut payload_bytes) = (0u64, 0u64);
+    let mut out = Out {
+        writer: Writer::new(std::io::BufWriter::with_capacity(1 << 20, file), &header)?,
+        batches: 0,
+        payload_bytes: 0,
+    };
     let mut last_flush = Instant::now();
     let mut last_said = Instant::now();
     let mut connected = vec![false; sources.len()];
@@ -157,17 +211,6 @@ pub(crate) fn record(args: RecordArgs) -> anyhow::Result<()> {
         for f in frames.drain(..) {
             let rank_no = sources[f.source].dp_rank;
             let rank = &mut ranks[f.source];
-            let mut write = |seq: u64, topic: &[u8], payload: &[u8], replay: bool, at_us: u64| {
-                let r = Record {
-                    rank: rank_no,
-                    seq,
-                    at_us,
-                    topic: topic.to_vec(),
-                    replay,
-                    payload: payload.to_vec(),
-                };
-                writer.write(&r)
-            };
             match f.delivery {
                 Delivery::Live(msg) => {
                     let Ok(live) = frames::parse_live(&msg) else {
@@ -176,16 +219,9 @@ pub(crate) fn record(args: RecordArgs) -> anyhow::Result<()> {
                         );
                         continue;
                     };
+                    let batch = (live.seq, live.topic.to_vec(), live.payload.to_vec(), now_us);
                     if rank.replaying {
-                        rank.held.push((
-                            live.seq,
-                            live.topic.to_vec(),
-                            live.payload.to_vec(),
-                            now_us,
-                        ));
-                        continue;
-                    }
-                    if rank.last.is_some_and(|l| live.seq <= l) {
+                        rank.held.push(batch);
                         continue;
                     }
                     // A gap: what the replay endpoint still holds fills it, live batches held
@@ -201,29 +237,10 @@ pub(crate) fn record(args: RecordArgs) -> anyhow::Result<()> {
                             live.seq - 1
                         );
                         rank.replaying = true;
-                        rank.held.push((
-                            live.seq,
-                            live.topic.to_vec(),
-                            live.payload.to_vec(),
-                            now_us,
-                        ));
+                        rank.held.push(batch);
                         continue;
                     }
-                    if let Some(l) = rank.last
-                        && live.seq > l + 1
-                    {
-                        rank.gaps += 1;
-                        rank.missing += live.seq - l - 1;
-                        eprintln!(
-                            "kvevents: rank {rank_no}: seqs {}..{} never arrived (the recording has a gap there)",
-                            l + 1,
-                            live.seq - 1
-                        );
-                    }
-                    write(live.seq, live.topic, live.payload, false, now_us)?;
-                    rank.last = Some(live.seq);
-                    batches += 1;
-                    payload_bytes += live.payload.len() as u64;
+                    out.put(rank, rank_no, batch, false)?;
                 }
                 Delivery::Replay(msg) => match frames::parse_replay(&msg) {
                     Ok(frames::ReplayReply::Batch {
@@ -231,19 +248,8 @@ pub(crate) fn record(args: RecordArgs) -> anyhow::Result<()> {
                         seq,
                         payload,
                     }) => {
-                        if rank.last.is_some_and(|l| seq <= l) {
-                            continue;
-                        }
-                        write(
-                            seq,
-                            topic.unwrap_or(args.topic.as_bytes()),
-                            payload,
-                            true,
-                            now_us,
-                        )?;
-                        rank.last = Some(seq);
-                        batches += 1;
-                        payload_bytes += payload.len() as u64;
+                        let topic = topic.unwrap_or(args.topic.as_bytes()).to_vec();
+                        out.put(rank, rank_no, (seq, topic, payload.to_vec(), now_us), true)?;
                     }
                     Ok(frames::ReplayReply::End) => {}
                     Err(e) => eprintln!(
@@ -256,25 +262,8 @@ pub(crate) fn record(args: RecordArgs) -> anyhow::Result<()> {
                         "kvevents: rank {rank_no}: replay over ({outcome:?}); {} live batch(es) held meanwhile follow",
                         rank.held.len()
                     );
-                    for (seq, topic, payload, at_us) in std::mem::take(&mut rank.held) {
-                        if rank.last.is_some_and(|l| seq <= l) {
-                            continue;
-                        }
-                        if let Some(l) = rank.last
-                            && seq > l + 1
-                        {
-                            rank.gaps += 1;
-                            rank.missing += seq - l - 1;
-                            eprintln!(
-                                "kvevents: rank {rank_no}: seqs {}..{} never arrived, not even from the replay endpoint (the recording has a gap there)",
-                                l + 1,
-                                seq - 1
-                            );
-                        }
-                        write(seq, &topic, &payload, false, at_us)?;
-                        rank.last = Some(seq);
-                        batches += 1;
-                        payload_bytes += payload.len() as u64;
+                    for batch in std::mem::take(&mut rank.held) {
+                        out.put(rank, rank_no, batch, false)?;
                     }
                 }
                 Delivery::Connected => {
@@ -290,7 +279,7 @@ pub(crate) fn record(args: RecordArgs) -> anyhow::Result<()> {
                     eprintln!("kvevents: rank {rank_no}: connection lost (libzmq reconnects)");
                 }
             }
-            if args.max_bytes > 0 && writer.bytes_written() >= args.max_bytes {
+            if args.max_bytes > 0 && out.writer.bytes_written() >= args.max_bytes {
                 full = true;
             }
         }
@@ -298,20 +287,21 @@ pub(crate) fn record(args: RecordArgs) -> anyhow::Result<()> {
             break "it reached --max-bytes";
         }
         if last_flush.elapsed() >= Duration::from_millis(100) {
-            writer.flush()?;
+            out.writer.flush()?;
             last_flush = Instant::now();
         }
         if last_said.elapsed() >= Duration::from_secs(10) {
             eprintln!(
-                "kvevents: {batches} batches recorded ({:.1} MB) in {:.0} s",
-                writer.bytes_written() as f64 / 1e6,
+                "kvevents: {} batches recorded ({:.1} MB) in {:.0} s",
+                out.batches,
+                out.writer.bytes_written() as f64 / 1e6,
                 start.elapsed().as_secs_f64()
             );
             last_said = Instant::now();
         }
-        if sources.iter().enumerate().all(|(i, _)| !connected[i])
+        if connected.iter().all(|c| !c)
             && start.elapsed() >= Duration::from_secs(3)
-            && batches == 0
+            && out.batches == 0
             && last_said.elapsed() >= Duration::from_secs(5)
         {
             eprintln!(
@@ -322,9 +312,9 @@ pub(crate) fn record(args: RecordArgs) -> anyhow::Result<()> {
             last_said = Instant::now();
         }
     };
-    let size = writer.bytes_written();
-    let mut out = writer.finish()?;
-    out.flush()?;
+    let size = out.writer.bytes_written();
+    out.writer.finish()?.flush()?;
+    let (batches, payload_bytes) = (out.batches, out.payload_bytes);
     let (gaps, missing) = ranks
         .iter()
         .fold((0, 0), |(g, m), r| (g + r.gaps, m + r.missing));

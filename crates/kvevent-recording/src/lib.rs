@@ -13,8 +13,8 @@
 //!
 //! - `seq-delta` is the seq less the previous seq of the same rank, less one (0 for the next
 //!   seq); `gap-us` the microseconds since the previous record (the first: since the header's
-//!   start). So a batch costs 11 to 14 bytes beyond its payload: length, flags, rank, seq,
-//!   time and checksum.
+//!   start). So a batch costs a few bytes beyond its payload: length, flags, rank, seq, time
+//!   and checksum (`docs/performance.md` has what it measured).
 //! - `flags`: bit 0, the topic follows (else it is the rank's previous one); bit 1, the batch
 //!   came from the replay endpoint, not live.
 //! - A file cut while a record was written (a killed recorder) reads back up to its last

@@ -14,7 +14,7 @@
 //!   child process, so both sides' libzmq really talk.
 //! - [`Vllm`]: a real vLLM engine on CPU, for the real-engine checks (`.ci/real-engine`).
 //!
-//! Used only as a dev-dependency. Every wait is bounded by a timeout.
+//! Used by tests and benchmarks, never by what ships. Every wait is bounded by a timeout.
 
 mod ports;
 #[cfg(feature = "engine")]

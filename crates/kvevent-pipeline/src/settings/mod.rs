@@ -129,11 +129,7 @@ pub fn defaults() -> Vec<(String, String)> {
 
 /// The names of every option, as in the TOML file.
 pub fn known_options() -> Vec<String> {
-    figment::value::Value::serialize(Settings::default())
-        .ok()
-        .and_then(|v| v.into_dict())
-        .map(|d| d.into_keys().collect())
-        .unwrap_or_default()
+    OPTIONS.iter().map(|o| o.name.to_owned()).collect()
 }
 
 /// The TOML file's layer: its known keys, with the file named as their source (so a bad value

@@ -52,33 +52,18 @@ impl Delivery {
 #[derive(Debug)]
 pub(crate) struct DeliveryCollector(pub(crate) Arc<Delivery>);
 
-/// A family of one sample without labels.
-fn one(
-    enc: &mut DescriptorEncoder<'_>,
-    counter: bool,
-    name: &'static str,
-    help: &str,
-    value: u64,
-) -> std::fmt::Result {
-    if counter {
-        encode::count(&mut encode::counter(enc, name, help)?, &[], value)
-    } else {
-        encode::level(&mut encode::gauge(enc, name, help)?, &[], value)
-    }
-}
-
 impl Collector for DeliveryCollector {
     fn encode(&self, mut enc: DescriptorEncoder<'_>) -> std::fmt::Result {
         let d = &*self.0;
         let f = &*d.forwarder;
-        one(
+        encode::single(
             &mut enc,
             true,
             "kvevent_prefixes_sent_total",
             "Prefix entries delivered to the server.",
             f.prefixes_sent.load(Relaxed),
         )?;
-        one(
+        encode::single(
             &mut enc,
             true,
             "kvevent_updates_sent_total",
@@ -140,7 +125,7 @@ impl Collector for DeliveryCollector {
                 d.reports_after_shutdown.load(Relaxed),
             )?;
         }
-        one(
+        encode::single(
             &mut enc,
             false,
             "kvevent_queue_depth",
@@ -148,35 +133,35 @@ impl Collector for DeliveryCollector {
             f.queue_depth.load(Relaxed),
         )?;
         let unreachable = lock(&d.server_unreachable).is_some();
-        one(
+        encode::single(
             &mut enc,
             false,
             "kvevent_server_reachable",
             "1 when the last probe (a gRPC health check; any answer counts) reached the server, 0 when it did not.",
             u64::from(d.server_probed.load(Relaxed) && !unreachable),
         )?;
-        one(
+        encode::single(
             &mut enc,
             false,
             "kvevent_in_flight_limit",
             "RPCs the forwarder lets be in flight now (adapted up to --max-in-flight).",
             f.in_flight_limit.load(Relaxed),
         )?;
-        one(
+        encode::single(
             &mut enc,
             true,
             "kvevent_coalesced_prefixes_total",
             "Prefix entries merged into a pending identical one.",
             f.coalesced.load(Relaxed),
         )?;
-        one(
+        encode::single(
             &mut enc,
             true,
             "kvevent_cancelled_total",
             "Adds and evictions not sent: a prefix stored and evicted again before either was sent.",
             f.cancelled.load(Relaxed),
         )?;
-        one(
+        encode::single(
             &mut enc,
             true,
             "kvevent_superseded_by_clear_total",

@@ -96,3 +96,18 @@ pub(crate) fn buckets(
             .encode_histogram::<NoLabelSet>(sum, count, &own, None)
     }
 }
+
+/// A family of one sample without labels: a counter or a gauge.
+pub(crate) fn single(
+    enc: &mut DescriptorEncoder<'_>,
+    counter: bool,
+    name: &'static str,
+    help: &str,
+    value: u64,
+) -> fmt::Result {
+    if counter {
+        count(&mut self::counter(enc, name, help)?, &[], value)
+    } else {
+        level(&mut gauge(enc, name, help)?, &[], value)
+    }
+}

@@ -96,19 +96,7 @@ impl Collector for FeedCollector {
                 &m.blocks,
             ),
         ] {
-            if counter {
-                encode::count(
-                    &mut encode::counter(&mut enc, name, help)?,
-                    &[],
-                    value.load(Relaxed),
-                )?;
-            } else {
-                encode::level(
-                    &mut encode::gauge(&mut enc, name, help)?,
-                    &[],
-                    value.load(Relaxed),
-                )?;
-            }
+            encode::single(&mut enc, counter, name, help, value.load(Relaxed))?;
         }
         Ok(())
     }
