@@ -140,6 +140,9 @@ pub struct RankHealth {
     pub connected: bool,
     /// Replaying, or a gap not repaired.
     pub degraded: bool,
+    /// Not yet proven the same engine process (or a new one) since its connection was made
+    /// again or the sidecar started.
+    pub unverified: bool,
 }
 
 /// A new epoch: the wall clock in nanoseconds, so a restarted sidecar never reuses one, and
@@ -514,7 +517,8 @@ impl Hub {
                     rank: r.rank,
                     connected: r.connected,
                     since_ms: since.elapsed().as_millis() as u64,
-                    degraded: r.degraded,
+                    degraded: r.degraded || r.unverified,
+                    unverified: r.unverified,
                 })
                 .collect(),
         })

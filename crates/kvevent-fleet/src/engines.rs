@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvevent_index::{Degraded, SourceId};
+use kvevent_index::SourceId;
 use kvevent_source::{Subscriber, View};
 
 use crate::status::{self, Shared};
@@ -74,6 +74,7 @@ struct Rank {
     rank: u32,
     connected: bool,
     degraded: bool,
+    unverified: bool,
     /// When `connected` last changed.
     changed: Instant,
 }
@@ -204,6 +205,7 @@ impl Thread {
                                 rank: rank as u32,
                                 connected: false,
                                 degraded: false,
+                                unverified: false,
                                 changed: Instant::now(),
                             });
                         }
@@ -318,7 +320,11 @@ impl Thread {
         for (i, slot) in self.ranks.iter_mut().enumerate() {
             let Some(r) = slot else { continue };
             let m = &metrics[i];
-            let (connected, degraded) = (m.connected.load(Relaxed), m.degraded.load(Relaxed));
+            let (connected, degraded, unverified) = (
+                m.connected.load(Relaxed),
+                m.degraded.load(Relaxed),
+                m.unverified.load(Relaxed),
+            );
             if connected != r.connected {
                 r.connected = connected;
                 r.changed = now;
@@ -327,6 +333,7 @@ impl Thread {
                 r.degraded = degraded;
                 index.set_fresh(r.id, !degraded);
             }
+            r.unverified = unverified;
             let seen = replicas
                 .entry(Arc::as_ptr(&r.status))
                 .or_insert_with(|| Seen {
@@ -334,14 +341,16 @@ impl Thread {
                     status: r.status.clone(),
                     batches: 0,
                     ranks: Vec::new(),
+                    views: Vec::new(),
                 });
             seen.batches += m.batches.load(Relaxed);
             let rank = RankStatus {
                 rank: r.rank,
                 connected: r.connected,
                 since: None,
-                degraded: r.degraded,
+                degraded: r.degraded || r.unverified,
             };
+            seen.views.push((r.degraded, r.unverified));
             seen.ranks.push((rank, Some(r.changed)));
         }
         for seen in replicas.into_values() {
@@ -353,11 +362,7 @@ impl Thread {
                 .min();
             let mut s = lock(&seen.status);
             s.batches = seen.batches;
-            s.degraded = seen
-                .ranks
-                .iter()
-                .any(|(r, _)| r.degraded)
-                .then_some(Degraded::Replaying);
+            s.engine_degraded = crate::feed::rank_view(seen.views.iter().copied());
             s.ranks = seen.ranks;
             s.source_lost = lost_since;
             if lost_since.is_none() {
@@ -396,4 +401,6 @@ struct Seen {
     status: Shared,
     batches: u64,
     ranks: Vec<(RankStatus, Option<Instant>)>,
+    /// Each rank's (degraded, unverified).
+    views: Vec<(bool, bool)>,
 }

@@ -244,18 +244,13 @@ impl FeedFollower {
                         rank: r.rank,
                         connected: r.connected,
                         since: Some(Duration::from_millis(r.since_ms)),
-                        degraded: r.degraded,
+                        degraded: r.degraded || r.unverified,
                     },
                     Some(now),
                 )
             })
             .collect();
-        let degraded = health.ranks.iter().any(|r| r.degraded);
-        match (s.degraded, degraded) {
-            (None, true) => s.degraded = Some(Degraded::Replaying),
-            (Some(Degraded::Replaying), false) => s.degraded = None,
-            _ => {}
-        }
+        s.engine_degraded = rank_view(health.ranks.iter().map(|r| (r.degraded, r.unverified)));
     }
 
     pub(crate) fn take(
@@ -388,6 +383,23 @@ impl FeedFollower {
             .index
             .add_loading_source(&self.name)
             .map_err(|_| FeedError::Full)
+    }
+}
+
+/// What an engine's ranks say of it, (degraded, unverified) each: not yet proven the same
+/// process (any rank), else incomplete (any rank), else nothing.
+pub(crate) fn rank_view(ranks: impl Iterator<Item = (bool, bool)>) -> Option<Degraded> {
+    let (mut degraded, mut unverified) = (false, false);
+    for (d, u) in ranks {
+        degraded |= d;
+        unverified |= u;
+    }
+    if unverified {
+        Some(Degraded::Unverified)
+    } else if degraded {
+        Some(Degraded::Replaying)
+    } else {
+        None
     }
 }
 

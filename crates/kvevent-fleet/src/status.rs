@@ -17,8 +17,12 @@ pub(crate) struct Status {
     pub(crate) source_lost: Option<Instant>,
     /// The engine behind a sidecar is lost since then, as the sidecar says.
     pub(crate) engine_lost: Option<Instant>,
-    /// What is known may be incomplete, while the source is there.
+    /// What is known may be incomplete, while the source is there: the follower's own view
+    /// (a snapshot loading).
     pub(crate) degraded: Option<Degraded>,
+    /// What the engine's ranks say, as their follower (the sidecar, or the engine thread)
+    /// sees them: a rank unverified or degraded.
+    pub(crate) engine_degraded: Option<Degraded>,
     /// Lost for `drop_after`: its entries no longer count.
     pub(crate) dropped: bool,
     /// The replica left the fleet: its follower publishes nothing more.
@@ -47,6 +51,7 @@ impl Status {
             source_lost: Some(Instant::now()),
             engine_lost: None,
             degraded: None,
+            engine_degraded: None,
             dropped: false,
             removed: false,
             newest: None,
@@ -74,6 +79,7 @@ impl Status {
             (None, Some(since)) => lost(since, Lost::Engine, Degraded::EngineLost),
             (None, None) => self
                 .degraded
+                .or(self.engine_degraded)
                 .map_or(ReplicaState::Exact, ReplicaState::Degraded),
         }
     }

@@ -106,6 +106,10 @@ pub enum Degraded {
     Replaying,
     /// Its sidecar is there, but the sidecar lost the engine (for less than `dead_after`).
     EngineLost,
+    /// Its engine's connection was made again (or its follower just started), and the engine
+    /// is not yet proven the same process, or a new one (then cleared): what is known may be
+    /// another process's.
+    Unverified,
 }
 
 impl Degraded {
@@ -116,6 +120,7 @@ impl Degraded {
             Self::SnapshotLoading => "snapshot_loading",
             Self::Replaying => "replaying_or_gap",
             Self::EngineLost => "engine_lost",
+            Self::Unverified => "unverified",
         }
     }
 }

@@ -59,6 +59,7 @@ impl Feed {
                     rank: self.ranks.get(source).copied().unwrap_or(0),
                     connected: m.connected.load(Relaxed),
                     degraded: m.degraded.load(Relaxed),
+                    unverified: m.unverified.load(Relaxed),
                 }
             }));
         self.hub.set_engine(&self.health);

@@ -62,9 +62,55 @@ pub struct SourceMetrics {
     pub degraded: AtomicBool,
     /// The SUB socket has a connection to the engine.
     pub connected: AtomicBool,
+    /// Not yet proven the same engine process (or a new one) since a disconnect or the start
+    /// ([`SourceState::trusted`](crate::SourceState::trusted)).
+    pub unverified: AtomicBool,
+    /// When the source last became degraded or unverified, in milliseconds since the Unix
+    /// epoch; 0 while it is neither.
+    pub untrusted_since_ms: AtomicU64,
 }
 
 impl SourceMetrics {
+    pub(crate) fn set_degraded(&self, degraded: bool) {
+        self.degraded.store(degraded, Relaxed);
+        self.note_trust();
+    }
+
+    pub(crate) fn set_unverified(&self, unverified: bool) {
+        self.unverified.store(unverified, Relaxed);
+        self.note_trust();
+    }
+
+    fn note_trust(&self) {
+        let untrusted = self.degraded.load(Relaxed) || self.unverified.load(Relaxed);
+        let since = self.untrusted_since_ms.load(Relaxed);
+        if untrusted && since == 0 {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_millis() as u64);
+            self.untrusted_since_ms.store(now.max(1), Relaxed);
+        } else if !untrusted && since != 0 {
+            self.untrusted_since_ms.store(0, Relaxed);
+        }
+    }
+
+    /// Whether the source's state can be vouched for (connected aside): neither degraded nor
+    /// unverified.
+    pub fn trusted(&self) -> bool {
+        !self.degraded.load(Relaxed) && !self.unverified.load(Relaxed)
+    }
+
+    /// How long the source has been degraded or unverified, if it is.
+    pub fn untrusted_for(&self) -> Option<std::time::Duration> {
+        let since = self.untrusted_since_ms.load(Relaxed);
+        (since != 0).then(|| {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64);
+            std::time::Duration::from_millis(now.saturating_sub(since))
+        })
+    }
+
     pub(crate) fn reset(&self, reason: ResetReason) {
         let i = ResetReason::ALL
             .iter()

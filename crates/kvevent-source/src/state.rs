@@ -149,6 +149,9 @@ struct Replay {
     lossy: bool,
     /// Batches it delivered.
     delivered: u64,
+    /// A repair of a degraded state: its first reply must be seq 0 (then the state is reset
+    /// and rebuilt from it), else the rest is ignored.
+    rebuild: bool,
 }
 
 /// One source's state: last seq, a running replay and the live batches held back meanwhile.
@@ -171,8 +174,25 @@ pub struct SourceState {
     reconnected: bool,
     /// The startup reset was emitted (by [`SourceState::on_start`]).
     started: bool,
+    /// Not yet proven that what is held is this engine process's (see [`SourceState::trusted`]):
+    /// since a disconnect, or since the start with a replay endpoint, until continuity or a
+    /// new process is proven.
+    unverified: bool,
+    /// The SUB socket has a connection (as the transport last said).
+    connected: bool,
+    /// Degraded by a replay that failed or timed out: [`SourceState::on_tick`] asks again
+    /// once its backoff is over.
+    repair: bool,
+    /// Digests (low 32 bits) of the last batches delivered, of seqs `recent_base..`: a seq
+    /// seen again is a duplicate only when its payload is the one delivered.
+    recent: VecDeque<u32>,
+    recent_base: u64,
     metrics: Arc<SourceMetrics>,
 }
+
+/// Batches whose digests are kept to tell a duplicate from a new process's batch (a PUB's
+/// queue flushed into a sidecar that restarted holds at most its HWM).
+const RECENT: usize = 4096;
 
 impl SourceState {
     /// A fresh state reporting into `metrics`.
@@ -189,8 +209,27 @@ impl SourceState {
             backoff_until: None,
             reconnected: false,
             started: false,
+            unverified: false,
+            connected: false,
+            repair: false,
+            recent: VecDeque::new(),
+            recent_base: 0,
             metrics,
         }
+    }
+
+    /// Whether what was delivered can be vouched for as this engine process's whole state:
+    /// neither degraded (something lost and not healed) nor unverified (reconnected, or
+    /// started, and not yet proven the same process or a new one). A consumer calls a source
+    /// exact only while this holds and the source is connected.
+    pub fn trusted(&self) -> bool {
+        !self.unverified && !self.metrics.degraded.load(Relaxed)
+    }
+
+    /// Publishes `unverified` to the metrics (and when trouble began).
+    fn set_unverified(&mut self, unverified: bool) {
+        self.unverified = unverified;
+        self.metrics.set_unverified(unverified);
     }
 
     /// The source was just opened. With a replay endpoint, what the engine already published
@@ -201,6 +240,7 @@ impl SourceState {
             return;
         }
         self.started = true;
+        self.set_unverified(true);
         self.reset(ResetReason::Startup, out);
         self.start_replay(0, true, out);
     }
@@ -221,8 +261,9 @@ impl SourceState {
         self.last = Some(resume.last_seq);
         self.last_digest = Some(resume.digest);
         self.metrics.last_seq.store(resume.last_seq, Relaxed);
-        self.metrics.degraded.store(resume.degraded, Relaxed);
+        self.metrics.set_degraded(resume.degraded);
         self.reconnected = true;
+        self.set_unverified(true);
         if self.can_replay(now) {
             self.start_check(resume.last_seq, resume.digest, false, out);
         }
@@ -246,7 +287,8 @@ impl SourceState {
         self.last = None;
         self.last_digest = None;
         self.reconnected = false;
-        self.metrics.degraded.store(false, Relaxed);
+        self.repair = false;
+        self.metrics.set_degraded(false);
     }
 
     /// The last seq delivered.
@@ -261,12 +303,12 @@ impl SourceState {
 
     /// The events seen cover what the engine holds again (e.g. after `AllBlocksCleared`).
     pub fn mark_whole(&self) {
-        self.metrics.degraded.store(false, Relaxed);
+        self.metrics.set_degraded(false);
     }
 
     /// Something made the state incomplete.
     pub fn mark_degraded(&self) {
-        self.metrics.degraded.store(true, Relaxed);
+        self.metrics.set_degraded(true);
     }
 
     fn can_replay(&self, now: Instant) -> bool {
@@ -275,8 +317,16 @@ impl SourceState {
 
     fn deliver(&mut self, seq: u64, payload: Vec<u8>, out: &mut Vec<Step>) {
         self.last = Some(seq);
-        if self.config.has_replay {
-            self.last_digest = Some(payload_digest(&payload));
+        let digest = payload_digest(&payload);
+        self.last_digest = Some(digest);
+        if self.recent_base + self.recent.len() as u64 != seq || self.recent.is_empty() {
+            self.recent.clear();
+            self.recent_base = seq;
+        }
+        self.recent.push_back(digest as u32);
+        if self.recent.len() > RECENT {
+            self.recent.pop_front();
+            self.recent_base += 1;
         }
         self.metrics.last_seq.store(seq, Relaxed);
         self.metrics.batches.fetch_add(1, Relaxed);
@@ -302,6 +352,7 @@ impl SourceState {
             bootstrap,
             lossy: false,
             delivered: 0,
+            rebuild: false,
         });
         self.dup_floor = Some(from);
         out.push(Step::Replay { from });
@@ -328,30 +379,54 @@ impl SourceState {
     /// The connection to the engine dropped (libzmq reconnects by itself). Seqs carry no
     /// process identity: a new engine process that published past our last seq before we were
     /// back would look like a plain gap. So the first gap after a disconnect is treated as a
-    /// possible restart: reset and rebuild from the replay buffer, never patched.
+    /// possible restart: reset and rebuild from the replay buffer, never patched. Until the
+    /// engine is proven the same process or a new one, the source is not
+    /// [`trusted`](SourceState::trusted).
     pub fn on_disconnected(&mut self) {
         self.reconnected = true;
+        self.connected = false;
+        if self.last.is_some() || self.config.has_replay {
+            self.set_unverified(true);
+        }
         self.metrics.disconnects.fetch_add(1, Relaxed);
     }
 
     /// The connection to the engine is up. After a disconnect, seqs alone cannot tell the same
     /// engine process from a new one whose seqs happen to continue ours (it published as many
     /// batches before we were back). With a replay endpoint the engine is asked for our last
-    /// batch: the same seq with the same payload digest proves the same process (what it
-    /// published meanwhile follows); anything else is a restart, and the source is reset and
-    /// rebuilt from its replay buffer. Without one, the source is reset or marked degraded
+    /// batch at once (a new connection ends any backoff): the same seq with the same payload
+    /// digest proves the same process (what it published meanwhile follows); anything else is
+    /// a restart, and the source is reset and rebuilt from its replay buffer. An idle new
+    /// process is recognised this way too: its buffer holds nothing at our seq. Without one,
+    /// the first live batch decides (`last + 1` continues); a sidecar resets at once instead
     /// ([`StateConfig::reset_on_unverified_reconnect`]).
     pub fn on_connected(&mut self, now: Instant, out: &mut Vec<Step>) {
-        let Some(last) = self.last.filter(|_| self.reconnected) else {
+        self.connected = true;
+        if !self.reconnected {
             return;
-        };
+        }
+        if self.config.has_replay {
+            self.failures = 0;
+            self.backoff_until = None;
+        }
+        self.verify(now, out);
+    }
+
+    /// Asks what proves the source again, when nothing is asking already: our last batch
+    /// back from the engine, or (nothing held) its whole buffer.
+    fn verify(&mut self, now: Instant, out: &mut Vec<Step>) {
         if self.replay.is_some() {
             return;
         }
-        match self.last_digest {
-            Some(digest) if self.can_replay(now) => self.start_check(last, digest, true, out),
+        match (self.last, self.last_digest) {
+            (Some(last), Some(digest)) if self.can_replay(now) => {
+                self.start_check(last, digest, true, out);
+            }
+            (None, _) if self.unverified && self.can_replay(now) => {
+                self.start_replay(0, true, out);
+            }
             _ if self.config.has_replay => {}
-            _ if self.config.reset_on_unverified_reconnect => {
+            (Some(_), _) if self.config.reset_on_unverified_reconnect => {
                 tracing::info!(
                     source = %self.config.label,
                     "reconnected to an engine with no replay endpoint: it may be a new process, so the source is cleared and rebuilt"
@@ -361,11 +436,30 @@ impl SourceState {
                 self.last = None;
                 self.last_digest = None;
                 self.dup_floor = None;
-                self.mark_degraded();
+                // The next batch starts it (seq 0: whole; later: degraded).
             }
-            _ => {
-                self.reconnected = false;
-                self.mark_degraded();
+            // A router: the first live batch decides; unverified until then.
+            _ => {}
+        }
+    }
+
+    /// Time passed: whatever is due is asked again. An unverified source whose check could
+    /// not be asked (or failed) asks again when its backoff is over; a source degraded by a
+    /// replay that failed asks the engine for its whole buffer, which makes it whole when it
+    /// still begins at seq 0. Call it regularly (the [`Subscriber`](crate::Subscriber) does,
+    /// at every read).
+    pub fn on_tick(&mut self, now: Instant, out: &mut Vec<Step>) {
+        if self.replay.is_some() || !self.config.has_replay || !self.can_replay(now) {
+            return;
+        }
+        if self.unverified && (self.connected || self.last.is_none()) {
+            self.verify(now, out);
+        } else if self.repair && self.last.is_some() && self.metrics.degraded.load(Relaxed) {
+            self.repair = false;
+            tracing::info!(source = %self.config.label, "degraded: asking the engine for its whole buffer to repair the state");
+            self.start_replay(0, false, out);
+            if let Some(r) = self.replay.as_mut() {
+                r.rebuild = true;
             }
         }
     }
@@ -376,9 +470,8 @@ impl SourceState {
             self.hold(seq, payload);
             return;
         }
-        if std::mem::take(&mut self.reconnected)
-            && let Some(last) = self.last
-        {
+        let reconnected = std::mem::take(&mut self.reconnected);
+        if reconnected && let Some(last) = self.last {
             if seq > last.wrapping_add(1) {
                 tracing::info!(
                     source = %self.config.label,
@@ -394,8 +487,9 @@ impl SourceState {
                 self.begin(seq, payload, now, out);
                 return;
             }
-            if seq == last {
-                // A PUB never sends a seq twice: after a disconnect it is a new process.
+            if seq <= last {
+                // A PUB never sends a seq twice, nor an old one on a new connection: after a
+                // disconnect it is a new process.
                 self.restart(seq, payload, now, out);
                 return;
             }
@@ -407,14 +501,12 @@ impl SourceState {
                 }
                 self.begin(seq, payload, now, out);
             }
-            Some(last) if seq == last.wrapping_add(1) => self.deliver(seq, payload, out),
-            Some(last) if seq <= last => {
-                if seq == last || self.dup_floor.is_some_and(|f| seq >= f) {
-                    self.metrics.duplicates.fetch_add(1, Relaxed);
-                } else {
-                    self.restart(seq, payload, now, out);
-                }
+            Some(last) if seq == last.wrapping_add(1) => {
+                // Continuity: the process we hold goes on.
+                self.set_unverified(false);
+                self.deliver(seq, payload, out);
             }
+            Some(last) if seq <= last => self.seen_again(seq, payload, now, out),
             Some(last) => {
                 let missing = seq - last - 1;
                 // While draining, this is the gap the replay was for (already counted), or one
@@ -430,10 +522,42 @@ impl SourceState {
                 } else {
                     tracing::warn!(source = %self.config.label, missing, "gap that cannot be replayed: resetting the source");
                     self.mark_degraded();
+                    // With a replay endpoint, asked again once the backoff is over.
+                    self.repair = self.config.has_replay;
+                    self.set_unverified(false);
                     self.reset(ResetReason::Gap, out);
                     self.deliver(seq, payload, out);
                 }
             }
+        }
+    }
+
+    /// A live seq at or below ours on the same connection: a duplicate when its payload is the
+    /// batch we delivered (a PUB's queue flushed into a restarted sidecar, a replay's
+    /// overlap), a new process when it is another. Older than the digests kept: a duplicate
+    /// while draining a replay that covered it; else, with a replay endpoint, the engine is
+    /// asked for our last batch (its answer decides, the batch held meanwhile); else a restart.
+    fn seen_again(&mut self, seq: u64, payload: Vec<u8>, now: Instant, out: &mut Vec<Step>) {
+        let kept = seq
+            .checked_sub(self.recent_base)
+            .and_then(|i| self.recent.get(usize::try_from(i).ok()?).copied());
+        match kept {
+            Some(d) if d == payload_digest(&payload) as u32 => {
+                self.metrics.duplicates.fetch_add(1, Relaxed);
+            }
+            Some(_) => self.restart(seq, payload, now, out),
+            None if self.dup_floor.is_some_and(|f| seq >= f) => {
+                self.metrics.duplicates.fetch_add(1, Relaxed);
+            }
+            None => match (self.last, self.last_digest) {
+                (Some(last), Some(digest)) if !self.draining && self.can_replay(now) => {
+                    tracing::info!(source = %self.config.label, seq, last, "an older seq than ours: asking the engine for our last batch");
+                    self.set_unverified(true);
+                    self.start_check(last, digest, true, out);
+                    self.hold(seq, payload);
+                }
+                _ => self.restart(seq, payload, now, out),
+            },
         }
     }
 
@@ -456,8 +580,11 @@ impl SourceState {
     fn begin(&mut self, seq: u64, payload: Vec<u8>, now: Instant, out: &mut Vec<Step>) {
         if seq == 0 {
             self.mark_whole();
+            self.set_unverified(false);
             self.deliver(seq, payload, out);
         } else if self.can_replay(now) {
+            // Unverified until the new process's buffer is in.
+            self.set_unverified(true);
             self.start_replay(0, true, out);
             self.hold(seq, payload);
         } else {
@@ -465,6 +592,8 @@ impl SourceState {
                 self.metrics.replays_unavailable.fetch_add(1, Relaxed);
             }
             self.mark_degraded();
+            self.repair = self.config.has_replay;
+            self.set_unverified(false);
             self.deliver(seq, payload, out);
         }
     }
@@ -484,9 +613,16 @@ impl SourceState {
             replay.first = Some(seq);
             let reconnect = replay.reconnect;
             if seq == replay.from && payload_digest(&payload) == digest {
-                // The last batch, as we had it: the same process, the state continues.
+                // The last batch, as we had it: the same process, the state continues; any
+                // older seq held meanwhile is one we had.
                 self.metrics.duplicates.fetch_add(1, Relaxed);
                 self.reconnected = false;
+                self.dup_floor = Some(0);
+                self.set_unverified(false);
+                if self.recent.is_empty() {
+                    self.recent_base = seq;
+                    self.recent.push_back(digest as u32);
+                }
                 if reconnect {
                     tracing::debug!(source = %self.config.label, seq, "the same engine process after the reconnect");
                 } else {
@@ -508,6 +644,22 @@ impl SourceState {
             }
             return;
         }
+        if replay.first.is_none() && replay.rebuild {
+            replay.first = Some(seq);
+            if seq != 0 {
+                // The buffer no longer reaches back to seq 0: nothing can repair the state.
+                replay.abandoned = true;
+                tracing::warn!(source = %self.config.label, first = seq, "the engine's buffer no longer begins at seq 0: degraded until the engine clears its cache");
+                return;
+            }
+            tracing::info!(source = %self.config.label, "the engine's buffer begins at seq 0: rebuilding the state from it");
+            self.reset(ResetReason::Gap, out);
+            self.last = None;
+            self.dup_floor = Some(0);
+        }
+        let Some(replay) = self.replay.as_mut() else {
+            return;
+        };
         if replay.first.is_none() {
             replay.first = Some(seq);
             if seq > replay.from {
@@ -575,8 +727,14 @@ impl SourceState {
                 self.metrics.replays_complete.fetch_add(1, Relaxed);
                 self.failures = 0;
                 self.backoff_until = None;
-                if replay.bootstrap && !replay.lossy && replay.first == Some(0) {
+                let from_zero = replay.first == Some(0)
+                    || (replay.first.is_none() && self.last.is_none() && self.buffered.is_empty());
+                if (replay.bootstrap || replay.rebuild) && !replay.lossy && from_zero {
                     self.mark_whole();
+                }
+                if replay.bootstrap {
+                    // The process's buffer is in: what is held is its.
+                    self.set_unverified(false);
                 }
             }
             ReplayEnd::TimedOut | ReplayEnd::Failed => {
@@ -592,6 +750,8 @@ impl SourceState {
                     .saturating_mul(1 << self.failures.min(16).saturating_sub(1))
                     .min(self.config.replay_backoff_max);
                 self.backoff_until = Some(now + backoff);
+                // Asked again once the backoff is over (on_tick).
+                self.repair |= replay.rebuild;
             }
         }
         self.draining = true;
@@ -603,7 +763,9 @@ impl SourceState {
                 // Nothing came back at all: start from the first held batch.
                 if seq > 0 {
                     self.mark_degraded();
+                    self.repair = self.config.has_replay;
                 }
+                self.set_unverified(false);
                 self.deliver(seq, payload, out);
                 continue;
             }

@@ -123,7 +123,12 @@ pub struct Subscriber {
     removed: Vec<bool>,
     /// The updates [`Subscriber::next_many`] hands out (kept for its capacity).
     taken: Vec<Update>,
+    /// When the states' timers were last looked at.
+    last_tick: Instant,
 }
+
+/// How often, at most, the states' timers are looked at.
+const TICK: Duration = Duration::from_millis(50);
 
 impl std::fmt::Debug for Subscriber {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -169,6 +174,7 @@ impl Subscriber {
             ready: VecDeque::new(),
             steps: Vec::new(),
             state_config: config.state,
+            last_tick: Instant::now(),
         };
         for source in 0..subscriber.states.len() {
             match config.resume.get(source).copied().flatten() {
@@ -388,9 +394,31 @@ impl Subscriber {
             let left = deadline.saturating_duration_since(Instant::now());
             let transport = self.transport.as_mut()?;
             let woken = transport.poll(left, &mut self.inbox);
+            self.tick();
             // Woken, or a connection made or lost: the caller looks at it now.
             if self.inbox.is_empty() && (woken || Instant::now() >= deadline) {
                 return None;
+            }
+        }
+    }
+
+    /// Gives every source's state its timers ([`SourceState::on_tick`]), at most every
+    /// [`TICK`].
+    fn tick(&mut self) {
+        let now = Instant::now();
+        if now.saturating_duration_since(self.last_tick) < TICK {
+            return;
+        }
+        self.last_tick = now;
+        for source in 0..self.states.len() {
+            if self.removed[source] {
+                continue;
+            }
+            let mut steps = std::mem::take(&mut self.steps);
+            self.states[source].on_tick(now, &mut steps);
+            self.steps = steps;
+            if !self.steps.is_empty() {
+                self.apply_steps(source);
             }
         }
     }

@@ -315,6 +315,7 @@ impl Transport {
             monitor,
             dealer,
             replay_deadline: None,
+            lost: false,
             fds,
             unread: [true; 3],
         };
@@ -484,6 +485,8 @@ struct Reader {
     dealer: Option<zmq::Socket>,
     /// Set while a replay is running: when it is over if nothing more arrives.
     replay_deadline: Option<Instant>,
+    /// The SUB lost its connection and has not made one since.
+    lost: bool,
     /// The `ZMQ_FD` descriptors of the SUB, monitor
     /// and DEALER sockets (-1: none), and which of them may hold input although their
     /// descriptor did not signal (read up to `BURST` and not to the end, just made, or used
@@ -542,7 +545,7 @@ impl Reader {
 
     /// Reads the monitor's events: one `Disconnected` however many arrived together, then
     /// `Connected` when the last event was a connection.
-    fn read_monitor(&self, emit: &mut Emit<'_>) {
+    fn read_monitor(&mut self, emit: &mut Emit<'_>) {
         let mut disconnected = false;
         let mut connected = None;
         while let Ok(event) = self.monitor.recv_multipart(zmq::DONTWAIT) {
@@ -561,10 +564,24 @@ impl Reader {
         }
         if disconnected {
             tracing::info!(source = %self.source.label(), "disconnected from the engine; libzmq reconnects");
+            self.lost = true;
             self.emit(Delivery::Disconnected, emit);
         }
         if connected == Some(true) {
             tracing::info!(source = %self.source.label(), "connected to the engine");
+            if std::mem::take(&mut self.lost) && self.dealer.is_some() {
+                // The engine may be a new process: a replay asked of the old one will not be
+                // answered, and the replay socket may still be backing off its reconnects.
+                // A fresh one connects now, so the check that follows is answered at once.
+                if self.replay_deadline.is_some() {
+                    self.end_replay(
+                        ReplayOutcome::Failed("the engine's connection was made again".into()),
+                        emit,
+                    );
+                } else {
+                    self.renew_dealer();
+                }
+            }
             self.emit(Delivery::Connected, emit);
         }
     }
@@ -656,6 +673,12 @@ impl Reader {
     /// be taken for the next one's.
     fn end_replay(&mut self, outcome: ReplayOutcome, emit: &mut Emit<'_>) {
         self.replay_deadline = None;
+        self.renew_dealer();
+        self.emit(Delivery::ReplayDone(outcome), emit);
+    }
+
+    /// A fresh replay socket, connecting now.
+    fn renew_dealer(&mut self) {
         if let Some(endpoint) = self.source.replay_endpoint.clone() {
             match dealer_socket(&self.ctx, &endpoint, &self.opts) {
                 Ok(fresh) => {
@@ -666,6 +689,5 @@ impl Reader {
                 Err(e) => tracing::warn!(error = %e, "could not renew the replay socket"),
             }
         }
-        self.emit(Delivery::ReplayDone(outcome), emit);
     }
 }

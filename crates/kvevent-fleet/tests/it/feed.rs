@@ -508,6 +508,7 @@ async fn an_engine_lost_behind_a_live_sidecar_and_a_lost_sidecar_are_told_apart(
             rank: 0,
             connected,
             degraded: false,
+            unverified: false,
         }]
     };
     hub.set_engine(&up(true));

@@ -136,15 +136,150 @@ fn a_restart_resets_and_rebuilds_from_the_new_buffer() {
     live(&mut s, 0, now);
     live(&mut s, 1, now);
     live(&mut s, 2, now);
-    // New engine process: seq back to 0 (its seq 0 lost on the way).
-    assert_eq!(live(&mut s, 1, now), ["R:restart", "P0"]);
+    // New engine process: seq back to 0 (its seq 0 lost on the way); its batch 1 is another
+    // payload than the old process's.
+    assert_eq!(live_with(&mut s, 1, b"new".to_vec(), now), ["R:restart", "P0"]);
     assert_eq!(replayed(&mut s, 0), ["D0"]);
-    assert_eq!(replayed(&mut s, 1), ["D1"]);
+    assert_eq!(replayed_with(&mut s, 1, b"new".to_vec()), ["D1"]);
     assert!(done(&mut s, ReplayEnd::Complete, now).is_empty());
     assert_eq!(m.restarts.load(Relaxed), 1);
     // A restart straight to seq 0 needs no replay.
     live(&mut s, 2, now);
-    assert_eq!(live(&mut s, 0, now), ["R:restart", "D0"]);
+    assert_eq!(
+        live_with(&mut s, 0, b"new".to_vec(), now),
+        ["R:restart", "D0"]
+    );
+    // The very batch we delivered again, on the same connection, is a duplicate (a PUB's
+    // queue flushed into a sidecar that just restarted), not a restart.
+    live(&mut s, 1, now);
+    assert!(live(&mut s, 1, now).is_empty());
+    assert_eq!(m.restarts.load(Relaxed), 2);
+}
+
+fn live_with(s: &mut SourceState, seq: u64, payload: Vec<u8>, now: Instant) -> Vec<String> {
+    let mut out = Vec::new();
+    s.on_live(seq, payload, now, &mut out);
+    short(&out)
+}
+
+fn tick(s: &mut SourceState, now: Instant) -> Vec<String> {
+    let mut out = Vec::new();
+    s.on_tick(now, &mut out);
+    short(&out)
+}
+
+#[test]
+fn an_idle_restarted_engine_is_recognised_at_the_reconnect_and_exact_only_then() {
+    let (mut s, m) = state(true);
+    let t0 = Instant::now();
+    for seq in 0..=5 {
+        live(&mut s, seq, t0);
+    }
+    assert!(connected(&mut s, t0).is_empty(), "the first connection");
+    assert!(s.trusted());
+    s.on_disconnected();
+    assert!(!s.trusted(), "lost: not vouched for until proven");
+    assert!(m.untrusted_for().is_some());
+    // The new process answers at once, holding nothing at our seq; it publishes nothing.
+    assert_eq!(connected(&mut s, t0), ["P5"]);
+    assert!(!s.trusted(), "checking");
+    assert_eq!(done(&mut s, ReplayEnd::Complete, t0), ["R:restart", "P0"]);
+    assert!(!s.trusted(), "rebuilding from the new process's buffer");
+    assert!(done(&mut s, ReplayEnd::Complete, t0).is_empty());
+    assert!(s.trusted(), "exact: the new process, empty");
+    assert_eq!(m.untrusted_for(), None);
+    assert_eq!(m.restarts.load(Relaxed), 1);
+}
+
+#[test]
+fn a_check_that_times_out_is_asked_again_and_never_leaves_the_source_vouched_for() {
+    let (mut s, m) = state(true);
+    let t0 = Instant::now();
+    live(&mut s, 0, t0);
+    live(&mut s, 1, t0);
+    s.on_disconnected();
+    assert_eq!(connected(&mut s, t0), ["P1"]);
+    // The engine's replay socket is not up yet: the check times out.
+    assert!(done(&mut s, ReplayEnd::TimedOut, t0).is_empty());
+    assert!(!s.trusted());
+    assert!(tick(&mut s, t0 + Duration::from_millis(500)).is_empty(), "backing off");
+    assert_eq!(tick(&mut s, t0 + Duration::from_millis(1100)), ["P1"], "asked again");
+    assert!(!s.trusted());
+    // The same process, this time.
+    assert!(replayed(&mut s, 1).is_empty());
+    assert!(done(&mut s, ReplayEnd::Complete, t0).is_empty());
+    assert!(s.trusted());
+    assert_eq!(m.restarts.load(Relaxed), 0);
+}
+
+#[test]
+fn a_new_process_after_a_check_that_timed_out_is_a_restart_not_a_duplicate() {
+    // The router author's stuck case: the check timed out, and the new process's seq 0 (held
+    // meanwhile) was taken for a replay duplicate; the source stayed degraded for good.
+    let (mut s, m) = state(true);
+    let t0 = Instant::now();
+    for seq in 0..=3 {
+        live(&mut s, seq, t0);
+    }
+    s.on_disconnected();
+    assert_eq!(connected(&mut s, t0), ["P3"]);
+    assert!(live_with(&mut s, 0, b"new 0".to_vec(), t0).is_empty(), "held");
+    assert_eq!(
+        done(&mut s, ReplayEnd::TimedOut, t0),
+        ["R:restart", "D0"],
+        "seq 0 on a new connection: a new process"
+    );
+    assert_eq!(live_with(&mut s, 1, b"new 1".to_vec(), t0), ["D1"]);
+    assert!(s.trusted(), "whole: the new process from its seq 0");
+    assert_eq!(m.restarts.load(Relaxed), 1);
+    assert!(!m.degraded.load(Relaxed));
+}
+
+#[test]
+fn a_degraded_source_asks_for_the_whole_buffer_again_once_the_backoff_is_over() {
+    let (mut s, m) = state(true);
+    let t0 = Instant::now();
+    live(&mut s, 0, t0);
+    assert_eq!(live(&mut s, 3, t0), ["P1"]);
+    assert_eq!(done(&mut s, ReplayEnd::TimedOut, t0), ["R:gap", "D3"]);
+    assert!(m.degraded.load(Relaxed) && !s.trusted());
+    assert!(tick(&mut s, t0 + Duration::from_millis(900)).is_empty());
+    // The engine's buffer still begins at seq 0: rebuilt whole from it.
+    assert_eq!(tick(&mut s, t0 + Duration::from_millis(1100)), ["P0"]);
+    assert_eq!(replayed(&mut s, 0), ["R:gap", "D0"]);
+    for seq in 1..=3 {
+        assert_eq!(replayed(&mut s, seq), [format!("D{seq}")]);
+    }
+    assert!(done(&mut s, ReplayEnd::Complete, t0).is_empty());
+    assert!(s.trusted(), "whole again");
+
+    // When the buffer no longer begins at 0, nothing can repair it: no more asking.
+    let (mut s, m) = state(true);
+    live(&mut s, 0, t0);
+    live(&mut s, 3, t0);
+    done(&mut s, ReplayEnd::Failed, t0);
+    assert_eq!(tick(&mut s, t0 + Duration::from_secs(2)), ["P0"]);
+    assert!(replayed(&mut s, 2).is_empty(), "ignored: the buffer begins at 2");
+    assert!(done(&mut s, ReplayEnd::Complete, t0).is_empty());
+    assert!(m.degraded.load(Relaxed));
+    assert!(tick(&mut s, t0 + Duration::from_secs(100)).is_empty());
+}
+
+#[test]
+fn an_old_seq_beyond_the_kept_digests_is_checked_with_the_engine() {
+    let (mut s, m) = state(true);
+    let now = Instant::now();
+    for seq in 0..5000 {
+        live(&mut s, seq, now);
+    }
+    // Seq 10 again, on the same connection, older than the digests kept: ask for batch 4999.
+    assert_eq!(live(&mut s, 10, now), ["P4999"]);
+    assert!(!s.trusted());
+    assert!(replayed(&mut s, 4999).is_empty());
+    assert!(done(&mut s, ReplayEnd::Complete, now).is_empty(), "seq 10: a duplicate");
+    assert!(s.trusted());
+    assert_eq!(m.restarts.load(Relaxed), 0);
+    assert_eq!(live(&mut s, 5000, now), ["D5000"]);
 }
 
 #[test]
@@ -266,13 +401,16 @@ fn a_reconnect_with_no_replay_resets_in_a_sidecar_and_degrades_in_a_router() {
     let (mut router, m) = state(false);
     let now = Instant::now();
     live(&mut router, 0, now);
+    assert!(router.trusted());
     router.on_disconnected();
     assert!(connected(&mut router, now).is_empty());
     assert!(
-        m.degraded.load(Relaxed),
-        "nothing can confirm the same process"
+        !router.trusted() && m.unverified.load(Relaxed),
+        "nothing can confirm the same process yet"
     );
+    assert!(!m.degraded.load(Relaxed), "nothing is known to be lost");
     assert_eq!(live(&mut router, 1, now), ["D1"]);
+    assert!(router.trusted(), "seq last + 1: the same process goes on");
 
     let metrics = Arc::new(SourceMetrics::default());
     let mut sidecar = SourceState::new(
