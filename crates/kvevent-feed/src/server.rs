@@ -326,10 +326,13 @@ async fn follow(
                     let end = pb::SnapshotEnd {
                         blocks: snapshot.len() as u64,
                     };
-                    send(Ok(encode(
+                    // With the engine's health as of now: a follower promotes the snapshot
+                    // and learns what the sidecar thinks of the engine in one step.
+                    send(Ok(encode_with(
                         epoch,
                         seq,
                         pb::feed_message::Body::SnapshotEnd(end),
+                        hub.engine_health(),
                     )))
                     .await
                 }
@@ -377,6 +380,9 @@ async fn follow(
                         .await?;
                     }
                     tokio::select! {
+                        // Changes first: a health that went good after a new epoch must not
+                        // reach a follower before that epoch's snapshot.
+                        biased;
                         r = changed.changed() => {
                             if r.is_err() {
                                 return Err(Ended);
@@ -393,10 +399,14 @@ async fn follow(
                             let beat = pb::feed_message::Body::Heartbeat(pb::Heartbeat {});
                             send(Ok(encode_with(e, s, beat, hub.engine_health()))).await?;
                         }
-                        // The engine's health changed: said at once, in a heartbeat.
+                        // The engine's health changed: said at once, in a heartbeat, unless
+                        // changes came too (the loop sends them first, then the health).
                         r = health.changed() => {
                             if r.is_err() {
                                 return Err(Ended);
+                            }
+                            if changed.has_changed().unwrap_or(false) {
+                                return Ok(());
                             }
                             let (e, s) = position;
                             let beat = pb::feed_message::Body::Heartbeat(pb::Heartbeat {});

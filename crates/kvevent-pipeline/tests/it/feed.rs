@@ -346,3 +346,136 @@ async fn in_engine_key_mode_the_feed_carries_fingerprints_from_the_same_pass() {
     server.wait_for(WAIT, |r| resident(r) == want).await;
     running.shutdown(Duration::from_secs(2)).await;
 }
+
+/// The router author's case: the engine behind a live sidecar is killed and comes back as a new
+/// process, idle (it publishes nothing) or busy. A router following the sidecar, and one
+/// following the engine directly, never call the replica exact while it still holds the old
+/// process's blocks, and call it exact, with the new process's content, within 2 s of the new
+/// engine's sockets answering.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_engine_is_never_exact_with_the_old_process_blocks() {
+    let (server, ctx, engine) = crate::ends().await;
+    let s = Settings {
+        feed_address: "127.0.0.1:0".into(),
+        ..crate::loopback(&engine, &server)
+    };
+    let running = start(&s, &ctx).await.expect("start");
+    let feed_url = format!("http://{}", running.feed_addr().expect("feed address"));
+    let fleet = Fleet::new(FleetConfig::default()).expect("fleet");
+    follow_sidecar(&fleet, "via-sidecar", &feed_url);
+    let direct = EngineSockets {
+        replay: engine.replay_endpoint().map(str::to_owned),
+        ..EngineSockets::new(engine.endpoint())
+    };
+    fleet
+        .ensure_replica("direct", ReplicaSource::Engine(direct))
+        .expect("engine");
+    let (endpoint, replay) = (
+        engine.endpoint().to_owned(),
+        engine.replay_endpoint().map(str::to_owned),
+    );
+    let mut engine = Some(engine);
+    tokio::task::block_in_place(|| {
+        let names = ["via-sidecar", "direct"];
+        let exact_with = |name: &str, seed: u64| {
+            fleet
+                .replicas()
+                .iter()
+                .any(|r| r.name == name && r.state == ReplicaState::Exact)
+                && blocks_matched(&fleet, name, seed) == 2
+        };
+        let live = engine.as_ref().expect("engine");
+        assert!(live.wait_for_subscribers(2, WAIT));
+        live.publish(&stored(1)).expect("publish");
+        wait_until("both exact with the first process's blocks", || {
+            names.iter().all(|n| exact_with(n, 1))
+        });
+        // Round 0: a new process whose events socket answers a second before its replay
+        // socket does, then idle; round 1: busy, at once.
+        for (round, new_seed) in [(0, None), (1, Some(3))] {
+            let old_seed = if round == 0 { 1 } else { 2 };
+            drop(engine.take());
+            wait_until("both see the engine gone", || {
+                fleet
+                    .replicas()
+                    .iter()
+                    .all(|r| r.state != ReplicaState::Exact)
+            });
+            let wrong_exact = |wrong: &mut Vec<String>, seed: u64, since: Instant| {
+                for name in names {
+                    if exact_with(name, seed) {
+                        wrong.push(format!("{name} at {:?}", since.elapsed()));
+                    }
+                }
+            };
+            let mut wrong = Vec::new();
+            if round == 0 {
+                let early = ctx.socket(zmq::PUB).expect("socket");
+                early.set_linger(0).expect("linger");
+                early.bind(&endpoint).expect("bind the events socket");
+                let since = Instant::now();
+                while since.elapsed() < Duration::from_secs(1) {
+                    wrong_exact(&mut wrong, old_seed, since);
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                drop(early);
+            }
+            // libzmq closes a socket's listener on its own thread: bound again once it has.
+            let deadline = Instant::now() + WAIT;
+            let restarted = loop {
+                let config = PublisherConfig {
+                    endpoint: endpoint.clone(),
+                    replay_endpoint: replay.clone(),
+                    bind: Some(true),
+                    ..PublisherConfig::loopback(Release::NEWEST_KNOWN)
+                };
+                match Publisher::start(&ctx, config) {
+                    Ok(p) => break p,
+                    Err(e) => assert!(Instant::now() < deadline, "the engine again: {e}"),
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            };
+            let back = Instant::now();
+            if let Some(seed) = new_seed {
+                restarted.publish(&stored(seed)).expect("publish");
+            }
+            // Watched every 2 ms until both are exact with the new process's content.
+            loop {
+                wrong_exact(&mut wrong, old_seed, back);
+                let done = names.iter().all(|n| match new_seed {
+                    None => fleet
+                        .replicas()
+                        .iter()
+                        .any(|r| r.name == *n && r.state == ReplicaState::Exact && r.blocks == 0),
+                    Some(seed) => exact_with(n, seed),
+                });
+                if done {
+                    break;
+                }
+                assert!(
+                    back.elapsed() < Duration::from_secs(2) + Duration::from_millis(500),
+                    "round {round}: not exact with the new process within 2 s: {:?}",
+                    fleet.replicas()
+                );
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            assert!(
+                wrong.is_empty(),
+                "round {round}: exact with the old process's blocks {} times, first {:?}, last {:?}",
+                wrong.len(),
+                wrong.first(),
+                wrong.last()
+            );
+            if round == 0 {
+                // The idle new process publishes now: it is this engine from here on.
+                assert!(restarted.wait_for_subscribers(2, WAIT));
+                restarted.publish(&stored(2)).expect("publish");
+                wait_until("the new process's blocks", || {
+                    names.iter().all(|n| exact_with(n, 2))
+                });
+            }
+            engine = Some(restarted);
+        }
+    });
+    running.shutdown(Duration::from_secs(2)).await;
+}

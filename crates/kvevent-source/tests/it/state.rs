@@ -138,7 +138,10 @@ fn a_restart_resets_and_rebuilds_from_the_new_buffer() {
     live(&mut s, 2, now);
     // New engine process: seq back to 0 (its seq 0 lost on the way); its batch 1 is another
     // payload than the old process's.
-    assert_eq!(live_with(&mut s, 1, b"new".to_vec(), now), ["R:restart", "P0"]);
+    assert_eq!(
+        live_with(&mut s, 1, b"new".to_vec(), now),
+        ["R:restart", "P0"]
+    );
     assert_eq!(replayed(&mut s, 0), ["D0"]);
     assert_eq!(replayed_with(&mut s, 1, b"new".to_vec()), ["D1"]);
     assert!(done(&mut s, ReplayEnd::Complete, now).is_empty());
@@ -202,8 +205,15 @@ fn a_check_that_times_out_is_asked_again_and_never_leaves_the_source_vouched_for
     // The engine's replay socket is not up yet: the check times out.
     assert!(done(&mut s, ReplayEnd::TimedOut, t0).is_empty());
     assert!(!s.trusted());
-    assert!(tick(&mut s, t0 + Duration::from_millis(500)).is_empty(), "backing off");
-    assert_eq!(tick(&mut s, t0 + Duration::from_millis(1100)), ["P1"], "asked again");
+    assert!(
+        tick(&mut s, t0 + Duration::from_millis(500)).is_empty(),
+        "backing off"
+    );
+    assert_eq!(
+        tick(&mut s, t0 + Duration::from_millis(1100)),
+        ["P1"],
+        "asked again"
+    );
     assert!(!s.trusted());
     // The same process, this time.
     assert!(replayed(&mut s, 1).is_empty());
@@ -223,7 +233,10 @@ fn a_new_process_after_a_check_that_timed_out_is_a_restart_not_a_duplicate() {
     }
     s.on_disconnected();
     assert_eq!(connected(&mut s, t0), ["P3"]);
-    assert!(live_with(&mut s, 0, b"new 0".to_vec(), t0).is_empty(), "held");
+    assert!(
+        live_with(&mut s, 0, b"new 0".to_vec(), t0).is_empty(),
+        "held"
+    );
     assert_eq!(
         done(&mut s, ReplayEnd::TimedOut, t0),
         ["R:restart", "D0"],
@@ -259,7 +272,10 @@ fn a_degraded_source_asks_for_the_whole_buffer_again_once_the_backoff_is_over() 
     live(&mut s, 3, t0);
     done(&mut s, ReplayEnd::Failed, t0);
     assert_eq!(tick(&mut s, t0 + Duration::from_secs(2)), ["P0"]);
-    assert!(replayed(&mut s, 2).is_empty(), "ignored: the buffer begins at 2");
+    assert!(
+        replayed(&mut s, 2).is_empty(),
+        "ignored: the buffer begins at 2"
+    );
     assert!(done(&mut s, ReplayEnd::Complete, t0).is_empty());
     assert!(m.degraded.load(Relaxed));
     assert!(tick(&mut s, t0 + Duration::from_secs(100)).is_empty());
@@ -276,7 +292,10 @@ fn an_old_seq_beyond_the_kept_digests_is_checked_with_the_engine() {
     assert_eq!(live(&mut s, 10, now), ["P4999"]);
     assert!(!s.trusted());
     assert!(replayed(&mut s, 4999).is_empty());
-    assert!(done(&mut s, ReplayEnd::Complete, now).is_empty(), "seq 10: a duplicate");
+    assert!(
+        done(&mut s, ReplayEnd::Complete, now).is_empty(),
+        "seq 10: a duplicate"
+    );
     assert!(s.trusted());
     assert_eq!(m.restarts.load(Relaxed), 0);
     assert_eq!(live(&mut s, 5000, now), ["D5000"]);
