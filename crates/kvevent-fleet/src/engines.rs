@@ -329,10 +329,7 @@ impl Thread {
                 r.connected = connected;
                 r.changed = now;
             }
-            if degraded != r.degraded {
-                r.degraded = degraded;
-                index.set_fresh(r.id, !degraded);
-            }
+            r.degraded = degraded;
             r.unverified = unverified;
             let seen = replicas
                 .entry(Arc::as_ptr(&r.status))

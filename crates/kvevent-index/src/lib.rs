@@ -6,7 +6,7 @@
 //! content fingerprints of the token ids or engine block hashes ([`KeyMode`]), cumulative token
 //! counts, LoRA adapter partitions, tiers from the medium, the hybrid-model rule. [`Index::score`]
 //! answers, per replica, how many blocks and tokens of the query are present from block 0 on,
-//! at which tier, and whether the replica's state is known to be complete ([`Score::fresh`]).
+//! at which tier, and how far the replica's state can be trusted ([`Score::state`]).
 //!
 //! - **Layout.** One table, (prefix key, adapter) → (token count, holders), 24 bytes a slot
 //!   and a tag byte in a [`kvevent_table::Table`] (bucketed cuckoo hashing, any size, 72–90 %
@@ -33,7 +33,7 @@
 //! folded to their first 8 bytes, uniformly random in practice.
 //!
 //! ```
-//! use kvevent_index::{Config, Index, Query, QueryKeys, Tier};
+//! use kvevent_index::{Config, Degraded, Index, Query, QueryKeys, ReplicaState, Tier};
 //! use kvevent_wire as wire;
 //!
 //! let index = Index::new(Config::default()); // content fingerprints of the token ids
@@ -54,7 +54,8 @@
 //! };
 //! index.apply(a, &stored(4));
 //! index.apply(b, &stored(2));
-//! index.set_fresh(b, false); // say its source is replaying
+//! // Its follower says its source is replaying: every answer carries it.
+//! index.set_replica_state("replica-b", ReplicaState::Degraded(Degraded::Replaying));
 //!
 //! let scores = index.score(&Query {
 //!     adapter: "",
@@ -62,7 +63,7 @@
 //! });
 //! let best: Vec<_> = scores
 //!     .iter()
-//!     .map(|s| (s.replica, s.matched_blocks, s.matched_tokens, s.tier, s.fresh))
+//!     .map(|s| (s.replica, s.matched_blocks, s.matched_tokens, s.tier, s.state.is_exact()))
 //!     .collect();
 //! assert_eq!(
 //!     best,
@@ -144,9 +145,9 @@ impl Lost {
     }
 }
 
-/// How far a replica's entries can be trusted. Whoever follows the replica says
-/// ([`Index::set_replica_state`]); a replica nobody said anything of is `Exact` while all its
-/// sources are fresh ([`Index::set_fresh`]) and `Degraded(Replaying)` otherwise.
+/// How far a replica's entries can be trusted: the one trust signal of every answer. Whoever
+/// follows the replica says ([`Index::set_replica_state`]); a replica nobody said anything of
+/// is `Exact`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReplicaState {
     /// In sync with its source.
@@ -164,6 +165,11 @@ pub enum ReplicaState {
 }
 
 impl ReplicaState {
+    /// In sync with its source: the only state to route on.
+    pub fn is_exact(self) -> bool {
+        self == Self::Exact
+    }
+
     /// `exact`, `degraded` or `stale`.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -276,10 +282,8 @@ pub struct Score<'a> {
     pub matched_tokens: u32,
     /// T2 when any matched block is only in the offload tier.
     pub tier: Tier,
-    /// False while one of the replica's sources is degraded (replaying, a gap not repaired,
-    /// just restarted): the router may fail open.
-    pub fresh: bool,
-    /// How far the replica's entries can be trusted ([`ReplicaState`]).
+    /// How far the replica's entries can be trusted ([`ReplicaState`]): route on
+    /// [`ReplicaState::Exact`], fail open otherwise.
     pub state: ReplicaState,
 }
 
@@ -302,7 +306,6 @@ struct Answer {
     blocks: u32,
     tokens: u32,
     tier: Tier,
-    fresh: bool,
     state: ReplicaState,
 }
 
@@ -348,7 +351,6 @@ impl Scores {
             matched_blocks: e.blocks,
             matched_tokens: e.tokens,
             tier: e.tier,
-            fresh: e.fresh,
             state: e.state,
         }
     }
@@ -763,7 +765,6 @@ struct Source {
     /// False while a snapshot loads into it ([`Index::add_loading_source`]): it takes changes
     /// but counts in no answer until [`Index::promote`].
     counting: bool,
-    fresh: bool,
     /// The adapter its last change named and its number: the mapper hands the same `Arc` for
     /// a source's blocks of one adapter, so a pointer compare, not a string lookup, per change.
     adapter: Option<(Arc<str>, u32)>,
@@ -776,21 +777,13 @@ struct ReplicaSlot {
     in_use: bool,
     /// Its live sources, loading ones included.
     sources: u32,
-    /// Its live sources marked not fresh: answers read it, not the sources.
-    stale_sources: u32,
     /// What its follower said ([`Index::set_replica_state`]); it keeps the replica known.
     state: Option<ReplicaState>,
 }
 
 impl ReplicaSlot {
     fn state(&self) -> ReplicaState {
-        match self.state {
-            Some(ReplicaState::Exact) | None if self.stale_sources > 0 => {
-                ReplicaState::Degraded(Degraded::Replaying)
-            }
-            Some(state) => state,
-            None => ReplicaState::Exact,
-        }
+        self.state.unwrap_or(ReplicaState::Exact)
     }
 }
 
@@ -983,7 +976,6 @@ impl Index {
                     generation: 0,
                     live: false,
                     counting: false,
-                    fresh: true,
                     adapter: None,
                 });
                 mappers.push(self.mapper());
@@ -1002,7 +994,6 @@ impl Index {
             generation: s.generation,
             live: true,
             counting,
-            fresh: true,
             adapter: None,
         };
         Ok(SourceId {
@@ -1053,21 +1044,6 @@ impl Index {
         mappers[slot as usize].reset(0);
         inner.lapse(slot);
         inner.sweep(SWEEP_PER_CALL);
-    }
-
-    /// Marks `source` as known incomplete (`false`: replaying, a gap not repaired) or complete.
-    pub fn set_fresh(&self, source: SourceId, fresh: bool) {
-        let mut state = self.write();
-        let inner = &mut state.inner;
-        let Some(slot) = inner.live(source) else {
-            return;
-        };
-        let s = &mut inner.sources[slot as usize];
-        if s.fresh != fresh {
-            let stale = &mut inner.replica_slots[s.replica as usize].stale_sources;
-            *stale = if fresh { *stale - 1 } else { *stale + 1 };
-        }
-        s.fresh = fresh;
     }
 
     /// Says how far `replica`'s entries can be trusted, as its follower knows: every
@@ -1369,13 +1345,9 @@ impl Inner {
         let s = &mut self.sources[slot as usize];
         let replica = s.replica;
         let r = &mut self.replica_slots[replica as usize];
-        if !s.fresh {
-            r.stale_sources -= 1;
-        }
         r.sources -= 1;
         s.live = false;
         s.counting = false;
-        s.fresh = true;
         s.adapter = None;
         self.lapse(slot);
         if let Some(m) = mappers.get_mut(slot as usize) {
@@ -1754,8 +1726,6 @@ impl Inner {
                 blocks,
                 tokens,
                 tier,
-                // A replica is fresh when all its live sources are.
-                fresh: slot.stale_sources == 0,
                 state: slot.state(),
             }
         }));

@@ -2,7 +2,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use kvevent_index::{Config, Index, IndexStats, KeyMode, Query, QueryKeys, Tier};
+use kvevent_index::{
+    Config, Degraded, Index, IndexStats, KeyMode, Query, QueryKeys, ReplicaState, Tier,
+};
 use kvevent_mapper as mapper;
 use kvevent_wire as wire;
 use proptest::prelude::*;
@@ -156,9 +158,10 @@ proptest! {
                 }
                 Op::Fresh { source, fresh: f } => {
                     apply_held(&mut held);
-                    index.set_fresh(sources[source], f);
-                    many.set_fresh(many_sources[source], f);
-                    fresh[source] = f;
+                    let state = if f { ReplicaState::Exact } else { ReplicaState::Degraded(Degraded::Replaying) };
+                    index.set_replica_state(replicas[source / 2], state);
+                    many.set_replica_state(replicas[source / 2], state);
+                    fresh[source / 2] = f;
                 }
                 Op::Replace { replica } => {
                     apply_held(&mut held);
@@ -170,8 +173,8 @@ proptest! {
                         small_sources[source] = small.add_source(replicas[replica]).expect("a source");
                         many_sources[source] = many.add_source(replicas[replica]).expect("a source");
                         model[source].clear();
-                        fresh[source] = true;
                     }
+                    fresh[replica] = true;
                 }
             }
         }
@@ -187,10 +190,10 @@ proptest! {
                 (std::cmp::Reverse(s.matched_tokens), std::cmp::Reverse(s.matched_blocks), s.tier, s.replica.to_owned())
             };
             prop_assert!(scores.windows(2).all(|w| order(&w[0]) < order(&w[1])), "{:?}", scores);
-            // A replica is fresh when both its sources are.
+            // Every answer carries the state its follower last set.
             for s in &scores {
                 let r = replicas.iter().position(|r| *r == s.replica).unwrap_or(0);
-                prop_assert_eq!(s.fresh, fresh[2 * r] && fresh[2 * r + 1], "{:?}", s);
+                prop_assert_eq!(s.state.is_exact(), fresh[r], "{:?}", s);
             }
             let got: BTreeMap<String, u32> = scores
                 .into_iter()
@@ -281,7 +284,7 @@ fn a_token_query_is_chained_into_fingerprints_and_tiers_and_freshness_are_report
     };
     index.apply(a, &batch(vec![event(4, "GPU")]));
     index.apply(b, &batch(vec![event(2, "CPU")]));
-    index.set_fresh(b, false);
+    index.set_replica_state("b", ReplicaState::Degraded(Degraded::Replaying));
     let answer = index.score(&Query {
         adapter: "",
         keys: QueryKeys::Tokens {
@@ -299,7 +302,10 @@ fn a_token_query_is_chained_into_fingerprints_and_tiers_and_freshness_are_report
         ),
         ("a", 3, 48)
     );
-    assert_eq!((scores[0].tier, scores[0].fresh), (Tier::T1, true));
+    assert_eq!(
+        (scores[0].tier, scores[0].state.is_exact()),
+        (Tier::T1, true)
+    );
     assert_eq!(
         (
             scores[1].replica,
@@ -308,7 +314,10 @@ fn a_token_query_is_chained_into_fingerprints_and_tiers_and_freshness_are_report
         ),
         ("b", 2, 32)
     );
-    assert_eq!((scores[1].tier, scores[1].fresh), (Tier::T2, false));
+    assert_eq!(
+        (scores[1].tier, scores[1].state.is_exact()),
+        (Tier::T2, false)
+    );
     // Another adapter is another partition.
     assert!(
         index
@@ -705,12 +714,11 @@ fn a_snapshot_loading_beside_other_replicas_keeps_every_key_it_loaded() {
 
 #[test]
 fn candidates_are_answered_each_known_matching_or_not_and_states_are_carried() {
-    use kvevent_index::{Degraded, ReplicaState};
     let index = Index::new(Config::default());
     let a = index.add_source("a").expect("a source");
     index.apply_keys(a, &keyed(1..3));
-    let b = index.add_source("b").expect("a source");
-    index.set_fresh(b, false);
+    index.add_source("b").expect("a source");
+    index.set_replica_state("b", ReplicaState::Degraded(Degraded::Replaying));
     // Known with no source: its follower said so.
     index.set_replica_state("c", ReplicaState::Degraded(Degraded::Connecting));
     let query = Query {
