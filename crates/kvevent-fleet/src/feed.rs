@@ -49,16 +49,16 @@ pub(crate) struct Loading {
 /// Why a feed's stream ended, in our words ([`ReplicaStatus::error`](crate::ReplicaStatus)).
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum FeedError {
-    #[error("cannot connect: {0}")]
-    Connect(#[source] tonic::transport::Error),
+    #[error("cannot connect to {url}: {cause}")]
+    Connect { url: String, cause: String },
     #[error("the address is not valid: {0}")]
     Address(String),
     #[error("refused: {0}")]
     Refused(String),
-    #[error("{}: {}", .0.code(), .0.message())]
-    Status(tonic::Status),
-    #[error("nothing heard for {0:?}")]
-    Silent(Duration),
+    #[error("the feed at {url} failed: {what}")]
+    Status { url: String, what: String },
+    #[error("nothing heard from {0} for {1:?}")]
+    Silent(String, Duration),
     #[error("refused: the sidecar serves {what} `{served}`, not `{asked}`")]
     Mismatch {
         what: &'static str,
@@ -74,12 +74,50 @@ pub(crate) enum FeedError {
 }
 
 impl FeedError {
-    fn of(status: tonic::Status) -> Self {
+    fn of(url: &str, status: tonic::Status) -> Self {
         match status.code() {
             tonic::Code::FailedPrecondition
             | tonic::Code::Unauthenticated
             | tonic::Code::PermissionDenied => Self::Refused(status.message().to_owned()),
-            _ => Self::Status(status),
+            _ => {
+                // tonic's words ("Unknown error", "transport error") say little: the cause
+                // chain says what happened.
+                let mut what = status.message().to_owned();
+                if what.is_empty() {
+                    what = format!("{:?}", status.code());
+                }
+                let mut source = std::error::Error::source(&status);
+                while let Some(s) = source {
+                    let text = s.to_string();
+                    if !what.contains(&text) {
+                        what = format!("{what}: {text}");
+                    }
+                    source = s.source();
+                }
+                Self::Status {
+                    url: url.to_owned(),
+                    what,
+                }
+            }
+        }
+    }
+
+    fn connect(url: &str, e: &tonic::transport::Error) -> Self {
+        let mut cause = Vec::new();
+        let mut source: Option<&dyn std::error::Error> = std::error::Error::source(e);
+        while let Some(s) = source {
+            let text = s.to_string();
+            if !cause.iter().any(|c: &String| c.contains(&text)) {
+                cause.push(text);
+            }
+            source = s.source();
+        }
+        if cause.is_empty() {
+            cause.push(e.to_string());
+        }
+        Self::Connect {
+            url: url.to_owned(),
+            cause: cause.join(": "),
         }
     }
 }
@@ -97,15 +135,26 @@ impl FeedFollower {
     }
 
     pub(crate) async fn run(mut self) {
-        let mut backoff = Duration::from_millis(100);
+        let (initial, max) = (
+            self.core.config.reconnect_initial,
+            self.core
+                .config
+                .reconnect_max
+                .max(self.core.config.reconnect_initial),
+        );
+        let mut backoff = initial;
         loop {
             let result = self.follow_once().await;
             {
                 let mut s = lock(&self.status);
                 s.source_lost.get_or_insert_with(Instant::now);
                 match result {
-                    Ok(()) => backoff = Duration::from_millis(100),
-                    Err(e) => s.set_error(&self.name, e.to_string()),
+                    Ok(()) => backoff = initial,
+                    Err(e) => {
+                        // A refusal is not an outage: waiting will not change it.
+                        s.refused = matches!(e, FeedError::Refused(_) | FeedError::Mismatch { .. });
+                        s.set_error(&self.name, e.to_string());
+                    }
                 }
             }
             self.publish();
@@ -120,7 +169,7 @@ impl FeedFollower {
                     break;
                 }
             }
-            backoff = (backoff * 2).min(Duration::from_secs(2));
+            backoff = (backoff * 2).min(max);
         }
     }
 
@@ -151,13 +200,13 @@ impl FeedFollower {
         let endpoint = match &self.feed.tls {
             Some(tls) => endpoint
                 .tls_config(tls.clone())
-                .map_err(FeedError::Connect)?,
+                .map_err(|e| FeedError::connect(&self.feed.url, &e))?,
             None => endpoint,
         };
         let channel = tokio::time::timeout(config.connect_timeout, endpoint.connect())
             .await
-            .map_err(|_| FeedError::Silent(config.connect_timeout))?
-            .map_err(FeedError::Connect)?;
+            .map_err(|_| FeedError::Silent(self.feed.url.clone(), config.connect_timeout))?
+            .map_err(|e| FeedError::connect(&self.feed.url, &e))?;
         let mut client = pb::feed_client::FeedClient::new(channel)
             .max_decoding_message_size(config.max_message_bytes);
         let mut request = tonic::Request::new(pb::FollowRequest {
@@ -173,8 +222,8 @@ impl FeedFollower {
         }
         let mut stream = tokio::time::timeout(config.connect_timeout, client.follow(request))
             .await
-            .map_err(|_| FeedError::Silent(config.connect_timeout))?
-            .map_err(FeedError::of)?
+            .map_err(|_| FeedError::Silent(self.feed.url.clone(), config.connect_timeout))?
+            .map_err(|s| FeedError::of(&self.feed.url, s))?
             .into_inner();
         // Until the Hello says otherwise.
         let mut silent_after = config.dead_after;
@@ -189,8 +238,8 @@ impl FeedFollower {
                 }
             };
             let message = match message {
-                Err(_) => break Err(FeedError::Silent(silent_after)),
-                Ok(Err(status)) => break Err(FeedError::of(status)),
+                Err(_) => break Err(FeedError::Silent(self.feed.url.clone(), silent_after)),
+                Ok(Err(status)) => break Err(FeedError::of(&self.feed.url, status)),
                 Ok(Ok(None)) => break Err(FeedError::Ended),
                 Ok(Ok(Some(m))) => m,
             };
@@ -284,6 +333,7 @@ impl FeedFollower {
                 let mut s = lock(&self.status);
                 s.source_lost = None;
                 s.dropped = false;
+                s.refused = false;
                 s.error = None;
                 if hello.block_size > 0 {
                     s.block_size = hello.block_size;

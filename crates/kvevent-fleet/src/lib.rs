@@ -77,6 +77,12 @@ pub struct FleetConfig {
     pub connect_timeout: Duration,
     /// Largest feed message taken (a snapshot chunk is about 200 KB). Default 16 MiB.
     pub max_message_bytes: usize,
+    /// The first wait before following a sidecar's feed again after it was lost (doubling
+    /// after each failed attempt up to `reconnect_max`; back to this once a stream was
+    /// followed). Default 100 ms.
+    pub reconnect_initial: Duration,
+    /// The longest wait between attempts to follow a feed again. Default 2 s.
+    pub reconnect_max: Duration,
 }
 
 impl Default for FleetConfig {
@@ -87,6 +93,8 @@ impl Default for FleetConfig {
             drop_after: Duration::from_secs(60),
             connect_timeout: Duration::from_secs(5),
             max_message_bytes: 16 << 20,
+            reconnect_initial: Duration::from_millis(100),
+            reconnect_max: Duration::from_secs(2),
         }
     }
 }
@@ -412,7 +420,11 @@ impl Fleet {
     }
 
     /// Told of every change of a replica's state, error or ranks, and of every replica added
-    /// or removed: `changed().await`, then read [`Fleet::replicas`].
+    /// or removed: `changed().await`, then read [`Fleet::replicas`]. It is a counter, not a
+    /// queue: changes made while the receiver was not looking fold into one wake-up, and
+    /// [`Fleet::replicas`] then shows where they ended (a replica that went degraded and back
+    /// within that time may show no change at all). Poll [`Fleet::replicas`] to see every
+    /// state a replica passes through.
     pub fn changes(&self) -> tokio::sync::watch::Receiver<u64> {
         self.core.changes.subscribe()
     }
@@ -425,6 +437,21 @@ impl Fleet {
     /// [`Fleet::ready`] for the replicas `names` only (all of them when empty).
     pub async fn ready_among(&self, names: &[&str], timeout: Duration) -> Result<(), NotReady> {
         let started = Instant::now();
+        let missing: Vec<(String, String)> = {
+            let replicas = lock(&self.replicas);
+            names
+                .iter()
+                .filter(|n| !replicas.contains_key(**n))
+                .map(|n| ((*n).to_owned(), "not followed".to_owned()))
+                .collect()
+        };
+        if !missing.is_empty() {
+            // Waiting cannot help: nothing follows them.
+            return Err(NotReady {
+                waited: started.elapsed(),
+                replicas: missing,
+            });
+        }
         let deadline = tokio::time::Instant::now() + timeout;
         let mut changes = self.changes();
         loop {

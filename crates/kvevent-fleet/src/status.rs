@@ -25,6 +25,9 @@ pub(crate) struct Status {
     pub(crate) engine_degraded: Option<Degraded>,
     /// Lost for `drop_after`: its entries no longer count.
     pub(crate) dropped: bool,
+    /// Its source refused to be followed as asked (another replica or model, a credential):
+    /// stale at once, not after `dead_after`, until a stream is followed.
+    pub(crate) refused: bool,
     /// The replica left the fleet: its follower publishes nothing more.
     pub(crate) removed: bool,
     pub(crate) newest: Option<Instant>,
@@ -53,6 +56,7 @@ impl Status {
             degraded: None,
             engine_degraded: None,
             dropped: false,
+            refused: false,
             removed: false,
             newest: None,
             block_size: 0,
@@ -75,6 +79,10 @@ impl Status {
             }
         };
         match (self.source_lost, self.engine_lost) {
+            (Some(since), _) if self.refused => ReplicaState::Stale {
+                since,
+                lost: Lost::Source,
+            },
             (Some(since), _) => lost(since, Lost::Source, Degraded::Connecting),
             (None, Some(since)) => lost(since, Lost::Engine, Degraded::EngineLost),
             (None, None) => self

@@ -294,7 +294,18 @@ async fn a_stream_naming_another_replica_is_refused_and_a_slow_follower_is_cut_o
         });
     });
     assert!(hub.metrics().refused.load(Relaxed) >= 1);
-    assert_ne!(state_of(&fleet, "b"), Some(ReplicaState::Exact));
+    // A refusal is a misconfiguration, not an outage: stale at once (dead_after is 3 s).
+    assert!(
+        matches!(
+            state_of(&fleet, "b"),
+            Some(ReplicaState::Stale {
+                lost: kvevent_fleet::Lost::Source,
+                ..
+            })
+        ),
+        "{:?}",
+        fleet.replicas()
+    );
     let not_ready = fleet
         .ready(Duration::from_millis(50))
         .await
@@ -629,10 +640,44 @@ async fn before_any_block_size_is_known_a_token_query_says_so() {
     };
     let answer = fleet.score_among(&keys, &["nobody"]).expect("keys");
     assert_eq!((answer.len(), answer.unknown()), (0, &[0usize][..]));
-    // Waiting for a replica that is not followed ends in time, naming it.
+    // Waiting for a replica that is not followed fails at once, naming it: waiting cannot
+    // help.
+    let asked = std::time::Instant::now();
     let err = fleet
-        .ready_among(&["nobody"], Duration::from_millis(50))
+        .ready_among(&["nobody"], Duration::from_secs(30))
         .await
         .expect_err("not followed");
     assert!(err.to_string().contains("nobody (not followed)"), "{err}");
+    assert!(asked.elapsed() < Duration::from_secs(1), "{:?}", asked.elapsed());
+}
+
+/// A sidecar nobody listens for: the replica's error names the address and the cause, in our
+/// words.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_feed_that_cannot_be_reached_says_where_and_why() {
+    let port = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
+        listener.local_addr().expect("address").port()
+    };
+    let url = format!("http://127.0.0.1:{port}");
+    let fleet = Fleet::new(FleetConfig::default()).expect("fleet");
+    fleet
+        .ensure_replica("a", ReplicaSource::Sidecar(SidecarFeed::new(url.clone())))
+        .expect("ensure");
+    let want = format!("cannot connect to {url}: ");
+    tokio::task::block_in_place(|| {
+        wait_until("the error", || {
+            fleet.replicas()[0]
+                .error
+                .as_deref()
+                .is_some_and(|e| e.starts_with(&want))
+        });
+    });
+    let error = fleet.replicas()[0].error.clone().unwrap_or_default();
+    assert!(error.to_lowercase().contains("refused"), "{error}");
+    assert_eq!(
+        state_of(&fleet, "a"),
+        Some(ReplicaState::Degraded(kvevent_fleet::Degraded::Connecting)),
+        "an address that does not answer may be an outage: degraded, then stale"
+    );
 }
