@@ -40,6 +40,30 @@ fn respond(status: u16, content_type: &str, body: String) -> hyper::Response<Ful
     r
 }
 
+/// The sources whose state the sidecar cannot vouch for, and since when, as a suffix of a
+/// ready answer ("" when there are none): the sidecar still serves, but a router following it
+/// sees those ranks degraded.
+fn untrusted(telemetry: &Telemetry) -> String {
+    let mut out = String::new();
+    for (label, m) in telemetry
+        .sources
+        .labels
+        .iter()
+        .zip(&telemetry.sources.metrics)
+    {
+        let Some(for_) = m.untrusted_for() else {
+            continue;
+        };
+        let why = if m.unverified.load(Relaxed) {
+            "unverified: the engine's connection was made again (or the sidecar started) and it is not yet proven the same process"
+        } else {
+            "degraded: batches were lost that the engine could not replay; what is held may be incomplete until the engine clears its cache"
+        };
+        out.push_str(&format!("; {label} {why}, for {:.1} s", for_.as_secs_f64()));
+    }
+    out
+}
+
 fn route(path: &str, telemetry: &Telemetry, readiness: Readiness) -> hyper::Response<Full<Bytes>> {
     match path {
         "/metrics" => respond(
@@ -79,7 +103,11 @@ fn route(path: &str, telemetry: &Telemetry, readiness: Readiness) -> hyper::Resp
             };
             if readiness.feed_only {
                 return if unconnected.is_empty() {
-                    respond(200, "text/plain", "ready (feed only: no server)\n".into())
+                    respond(
+                        200,
+                        "text/plain",
+                        format!("ready (feed only: no server){}\n", untrusted(telemetry)),
+                    )
                 } else {
                     respond(
                         503,
@@ -117,7 +145,11 @@ fn route(path: &str, telemetry: &Telemetry, readiness: Readiness) -> hyper::Resp
                 );
             }
             if recent {
-                respond(200, "text/plain", "ready\n".into())
+                respond(
+                    200,
+                    "text/plain",
+                    format!("ready{}\n", untrusted(telemetry)),
+                )
             } else {
                 respond(
                     503,

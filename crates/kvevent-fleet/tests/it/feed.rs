@@ -648,7 +648,11 @@ async fn before_any_block_size_is_known_a_token_query_says_so() {
         .await
         .expect_err("not followed");
     assert!(err.to_string().contains("nobody (not followed)"), "{err}");
-    assert!(asked.elapsed() < Duration::from_secs(1), "{:?}", asked.elapsed());
+    assert!(
+        asked.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        asked.elapsed()
+    );
 }
 
 /// A sidecar nobody listens for: the replica's error names the address and the cause, in our

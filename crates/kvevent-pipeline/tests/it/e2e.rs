@@ -624,3 +624,101 @@ async fn an_sglang_engine_is_read_with_engine_sglang_salts_and_eagle_pairs_inclu
     server.wait_for(WAIT, |r| distinct_prefixes(r) >= 4).await;
     running.shutdown(Duration::from_secs(2)).await;
 }
+
+/// A source degraded by batches the engine cannot replay: the sidecar still serves, and
+/// /readyz says which source, why and for how long.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_says_which_source_is_degraded_and_for_how_long() {
+    let (server, ctx, engine) = ends().await;
+    let s = Settings {
+        replay_endpoint: String::new(),
+        stats_interval: GoDuration::ms(0),
+        ..settings(&engine, &server)
+    };
+    let running = start(&s, &ctx).await.expect("start");
+    let addr = running.metrics_addr().expect("metrics address");
+    wait_subscribed(&engine).await;
+    engine.publish(&scripted_batch(0)).expect("publish");
+    server.wait_for(WAIT, |r| distinct_prefixes(r) >= 4).await;
+    let (status, body) = http_get(addr, "/readyz").await;
+    assert_eq!((status, body.as_str()), (200, "ready\n"));
+    // Seq 1 never arrives, and there is no replay endpoint to ask for it.
+    engine.publish_lost(
+        kvevent_wire::encode(&scripted_batch(1), Release::NEWEST_KNOWN).expect("encode"),
+    );
+    engine.publish(&scripted_batch(2)).expect("publish");
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let (status, body) = http_get(addr, "/readyz").await;
+        if status == 200 && body.contains("degraded: batches were lost") {
+            assert!(body.starts_with("ready; tcp://"), "{body}");
+            assert!(body.contains(" s\n"), "for how long: {body}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "{status}: {body}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    running.shutdown(Duration::from_secs(2)).await;
+}
+
+/// `--engine-bind`: the engine connects to the sidecar. The sidecar restarts while the engine
+/// publishes; the engine's PUB delivers what it queued meanwhile, older than what the startup
+/// replay returned. Those are duplicates, not an engine restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sidecar_restarted_beside_a_connecting_engine_sees_no_false_restart() {
+    let server = RecordingServer::start().await;
+    let ctx = zmq::Context::new();
+    let port = HeldPort::new();
+    let endpoint = port.tcp();
+    drop(port);
+    let engine = Publisher::start(
+        &ctx,
+        PublisherConfig {
+            endpoint: endpoint.clone(),
+            bind: Some(false),
+            ..PublisherConfig::loopback(Release::NEWEST_KNOWN)
+        },
+    )
+    .expect("engine");
+    let s = Settings {
+        engine_bind: true,
+        engine_endpoint: endpoint.clone(),
+        stats_interval: GoDuration::ms(0),
+        ..settings(&engine, &server)
+    };
+    let first = start(&s, &ctx).await.expect("start");
+    wait_subscribed(&engine).await;
+    for step in 0..5 {
+        engine.publish(&scripted_batch(step)).expect("publish");
+    }
+    server.wait_for(WAIT, |r| distinct_prefixes(r) >= 4).await;
+    first.shutdown(Duration::from_secs(2)).await;
+    // Published while the sidecar is away: queued in the engine's PUB.
+    for step in 5..10 {
+        engine.publish(&scripted_batch(step)).expect("publish");
+    }
+    let second = start(&s, &ctx).await.expect("start again");
+    let addr = second.metrics_addr().expect("metrics address");
+    wait_subscribed(&engine).await;
+    for step in 10..15 {
+        engine.publish(&scripted_batch(step)).expect("publish");
+    }
+    let deadline = Instant::now() + WAIT;
+    let metrics = loop {
+        let (_, metrics) = http_get(addr, "/metrics").await;
+        if metrics.contains("kvevent_source_last_seq{") && metrics.contains("} 14\n") {
+            break metrics;
+        }
+        assert!(Instant::now() < deadline, "{metrics}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let restarts: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("kvevent_engine_restarts_total{"))
+        .collect();
+    assert!(
+        !restarts.is_empty() && restarts.iter().all(|l| l.ends_with(" 0")),
+        "{restarts:?}"
+    );
+    second.shutdown(Duration::from_secs(2)).await;
+}
