@@ -273,8 +273,9 @@ async fn follow(
     hub.metrics().followers.fetch_add(1, Relaxed);
     let _connected = Connected(hub.clone());
     let config = hub.config().clone();
-    // A follower that takes nothing for ten heartbeats is not reading: it is cut off.
-    let stuck_after = (config.heartbeat * 10).max(Duration::from_millis(500));
+    // A follower that takes nothing for ten heartbeats (at least 10 s) is not reading: it is cut
+    // off.
+    let stuck_after = (config.heartbeat * 10).max(Duration::from_secs(10));
     let send = |item: Result<Bytes, Status>| {
         let tx = tx.clone();
         async move {

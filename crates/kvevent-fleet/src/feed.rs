@@ -228,11 +228,26 @@ impl FeedFollower {
         // Until the Hello says otherwise.
         let mut silent_after = config.dead_after;
         let mut loading: Option<Loading> = None;
+        // A sidecar sends something at least every heartbeat: two missed, and the replica is
+        // degraded (a link cut without a word, blackholed, or a sidecar frozen says nothing);
+        // five, and the stream is given up and followed again.
+        let mut heard = tokio::time::Instant::now();
         let result = loop {
-            let deadline = lock(&self.status).next_deadline(&self.core);
+            let quiet_at = heard + silent_after * 2 / 5;
+            let silent = lock(&self.status).silent;
+            let deadline = lock(&self.status)
+                .next_deadline(&self.core)
+                .map(tokio::time::Instant::from_std);
+            let wake = [deadline, (!silent).then_some(quiet_at)]
+                .into_iter()
+                .flatten()
+                .min();
             let message = tokio::select! {
-                m = tokio::time::timeout(silent_after, stream.message()) => m,
-                () = sleep_until(deadline) => {
+                m = tokio::time::timeout_at(heard + silent_after, stream.message()) => m,
+                () = sleep_until(wake.map(tokio::time::Instant::into_std)) => {
+                    if tokio::time::Instant::now() >= quiet_at {
+                        lock(&self.status).silent = true;
+                    }
                     self.publish();
                     continue;
                 }
@@ -243,6 +258,8 @@ impl FeedFollower {
                 Ok(Ok(None)) => break Err(FeedError::Ended),
                 Ok(Ok(Some(m))) => m,
             };
+            heard = tokio::time::Instant::now();
+            lock(&self.status).silent = false;
             if let Err(e) = self.take(message, &mut loading, &mut silent_after) {
                 break Err(e);
             }
@@ -258,9 +275,9 @@ impl FeedFollower {
         if let Some(l) = loading.take() {
             self.core.index.remove_source(l.source);
         }
-        lock(&self.status)
-            .source_lost
-            .get_or_insert_with(Instant::now);
+        let mut s = lock(&self.status);
+        s.source_lost.get_or_insert_with(Instant::now);
+        s.silent = false;
     }
 
     /// The sidecar's view of its engine, from a Hello or a Heartbeat.
@@ -324,10 +341,10 @@ impl FeedFollower {
                         });
                     }
                 }
-                // Three heartbeats missed: the stream is lost.
+                // Five heartbeats missed (at least 1 s): the stream is lost.
                 if hello.heartbeat_ms > 0 {
-                    *silent_after = Duration::from_millis(u64::from(hello.heartbeat_ms) * 3)
-                        .max(Duration::from_millis(500));
+                    *silent_after = Duration::from_millis(u64::from(hello.heartbeat_ms) * 5)
+                        .max(Duration::from_secs(1));
                 }
                 self.core.note_block_size(hello.block_size);
                 let mut s = lock(&self.status);

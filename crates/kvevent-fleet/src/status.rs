@@ -25,6 +25,8 @@ pub(crate) struct Status {
     pub(crate) engine_degraded: Option<Degraded>,
     /// Lost for `drop_after`: its entries no longer count.
     pub(crate) dropped: bool,
+    /// The source's stream is open but nothing came for two heartbeats.
+    pub(crate) silent: bool,
     /// Its source refused to be followed as asked (another replica or model, a credential):
     /// stale at once, not after `dead_after`, until a stream is followed.
     pub(crate) refused: bool,
@@ -56,6 +58,7 @@ impl Status {
             degraded: None,
             engine_degraded: None,
             dropped: false,
+            silent: false,
             refused: false,
             removed: false,
             newest: None,
@@ -87,6 +90,7 @@ impl Status {
             (None, Some(since)) => lost(since, Lost::Engine, Degraded::EngineLost),
             (None, None) => self
                 .degraded
+                .or(self.silent.then_some(Degraded::Silent))
                 .or(self.engine_degraded)
                 .map_or(ReplicaState::Exact, ReplicaState::Degraded),
         }

@@ -111,6 +111,9 @@ pub enum Degraded {
     /// is not yet proven the same process, or a new one (then cleared): what is known may be
     /// another process's.
     Unverified,
+    /// Its source's stream is open, but nothing came from it for two heartbeats: changes may
+    /// be missing (a link cut without a word, or blackholed).
+    Silent,
 }
 
 impl Degraded {
@@ -122,6 +125,7 @@ impl Degraded {
             Self::Replaying => "replaying_or_gap",
             Self::EngineLost => "engine_lost",
             Self::Unverified => "unverified",
+            Self::Silent => "silent",
         }
     }
 }
