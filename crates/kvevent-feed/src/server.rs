@@ -287,13 +287,17 @@ async fn follow(
     };
     let mut changed = hub.subscribe();
     let mut health = hub.subscribe_health();
+    // A change of health seen while changes were waiting: sent after them.
+    let mut health_owed = false;
     let mut first = true;
     loop {
         if *closed.borrow_and_update() {
             return;
         }
         changed.borrow_and_update();
-        health.borrow_and_update();
+        // The health is marked seen where it is sent (with a hello, a snapshot's end, after
+        // changes, in a heartbeat), never here: a change of health that came with changes is
+        // sent after them.
         let next = match hub.next(at) {
             // A follower coming back from too far behind starts over.
             Next::Behind if first => hub.next(None),
@@ -327,6 +331,7 @@ async fn follow(
                     let end = pb::SnapshotEnd {
                         blocks: snapshot.len() as u64,
                     };
+                    health.borrow_and_update();
                     // With the engine's health as of now: a follower promotes the snapshot
                     // and learns what the sidecar thinks of the engine in one step.
                     send(Ok(encode_with(
@@ -358,6 +363,13 @@ async fn follow(
                     }
                     for m in merged(messages) {
                         send(Ok(m)).await?;
+                    }
+                    if health_owed || health.has_changed().unwrap_or(false) {
+                        health_owed = false;
+                        health.borrow_and_update();
+                        let (e, s) = position;
+                        let beat = pb::feed_message::Body::Heartbeat(pb::Heartbeat {});
+                        send(Ok(encode_with(e, s, beat, hub.engine_health()))).await?;
                     }
                     Ok(())
                 }
@@ -407,6 +419,7 @@ async fn follow(
                                 return Err(Ended);
                             }
                             if changed.has_changed().unwrap_or(false) {
+                                health_owed = true;
                                 return Ok(());
                             }
                             let (e, s) = position;
