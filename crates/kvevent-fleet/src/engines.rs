@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use kvevent_index::SourceId;
 use kvevent_source::{Subscriber, View};
 
-use crate::status::{self, Shared};
+use crate::status::{self, Event, Shared};
 use crate::{Core, EngineSockets, FleetError, RankStatus, lock};
 
 /// The sockets of `e`'s ranks, checked.
@@ -359,18 +359,24 @@ impl Thread {
                 .min();
             let mut s = lock(&seen.status);
             s.batches = seen.batches;
-            s.engine_degraded = crate::feed::rank_view(seen.views.iter().copied());
-            s.ranks = seen.ranks;
-            s.source_lost = lost_since;
-            if lost_since.is_none() {
-                s.dropped = false;
-                s.error = None;
-            }
-            let expired = !s.dropped
-                && lost_since.is_some_and(|t| {
-                    now.saturating_duration_since(t) >= self.core.config.drop_after
-                });
-            s.dropped |= expired;
+            // The engine's sockets are the source: lost while any rank's is.
+            let source = match lost_since {
+                Some(since) => Event::Lost { since, error: None },
+                None => Event::Connected { resumed: true },
+            };
+            s.on(&seen.name, source, now);
+            let view = crate::feed::rank_view(seen.views.iter().copied());
+            let ranks = seen.ranks;
+            s.on(
+                &seen.name,
+                Event::Engine {
+                    lost_since: None,
+                    view,
+                    ranks,
+                },
+                now,
+            );
+            let expired = s.expire(self.core.config.drop_after, now);
             drop(s);
             if expired {
                 let mut ids = Vec::new();

@@ -8,7 +8,7 @@ use kvevent_feed::pb;
 use kvevent_index::{Degraded, KeyChange, SourceId, Tier};
 use tonic::transport::Endpoint;
 
-use crate::status::{self, Shared};
+use crate::status::{self, Event, Shared};
 use crate::{Core, RankStatus, SidecarFeed, lock};
 
 /// `http://HOST:PORT` or `https://HOST:PORT`, as the feed's client connects to it.
@@ -145,18 +145,25 @@ impl FeedFollower {
         let mut backoff = initial;
         loop {
             let result = self.follow_once().await;
-            {
-                let mut s = lock(&self.status);
-                s.source_lost.get_or_insert_with(Instant::now);
-                match result {
-                    Ok(()) => backoff = initial,
-                    Err(e) => {
-                        // A refusal is not an outage: waiting will not change it.
-                        s.refused = matches!(e, FeedError::Refused(_) | FeedError::Mismatch { .. });
-                        s.set_error(&self.name, e.to_string());
+            let now = Instant::now();
+            let event = match result {
+                Ok(()) => {
+                    backoff = initial;
+                    Event::Lost {
+                        since: now,
+                        error: None,
                     }
                 }
-            }
+                // A refusal is not an outage: waiting will not change it.
+                Err(e @ (FeedError::Refused(_) | FeedError::Mismatch { .. })) => Event::Refused {
+                    error: e.to_string(),
+                },
+                Err(e) => Event::Lost {
+                    since: now,
+                    error: Some(e.to_string()),
+                },
+            };
+            lock(&self.status).on(&self.name, event, now);
             self.publish();
             // Back off, waking for the state's deadlines (stale, dropped) on the way.
             let until = tokio::time::Instant::now() + backoff;
@@ -177,15 +184,10 @@ impl FeedFollower {
     /// counting.
     fn publish(&mut self) {
         status::publish(&self.core, &self.name, &self.status);
-        let lost = lock(&self.status)
-            .source_lost
-            .is_some_and(|t| t.elapsed() >= self.core.config.drop_after);
-        if lost && let Some(source) = self.source.take() {
+        let expired = lock(&self.status).expire(self.core.config.drop_after, Instant::now());
+        if expired && let Some(source) = self.source.take() {
             self.core.index.remove_source(source);
             self.at = None;
-            let mut s = lock(&self.status);
-            s.blocks = 0;
-            s.dropped = true;
         }
     }
 
@@ -246,7 +248,7 @@ impl FeedFollower {
                 m = tokio::time::timeout_at(heard + silent_after, stream.message()) => m,
                 () = sleep_until(wake.map(tokio::time::Instant::into_std)) => {
                     if tokio::time::Instant::now() >= quiet_at {
-                        lock(&self.status).silent = true;
+                        lock(&self.status).on(&self.name, Event::Silent(true), Instant::now());
                     }
                     self.publish();
                     continue;
@@ -259,7 +261,9 @@ impl FeedFollower {
                 Ok(Ok(Some(m))) => m,
             };
             heard = tokio::time::Instant::now();
-            lock(&self.status).silent = false;
+            if silent {
+                lock(&self.status).on(&self.name, Event::Silent(false), Instant::now());
+            }
             if let Err(e) = self.take(message, &mut loading, &mut silent_after) {
                 break Err(e);
             }
@@ -275,9 +279,15 @@ impl FeedFollower {
         if let Some(l) = loading.take() {
             self.core.index.remove_source(l.source);
         }
-        let mut s = lock(&self.status);
-        s.source_lost.get_or_insert_with(Instant::now);
-        s.silent = false;
+        let now = Instant::now();
+        lock(&self.status).on(
+            &self.name,
+            Event::Lost {
+                since: now,
+                error: None,
+            },
+            now,
+        );
     }
 
     /// The sidecar's view of its engine, from a Hello or a Heartbeat.
@@ -296,12 +306,7 @@ impl FeedFollower {
                     .unwrap_or(now)
             })
             .min();
-        s.engine_lost = match (s.engine_lost, lost_since) {
-            (Some(kept), Some(_)) => Some(kept),
-            (None, Some(since)) => Some(since),
-            (_, None) => None,
-        };
-        s.ranks = health
+        let ranks = health
             .ranks
             .iter()
             .map(|r| {
@@ -316,7 +321,16 @@ impl FeedFollower {
                 )
             })
             .collect();
-        s.engine_degraded = rank_view(health.ranks.iter().map(|r| (r.degraded, r.unverified)));
+        let view = rank_view(health.ranks.iter().map(|r| (r.degraded, r.unverified)));
+        s.on(
+            &self.name,
+            Event::Engine {
+                lost_since,
+                view,
+                ranks,
+            },
+            now,
+        );
     }
 
     pub(crate) fn take(
@@ -348,14 +362,16 @@ impl FeedFollower {
                 }
                 self.core.note_block_size(hello.block_size);
                 let mut s = lock(&self.status);
-                s.source_lost = None;
-                s.dropped = false;
-                s.refused = false;
-                s.error = None;
                 if hello.block_size > 0 {
                     s.block_size = hello.block_size;
                 }
-                s.degraded = (!hello.resumed).then_some(Degraded::SnapshotLoading);
+                s.on(
+                    &self.name,
+                    Event::Connected {
+                        resumed: hello.resumed,
+                    },
+                    Instant::now(),
+                );
             }
             Some(Body::Snapshot(chunk)) => {
                 let fresh = !loading.is_some_and(|l| l.epoch == epoch && l.seq == seq);
@@ -370,7 +386,7 @@ impl FeedFollower {
                         seq,
                         blocks: 0,
                     });
-                    lock(&self.status).degraded = Some(Degraded::SnapshotLoading);
+                    lock(&self.status).on(&self.name, Event::SnapshotStarted, Instant::now());
                 }
                 let Some(l) = loading.as_mut() else {
                     return Err(FeedError::Malformed("no snapshot loading"));
@@ -393,10 +409,11 @@ impl FeedFollower {
                 self.core.index.promote(source, self.source);
                 self.source = Some(source);
                 self.at = Some((epoch, seq));
-                let mut s = lock(&self.status);
-                s.blocks = count;
-                s.degraded = None;
-                s.newest = Some(Instant::now());
+                lock(&self.status).on(
+                    &self.name,
+                    Event::SnapshotWhole { blocks: count },
+                    Instant::now(),
+                );
             }
             Some(Body::Changes(changes)) => {
                 let (Some((at_epoch, _)), Some(source)) = (self.at, self.source) else {
@@ -426,10 +443,13 @@ impl FeedFollower {
                 }
                 self.core.index.apply_keys(source, &applied);
                 self.at = Some((epoch, seq));
-                let mut s = lock(&self.status);
-                s.blocks = blocks.max(0) as u64;
-                s.newest = Some(Instant::now());
-                s.batches += 1;
+                lock(&self.status).on(
+                    &self.name,
+                    Event::Changed {
+                        blocks: blocks.max(0) as u64,
+                    },
+                    Instant::now(),
+                );
             }
             Some(Body::Heartbeat(_)) | None => {}
         }

@@ -597,7 +597,7 @@ impl Fleet {
             }
         }
         let mut status = lock(&replica.status);
-        status.removed = true;
+        status.on(name, status::Event::Removed, Instant::now());
         // Under the status's lock: its follower, if still running, publishes nothing more.
         self.core.index.remove_replica(name);
     }

@@ -1,4 +1,11 @@
-//! One replica's status as its follower keeps it, and the rule that makes its state.
+//! One replica's status as its follower keeps it: a state machine. Its follower (a feed task,
+//! or the engine thread) says what happened as an [`Event`]; [`Status::on`] is the one place
+//! that changes it, [`Status::state`] the one rule that makes a [`ReplicaState`] of it, and
+//! [`Status::expire`] the one place `drop_after` is reached.
+//!
+//! Invariants: a replica is exact only while its source is there, is not silent, has no
+//! snapshot loading, and its engine's ranks are all connected, verified and whole; a refusal
+//! is stale at once; `drop_after` is reached once per loss.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -49,6 +56,57 @@ pub(crate) struct Status {
 
 pub(crate) type Shared = Arc<Mutex<Status>>;
 
+/// What happened to a replica's source, as its follower saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Event {
+    /// The source answered: a feed's hello (a snapshot follows unless `resumed`), or every
+    /// rank's socket of an engine followed directly.
+    Connected {
+        /// A snapshot does not follow: what counts goes on.
+        resumed: bool,
+    },
+    /// A snapshot began loading beside what counts.
+    SnapshotStarted,
+    /// A whole snapshot of `blocks` was promoted.
+    SnapshotWhole {
+        /// Blocks it holds.
+        blocks: u64,
+    },
+    /// Changes were applied: `blocks` held now.
+    Changed {
+        /// Blocks held.
+        blocks: u64,
+    },
+    /// What the engine's ranks say: lost since (any rank), and not yet proven the same
+    /// process (unverified) or incomplete (degraded). Continuity proven, or a restart cleared
+    /// and rebuilt, is this event with no view.
+    Engine {
+        /// The longest-lost rank's loss, if any.
+        lost_since: Option<Instant>,
+        /// `Unverified` or `Replaying`, if any rank is.
+        view: Option<Degraded>,
+        /// Each rank as last seen.
+        ranks: Vec<(RankStatus, Option<Instant>)>,
+    },
+    /// The stream is open but nothing came for two heartbeats (true), or something came
+    /// again (false).
+    Silent(bool),
+    /// The source was lost (since `since`), with what was seen, if anything.
+    Lost {
+        /// When.
+        since: Instant,
+        /// Why, in our words.
+        error: Option<String>,
+    },
+    /// The source refuses to be followed as asked: stale at once.
+    Refused {
+        /// The refusal, in our words.
+        error: String,
+    },
+    /// The replica left the fleet: nothing more is published of it.
+    Removed,
+}
+
 impl Status {
     pub(crate) fn new(address: &str) -> Self {
         Self {
@@ -70,6 +128,70 @@ impl Status {
             ranks: Vec::new(),
             published: None,
         }
+    }
+
+    /// The one place a replica's status changes. `name` is for the log lines.
+    pub(crate) fn on(&mut self, name: &str, event: Event, now: Instant) {
+        match event {
+            Event::Connected { resumed } => {
+                self.source_lost = None;
+                self.dropped = false;
+                self.refused = false;
+                self.silent = false;
+                self.error = None;
+                self.degraded = (!resumed).then_some(Degraded::SnapshotLoading);
+            }
+            Event::SnapshotStarted => self.degraded = Some(Degraded::SnapshotLoading),
+            Event::SnapshotWhole { blocks } => {
+                self.blocks = blocks;
+                self.degraded = None;
+                self.newest = Some(now);
+            }
+            Event::Changed { blocks } => {
+                self.blocks = blocks;
+                self.newest = Some(now);
+                self.batches += 1;
+            }
+            Event::Engine {
+                lost_since,
+                view,
+                ranks,
+            } => {
+                // The engine stays lost since it was first seen lost, until every rank is back.
+                self.engine_lost = lost_since.map(|since| self.engine_lost.unwrap_or(since));
+                self.engine_degraded = view;
+                self.ranks = ranks;
+            }
+            Event::Silent(silent) => self.silent = silent,
+            Event::Lost { since, error } => {
+                self.source_lost.get_or_insert(since);
+                self.silent = false;
+                if let Some(error) = error {
+                    self.set_error(name, error);
+                }
+            }
+            Event::Refused { error } => {
+                self.source_lost.get_or_insert(now);
+                self.silent = false;
+                self.refused = true;
+                self.set_error(name, error);
+            }
+            Event::Removed => self.removed = true,
+        }
+    }
+
+    /// `drop_after` reached: true once per loss (the follower then drops what the replica
+    /// held, and it stops counting until its source is back).
+    pub(crate) fn expire(&mut self, drop_after: Duration, now: Instant) -> bool {
+        let expired = !self.dropped
+            && self
+                .source_lost
+                .is_some_and(|t| now.saturating_duration_since(t) >= drop_after);
+        if expired {
+            self.dropped = true;
+            self.blocks = 0;
+        }
+        expired
     }
 
     /// The state at `now`: the source lost, then the engine lost, then degraded, else exact.
@@ -176,4 +298,193 @@ pub(crate) fn publish(core: &Core, name: &str, status: &Mutex<Status>) {
     core.index.set_replica_state(name, state);
     drop(s);
     core.changed();
+}
+
+#[cfg(test)]
+mod tests {
+    //! The state machine, transition by transition: each event from each state it can meet,
+    //! and the state that follows, at once and after `dead_after`.
+
+    use super::*;
+
+    const DEAD: Duration = Duration::from_secs(3);
+
+    fn state_after(events: &[Event], at: Duration) -> ReplicaState {
+        let t0 = Instant::now();
+        let mut s = Status::new("http://sidecar:7070");
+        s.source_lost = Some(t0);
+        for e in events {
+            s.on("r", e.clone(), t0);
+        }
+        s.state(DEAD, t0 + at)
+    }
+
+    fn lost(t: Instant) -> Event {
+        Event::Lost {
+            since: t,
+            error: Some("the stream ended".into()),
+        }
+    }
+
+    fn engine(lost_since: Option<Instant>, view: Option<Degraded>) -> Event {
+        Event::Engine {
+            lost_since,
+            view,
+            ranks: Vec::new(),
+        }
+    }
+
+    const CONNECTED: Event = Event::Connected { resumed: false };
+    const RESUMED: Event = Event::Connected { resumed: true };
+    const WHOLE: Event = Event::SnapshotWhole { blocks: 3 };
+
+    fn is_stale(s: ReplicaState, want: Lost) -> bool {
+        matches!(s, ReplicaState::Stale { lost, .. } if lost == want)
+    }
+
+    #[test]
+    fn a_new_replica_connects_loads_its_snapshot_and_is_exact_only_then() {
+        let zero = Duration::ZERO;
+        assert_eq!(
+            state_after(&[], zero),
+            ReplicaState::Degraded(Degraded::Connecting)
+        );
+        assert!(is_stale(state_after(&[], DEAD), Lost::Source));
+        assert_eq!(
+            state_after(&[CONNECTED], zero),
+            ReplicaState::Degraded(Degraded::SnapshotLoading)
+        );
+        assert_eq!(
+            state_after(&[CONNECTED], DEAD * 10),
+            ReplicaState::Degraded(Degraded::SnapshotLoading),
+            "loading is not lost: no deadline"
+        );
+        assert_eq!(state_after(&[CONNECTED, WHOLE], zero), ReplicaState::Exact);
+        assert_eq!(state_after(&[RESUMED], zero), ReplicaState::Exact);
+        // A new epoch's snapshot loads beside what counts.
+        assert_eq!(
+            state_after(&[CONNECTED, WHOLE, Event::SnapshotStarted], zero),
+            ReplicaState::Degraded(Degraded::SnapshotLoading)
+        );
+        assert_eq!(
+            state_after(&[CONNECTED, WHOLE, Event::Changed { blocks: 4 }], zero),
+            ReplicaState::Exact
+        );
+    }
+
+    #[test]
+    fn the_engine_lost_unverified_or_incomplete_is_degraded_and_lost_long_is_stale() {
+        let t0 = Instant::now();
+        let zero = Duration::ZERO;
+        let up = [CONNECTED, WHOLE];
+        let with = |e: Event| [up[0].clone(), up[1].clone(), e];
+        assert_eq!(
+            state_after(&with(engine(Some(t0), None)), zero),
+            ReplicaState::Degraded(Degraded::EngineLost)
+        );
+        assert!(is_stale(
+            state_after(&with(engine(Some(t0), None)), DEAD),
+            Lost::Engine
+        ));
+        assert_eq!(
+            state_after(&with(engine(None, Some(Degraded::Unverified))), DEAD * 10),
+            ReplicaState::Degraded(Degraded::Unverified),
+            "reconnected, not yet proven: degraded, not stale (the sidecar re-asks)"
+        );
+        assert_eq!(
+            state_after(&with(engine(None, Some(Degraded::Replaying))), zero),
+            ReplicaState::Degraded(Degraded::Replaying)
+        );
+        // Continuity proven (or a restart cleared and rebuilt): exact again.
+        let back = [
+            CONNECTED,
+            WHOLE,
+            engine(Some(t0), None),
+            engine(None, Some(Degraded::Unverified)),
+            engine(None, None),
+        ];
+        assert_eq!(state_after(&back, zero), ReplicaState::Exact);
+        // The engine stays lost since it was first seen lost.
+        let t1 = t0 + Duration::from_secs(2);
+        let mut s = Status::new("x");
+        s.on("r", RESUMED, t0);
+        s.on("r", engine(Some(t0), None), t0);
+        s.on("r", engine(Some(t1), None), t1);
+        assert!(is_stale(s.state(DEAD, t0 + DEAD), Lost::Engine));
+    }
+
+    #[test]
+    fn silence_loss_and_refusal() {
+        let t0 = Instant::now();
+        let zero = Duration::ZERO;
+        assert_eq!(
+            state_after(&[CONNECTED, WHOLE, Event::Silent(true)], zero),
+            ReplicaState::Degraded(Degraded::Silent)
+        );
+        assert_eq!(
+            state_after(
+                &[CONNECTED, WHOLE, Event::Silent(true), Event::Silent(false)],
+                zero
+            ),
+            ReplicaState::Exact
+        );
+        // Silence says less than an engine lost or a snapshot loading.
+        assert_eq!(
+            state_after(&[CONNECTED, Event::Silent(true)], zero),
+            ReplicaState::Degraded(Degraded::SnapshotLoading)
+        );
+        assert_eq!(
+            state_after(&[CONNECTED, WHOLE, lost(t0)], zero),
+            ReplicaState::Degraded(Degraded::Connecting)
+        );
+        assert!(is_stale(
+            state_after(&[CONNECTED, WHOLE, lost(t0)], DEAD),
+            Lost::Source
+        ));
+        // A refusal is stale at once, and goes when a stream is followed again.
+        let refused = Event::Refused {
+            error: "refused: the sidecar serves replica `b`, not `a`".into(),
+        };
+        assert!(is_stale(
+            state_after(&[refused.clone()], zero),
+            Lost::Source
+        ));
+        assert_eq!(
+            state_after(&[refused, CONNECTED, WHOLE], zero),
+            ReplicaState::Exact
+        );
+        let mut s = Status::new("x");
+        s.on("r", RESUMED, t0);
+        s.on("r", lost(t0), t0);
+        assert_eq!(s.error.as_deref(), Some("the stream ended"));
+        s.on("r", RESUMED, t0);
+        assert_eq!(s.error, None, "followed again: the error goes");
+    }
+
+    #[test]
+    fn drop_after_is_reached_once_per_loss() {
+        let t0 = Instant::now();
+        let drop_after = Duration::from_secs(60);
+        let mut s = Status::new("x");
+        s.on("r", RESUMED, t0);
+        s.on("r", Event::Changed { blocks: 7 }, t0);
+        assert!(!s.expire(drop_after, t0 + drop_after), "not lost");
+        s.on("r", lost(t0), t0);
+        assert!(!s.expire(drop_after, t0 + Duration::from_secs(59)));
+        assert!(s.expire(drop_after, t0 + drop_after));
+        assert_eq!(s.blocks, 0);
+        assert!(!s.expire(drop_after, t0 + drop_after * 2), "once");
+        // Back, and lost again: once more.
+        s.on("r", RESUMED, t0 + drop_after * 2);
+        let t1 = t0 + drop_after * 3;
+        s.on("r", lost(t1), t1);
+        assert!(s.expire(drop_after, t1 + drop_after));
+    }
+
+    #[test]
+    fn a_removed_replica_is_not_published_again() {
+        let mut s = Status::new("x");
+        s.on("r", Event::Removed, Instant::now());
+        assert!(s.removed);
+    }
 }
