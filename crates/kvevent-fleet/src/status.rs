@@ -446,7 +446,7 @@ mod tests {
             error: "refused: the sidecar serves replica `b`, not `a`".into(),
         };
         assert!(is_stale(
-            state_after(&[refused.clone()], zero),
+            state_after(std::slice::from_ref(&refused), zero),
             Lost::Source
         ));
         assert_eq!(
