@@ -489,6 +489,8 @@ async fn a_feed_only_sidecar_runs_clean_beside_an_engine_and_serves_a_router() {
             "--replica-id=r",
             "--model-id=m",
             "--metrics-address=127.0.0.1:0",
+            // This engine stand-in has no HTTP server to ask.
+            "--engine-health-interval=0",
         ],
     );
     let stderr = Stderr::of(&mut child);

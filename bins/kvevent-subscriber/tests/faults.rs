@@ -3,12 +3,14 @@
 //! proxies, and a seeded schedule of faults, one after another: engines killed (SIGKILL) and
 //! restarted empty, busy or idle, after short and long downtimes and with a replay socket slow
 //! to answer; engines paused (SIGSTOP); batches lost on the way (replayable) and beyond the
-//! replay buffer; sidecars killed and restarted, with and without a state file; the router
-//! restarted; the feed link cut, blackholed and delayed.
+//! replay buffer; the engine's HTTP server gone while its event sockets live; sidecars killed
+//! and restarted, with and without a state file; the router restarted; the feed link cut,
+//! blackholed and delayed.
 //!
 //! Checked every 100 ms, for every replica and prompt: an answer that says `exact` while its
 //! content differs from what the engine's current process holds, for longer than the
-//! propagation window (500 ms), is a **wrong exact answer**: there must be none. After each
+//! propagation window (500 ms), or while the engine's HTTP server has been gone for longer, is
+//! a **wrong exact answer**: there must be none. After each
 //! fault heals, every replica must be exact and equal to its engine within 10 s
 //! (**convergence**, reported p50 / p99). Also reported: the share of answers not exact
 //! (**blind**) during faults and after them, every sidecar's RSS, and that each sidecar ends
@@ -73,6 +75,8 @@ struct Truth {
     changed: Vec<Instant>,
     /// Bumped at each kill: lines a dead process printed are not applied.
     incarnation: u64,
+    /// Its HTTP server answers (or not), since then.
+    server: (bool, Instant),
 }
 
 impl Truth {
@@ -81,6 +85,7 @@ impl Truth {
             held: HashSet::new(),
             changed: vec![Instant::now(); PROMPTS as usize],
             incarnation: 0,
+            server: (false, Instant::now()),
         }
     }
 
@@ -106,7 +111,7 @@ struct Engine {
 
 impl Engine {
     fn spawn(
-        ports: (u16, u16),
+        ports: Ports,
         seed: u64,
         idle: bool,
         replay_delay: Duration,
@@ -118,13 +123,15 @@ impl Engine {
             let mut t = lock(truth);
             t.held.clear();
             t.all_changed();
+            t.server = (true, Instant::now());
             t.incarnation
         };
         let mut command = Command::new(kvevent_test_support::python());
         command
             .arg(script)
-            .args(["--port", &ports.0.to_string()])
-            .args(["--replay-port", &ports.1.to_string()])
+            .args(["--port", &ports.events.to_string()])
+            .args(["--replay-port", &ports.replay.to_string()])
+            .args(["--http-port", &ports.http.to_string()])
             .args(["--seed", &seed.to_string()])
             .args(["--prompts", &PROMPTS.to_string()])
             .args(["--blocks", &BLOCKS.to_string()])
@@ -196,10 +203,19 @@ impl Engine {
             t.incarnation += 1;
             t.held.clear();
             t.all_changed();
+            t.server = (false, Instant::now());
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// One engine's ports.
+#[derive(Debug, Clone, Copy)]
+struct Ports {
+    events: u16,
+    replay: u16,
+    http: u16,
 }
 
 /// A sidecar (this package's binary), feed only, as a child process.
@@ -210,7 +226,7 @@ struct Sidecar {
 
 impl Sidecar {
     fn start(
-        engine: (u16, u16),
+        engine: Ports,
         feed_port: u16,
         name: &str,
         state_file: Option<&PathBuf>,
@@ -221,8 +237,13 @@ impl Sidecar {
         let mut command = Command::new(BIN);
         command
             .args([
-                &format!("--engine-endpoint=tcp://127.0.0.1:{}", engine.0),
-                &format!("--replay-endpoint=tcp://127.0.0.1:{}", engine.1),
+                &format!("--engine-endpoint=tcp://127.0.0.1:{}", engine.events),
+                &format!("--replay-endpoint=tcp://127.0.0.1:{}", engine.replay),
+                &format!(
+                    "--engine-metrics-url=http://127.0.0.1:{}/metrics",
+                    engine.http
+                ),
+                "--engine-health-interval=200ms",
                 &format!("--feed-address=127.0.0.1:{feed_port}"),
                 &format!("--replica-id={name}"),
                 "--model-id=llama",
@@ -409,6 +430,10 @@ enum Fault {
     LostBeyondReplay {
         replica: usize,
     },
+    ServerGone {
+        replica: usize,
+        for_: Duration,
+    },
     SidecarKilled {
         replica: usize,
         down: Duration,
@@ -432,7 +457,7 @@ enum Fault {
 impl Fault {
     fn draw(rng: &mut Rng) -> Self {
         let replica = rng.below(REPLICAS as u64) as usize;
-        match rng.below(11) {
+        match rng.below(12) {
             0 | 1 => Self::EngineKilled {
                 replica,
                 down: rng.ms(200, 3000),
@@ -471,6 +496,10 @@ impl Fault {
                 replica,
                 for_: rng.ms(300, 2500),
             },
+            10 => Self::ServerGone {
+                replica,
+                for_: rng.ms(300, 2500),
+            },
             _ => Self::FeedDelayed {
                 replica,
                 for_: rng.ms(500, 2000),
@@ -494,7 +523,7 @@ struct Report {
 
 struct Replica {
     name: String,
-    engine_ports: (u16, u16),
+    engine_ports: Ports,
     feed_port: u16,
     engine: Option<Engine>,
     sidecar: Option<Sidecar>,
@@ -573,7 +602,15 @@ impl Run {
                 counter.0 += 1;
                 counter.1 += u64::from(!exact);
                 let settled = now.saturating_duration_since(truth.changed[p as usize]) > WINDOW;
-                if exact && settled && matched != truth.matched(p) {
+                let (up, since) = truth.server;
+                if exact && !up && now.saturating_duration_since(since) > WINDOW {
+                    self.report.wrong.push(format!(
+                        "{:.1}s {} prompt {p}: exact while the engine's HTTP server is gone ({:?})",
+                        self.started.elapsed().as_secs_f64(),
+                        r.name,
+                        state
+                    ));
+                } else if exact && settled && matched != truth.matched(p) {
                     self.report.wrong.push(format!(
                         "{:.1}s {} prompt {p}: exact with {matched} blocks, the engine holds {} ({:?})",
                         self.started.elapsed().as_secs_f64(),
@@ -721,6 +758,19 @@ impl Run {
                     e.command("clear");
                 }
             }
+            Fault::ServerGone { replica, for_ } => {
+                let r = &mut self.replicas[replica];
+                if let Some(e) = r.engine.as_mut() {
+                    lock(&r.truth).server = (false, Instant::now());
+                    e.command("http down");
+                }
+                self.hold(for_, true);
+                let r = &mut self.replicas[replica];
+                if let Some(e) = r.engine.as_mut() {
+                    e.command("http up");
+                    lock(&r.truth).server = (true, Instant::now());
+                }
+            }
             Fault::SidecarKilled {
                 replica,
                 down,
@@ -772,14 +822,19 @@ fn run_seed(seed: u64, seconds: u64, runtime: &tokio::runtime::Runtime) -> (Repo
     let mut replicas = Vec::new();
     // Every port held at once, then let go: none is handed out twice.
     // The proxies bind theirs first: an OS-picked port is never one of ours.
-    let held: Vec<HeldPort> = (0..3 * REPLICAS).map(|_| HeldPort::new()).collect();
+    let held: Vec<HeldPort> = (0..4 * REPLICAS).map(|_| HeldPort::new()).collect();
     let ports: Vec<u16> = held.iter().map(HeldPort::port).collect();
     let mut proxies: Vec<Proxy> = (0..REPLICAS)
-        .map(|i| runtime.block_on(Proxy::start(ports[3 * i + 2])))
+        .map(|i| runtime.block_on(Proxy::start(ports[4 * i + 2])))
         .collect();
     drop(held);
     for i in 0..REPLICAS {
-        let (engine_ports, feed_port) = ((ports[3 * i], ports[3 * i + 1]), ports[3 * i + 2]);
+        let engine_ports = Ports {
+            events: ports[4 * i],
+            replay: ports[4 * i + 1],
+            http: ports[4 * i + 3],
+        };
+        let feed_port = ports[4 * i + 2];
         let truth = Arc::new(Mutex::new(Truth::new()));
         let engine = Engine::spawn(
             engine_ports,

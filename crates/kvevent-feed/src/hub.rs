@@ -127,6 +127,8 @@ pub struct Hub {
     /// What the sidecar sees of its engine, rank by rank, each with when its connection last
     /// changed; `None` until the events thread says.
     engine: Mutex<Option<Vec<(RankHealth, std::time::Instant)>>>,
+    /// The engine's HTTP server failing its health check: since when, and why.
+    server_down: Mutex<Option<(std::time::Instant, String)>>,
     /// Bumped when the engine's health changes: followers send it at once.
     health: tokio::sync::watch::Sender<u64>,
     metrics: HubMetrics,
@@ -230,6 +232,7 @@ impl Hub {
             }),
             changed: tokio::sync::watch::channel((epoch, 0)).0,
             engine: Mutex::new(None),
+            server_down: Mutex::new(None),
             health: tokio::sync::watch::channel(0).0,
             metrics: HubMetrics::default(),
         })
@@ -501,15 +504,50 @@ impl Hub {
         self.health.send_modify(|n| *n = n.wrapping_add(1));
     }
 
+    /// Tells followers whether the engine's HTTP server answers its health check (`None`) or
+    /// not (why, in our words); sent to them when it changes.
+    pub fn set_engine_server(&self, failing: Option<String>) {
+        let mut down = self
+            .server_down
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let changed = match (&*down, &failing) {
+            (None, None) => false,
+            (Some((_, was)), Some(now)) => was != now,
+            _ => true,
+        };
+        if !changed {
+            return;
+        }
+        *down = failing.map(|why| {
+            let since = down
+                .as_ref()
+                .map_or_else(std::time::Instant::now, |(t, _)| *t);
+            (since, why)
+        });
+        drop(down);
+        self.health.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
     /// The engine's health as the feed carries it, and the block size (`None` before
     /// [`Hub::set_engine`] and the first block).
     pub(crate) fn engine_health(&self) -> Option<pb::EngineHealth> {
         let block_size = self.block_size();
         let engine = self.engine.lock().unwrap_or_else(PoisonError::into_inner);
-        if engine.is_none() && block_size == 0 {
+        let server = self
+            .server_down
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        if engine.is_none() && block_size == 0 && server.is_none() {
             return None;
         }
         Some(pb::EngineHealth {
+            server_down: server.is_some(),
+            server_down_ms: server
+                .as_ref()
+                .map_or(0, |(since, _)| since.elapsed().as_millis() as u64),
+            server_error: server.map(|(_, why)| why).unwrap_or_default(),
             block_size,
             ranks: engine
                 .iter()

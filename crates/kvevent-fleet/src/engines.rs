@@ -373,6 +373,7 @@ impl Thread {
                     lost_since: None,
                     view,
                     ranks,
+                    server_down: None,
                 },
                 now,
             );

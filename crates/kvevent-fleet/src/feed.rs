@@ -322,12 +322,19 @@ impl FeedFollower {
             })
             .collect();
         let view = rank_view(health.ranks.iter().map(|r| (r.degraded, r.unverified)));
+        let server_down = health.server_down.then(|| {
+            let since = now
+                .checked_sub(Duration::from_millis(health.server_down_ms))
+                .unwrap_or(now);
+            (since, health.server_error.clone())
+        });
         s.on(
             &self.name,
             Event::Engine {
                 lost_since,
                 view,
                 ranks,
+                server_down,
             },
             now,
         );

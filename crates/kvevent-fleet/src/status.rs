@@ -30,6 +30,8 @@ pub(crate) struct Status {
     /// What the engine's ranks say, as their follower (the sidecar, or the engine thread)
     /// sees them: a rank unverified or degraded.
     pub(crate) engine_degraded: Option<Degraded>,
+    /// The engine's HTTP server fails its health check, since then, and why.
+    pub(crate) server_down: Option<(Instant, String)>,
     /// Lost for `drop_after`: its entries no longer count.
     pub(crate) dropped: bool,
     /// The source's stream is open but nothing came for two heartbeats.
@@ -87,6 +89,8 @@ pub(crate) enum Event {
         view: Option<Degraded>,
         /// Each rank as last seen.
         ranks: Vec<(RankStatus, Option<Instant>)>,
+        /// The engine's HTTP server failing its health check: since when, and why.
+        server_down: Option<(Instant, String)>,
     },
     /// The stream is open but nothing came for two heartbeats (true), or something came
     /// again (false).
@@ -115,6 +119,7 @@ impl Status {
             engine_lost: None,
             degraded: None,
             engine_degraded: None,
+            server_down: None,
             dropped: false,
             silent: false,
             refused: false,
@@ -156,11 +161,16 @@ impl Status {
                 lost_since,
                 view,
                 ranks,
+                server_down,
             } => {
-                // The engine stays lost since it was first seen lost, until every rank is back.
+                // The engine stays lost since it was first seen lost, until every rank is back;
+                // its server, likewise.
                 self.engine_lost = lost_since.map(|since| self.engine_lost.unwrap_or(since));
                 self.engine_degraded = view;
                 self.ranks = ranks;
+                self.server_down = server_down.map(|(since, why)| {
+                    (self.server_down.as_ref().map_or(since, |(t, _)| *t), why)
+                });
             }
             Event::Silent(silent) => self.silent = silent,
             Event::Lost { since, error } => {
@@ -210,6 +220,9 @@ impl Status {
             },
             (Some(since), _) => lost(since, Lost::Source, Degraded::Connecting),
             (None, Some(since)) => lost(since, Lost::Engine, Degraded::EngineLost),
+            (None, None) if let Some((since, _)) = &self.server_down => {
+                lost(*since, Lost::Server, Degraded::ServerDown)
+            }
             (None, None) => self
                 .degraded
                 .or(self.silent.then_some(Degraded::Silent))
@@ -221,7 +234,10 @@ impl Status {
     /// When the state changes next by time alone (`dead_after` reached), or its entries
     /// stop counting (`drop_after`), if ever.
     pub(crate) fn next_deadline(&self, core: &Core) -> Option<Instant> {
-        let since = self.source_lost.or(self.engine_lost)?;
+        let since = self
+            .source_lost
+            .or(self.engine_lost)
+            .or(self.server_down.as_ref().map(|(t, _)| *t))?;
         let (dead, drop) = (
             since + core.config.dead_after,
             since + core.config.drop_after,
@@ -247,7 +263,10 @@ impl Status {
             newest_change: self.newest.map(|t| now.saturating_duration_since(t)),
             block_size: (self.block_size > 0).then_some(self.block_size),
             batches: self.batches,
-            error: self.error.clone(),
+            error: self
+                .error
+                .clone()
+                .or_else(|| self.server_down.as_ref().map(|(_, why)| why.clone())),
             ranks: self
                 .ranks
                 .iter()
@@ -331,6 +350,7 @@ mod tests {
             lost_since,
             view,
             ranks: Vec::new(),
+            server_down: None,
         }
     }
 

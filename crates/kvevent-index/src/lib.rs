@@ -114,6 +114,9 @@ pub enum Degraded {
     /// Its source's stream is open, but nothing came from it for two heartbeats: changes may
     /// be missing (a link cut without a word, or blackholed).
     Silent,
+    /// Its engine's HTTP server does not answer its health check (for less than
+    /// `dead_after`): its cache may be known, but it serves nothing.
+    ServerDown,
 }
 
 impl Degraded {
@@ -126,6 +129,7 @@ impl Degraded {
             Self::EngineLost => "engine_lost",
             Self::Unverified => "unverified",
             Self::Silent => "silent",
+            Self::ServerDown => "server_down",
         }
     }
 }
@@ -137,14 +141,17 @@ pub enum Lost {
     Source,
     /// The engine behind a sidecar that is still there.
     Engine,
+    /// The engine's HTTP server: its cache may be known, but it serves nothing.
+    Server,
 }
 
 impl Lost {
-    /// `source` or `engine`.
+    /// `source`, `engine` or `server`.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Source => "source",
             Self::Engine => "engine",
+            Self::Server => "server",
         }
     }
 }
@@ -183,8 +190,8 @@ impl ReplicaState {
         }
     }
 
-    /// The reason, for a state other than `Exact`: a [`Degraded`] reason, or `source_lost`
-    /// or `engine_lost`.
+    /// The reason, for a state other than `Exact`: a [`Degraded`] reason, or `source_lost`,
+    /// `engine_lost` or `server_down`.
     pub fn reason(self) -> Option<&'static str> {
         match self {
             Self::Exact => None,
@@ -195,6 +202,9 @@ impl ReplicaState {
             Self::Stale {
                 lost: Lost::Engine, ..
             } => Some("engine_lost"),
+            Self::Stale {
+                lost: Lost::Server, ..
+            } => Some("server_down"),
         }
     }
 }

@@ -24,6 +24,7 @@
 pub mod credentials;
 pub mod demo;
 pub mod discovery;
+mod engine_server;
 mod events;
 mod http_server;
 pub mod settings;
@@ -350,6 +351,7 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         telemetry.set_feed(feed.hub.clone());
         (Some(feed), Some(served))
     };
+    let feed_hub = feed.as_ref().map(|f| f.hub.clone());
 
     let stop_events = Arc::new(AtomicBool::new(false));
     let events = events::EventsLoop {
@@ -398,6 +400,25 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         )
     });
     let (stop_stats, stop_rx) = tokio::sync::watch::channel(false);
+    // With a feed, the engine's HTTP server is asked whether it answers.
+    let health_url = engine_server::health_url(&settings.engine_metrics_url)
+        .filter(|_| !settings.engine_health_interval.0.is_zero());
+    if let (Some(hub), Some(url)) = (feed_hub, health_url) {
+        let timeout = settings
+            .engine_health_interval
+            .0
+            .min(settings.scrape_timeout.0);
+        let fetcher = kvevent_scrape::Fetcher::new(&url, timeout, 64 << 10)?;
+        tokio::spawn(
+            engine_server::EngineServer {
+                fetcher,
+                url,
+                interval: settings.engine_health_interval.0,
+                hub,
+            }
+            .run(stop_rx.clone()),
+        );
+    }
     let watch = tokio::spawn(
         watch::Watch {
             client: client.clone(),

@@ -12,10 +12,12 @@ one; a removal takes any held block (mid-chain too); now and then everything is 
 Prints one JSON line with its endpoints, then, for each batch (published or lost), one line per
 change: `+ P B` stored, `- P B` removed, `C` cleared, then `. SEQ`. Commands on stdin, one a
 line: `busy`, `idle`, `lose N` (the next N batches go to the replay buffer only), `lose N forget`
-(they do not, and the buffer is emptied: as if it had wrapped), `clear`.
+(they do not, and the buffer is emptied: as if it had wrapped), `clear`, `http down` / `http up`
+(its HTTP server, answering /health on --http-port, goes away and comes back).
 """
 import argparse
 import collections
+import http.server
 import json
 import random
 import sys
@@ -42,6 +44,7 @@ def main():
     ap.add_argument("--buffer-steps", type=int, default=400, help="batches kept for replay")
     ap.add_argument("--interval", type=float, default=0.02)
     ap.add_argument("--idle", action="store_true", help="start without publishing")
+    ap.add_argument("--http-port", type=int, default=0, help="/health here (0: no HTTP server)")
     ap.add_argument("--replay-delay", type=float, default=0.0,
                     help="answer no replay request for this long after starting")
     a = ap.parse_args()
@@ -107,6 +110,38 @@ def main():
     print(json.dumps({"endpoint": f"tcp://127.0.0.1:{pub_port}",
                       "replay_endpoint": f"tcp://127.0.0.1:{router_port}"}), flush=True)
 
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = [None]
+
+    def http_up():
+        if a.http_port and server[0] is None:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    s = http.server.ThreadingHTTPServer(("127.0.0.1", a.http_port), Health)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+            threading.Thread(target=s.serve_forever, daemon=True).start()
+            server[0] = s
+
+    def http_down():
+        if server[0] is not None:
+            server[0].shutdown()
+            server[0].server_close()
+            server[0] = None
+
+    http_up()
     commands = collections.deque()
     stop = threading.Event()
 
@@ -146,6 +181,10 @@ def main():
                 forget = len(c) == 3
             elif c == ["clear"]:
                 force_clear = True
+            elif c == ["http", "down"]:
+                http_down()
+            elif c == ["http", "up"]:
+                http_up()
         events = []
         if force_clear:
             force_clear = False

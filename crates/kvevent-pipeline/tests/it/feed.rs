@@ -479,3 +479,96 @@ async fn a_restarted_engine_is_never_exact_with_the_old_process_blocks() {
     });
     running.shutdown(Duration::from_secs(2)).await;
 }
+
+/// Answers every HTTP request with 200 until dropped (the engine's API server, for its health
+/// check).
+struct HealthServer {
+    port: u16,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl HealthServer {
+    async fn start(port: u16) -> Self {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+            .await
+            .expect("bind");
+        let port = listener.local_addr().expect("address").port();
+        let task = tokio::spawn(async move {
+            // Its connections go with it (dropping the set aborts them).
+            let mut connections = tokio::task::JoinSet::new();
+            while let Ok((mut stream, _)) = listener.accept().await {
+                connections.spawn(async move {
+                    let mut buf = [0u8; 1024];
+                    while let Ok(n) = stream.read(&mut buf).await {
+                        if n == 0 {
+                            return;
+                        }
+                        let ok = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n";
+                        if stream.write_all(ok).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        Self { port, task }
+    }
+}
+
+/// The engine's API server goes while its event sockets live (vLLM's engine core outlives it):
+/// a router following the sidecar does not call the replica exact, and says why; it is exact
+/// again once the server answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_whose_server_is_gone_is_not_exact() {
+    let (server, ctx, engine) = crate::ends().await;
+    let http = HealthServer::start(0).await;
+    let port = http.port;
+    let s = Settings {
+        feed_address: "127.0.0.1:0".into(),
+        engine_metrics_url: format!("http://127.0.0.1:{port}/metrics"),
+        engine_health_interval: kvevent_pipeline::settings::GoDuration::ms(100),
+        ..crate::loopback(&engine, &server)
+    };
+    let running = start(&s, &ctx).await.expect("start");
+    let feed_url = format!("http://{}", running.feed_addr().expect("feed address"));
+    let fleet = Fleet::new(FleetConfig::default()).expect("fleet");
+    follow_sidecar(&fleet, "a", &feed_url);
+    let state = |fleet: &Fleet| fleet.replicas().first().map(|r| (r.state, r.error.clone()));
+    tokio::task::block_in_place(|| {
+        assert!(engine.wait_for_subscribers(1, WAIT));
+        engine.publish(&stored(1)).expect("publish");
+        wait_until("exact", || {
+            state(&fleet).is_some_and(|(s, _)| s == ReplicaState::Exact)
+                && blocks_matched(&fleet, "a", 1) == 2
+        });
+    });
+    http.task.abort();
+    let _ = http.task.await;
+    let gone = Instant::now();
+    tokio::task::block_in_place(|| {
+        wait_until("the server gone", || {
+            state(&fleet).is_some_and(|(s, _)| s == ReplicaState::Degraded(Degraded::ServerDown))
+        });
+    });
+    assert!(
+        gone.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        gone.elapsed()
+    );
+    let (_, error) = state(&fleet).expect("a replica");
+    let error = error.unwrap_or_default();
+    assert!(
+        error.starts_with(&format!("http://127.0.0.1:{port}/health: ")),
+        "{error}"
+    );
+    // Its cache is still known; it only serves nothing.
+    assert_eq!(blocks_matched(&fleet, "a", 1), 2);
+    let _back = HealthServer::start(port).await;
+    tokio::task::block_in_place(|| {
+        wait_until("exact again", || {
+            state(&fleet).is_some_and(|(s, e)| s == ReplicaState::Exact && e.is_none())
+        });
+    });
+    running.shutdown(Duration::from_secs(2)).await;
+}

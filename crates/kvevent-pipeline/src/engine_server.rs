@@ -1,0 +1,88 @@
+//! With a router feed: the engine's HTTP server, asked at `/health` on its own cadence. Its
+//! cache may be known while it serves nothing (vLLM's API server gone, its engine core
+//! publishing on): the feed says so, and routers do not send it requests.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvevent_scrape::{FetchError, Fetcher};
+use tokio::sync::watch;
+
+/// `/health` on the host of the engine's metrics URL (vLLM's and SGLang's health check).
+pub(crate) fn health_url(metrics_url: &str) -> Option<String> {
+    let rest = metrics_url.strip_prefix("http://")?;
+    let authority = rest.split('/').next().filter(|a| !a.is_empty())?;
+    Some(format!("http://{authority}/health"))
+}
+
+pub(crate) struct EngineServer {
+    pub(crate) fetcher: Fetcher,
+    pub(crate) url: String,
+    pub(crate) interval: Duration,
+    pub(crate) hub: Arc<kvevent_feed::Hub>,
+}
+
+impl EngineServer {
+    /// Asks every `interval` until `stop` changes; tells the hub when the answer changes, and
+    /// logs it then (never once a tick).
+    pub(crate) async fn run(self, mut stop: watch::Receiver<bool>) {
+        let mut ticker = tokio::time::interval(self.interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        let mut failing: Option<String> = None;
+        loop {
+            tokio::select! {
+                _ = ticker.tick() => {}
+                _ = stop.changed() => return,
+            }
+            let now = match self.fetcher.fetch().await {
+                Ok(_) => None,
+                Err(e) => Some(format!("{}: {}", self.url, words(&e))),
+            };
+            if now != failing {
+                match &now {
+                    Some(why) => {
+                        tracing::warn!(error = %why, "the engine's HTTP server does not answer its health check: routers following the feed see the replica degraded")
+                    }
+                    None => {
+                        tracing::info!(url = %self.url, "the engine's HTTP server answers its health check again")
+                    }
+                }
+                self.hub.set_engine_server(now.clone());
+                failing = now;
+            }
+        }
+    }
+}
+
+/// The error and its causes, in one line ("request failed: connection refused").
+fn words(e: &FetchError) -> String {
+    let mut out = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out = format!("{out}: {text}");
+        }
+        source = s.source();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::health_url;
+
+    #[test]
+    fn the_health_check_is_on_the_metrics_host() {
+        assert_eq!(
+            health_url("http://10.0.0.7:8000/metrics").as_deref(),
+            Some("http://10.0.0.7:8000/health")
+        );
+        assert_eq!(
+            health_url("http://engine:30000").as_deref(),
+            Some("http://engine:30000/health")
+        );
+        assert_eq!(health_url("https://engine/metrics"), None);
+        assert_eq!(health_url("http:///metrics"), None);
+    }
+}
