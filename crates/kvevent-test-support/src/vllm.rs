@@ -28,6 +28,8 @@ pub struct Vllm {
     /// Its HTTP address.
     pub http: std::net::SocketAddr,
     log: PathBuf,
+    /// The session of an API server killed alone (its engine core may live on in it).
+    session: Option<u32>,
 }
 
 impl Vllm {
@@ -84,6 +86,7 @@ impl Vllm {
             child,
             http: ([127, 0, 0, 1], http).into(),
             log,
+            session: None,
         }
     }
 
@@ -128,6 +131,41 @@ impl Vllm {
             .args(["-TERM", &self.child.id().to_string()])
             .status();
         let _ = self.child.wait();
+    }
+
+    /// The API server's process (`serve.py` runs it in a session of its own; its engine core
+    /// is a process of that session): `serve.py`'s child.
+    fn api_server(&self) -> Option<u32> {
+        let me = self.child.id();
+        let children =
+            std::fs::read_to_string(format!("/proc/{me}/task/{me}/children")).unwrap_or_default();
+        children.split_whitespace().next()?.parse().ok()
+    }
+
+    /// SIGKILL to every process of the engine at once, as when its pod dies: no goodbye.
+    pub fn kill(&mut self) {
+        // Its session: the API server's (or, killed alone before, the one it left).
+        if let Some(session) = self.api_server().or(self.session.take()) {
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{session}")])
+                .status();
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGKILL to the API server alone: the engine core it started lives on as an orphan
+    /// (publishing KV events, serving nothing) until [`Vllm::kill`] or the drop ends its
+    /// session. Returns false when there is no API server to kill.
+    pub fn kill_api_server(&mut self) -> bool {
+        let Some(api) = self.api_server() else {
+            return false;
+        };
+        self.session = Some(api);
+        Command::new("kill")
+            .args(["-KILL", &api.to_string()])
+            .status()
+            .is_ok_and(|s| s.success())
     }
 
     /// One completion of `prompt` (token ids, one token out): the cached tokens its usage
@@ -184,6 +222,12 @@ impl Vllm {
 impl Drop for Vllm {
     fn drop(&mut self) {
         self.stop();
+        // An engine core orphaned by a killed API server goes with its session.
+        if let Some(session) = self.session.take() {
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{session}")])
+                .status();
+        }
     }
 }
 

@@ -153,6 +153,7 @@ async fn the_sidecar_and_routers_against_a_real_vllm_engine() {
         model_id: "tiny".into(),
         feed_address: "127.0.0.1:0".into(),
         engine_metrics_url: format!("http://{}/metrics", engine.http),
+        engine_health_interval: GoDuration::ms(200),
         engine_cache_size_bytes: 1 << 20,
         stats_interval: GoDuration::ms(500),
         window: GoDuration::ms(20),
@@ -317,10 +318,36 @@ async fn the_sidecar_and_routers_against_a_real_vllm_engine() {
         assert_eq!((t.decisions, t.exact), (decisions, decisions), "{t:?}");
     }
 
-    // The engine restarts on the same ports: the sidecar clears the server and starts a new
-    // epoch; neither router predicts the old prompts any more.
+    // The API server alone dies; its engine core lives on, publishing, serving nothing. A
+    // router following the sidecar (which asks the server's /health) does not call the replica
+    // exact while the server is gone. (One following the engine's sockets alone cannot know.)
+    let state = |fleet: &Fleet| predicted(fleet, "vllm-cpu", &c).map(|(_, s)| s);
+    assert!(engine.kill_api_server(), "an API server to kill");
+    let killed = Instant::now();
+    while state(&via_feed) == Some(ReplicaState::Exact) {
+        assert!(
+            killed.elapsed() < Duration::from_millis(1500),
+            "still exact {:?} after its API server died",
+            killed.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let api_gone_after = killed.elapsed();
+    for _ in 0..100 {
+        assert_ne!(
+            state(&via_feed),
+            Some(ReplicaState::Exact),
+            "the server is gone"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // Then every process of it dies at once, as when its pod dies, and it comes back on the same
+    // ports, empty: the sidecar clears the server and starts a new epoch. Watched every 20 ms
+    // from the kill on, neither router ever calls it exact with the old process's blocks, and
+    // both call it exact (holding nothing) within 2 s of the new engine answering.
     let clears_before = clears(&server.received());
-    engine.stop();
+    engine.kill();
     let mut engine = Engine::start(
         &venv,
         http.port(),
@@ -328,7 +355,50 @@ async fn the_sidecar_and_routers_against_a_real_vllm_engine() {
         replay.port(),
         logs.join("vllm-2.log"),
     );
-    let second_up = engine.up().await;
+    let up = std::sync::atomic::AtomicBool::new(false);
+    let mut wrong = Vec::new();
+    let watch = async {
+        while !up.load(std::sync::atomic::Ordering::Relaxed) {
+            for (fleet, name) in &fleets {
+                if let Some((tokens, ReplicaState::Exact)) = predicted(fleet, name, &c)
+                    && tokens > 0
+                {
+                    wrong.push((*name, tokens));
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let (second_up, ()) = tokio::join!(
+        async {
+            let took = engine.up().await;
+            up.store(true, std::sync::atomic::Ordering::Relaxed);
+            took
+        },
+        watch
+    );
+    assert!(
+        wrong.is_empty(),
+        "exact with the old process's blocks: {wrong:?}"
+    );
+    let answered = Instant::now();
+    loop {
+        let now: Vec<_> = fleets.iter().map(|(f, r)| predicted(f, r, &c)).collect();
+        if now.iter().all(|p| *p == Some((0, ReplicaState::Exact))) {
+            break;
+        }
+        assert!(
+            !now.iter()
+                .any(|p| p.is_some_and(|(t, s)| t > 0 && s == ReplicaState::Exact)),
+            "exact with the old process's blocks: {now:?}"
+        );
+        assert!(
+            answered.elapsed() < Duration::from_millis(2500),
+            "not exact within 2 s of the new engine answering: {now:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let exact_again_after = answered.elapsed();
     let restarted = prompt(300, 4);
     assert_eq!(engine.complete(&restarted).await, 0);
     settled(&fleets, &restarted, 4 * BLOCK).await;
@@ -342,7 +412,7 @@ async fn the_sidecar_and_routers_against_a_real_vllm_engine() {
 
     running.shutdown(Duration::from_secs(2)).await;
     eprintln!(
-        "real engine: up in {first_up:?} and {second_up:?} after its restart; {} decisions a router, all exact; {} evictions, {} clears and {} stats reports reached the server; {:?} in all",
+        "real engine: up in {first_up:?} and {second_up:?} after its restart; not exact {api_gone_after:?} after its API server died; exact (empty) again {exact_again_after:?} after the new engine answered; {} decisions a router, all exact; {} evictions, {} clears and {} stats reports reached the server; {:?} in all",
         decisions + 1,
         evictions(&server.received()),
         clears(&server.received()),
