@@ -132,6 +132,7 @@ impl Router {
                     dp: e.dp,
                     topic: Vec::new(),
                     engine: e.engine,
+                    http: None,
                 }),
             )?;
         }

@@ -373,7 +373,6 @@ impl Thread {
                     lost_since: None,
                     view,
                     ranks,
-                    server_down: None,
                 },
                 now,
             );
@@ -407,4 +406,59 @@ struct Seen {
     ranks: Vec<(RankStatus, Option<Instant>)>,
     /// Each rank's (degraded, unverified).
     views: Vec<(bool, bool)>,
+}
+
+/// An engine's HTTP server, asked at `/health` every second ([`EngineSockets::http`]).
+pub(crate) struct Server {
+    fetcher: kvevent_scrape::Fetcher,
+    url: String,
+}
+
+/// The engine's HTTP server at `url` (`http://HOST:PORT`), checked.
+pub(crate) fn server(name: &str, url: &str) -> Result<Server, FleetError> {
+    let invalid = || FleetError::EngineHttp {
+        replica: name.to_owned(),
+        url: url.to_owned(),
+    };
+    let base = url.trim_end_matches('/');
+    let authority = base.strip_prefix("http://").ok_or_else(invalid)?;
+    if authority.is_empty() || authority.contains('/') {
+        return Err(invalid());
+    }
+    let health = format!("{base}/health");
+    let fetcher = kvevent_scrape::Fetcher::new(&health, Duration::from_secs(1), 64 << 10)
+        .map_err(|_| invalid())?;
+    Ok(Server {
+        fetcher,
+        url: health,
+    })
+}
+
+impl Server {
+    /// Asks every second for as long as the replica is followed, telling its status what it
+    /// answers.
+    pub(crate) async fn run(self, core: Arc<Core>, name: String, status: Shared) {
+        let mut ticker = tokio::time::interval(Duration::from_secs(1));
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        loop {
+            ticker.tick().await;
+            let down = match self.fetcher.fetch().await {
+                Ok(_) => None,
+                Err(e) => {
+                    let mut why = format!("{}: {e}", self.url);
+                    let mut source = std::error::Error::source(&e);
+                    while let Some(s) = source {
+                        let text = s.to_string();
+                        if !why.contains(&text) {
+                            why = format!("{why}: {text}");
+                        }
+                        source = s.source();
+                    }
+                    Some((Instant::now(), why))
+                }
+            };
+            lock(&status).on(&name, Event::Server(down), Instant::now());
+            status::publish(&core, &name, &status);
+        }
+    }
 }

@@ -334,10 +334,10 @@ impl FeedFollower {
                 lost_since,
                 view,
                 ranks,
-                server_down,
             },
             now,
         );
+        s.on(&self.name, Event::Server(server_down), now);
     }
 
     pub(crate) fn take(

@@ -193,6 +193,10 @@ pub struct EngineSockets {
     pub topic: Vec<u8>,
     /// Whose KV-event wire it speaks: vLLM's (the default) or SGLang's.
     pub engine: kvevent_wire::Engine,
+    /// The engine's HTTP server, `http://HOST:PORT`, asked at `/health` every second: while it
+    /// does not answer, the replica is not exact (`server_down`, then stale). `None`: its
+    /// cache is trusted whether or not it serves.
+    pub http: Option<String>,
 }
 
 #[cfg(feature = "engines")]
@@ -205,6 +209,7 @@ impl EngineSockets {
             dp: 1,
             topic: Vec::new(),
             engine: kvevent_wire::Engine::Vllm,
+            http: None,
         }
     }
 }
@@ -300,6 +305,15 @@ pub enum FleetError {
         /// The endpoint given.
         endpoint: String,
     },
+    /// An engine's HTTP server URL is not `http://HOST:PORT`.
+    #[cfg(feature = "engines")]
+    #[error("replica `{replica}`: `{url}` is not http://HOST:PORT")]
+    EngineHttp {
+        /// The replica.
+        replica: String,
+        /// The URL given.
+        url: String,
+    },
     /// An engine's endpoints are not valid.
     #[cfg(feature = "engines")]
     #[error("replica `{replica}`: {source}")]
@@ -359,8 +373,9 @@ struct Replica {
 
 enum Stop {
     Task(tokio::task::AbortHandle),
+    /// The engine thread's removal, and the task asking its HTTP server, if any.
     #[cfg(feature = "engines")]
-    Engine,
+    Engine(Option<tokio::task::AbortHandle>),
 }
 
 /// The router's fleet: replicas by name, each followed through a sidecar's feed or its engine,
@@ -515,6 +530,13 @@ impl Fleet {
             ReplicaSource::Engine(e) => Some(engines::sources(name, e)?),
             ReplicaSource::Sidecar(_) => None,
         };
+        #[cfg(feature = "engines")]
+        let server = match &source {
+            ReplicaSource::Engine(EngineSockets {
+                http: Some(url), ..
+            }) => Some(engines::server(name, url)?),
+            _ => None,
+        };
         let mut replicas = lock(&self.replicas);
         if replicas.get(name).is_some_and(|r| r.source == source) {
             return Ok(());
@@ -545,7 +567,11 @@ impl Fleet {
                         status.clone(),
                     );
                 }
-                Stop::Engine
+                let probe = server.map(|server| {
+                    let task = server.run(self.core.clone(), name.to_owned(), status.clone());
+                    self.runtime.spawn(task).abort_handle()
+                });
+                Stop::Engine(probe)
             }
         };
         status::publish(&self.core, name, &status);
@@ -590,7 +616,10 @@ impl Fleet {
         match replica.stop {
             Stop::Task(task) => task.abort(),
             #[cfg(feature = "engines")]
-            Stop::Engine => {
+            Stop::Engine(probe) => {
+                if let Some(probe) = probe {
+                    probe.abort();
+                }
                 if let Some(engines) = lock(&self.engines).as_ref() {
                     engines.remove(&replica.status);
                 }
@@ -661,7 +690,11 @@ impl Drop for Fleet {
             match r.stop {
                 Stop::Task(t) => t.abort(),
                 #[cfg(feature = "engines")]
-                Stop::Engine => {}
+                Stop::Engine(probe) => {
+                    if let Some(probe) = probe {
+                        probe.abort();
+                    }
+                }
             }
         }
         #[cfg(feature = "engines")]

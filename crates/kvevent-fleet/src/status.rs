@@ -89,9 +89,9 @@ pub(crate) enum Event {
         view: Option<Degraded>,
         /// Each rank as last seen.
         ranks: Vec<(RankStatus, Option<Instant>)>,
-        /// The engine's HTTP server failing its health check: since when, and why.
-        server_down: Option<(Instant, String)>,
     },
+    /// The engine's HTTP server fails its health check (since when, and why), or answers.
+    Server(Option<(Instant, String)>),
     /// The stream is open but nothing came for two heartbeats (true), or something came
     /// again (false).
     Silent(bool),
@@ -161,14 +161,15 @@ impl Status {
                 lost_since,
                 view,
                 ranks,
-                server_down,
             } => {
-                // The engine stays lost since it was first seen lost, until every rank is back;
-                // its server, likewise.
+                // The engine stays lost since it was first seen lost, until every rank is back.
                 self.engine_lost = lost_since.map(|since| self.engine_lost.unwrap_or(since));
                 self.engine_degraded = view;
                 self.ranks = ranks;
-                self.server_down = server_down.map(|(since, why)| {
+            }
+            Event::Server(down) => {
+                // Down since it was first seen down, until it answers.
+                self.server_down = down.map(|(since, why)| {
                     (self.server_down.as_ref().map_or(since, |(t, _)| *t), why)
                 });
             }
@@ -350,7 +351,6 @@ mod tests {
             lost_since,
             view,
             ranks: Vec::new(),
-            server_down: None,
         }
     }
 
@@ -431,6 +431,24 @@ mod tests {
         s.on("r", engine(Some(t0), None), t0);
         s.on("r", engine(Some(t1), None), t1);
         assert!(is_stale(s.state(DEAD, t0 + DEAD), Lost::Engine));
+    }
+
+    #[test]
+    fn an_engine_whose_server_is_gone_is_degraded_then_stale_and_exact_when_it_answers() {
+        let t0 = Instant::now();
+        let down = Event::Server(Some((t0, "http://e:8000/health: refused".into())));
+        assert_eq!(
+            state_after(&[CONNECTED, WHOLE, down.clone()], Duration::ZERO),
+            ReplicaState::Degraded(Degraded::ServerDown)
+        );
+        assert!(is_stale(
+            state_after(&[CONNECTED, WHOLE, down.clone()], DEAD),
+            Lost::Server
+        ));
+        assert_eq!(
+            state_after(&[CONNECTED, WHOLE, down, Event::Server(None)], DEAD),
+            ReplicaState::Exact
+        );
     }
 
     #[test]

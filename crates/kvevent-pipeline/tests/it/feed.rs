@@ -517,8 +517,8 @@ impl HealthServer {
 }
 
 /// The engine's API server goes while its event sockets live (vLLM's engine core outlives it):
-/// a router following the sidecar does not call the replica exact, and says why; it is exact
-/// again once the server answers.
+/// a router following the sidecar, and one following the engine given its HTTP server, do not
+/// call the replica exact, and say why; it is exact again once the server answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_whose_server_is_gone_is_not_exact() {
     let (server, ctx, engine) = crate::ends().await;
@@ -534,13 +534,27 @@ async fn an_engine_whose_server_is_gone_is_not_exact() {
     let feed_url = format!("http://{}", running.feed_addr().expect("feed address"));
     let fleet = Fleet::new(FleetConfig::default()).expect("fleet");
     follow_sidecar(&fleet, "a", &feed_url);
+    // A router following the engine directly, given its HTTP server.
+    let direct = Fleet::new(FleetConfig::default()).expect("fleet");
+    direct
+        .ensure_replica(
+            "a",
+            ReplicaSource::Engine(EngineSockets {
+                replay: engine.replay_endpoint().map(str::to_owned),
+                http: Some(format!("http://127.0.0.1:{port}")),
+                ..EngineSockets::new(engine.endpoint())
+            }),
+        )
+        .expect("engine");
     let state = |fleet: &Fleet| fleet.replicas().first().map(|r| (r.state, r.error.clone()));
     tokio::task::block_in_place(|| {
-        assert!(engine.wait_for_subscribers(1, WAIT));
+        assert!(engine.wait_for_subscribers(2, WAIT));
         engine.publish(&stored(1)).expect("publish");
         wait_until("exact", || {
-            state(&fleet).is_some_and(|(s, _)| s == ReplicaState::Exact)
-                && blocks_matched(&fleet, "a", 1) == 2
+            [&fleet, &direct].iter().all(|f| {
+                state(f).is_some_and(|(s, _)| s == ReplicaState::Exact)
+                    && blocks_matched(f, "a", 1) == 2
+            })
         });
     });
     http.task.abort();
@@ -556,18 +570,32 @@ async fn an_engine_whose_server_is_gone_is_not_exact() {
         "{:?}",
         gone.elapsed()
     );
-    let (_, error) = state(&fleet).expect("a replica");
-    let error = error.unwrap_or_default();
+    tokio::task::block_in_place(|| {
+        wait_until("the server gone, directly", || {
+            state(&direct).is_some_and(|(s, _)| s == ReplicaState::Degraded(Degraded::ServerDown))
+        });
+    });
     assert!(
-        error.starts_with(&format!("http://127.0.0.1:{port}/health: ")),
-        "{error}"
+        gone.elapsed() < Duration::from_millis(1500),
+        "{:?}",
+        gone.elapsed()
     );
-    // Its cache is still known; it only serves nothing.
-    assert_eq!(blocks_matched(&fleet, "a", 1), 2);
+    for f in [&fleet, &direct] {
+        let (_, error) = state(f).expect("a replica");
+        let error = error.unwrap_or_default();
+        assert!(
+            error.starts_with(&format!("http://127.0.0.1:{port}/health: ")),
+            "{error}"
+        );
+        // Its cache is still known; it only serves nothing.
+        assert_eq!(blocks_matched(f, "a", 1), 2);
+    }
     let _back = HealthServer::start(port).await;
     tokio::task::block_in_place(|| {
         wait_until("exact again", || {
-            state(&fleet).is_some_and(|(s, e)| s == ReplicaState::Exact && e.is_none())
+            [&fleet, &direct]
+                .iter()
+                .all(|f| state(f).is_some_and(|(s, e)| s == ReplicaState::Exact && e.is_none()))
         });
     });
     running.shutdown(Duration::from_secs(2)).await;
