@@ -210,6 +210,17 @@ impl Engine {
     }
 }
 
+/// VmRSS of process `pid` ("self" for this one), in bytes.
+fn rss_of(pid: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|kb| kb.parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
 /// One engine's ports.
 #[derive(Debug, Clone, Copy)]
 struct Ports {
@@ -267,13 +278,7 @@ impl Sidecar {
     }
 
     fn rss_bytes(&self) -> u64 {
-        std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
-            .unwrap_or_default()
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|kb| kb.parse::<u64>().ok())
-            .map_or(0, |kb| kb * 1024)
+        rss_of(&self.child.id().to_string())
     }
 
     fn kill(mut self) {
@@ -518,6 +523,8 @@ struct Report {
     answers_during: (u64, u64),
     answers_after: (u64, u64),
     sidecar_rss_max: u64,
+    /// This process: the router's Fleet, the proxies and the checks.
+    router_rss_max: u64,
     exits: Vec<String>,
 }
 
@@ -651,6 +658,7 @@ impl Run {
                     self.report.sidecar_rss_max = self.report.sidecar_rss_max.max(s.rss_bytes());
                 }
             }
+            self.report.router_rss_max = self.report.router_rss_max.max(rss_of("self"));
             std::thread::sleep(CHECK_EVERY.min(until.saturating_duration_since(Instant::now())));
         }
     }
@@ -946,7 +954,7 @@ fn exact_answers_hold_against_the_engines_truth_under_faults() {
         convergence.sort();
         let blind = |(n, blind): (u64, u64)| 100.0 * blind as f64 / n.max(1) as f64;
         println!(
-            "seed {seed}: {} faults in {seconds} s; wrong exact answers {}; convergence p50 {:?} p99 {:?} max {:?}; not converged {}; blind {:.1} % during faults, {:.1} % after; sidecar RSS max {:.1} MB; unclean exits {}",
+            "seed {seed}: {} faults in {seconds} s; wrong exact answers {}; convergence p50 {:?} p99 {:?} max {:?}; not converged {}; blind {:.1} % during faults, {:.1} % after; sidecar RSS max {:.1} MB; router RSS max {:.1} MB; unclean exits {}",
             report.faults,
             report.wrong.len(),
             percentile(&convergence, 0.5),
@@ -956,6 +964,7 @@ fn exact_answers_hold_against_the_engines_truth_under_faults() {
             blind(report.answers_during),
             blind(report.answers_after),
             report.sidecar_rss_max as f64 / 1e6,
+            report.router_rss_max as f64 / 1e6,
             report.exits.len(),
         );
         println!(
