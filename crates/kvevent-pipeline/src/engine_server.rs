@@ -8,9 +8,9 @@ use std::time::Duration;
 use kvevent_scrape::{FetchError, Fetcher};
 use tokio::sync::watch;
 
-/// `/health` on the host of the engine's metrics URL (vLLM's and SGLang's health check).
-pub(crate) fn health_url(metrics_url: &str) -> Option<String> {
-    let rest = metrics_url.strip_prefix("http://")?;
+/// `/health` on the host of one of the engine's URLs (vLLM's and SGLang's health check).
+pub(crate) fn health_url(engine_url: &str) -> Option<String> {
+    let rest = engine_url.strip_prefix("http://")?;
     let authority = rest.split('/').next().filter(|a| !a.is_empty())?;
     Some(format!("http://{authority}/health"))
 }

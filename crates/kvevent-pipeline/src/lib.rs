@@ -400,8 +400,14 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         )
     });
     let (stop_stats, stop_rx) = tokio::sync::watch::channel(false);
-    // With a feed, the engine's HTTP server is asked whether it answers.
-    let health_url = engine_server::health_url(&settings.engine_metrics_url)
+    // With a feed, the engine's HTTP server is asked whether it answers: the one its
+    // discovery listing is on, else the one its metrics are on.
+    let server_url = if settings.engine_discovery_url.is_empty() {
+        &settings.engine_metrics_url
+    } else {
+        &settings.engine_discovery_url
+    };
+    let health_url = engine_server::health_url(server_url)
         .filter(|_| !settings.engine_health_interval.0.is_zero());
     if let (Some(hub), Some(url)) = (feed_hub, health_url) {
         let timeout = settings

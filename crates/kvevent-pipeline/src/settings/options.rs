@@ -101,9 +101,9 @@ super::define_options! {
     metrics_address: ListenAddress = "0.0.0.0:9095".into(), "HOST:PORT";
     /// Serve the router feed (a snapshot of every resident prefix, then changes) here; empty: off.
     feed_address: ListenAddress = ListenAddress::default(), "HOST:PORT";
-    /// With a feed: how often the engine's HTTP server (the host of --engine-metrics-url, at
-    /// /health) is asked whether it answers; routers then know a replica whose server is gone
-    /// while its cache is known. 0: never.
+    /// With a feed: how often the engine's HTTP server (the host of --engine-discovery-url, else
+    /// of --engine-metrics-url, at /health) is asked whether it answers; routers then know a
+    /// replica whose server is gone while its cache is known. 0: never.
     engine_health_interval: GoDuration = GoDuration::secs(1), "DURATION";
     /// Bytes of changes kept for feed followers to resume from.
     feed_ring_bytes: usize = 64 << 20, "BYTES", #[serde(with = "value::number")];
