@@ -330,7 +330,7 @@ enum Link {
     Cut = 1,
     /// Connections kept, nothing goes through (a follower that stops reading, too).
     Blackhole = 2,
-    /// Every chunk held back 200 ms.
+    /// Every chunk 200 ms late.
     Delay = 3,
 }
 
@@ -382,6 +382,8 @@ impl Proxy {
     }
 }
 
+/// Copies `from` to `to` as the link's mode says. Reading and writing are apart, so a delay
+/// is a latency, not a throughput: each chunk goes 200 ms after it came, however many follow.
 async fn pipe(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
@@ -390,37 +392,62 @@ async fn pipe(
     born: u64,
 ) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut buf = vec![0u8; 64 << 10];
-    loop {
-        let n = tokio::select! {
-            r = from.read(&mut buf) => match r {
-                Ok(0) | Err(_) => return,
-                Ok(n) => n,
-            },
-            () = async {
-                while generation.load(Relaxed) == born {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(tokio::time::Instant, Vec<u8>)>();
+    let cut = {
+        let generation = generation.clone();
+        move || generation.load(Relaxed) != born
+    };
+    let reader = {
+        let cut = cut.clone();
+        async move {
+            let mut buf = vec![0u8; 64 << 10];
+            loop {
+                let n = tokio::select! {
+                    r = from.read(&mut buf) => match r {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    },
+                    () = async {
+                        while !cut() {
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                        }
+                    } => return,
+                };
+                if tx
+                    .send((tokio::time::Instant::now(), buf[..n].to_vec()))
+                    .is_err()
+                {
+                    return;
                 }
-            } => return,
-        };
-        loop {
-            if generation.load(Relaxed) != born {
+            }
+        }
+    };
+    let writer = async move {
+        while let Some((came, chunk)) = rx.recv().await {
+            loop {
+                if cut() {
+                    return;
+                }
+                match mode.load(Relaxed) {
+                    m if m == Link::Blackhole as u8 => {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    m if m == Link::Delay as u8 => {
+                        tokio::time::sleep_until(came + Duration::from_millis(200)).await;
+                        break;
+                    }
+                    _ => break,
+                }
+            }
+            if to.write_all(&chunk).await.is_err() {
                 return;
             }
-            match mode.load(Relaxed) {
-                m if m == Link::Blackhole as u8 => {
-                    tokio::time::sleep(Duration::from_millis(20)).await
-                }
-                m if m == Link::Delay as u8 => {
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                    break;
-                }
-                _ => break,
-            }
         }
-        if to.write_all(&buf[..n]).await.is_err() {
-            return;
-        }
+    };
+    // Either side ending ends the connection.
+    tokio::select! {
+        () = reader => {}
+        () = writer => {}
     }
 }
 
