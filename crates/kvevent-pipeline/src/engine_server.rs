@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvevent_scrape::{FetchError, Fetcher};
+use kvevent_scrape::Fetcher;
 use tokio::sync::watch;
 
 /// `/health` on the host of one of the engine's URLs (vLLM's and SGLang's health check).
@@ -36,7 +36,11 @@ impl EngineServer {
             }
             let now = match self.fetcher.fetch().await {
                 Ok(_) => None,
-                Err(e) => Some(format!("{}: {}", self.url, words(&e))),
+                Err(e) => Some(format!(
+                    "{}: {}",
+                    self.url,
+                    crate::stats_reporter::error_chain(&e)
+                )),
             };
             if now != failing {
                 match &now {
@@ -52,20 +56,6 @@ impl EngineServer {
             }
         }
     }
-}
-
-/// The error and its causes, in one line ("request failed: connection refused").
-fn words(e: &FetchError) -> String {
-    let mut out = e.to_string();
-    let mut source = std::error::Error::source(e);
-    while let Some(s) = source {
-        let text = s.to_string();
-        if !out.contains(&text) {
-            out = format!("{out}: {text}");
-        }
-        source = s.source();
-    }
-    out
 }
 
 #[cfg(test)]
