@@ -5,7 +5,7 @@
 //! to answer; engines paused (SIGSTOP); batches lost on the way (replayable) and beyond the
 //! replay buffer; the engine's HTTP server gone while its event sockets live; sidecars killed
 //! and restarted, with and without a state file; the router restarted; the feed link cut,
-//! blackholed and delayed.
+//! blackholed, delayed and congested.
 //!
 //! Checked every 100 ms, for every replica and prompt: an answer that says `exact` while its
 //! content differs from what the engine's current process holds, for longer than the
@@ -332,6 +332,9 @@ enum Link {
     Blackhole = 2,
     /// Every chunk 200 ms late.
     Delay = 3,
+    /// A congested link: one chunk (what one read got) every 100 ms, the rest queued, so a
+    /// busy feed falls further behind the longer it lasts.
+    Congested = 4,
 }
 
 /// A userspace TCP proxy on loopback between a router and a sidecar's feed.
@@ -423,6 +426,7 @@ async fn pipe(
         }
     };
     let writer = async move {
+        let mut wrote = tokio::time::Instant::now();
         while let Some((came, chunk)) = rx.recv().await {
             loop {
                 if cut() {
@@ -436,12 +440,17 @@ async fn pipe(
                         tokio::time::sleep_until(came + Duration::from_millis(200)).await;
                         break;
                     }
+                    m if m == Link::Congested as u8 => {
+                        tokio::time::sleep_until(wrote + Duration::from_millis(100)).await;
+                        break;
+                    }
                     _ => break,
                 }
             }
             if to.write_all(&chunk).await.is_err() {
                 return;
             }
+            wrote = tokio::time::Instant::now();
         }
     };
     // Either side ending ends the connection.
@@ -493,12 +502,16 @@ enum Fault {
         replica: usize,
         for_: Duration,
     },
+    FeedCongested {
+        replica: usize,
+        for_: Duration,
+    },
 }
 
 impl Fault {
     fn draw(rng: &mut Rng) -> Self {
         let replica = rng.below(REPLICAS as u64) as usize;
-        match rng.below(12) {
+        match rng.below(13) {
             0 | 1 => Self::EngineKilled {
                 replica,
                 down: rng.ms(200, 3000),
@@ -541,9 +554,13 @@ impl Fault {
                 replica,
                 for_: rng.ms(300, 2500),
             },
-            _ => Self::FeedDelayed {
+            11 => Self::FeedDelayed {
                 replica,
                 for_: rng.ms(500, 2000),
+            },
+            _ => Self::FeedCongested {
+                replica,
+                for_: rng.ms(500, 3000),
             },
         }
     }
@@ -862,6 +879,7 @@ impl Run {
             Fault::FeedCut { replica, for_ } => self.link(replica, Link::Cut, for_),
             Fault::FeedBlackholed { replica, for_ } => self.link(replica, Link::Blackhole, for_),
             Fault::FeedDelayed { replica, for_ } => self.link(replica, Link::Delay, for_),
+            Fault::FeedCongested { replica, for_ } => self.link(replica, Link::Congested, for_),
         }
     }
 

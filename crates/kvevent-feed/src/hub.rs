@@ -132,6 +132,8 @@ pub struct Hub {
     /// Bumped when the engine's health changes: followers send it at once.
     health: tokio::sync::watch::Sender<u64>,
     metrics: HubMetrics,
+    /// The origin of the messages' `sent_ms`.
+    born: std::time::Instant,
 }
 
 /// One engine rank as the sidecar sees it ([`Hub::set_engine`]).
@@ -235,7 +237,16 @@ impl Hub {
             server_down: Mutex::new(None),
             health: tokio::sync::watch::channel(0).0,
             metrics: HubMetrics::default(),
+            // A millisecond before now, so no message is stamped 0 (what older sidecars send).
+            born: std::time::Instant::now()
+                .checked_sub(Duration::from_millis(1))
+                .unwrap_or_else(std::time::Instant::now),
         })
+    }
+
+    /// The hub's clock, for the messages' `sent_ms`: milliseconds since it was made.
+    pub(crate) fn now_ms(&self) -> u64 {
+        self.born.elapsed().as_millis() as u64
     }
 
     /// Its configuration.
@@ -419,6 +430,7 @@ impl Hub {
                 changes: std::mem::take(&mut s.pending),
             })),
             engine: None,
+            sent_ms: self.now_ms(),
         };
         let bytes = Bytes::from(message.encode_to_vec());
         s.ring_bytes += bytes.len();

@@ -240,12 +240,14 @@ impl Drop for Connected {
 /// The stream ended on our side: the follower is gone, or was cut off.
 struct Ended;
 
-fn encode(epoch: u64, seq: u64, body: pb::feed_message::Body) -> Bytes {
-    encode_with(epoch, seq, body, None)
+/// A message stamped with the hub's clock now.
+fn encode(hub: &Hub, epoch: u64, seq: u64, body: pb::feed_message::Body) -> Bytes {
+    encode_with(hub, epoch, seq, body, None)
 }
 
 /// A message with the engine's health (hello and heartbeats).
 fn encode_with(
+    hub: &Hub,
     epoch: u64,
     seq: u64,
     body: pb::feed_message::Body,
@@ -257,6 +259,7 @@ fn encode_with(
             seq,
             body: Some(body),
             engine,
+            sent_ms: hub.now_ms(),
         }
         .encode_to_vec(),
     )
@@ -311,6 +314,7 @@ async fn follow(
                 async {
                     if let Some(hello) = hello {
                         send(Ok(encode_with(
+                            &hub,
                             epoch,
                             seq,
                             pb::feed_message::Body::Hello(hello),
@@ -322,6 +326,7 @@ async fn follow(
                     for from in (0..snapshot.len()).step_by(size) {
                         let chunk = snapshot.chunk(from, size);
                         send(Ok(encode(
+                            &hub,
                             epoch,
                             seq,
                             pb::feed_message::Body::Snapshot(chunk),
@@ -335,6 +340,7 @@ async fn follow(
                     // With the engine's health as of now: a follower promotes the snapshot
                     // and learns what the sidecar thinks of the engine in one step.
                     send(Ok(encode_with(
+                        &hub,
                         epoch,
                         seq,
                         pb::feed_message::Body::SnapshotEnd(end),
@@ -354,6 +360,7 @@ async fn follow(
                     if let Some(hello) = hello {
                         let (e, s) = at.unwrap_or(position);
                         send(Ok(encode_with(
+                            &hub,
                             e,
                             s,
                             pb::feed_message::Body::Hello(hello),
@@ -369,7 +376,7 @@ async fn follow(
                         health.borrow_and_update();
                         let (e, s) = position;
                         let beat = pb::feed_message::Body::Heartbeat(pb::Heartbeat {});
-                        send(Ok(encode_with(e, s, beat, hub.engine_health()))).await?;
+                        send(Ok(encode_with(&hub, e, s, beat, hub.engine_health()))).await?;
                     }
                     Ok(())
                 }
@@ -385,6 +392,7 @@ async fn follow(
                     if let Some(hello) = hello {
                         let (e, s) = position;
                         send(Ok(encode_with(
+                            &hub,
                             e,
                             s,
                             pb::feed_message::Body::Hello(hello),
@@ -410,7 +418,7 @@ async fn follow(
                         () = tokio::time::sleep(config.heartbeat) => {
                             let (e, s) = position;
                             let beat = pb::feed_message::Body::Heartbeat(pb::Heartbeat {});
-                            send(Ok(encode_with(e, s, beat, hub.engine_health()))).await?;
+                            send(Ok(encode_with(&hub, e, s, beat, hub.engine_health()))).await?;
                         }
                         // The engine's health changed: said at once, in a heartbeat, unless
                         // changes came too (the loop sends them first, then the health).
@@ -424,7 +432,7 @@ async fn follow(
                             }
                             let (e, s) = position;
                             let beat = pb::feed_message::Body::Heartbeat(pb::Heartbeat {});
-                            send(Ok(encode_with(e, s, beat, hub.engine_health()))).await?;
+                            send(Ok(encode_with(&hub, e, s, beat, hub.engine_health()))).await?;
                         }
                         () = tx.closed() => return Err(Ended),
                         _ = closed.changed() => {}

@@ -234,6 +234,9 @@ impl FeedFollower {
         // degraded (a link cut without a word, blackholed, or a sidecar frozen says nothing);
         // five, and the stream is given up and followed again.
         let mut heard = tokio::time::Instant::now();
+        let opened = Instant::now();
+        let mut lag = Lag::default();
+        let lag_after = config.lag_after;
         let result = loop {
             let quiet_at = heard + silent_after * 2 / 5;
             let silent = lock(&self.status).silent;
@@ -264,8 +267,16 @@ impl FeedFollower {
             if silent {
                 lock(&self.status).on(&self.name, Event::Silent(false), Instant::now());
             }
+            let sent_ms = message.sent_ms;
             if let Err(e) = self.take(message, &mut loading, &mut silent_after) {
                 break Err(e);
+            }
+            if let Some(behind) = lag.behind(sent_ms, opened.elapsed().as_millis() as u64) {
+                let lagging = behind > lag_after;
+                let mut s = lock(&self.status);
+                if s.lagging != lagging {
+                    s.on(&self.name, Event::Lagging(lagging), Instant::now());
+                }
             }
             self.publish();
         };
@@ -517,6 +528,32 @@ fn stored(b: &pb::Block) -> KeyChange<'_> {
         adapter: &b.adapter,
     }
 }
+/// How far behind a stream's messages arrive. Each is stamped with the sidecar's clock; the
+/// smallest difference between its arrival (on the follower's clock) and its stamp seen on the
+/// stream is the link at its fastest (plus the clocks' offset, whatever it is), and how much
+/// later than that a message arrives is how far behind the follower reads.
+#[derive(Debug, Default)]
+pub(crate) struct Lag {
+    /// The stamp of the stream's first message: a message stamped before it was sealed before
+    /// the stream began (a change a resuming follower missed) and says nothing of the link.
+    first: Option<u64>,
+    fastest: Option<i64>,
+}
+
+impl Lag {
+    /// How far behind a message stamped `sent_ms` arrived, at `at_ms` on the follower's clock;
+    /// `None` for a message not stamped (an older sidecar) or sealed before the stream began.
+    pub(crate) fn behind(&mut self, sent_ms: u64, at_ms: u64) -> Option<Duration> {
+        if sent_ms == 0 || sent_ms < *self.first.get_or_insert(sent_ms) {
+            return None;
+        }
+        let offset = at_ms as i64 - sent_ms as i64;
+        let fastest = self.fastest.map_or(offset, |f| f.min(offset));
+        self.fastest = Some(fastest);
+        Some(Duration::from_millis((offset - fastest) as u64))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     //! The follower's rules for one stream's messages, without a network: snapshots load
@@ -545,7 +582,32 @@ mod tests {
             seq,
             body: Some(body),
             engine: None,
+            sent_ms: 0,
         }
+    }
+
+    #[test]
+    fn lag_is_how_much_later_than_the_fastest_a_message_arrives() {
+        let mut lag = Lag::default();
+        // The clocks differ by 5,000 ms; the link takes 2 ms at its fastest.
+        assert_eq!(lag.behind(1_000, 6_002), Some(Duration::ZERO));
+        assert_eq!(lag.behind(1_200, 6_203), Some(Duration::from_millis(1)));
+        // Queued on a congested link: 700 ms behind, then caught up.
+        assert_eq!(lag.behind(1_400, 7_102), Some(Duration::from_millis(700)));
+        assert_eq!(lag.behind(1_600, 6_602), Some(Duration::ZERO));
+        // Faster than ever: the new floor.
+        assert_eq!(lag.behind(1_800, 6_801), Some(Duration::ZERO));
+        assert_eq!(lag.behind(2_000, 7_002), Some(Duration::from_millis(1)));
+    }
+
+    #[test]
+    fn lag_ignores_unstamped_messages_and_those_sealed_before_the_stream() {
+        let mut lag = Lag::default();
+        assert_eq!(lag.behind(0, 10), None, "an older sidecar stamps nothing");
+        // The hello, then the changes a resuming follower missed, sealed seconds before.
+        assert_eq!(lag.behind(9_000, 20), Some(Duration::ZERO));
+        assert_eq!(lag.behind(3_000, 21), None);
+        assert_eq!(lag.behind(9_200, 221), Some(Duration::from_millis(1)));
     }
 
     fn blocks(keys: &[u64]) -> pb::feed_message::Body {

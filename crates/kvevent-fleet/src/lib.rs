@@ -83,6 +83,10 @@ pub struct FleetConfig {
     pub reconnect_initial: Duration,
     /// The longest wait between attempts to follow a feed again. Default 2 s.
     pub reconnect_max: Duration,
+    /// A sidecar's messages that arrive this much later than the fastest did on their stream
+    /// (each says when it was made) make the replica [`Degraded::Lagging`]: what it says was
+    /// true that long ago (a congested link). Default 300 ms.
+    pub lag_after: Duration,
 }
 
 impl Default for FleetConfig {
@@ -95,6 +99,7 @@ impl Default for FleetConfig {
             max_message_bytes: 16 << 20,
             reconnect_initial: Duration::from_millis(100),
             reconnect_max: Duration::from_secs(2),
+            lag_after: Duration::from_millis(300),
         }
     }
 }

@@ -3,7 +3,8 @@
 //! that changes it, [`Status::state`] the one rule that makes a [`ReplicaState`] of it, and
 //! [`Status::expire`] the one place `drop_after` is reached.
 //!
-//! Invariants: a replica is exact only while its source is there, is not silent, has no
+//! Invariants: a replica is exact only while its source is there, is neither silent nor
+//! lagging, has no
 //! snapshot loading, and its engine's ranks are all connected, verified and whole; a refusal
 //! is stale at once; `drop_after` is reached once per loss.
 
@@ -36,6 +37,8 @@ pub(crate) struct Status {
     pub(crate) dropped: bool,
     /// The source's stream is open but nothing came for two heartbeats.
     pub(crate) silent: bool,
+    /// The source's messages arrive more than `lag_after` later than the fastest did.
+    pub(crate) lagging: bool,
     /// Its source refused to be followed as asked (another replica or model, a credential):
     /// stale at once, not after `dead_after`, until a stream is followed.
     pub(crate) refused: bool,
@@ -95,6 +98,9 @@ pub(crate) enum Event {
     /// The stream is open but nothing came for two heartbeats (true), or something came
     /// again (false).
     Silent(bool),
+    /// The source's messages arrive more than `lag_after` later than the fastest did on this
+    /// stream (true), or in time again (false).
+    Lagging(bool),
     /// The source was lost (since `since`), with what was seen, if anything.
     Lost {
         /// When.
@@ -122,6 +128,7 @@ impl Status {
             server_down: None,
             dropped: false,
             silent: false,
+            lagging: false,
             refused: false,
             removed: false,
             newest: None,
@@ -143,6 +150,7 @@ impl Status {
                 self.dropped = false;
                 self.refused = false;
                 self.silent = false;
+                self.lagging = false;
                 self.error = None;
                 self.degraded = (!resumed).then_some(Degraded::SnapshotLoading);
             }
@@ -174,9 +182,11 @@ impl Status {
                 });
             }
             Event::Silent(silent) => self.silent = silent,
+            Event::Lagging(lagging) => self.lagging = lagging,
             Event::Lost { since, error } => {
                 self.source_lost.get_or_insert(since);
                 self.silent = false;
+                self.lagging = false;
                 if let Some(error) = error {
                     self.set_error(name, error);
                 }
@@ -184,6 +194,7 @@ impl Status {
             Event::Refused { error } => {
                 self.source_lost.get_or_insert(now);
                 self.silent = false;
+                self.lagging = false;
                 self.refused = true;
                 self.set_error(name, error);
             }
@@ -227,6 +238,7 @@ impl Status {
             (None, None) => self
                 .degraded
                 .or(self.silent.then_some(Degraded::Silent))
+                .or(self.lagging.then_some(Degraded::Lagging))
                 .or(self.engine_degraded)
                 .map_or(ReplicaState::Exact, ReplicaState::Degraded),
         }
@@ -452,7 +464,7 @@ mod tests {
     }
 
     #[test]
-    fn silence_loss_and_refusal() {
+    fn silence_lag_loss_and_refusal() {
         let t0 = Instant::now();
         let zero = Duration::ZERO;
         assert_eq!(
@@ -465,6 +477,35 @@ mod tests {
                 zero
             ),
             ReplicaState::Exact
+        );
+        assert_eq!(
+            state_after(&[CONNECTED, WHOLE, Event::Lagging(true)], zero),
+            ReplicaState::Degraded(Degraded::Lagging)
+        );
+        assert_eq!(
+            state_after(
+                &[
+                    CONNECTED,
+                    WHOLE,
+                    Event::Lagging(true),
+                    Event::Lagging(false)
+                ],
+                zero
+            ),
+            ReplicaState::Exact
+        );
+        assert_eq!(
+            state_after(
+                &[
+                    CONNECTED,
+                    WHOLE,
+                    Event::Lagging(true),
+                    Event::Connected { resumed: true }
+                ],
+                zero
+            ),
+            ReplicaState::Exact,
+            "a new stream measures its own lag"
         );
         // Silence says less than an engine lost or a snapshot loading.
         assert_eq!(

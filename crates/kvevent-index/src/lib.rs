@@ -114,6 +114,9 @@ pub enum Degraded {
     /// Its source's stream is open, but nothing came from it for two heartbeats: changes may
     /// be missing (a link cut without a word, or blackholed).
     Silent,
+    /// Its source's messages arrive late: what they say was true more than the follower's
+    /// `lag_after` ago (a congested link).
+    Lagging,
     /// Its engine's HTTP server does not answer its health check (for less than
     /// `dead_after`): its cache may be known, but it serves nothing.
     ServerDown,
@@ -129,6 +132,7 @@ impl Degraded {
             Self::EngineLost => "engine_lost",
             Self::Unverified => "unverified",
             Self::Silent => "silent",
+            Self::Lagging => "lagging",
             Self::ServerDown => "server_down",
         }
     }
