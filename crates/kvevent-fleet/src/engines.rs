@@ -444,18 +444,10 @@ impl Server {
             ticker.tick().await;
             let down = match self.fetcher.fetch().await {
                 Ok(_) => None,
-                Err(e) => {
-                    let mut why = format!("{}: {e}", self.url);
-                    let mut source = std::error::Error::source(&e);
-                    while let Some(s) = source {
-                        let text = s.to_string();
-                        if !why.contains(&text) {
-                            why = format!("{why}: {text}");
-                        }
-                        source = s.source();
-                    }
-                    Some((Instant::now(), why))
-                }
+                Err(e) => Some((
+                    Instant::now(),
+                    crate::with_causes(format!("{}: {e}", self.url), &e),
+                )),
             };
             lock(&status).on(&name, Event::Server(down), Instant::now());
             status::publish(&core, &name, &status);

@@ -82,42 +82,27 @@ impl FeedError {
             _ => {
                 // tonic's words ("Unknown error", "transport error") say little: the cause
                 // chain says what happened.
-                let mut what = status.message().to_owned();
-                if what.is_empty() {
-                    what = format!("{:?}", status.code());
-                }
-                let mut source = std::error::Error::source(&status);
-                while let Some(s) = source {
-                    let text = s.to_string();
-                    if !what.contains(&text) {
-                        what = format!("{what}: {text}");
-                    }
-                    source = s.source();
-                }
+                let what = match status.message() {
+                    "" => format!("{:?}", status.code()),
+                    message => message.to_owned(),
+                };
                 Self::Status {
                     url: url.to_owned(),
-                    what,
+                    what: crate::with_causes(what, &status),
                 }
             }
         }
     }
 
     fn connect(url: &str, e: &tonic::transport::Error) -> Self {
-        let mut cause = Vec::new();
-        let mut source: Option<&dyn std::error::Error> = std::error::Error::source(e);
-        while let Some(s) = source {
-            let text = s.to_string();
-            if !cause.iter().any(|c: &String| c.contains(&text)) {
-                cause.push(text);
-            }
-            source = s.source();
-        }
-        if cause.is_empty() {
-            cause.push(e.to_string());
-        }
+        // tonic's own words ("transport error") only where nothing says more.
+        let cause = match std::error::Error::source(e) {
+            Some(first) => crate::with_causes(first.to_string(), first),
+            None => e.to_string(),
+        };
         Self::Connect {
             url: url.to_owned(),
-            cause: cause.join(": "),
+            cause,
         }
     }
 }

@@ -341,6 +341,19 @@ pub struct NotReady {
     pub replicas: Vec<(String, String)>,
 }
 
+/// `head`, then each cause in `e`'s chain that it does not say already, joined by ": ".
+pub(crate) fn with_causes(mut head: String, e: &(dyn std::error::Error + 'static)) -> String {
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !head.contains(&text) {
+            head = format!("{head}: {text}");
+        }
+        source = s.source();
+    }
+    head
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
