@@ -1,0 +1,300 @@
+//! The key tables and the byte budget: [`KeyId`] → [`Entry`] in two generations (young, old),
+//! stores and evictions in order, the mapper's [`Apply`] sink, [`IndexStats`].
+//!
+//! Invariants: a key lives in one generation at most, and a store moves it to the young one;
+//! the tables and holder lists stay within the budget (the old generation goes first); an
+//! entry with no holder is no entry; the byte counts are what the tables and lists hold.
+
+use super::*;
+
+/// Counters and sizes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct IndexStats {
+    /// Keys in the index (both generations).
+    pub keys: usize,
+    /// (key, source) pairs, stale ones included until touched.
+    pub pairs: usize,
+    /// Bytes of the key tables and holder lists (what the byte budget counts).
+    pub bytes: usize,
+    /// Bytes of the key map's tables themselves (buckets, control bytes, free slots).
+    pub table_bytes: usize,
+    /// Bytes of the per-source block maps the key rules need (engine hash → fingerprint,
+    /// tokens, tier), not counted by the byte budget.
+    pub mapper_bytes: usize,
+    /// Keys dropped by the byte budget.
+    pub evicted_keys: u64,
+    /// Keys, and blocks in the per-source maps, whose hashes collide with many others' (kept
+    /// aside, searched after the buckets): 0 unless the hashes are crafted or broken.
+    pub stashed: usize,
+    /// Block events applied.
+    pub applied: u64,
+    /// Sources followed now (loading ones included).
+    pub sources: usize,
+    /// Source slots the index keeps (in use and free): the most sources it followed at once,
+    /// not every source it ever had.
+    pub source_slots: usize,
+    /// Replica numbers the index keeps (in use and free), likewise.
+    pub replica_slots: usize,
+    /// Pairs of sources holding the same key (a key held by h sources makes h(h−1)/2), stale
+    /// ones included until touched, as in `pairs`.
+    pub shared_pairs: u64,
+}
+
+impl IndexStats {
+    /// The share of (key, source) pairs whose key another source also holds: 1 − keys ÷
+    /// pairs, 0 when empty. What prefix-aware placement could win back of the fleet's cache.
+    /// A source is an engine's DP rank (each its own cache). Kept up to date as changes apply
+    /// (no scan); a source's lapsed holders (after a clear, a restart, a removal) count until
+    /// the sweep or a store of the key drops them.
+    pub fn duplication(&self) -> f64 {
+        if self.pairs == 0 {
+            0.0
+        } else {
+            1.0 - self.keys as f64 / self.pairs as f64
+        }
+    }
+}
+
+/// A key's identity: its prefix key and adapter number, 12 bytes. The key is kept mixed
+/// with the adapter (a bijection for each adapter, so no two identities meet): it is its own
+/// hash, and a probe walk does not hash every entry it passes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[repr(C, packed(4))]
+pub(crate) struct KeyId {
+    pub(crate) mixed: u64,
+    pub(crate) adapter: u32,
+}
+
+impl KeyId {
+    pub(crate) fn new(key: u64, adapter: u32) -> Self {
+        Self {
+            mixed: kvevent_table::mix(key ^ u64::from(adapter).rotate_left(32)),
+            adapter,
+        }
+    }
+}
+
+impl kvevent_table::Key for KeyId {
+    fn hash(&self) -> u64 {
+        self.mixed
+    }
+}
+
+/// What the index knows of a key, 12 bytes: the prefix's token count and its holders.
+#[derive(Debug, Clone, Copy)]
+#[repr(C, packed(4))]
+pub(crate) struct Entry {
+    pub(crate) tokens: u32,
+    pub(crate) holders: Holders,
+}
+
+impl Default for Entry {
+    fn default() -> Self {
+        Self {
+            tokens: 0,
+            holders: Holders::NONE,
+        }
+    }
+}
+
+/// The key table (see `kvevent_table`): 24-byte slots and a tag byte each, 72–90 % full, no
+/// tombstones.
+pub(crate) type Keys = kvevent_table::Table<KeyId, Entry>;
+
+/// One change of the index, as the mapper makes it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Op {
+    Store { key: KeyId, tier: u8, tokens: u32 },
+    Evict { key: KeyId },
+}
+
+pub(crate) fn key_of(prefix_hash: &[u8]) -> u64 {
+    if let Some(first) = prefix_hash.first_chunk::<8>() {
+        return u64::from_be_bytes(*first);
+    }
+    let mut b = [0u8; 8];
+    b[..prefix_hash.len()].copy_from_slice(prefix_hash);
+    u64::from_be_bytes(b)
+}
+
+/// One source's batch, written into the index as the mapper makes its keys.
+pub(crate) struct Apply<'a> {
+    pub(crate) inner: &'a mut Inner,
+    pub(crate) source: u32,
+    pub(crate) budget: usize,
+}
+
+impl Apply<'_> {
+    #[inline]
+    pub(crate) fn adapter(&mut self, name: &Arc<str>) -> u32 {
+        match &self.inner.sources[self.source as usize].adapter {
+            Some((last, id)) if Arc::ptr_eq(last, name) => *id,
+            _ => self.new_adapter(name),
+        }
+    }
+
+    /// [`Apply::adapter`] for an adapter other than the source's last.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn new_adapter(&mut self, name: &Arc<str>) -> u32 {
+        let id = self.inner.adapter(name);
+        self.inner.sources[self.source as usize].adapter = Some((name.clone(), id));
+        id
+    }
+}
+
+impl mapper::Sink for Apply<'_> {
+    fn prefix(&mut self, key: &[u8], tokens: u32, tier: Tier, adapter: &Arc<str>, _new: bool) {
+        let key = KeyId::new(key_of(key), self.adapter(adapter));
+        let tier = u8::from(tier != Tier::T1);
+        self.inner.prefetch_key(&key);
+        self.inner
+            .pending
+            .push((self.source, Op::Store { key, tier, tokens }));
+    }
+
+    fn end_update(&mut self, _ts: i64) {}
+
+    fn evicted(&mut self, key: &[u8], adapter: &Arc<str>, _ts: i64) {
+        let key = KeyId::new(key_of(key), self.adapter(adapter));
+        self.inner.prefetch_key(&key);
+        self.inner.pending.push((self.source, Op::Evict { key }));
+    }
+
+    /// An engine clear: the source's entries stop counting (after the changes before it).
+    fn cleared(&mut self, _ts: i64) {
+        self.inner.flush(self.inner.pending.len(), self.budget);
+        self.inner.lapse(self.source);
+    }
+}
+
+impl Inner {
+    pub(crate) fn adapter(&mut self, name: &str) -> u32 {
+        if let Some(&id) = self.adapters.get(name) {
+            return id;
+        }
+        let id = self.adapters.len() as u32;
+        self.adapters.insert(name.to_owned(), id);
+        id
+    }
+
+    /// Starts loading the control words of `key`'s buckets in either generation, as the
+    /// mapper makes the change: they come in while the rest of its batch is mapped.
+    #[inline]
+    pub(crate) fn prefetch_key(&self, key: &KeyId) {
+        self.young.prefetch(key);
+        self.old.prefetch(key);
+    }
+
+    /// Makes the first `n` pending changes, in order.
+    pub(crate) fn flush(&mut self, n: usize, budget: usize) {
+        let mut pending = std::mem::take(&mut self.pending);
+        for (source, op) in pending.drain(..n) {
+            match op {
+                Op::Store { key, tier, tokens } => self.store(key, source, tier, tokens, budget),
+                Op::Evict { key } => self.evict(key, source),
+            }
+        }
+        self.pending = pending;
+    }
+
+    /// `source` no longer holds `key`.
+    pub(crate) fn evict(&mut self, key: KeyId, source: u32) {
+        self.stats.applied += 1;
+        let lists = &mut self.lists;
+        for (map, bytes) in [
+            (&mut self.young, &mut self.young_bytes),
+            (&mut self.old, &mut self.old_bytes),
+        ] {
+            // One walk finds the key and removes it when its last holder goes.
+            if let TableEntry::Occupied(mut entry) = map.entry(key) {
+                let holders = entry.get().holders;
+                let had = holders.len(lists);
+                let before = entry_bytes(had);
+                let after = holders.remove(lists, source);
+                self.shares.changed(had, after.len(lists));
+                if after == Holders::NONE {
+                    entry.remove();
+                    *bytes = bytes.saturating_sub(before);
+                } else {
+                    entry.get_mut().holders = after;
+                    *bytes = (*bytes + entry_bytes(after.len(lists))).saturating_sub(before);
+                }
+                // A key lives in one generation only (a store moves it to the young one).
+                return;
+            }
+        }
+    }
+
+    pub(crate) fn store(&mut self, key: KeyId, source: u32, tier: u8, tokens: u32, budget: usize) {
+        self.stats.applied += 1;
+        let epoch = self.sources[source as usize].epoch;
+        let holder = Holder::new(source, epoch, tier);
+        let sources = &self.sources;
+        // A loading source's holders stay: they count once its snapshot is promoted.
+        let valid = |h: &Holder| counts_or_loading(sources, h);
+        let lists = &mut self.lists;
+        // What the young table would take with one more key, read before its entry is borrowed.
+        let young_after_insert = self.young.bytes_after_insert();
+        let vacant = match self.young.entry(key) {
+            TableEntry::Occupied(o) => {
+                // Already young: updated where it is (one lookup, no move).
+                let entry = o.into_mut();
+                let holders = entry.holders;
+                let had = holders.len(lists);
+                let before = entry_bytes(had);
+                let after = holders.store(lists, self.lapses, valid, holder);
+                self.shares.changed(had, after.len(lists));
+                *entry = Entry {
+                    tokens,
+                    holders: after,
+                };
+                self.young_bytes =
+                    (self.young_bytes + entry_bytes(after.len(lists))).saturating_sub(before);
+                return;
+            }
+            TableEntry::Vacant(v) => v,
+        };
+        // An entry stored again moves to the young generation.
+        let known = match self.old.remove(&key) {
+            Some(e) => {
+                let holders = e.holders;
+                self.old_bytes = self
+                    .old_bytes
+                    .saturating_sub(entry_bytes(holders.len(lists)));
+                holders
+            }
+            None => Holders::NONE,
+        };
+        let had = known.len(lists);
+        let holders = known.store(lists, self.lapses, valid, holder);
+        self.shares.changed(had, holders.len(lists));
+        let heap = entry_bytes(holders.len(lists));
+        // The budget counts what the key tables really hold: when this insert would make the
+        // young table grow past it, the old generation goes first and the young one becomes
+        // old (an entry not stored again for a whole generation is dropped).
+        let after =
+            self.old.bytes() + young_after_insert + self.old_bytes + self.young_bytes + heap;
+        if after > budget {
+            // The young table moves to the old generation: the walk's place is gone with it.
+            self.stats.evicted_keys += self.old.len() as u64;
+            for e in self.old.values() {
+                let h = e.holders;
+                self.shares.changed(h.len(lists), 0);
+                h.free(lists);
+            }
+            let fresh = Keys::new();
+            self.old = std::mem::replace(&mut self.young, fresh);
+            self.old_bytes = std::mem::take(&mut self.young_bytes);
+            self.young.insert_new(key, Entry { tokens, holders });
+        } else {
+            // Where the lookup's walk ended.
+            vacant.insert(Entry { tokens, holders });
+        }
+        self.young_bytes += heap;
+    }
+
+    pub(crate) fn lookup(&self, key: &KeyId) -> Option<Entry> {
+        self.young.get(key).or_else(|| self.old.get(key)).copied()
+    }
+}

@@ -1,0 +1,122 @@
+//! The fleet's state vocabulary, what every answer carries: [`ReplicaState`] (exact, degraded,
+//! stale) and its reasons, [`Degraded`] and [`Lost`].
+//!
+//! Invariant: [`ReplicaState::is_exact`] is the one trust signal; the index never makes a state
+//! up, it carries what a replica's follower said ([`Index::set_replica_state`](crate::Index::set_replica_state)).
+
+/// Why a replica's known state may be incomplete.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Degraded {
+    /// Not yet connected, or connecting again (its entries, if any, still count).
+    Connecting,
+    /// A snapshot is loading (the previous state, if any, still counts).
+    SnapshotLoading,
+    /// Its engine's events are replaying, or lost batches that could not be replayed.
+    Replaying,
+    /// Its sidecar is there, but the sidecar lost the engine (for less than `dead_after`).
+    EngineLost,
+    /// Its engine's connection was made again (or its follower just started), and the engine
+    /// is not yet proven the same process, or a new one (then cleared): what is known may be
+    /// another process's.
+    Unverified,
+    /// Its source's stream is open, but nothing came from it for two heartbeats: changes may
+    /// be missing (a link cut without a word, or blackholed).
+    Silent,
+    /// Its source's messages arrive late: what they say was true more than the follower's
+    /// `lag_after` ago (a congested link).
+    Lagging,
+    /// Its engine's HTTP server does not answer its health check (for less than
+    /// `dead_after`): its cache may be known, but it serves nothing.
+    ServerDown,
+}
+
+impl Degraded {
+    /// A short name for logs and answers.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Connecting => "connecting",
+            Self::SnapshotLoading => "snapshot_loading",
+            Self::Replaying => "replaying_or_gap",
+            Self::EngineLost => "engine_lost",
+            Self::Unverified => "unverified",
+            Self::Silent => "silent",
+            Self::Lagging => "lagging",
+            Self::ServerDown => "server_down",
+        }
+    }
+}
+
+/// What was lost, for a [`ReplicaState::Stale`] replica.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lost {
+    /// The replica's source itself: its sidecar's feed, or, followed directly, its engine.
+    Source,
+    /// The engine behind a sidecar that is still there.
+    Engine,
+    /// The engine's HTTP server: its cache may be known, but it serves nothing.
+    Server,
+}
+
+impl Lost {
+    /// `source`, `engine` or `server`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Source => "source",
+            Self::Engine => "engine",
+            Self::Server => "server",
+        }
+    }
+}
+
+/// How far a replica's entries can be trusted: the one trust signal of every answer. Whoever
+/// follows the replica says ([`Index::set_replica_state`](crate::Index::set_replica_state)); a replica nobody said anything of
+/// is `Exact`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplicaState {
+    /// In sync with its source.
+    Exact,
+    /// Its source is there, but what is known may be incomplete.
+    Degraded(Degraded),
+    /// Lost since this instant (for at least the follower's `dead_after`): what is known may
+    /// be wrong. Its entries count until the follower drops them.
+    Stale {
+        /// Since when.
+        since: std::time::Instant,
+        /// What was lost.
+        lost: Lost,
+    },
+}
+
+impl ReplicaState {
+    /// In sync with its source: the only state to route on.
+    pub fn is_exact(self) -> bool {
+        self == Self::Exact
+    }
+
+    /// `exact`, `degraded` or `stale`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Exact => "exact",
+            Self::Degraded(_) => "degraded",
+            Self::Stale { .. } => "stale",
+        }
+    }
+
+    /// The reason, for a state other than `Exact`: a [`Degraded`] reason, or `source_lost`,
+    /// `engine_lost` or `server_down`.
+    pub fn reason(self) -> Option<&'static str> {
+        match self {
+            Self::Exact => None,
+            Self::Degraded(d) => Some(d.as_str()),
+            Self::Stale {
+                lost: Lost::Source, ..
+            } => Some("source_lost"),
+            Self::Stale {
+                lost: Lost::Engine, ..
+            } => Some("engine_lost"),
+            Self::Stale {
+                lost: Lost::Server, ..
+            } => Some("server_down"),
+        }
+    }
+}

@@ -1,0 +1,155 @@
+//! The index's unit tests: its private rules, beside the property test against a naive model
+//! (`tests/it`).
+
+use super::*;
+
+fn stored(hash: u64) -> wire::EventBatch<'static> {
+    wire::EventBatch {
+        ts: 0.0,
+        events: vec![wire::Event::BlockStored(wire::BlockStored {
+            block_hashes: vec![wire::BlockHash::Int(wire::Int::U64(hash))],
+            token_ids: wire::TokenIds::from(vec![0u32; 4]),
+            block_size: 4,
+            ..Default::default()
+        })],
+        data_parallel_rank: None,
+        unknown_events: 0,
+    }
+}
+
+fn holders(index: &Index, key: u64) -> Vec<String> {
+    let answer = index.score(&Query {
+        adapter: "",
+        keys: QueryKeys::Keys(&[key]),
+    });
+    answer.iter().map(|s| s.replica.to_owned()).collect()
+}
+
+#[test]
+fn a_holder_is_one_word_inline_or_in_a_list() {
+    let h = Holder::new(MAX_SOURCES - 1, u32::MAX, 1);
+    assert_eq!(
+        (h.source(), h.epoch(), h.tier()),
+        (MAX_SOURCES - 1, u32::MAX, 1)
+    );
+    let lists = Lists::default();
+    assert!(matches!(Holders::one(h).view(&lists), HolderView::One(v) if v == h));
+    // Words sort by source first, and by tier last.
+    assert!(Holder::new(1, u32::MAX, 1) < Holder::new(2, 0, 0));
+    assert!(Holder::new(2, 5, 0) < Holder::new(2, 5, 1));
+    assert!(Holder::new(2, 5, 0).same_id(Holder::new(2, 5, 1)));
+    assert!(!Holder::new(2, 5, 0).same_id(Holder::new(2, 6, 0)));
+}
+
+/// The scan the counters replace: every key's holders, as stored.
+fn scanned(index: &Index) -> (usize, u64, u64) {
+    let state = index.read();
+    let inner = &state.inner;
+    let lens: Vec<usize> = inner
+        .young
+        .values()
+        .chain(inner.old.values())
+        .map(|e| {
+            let h = e.holders;
+            h.len(&inner.lists)
+        })
+        .collect();
+    let held = lens.iter().sum::<usize>() as u64;
+    let shared = lens
+        .iter()
+        .map(|h| (h * h.saturating_sub(1) / 2) as u64)
+        .sum();
+    (lens.len(), held, shared)
+}
+
+/// The duplication figures, kept as changes apply, equal a full scan after every change:
+/// stores, evictions, resets (lapses the sweep then drops), removals, a budget that drops
+/// the old generation, sources added back into freed slots.
+#[test]
+fn the_sharing_counters_equal_a_scan_after_every_change() {
+    let config = Config {
+        mapping: mapper::Options {
+            key_mode: KeyMode::Engine,
+            ..mapper::Options::default()
+        },
+        byte_budget: 16 << 10,
+    };
+    let index = Index::new(config);
+    let mut sources: Vec<SourceId> = ["a", "b", "c", "d"]
+        .iter()
+        .map(|r| index.add_source(r).expect("source"))
+        .collect();
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    for step in 0..20_000u64 {
+        let r = next();
+        let s = sources[(r % sources.len() as u64) as usize];
+        let key = (r >> 8) % 3_000 + 1;
+        match (r >> 40) % 1000 {
+            0..=1 => index.reset(s),
+            2..=3 if sources.len() > 2 => {
+                index.remove_source(s);
+                sources.retain(|x| *x != s);
+            }
+            4..=5 if sources.len() < 6 => {
+                sources.push(index.add_source(&format!("r{step}")).expect("source"));
+            }
+            6..=200 => index.apply(
+                s,
+                &wire::EventBatch {
+                    ts: 0.0,
+                    events: vec![wire::Event::BlockRemoved(wire::BlockRemoved {
+                        block_hashes: vec![wire::BlockHash::Int(wire::Int::U64(key))],
+                        ..Default::default()
+                    })],
+                    data_parallel_rank: None,
+                    unknown_events: 0,
+                },
+            ),
+            _ => index.apply(s, &stored(key)),
+        }
+        let stats = index.stats();
+        let (keys, held, shared) = scanned(&index);
+        assert_eq!(
+            (stats.keys, stats.pairs as u64, stats.shared_pairs),
+            (keys, held, shared),
+            "step {step}"
+        );
+        let d = stats.duplication();
+        assert!((0.0..1.0).contains(&d) || stats.pairs == 0, "{d}");
+    }
+    assert!(
+        index.stats().evicted_keys > 0,
+        "the budget dropped a generation: {:?}",
+        index.stats()
+    );
+}
+
+/// Should an epoch ever wrap, the source's older holders go at once: none of them can
+/// count again when the epoch comes back round.
+#[test]
+fn an_epoch_that_wraps_drops_the_holders_of_its_source() {
+    let keys = Config {
+        mapping: mapper::Options {
+            key_mode: KeyMode::Engine,
+            ..mapper::Options::default()
+        },
+        ..Config::default()
+    };
+    let index = Index::new(keys);
+    let [a, b] = ["a", "b"].map(|r| index.add_source(r).expect("a source"));
+    index.apply(b, &stored(1));
+    // `a` stores key 1 at epoch 0, then its epoch is taken to the last before the wrap.
+    index.apply(a, &stored(1));
+    index.write().inner.sources[a.slot as usize].epoch = u32::MAX;
+    assert_eq!(holders(&index, 1), ["b"]);
+    index.reset(a); // u32::MAX -> 0: the epoch `a`'s holder was stored at.
+    assert_eq!(index.read().inner.sources[a.slot as usize].epoch, 0);
+    assert_eq!(holders(&index, 1), ["b"]);
+    assert_eq!(index.stats().pairs, 1, "a's holder is gone, not lapsed");
+}
