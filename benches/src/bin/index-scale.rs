@@ -23,7 +23,8 @@ use std::time::{Duration, Instant};
 
 use kvevent_index::{Config, Index, KeyChange, Query, QueryKeys, SourceId, Tier};
 
-const USAGE: &str = "usage: index-scale [--pairs N[M]] [--replicas R] [--queries Q] [--quiet-wait S]";
+const USAGE: &str =
+    "usage: index-scale [--pairs N[M]] [--replicas R] [--queries Q] [--quiet-wait S]";
 const SYSTEM: u32 = 4;
 const PROMPT: u32 = 8;
 const BLOCK: u32 = 16;
@@ -272,11 +273,18 @@ fn main() -> anyhow::Result<()> {
     for (r, keys) in by_source.iter().enumerate() {
         for chunk in keys.chunks(BATCH) {
             batch.clear();
-            batch.extend(chunk.iter().map(|&key| KeyChange::Evicted { key, adapter: "" }));
+            batch.extend(
+                chunk
+                    .iter()
+                    .map(|&key| KeyChange::Evicted { key, adapter: "" }),
+            );
             index.apply_keys(sources[r], &batch);
         }
     }
-    println!("score, 2 % evicted mid-chain: {}", wait_quiet(Duration::from_secs(quiet)));
+    println!(
+        "score, 2 % evicted mid-chain: {}",
+        wait_quiet(Duration::from_secs(quiet))
+    );
     let (e50, e99, e999) = score(&index, &w, queries, 3);
     println!(
         "  median {e50:.2} µs, p99 {e99:.2} µs ({:.2}x steady), p99.9 {e999:.2} µs",

@@ -1,9 +1,11 @@
-//! Who holds a key: the [`Holder`] word (source, epoch, tier) and an entry's [`Holders`], inline
-//! or in a shared [`Lists`] list; the pair and sharing counts ([`Shares`]).
+//! Who holds a key: the [`Holder`] word (source, epoch, tier) and an entry's [`Holders`], up to
+//! three inline in the key's slot or more in a list of [`Lists`]; the pair and sharing counts
+//! ([`Shares`]).
 //!
 //! Invariants: an entry's holders are sorted by source, one holder a source at most; a list
-//! holds two holders or more (one is kept inline, none is no entry); a list stamped with the
-//! current lapse count holds no lapsed holder.
+//! holds four holders or more (up to three are kept inline, none is no entry); a holder word is
+//! never 0 (an unused inline word) nor [`LIST`]; a list stamped with the current lapse count
+//! holds no lapsed holder.
 
 use super::*;
 
@@ -23,40 +25,37 @@ impl Shares {
     }
 }
 
-/// A source holding a key, in one word: the source in bits 35–63, its epoch in 3–34, the
-/// tier in bit 2, bits 0–1 clear (where [`Holders`] keeps its kind, so one holder is kept inline
-/// as this same word). Words sort by source; two holders of the same source and epoch compare
-/// by tier, so the larger is the worse tier; scoring compares and merges whole words (eight at
-/// a time).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub(crate) struct Holder(pub(crate) u64);
+/// A source holding a key, in 32 bits: the source in bits 15–31, its epoch (1 to
+/// [`Holder::EPOCHS`], never 0) in bits 1–14, the tier in bit 0. Words sort by source; two
+/// holders of the same source and epoch compare by tier, so the larger is the worse tier;
+/// scoring compares and merges whole words (eight at a time).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
+#[repr(transparent)]
+pub(crate) struct Holder(pub(crate) u32);
 
 impl Holder {
-    pub(crate) const TIER_SHIFT: u32 = 2;
-    pub(crate) const EPOCH_SHIFT: u32 = 3;
-    pub(crate) const SOURCE_SHIFT: u32 = 35;
+    const EPOCH_SHIFT: u32 = 1;
+    const SOURCE_SHIFT: u32 = 15;
+    /// Epochs run from 1 to this, then wrap to 1 ([`Inner::lapse`]).
+    pub(crate) const EPOCHS: u32 = (1 << 14) - 1;
     /// The bits naming the source and its epoch.
-    pub(crate) const ID: u64 = !((1 << Self::EPOCH_SHIFT) - 1);
+    const ID: u32 = !1;
 
     pub(crate) fn new(source: u32, epoch: u32, tier: u8) -> Self {
-        debug_assert!(source < MAX_SOURCES && tier <= 1);
-        Self(
-            (u64::from(source) << Self::SOURCE_SHIFT)
-                | (u64::from(epoch) << Self::EPOCH_SHIFT)
-                | (u64::from(tier & 1) << Self::TIER_SHIFT),
-        )
+        debug_assert!(source < MAX_SOURCES && (1..=Self::EPOCHS).contains(&epoch) && tier <= 1);
+        Self((source << Self::SOURCE_SHIFT) | (epoch << Self::EPOCH_SHIFT) | u32::from(tier & 1))
     }
 
     pub(crate) fn source(self) -> u32 {
-        (self.0 >> Self::SOURCE_SHIFT) as u32
+        self.0 >> Self::SOURCE_SHIFT
     }
 
     pub(crate) fn epoch(self) -> u32 {
-        (self.0 >> Self::EPOCH_SHIFT) as u32
+        (self.0 >> Self::EPOCH_SHIFT) & Self::EPOCHS
     }
 
     pub(crate) fn tier(self) -> u8 {
-        ((self.0 >> Self::TIER_SHIFT) & 1) as u8
+        (self.0 & 1) as u8
     }
 
     pub(crate) fn same_id(self, other: Self) -> bool {
@@ -64,19 +63,19 @@ impl Holder {
     }
 }
 
-/// The sources holding a key, sorted by source (one holder a source at most), in one word:
-/// none, one inline (the [`Holder`] word, its kind in bits 0–1), or the number of a list in
-/// [`Lists`] (two or more) and, in bits 2–31, the [`Inner::lapses`] count (its low 30 bits)
-/// when the list was last rid of lapsed holders. Keeps a table slot at 24 bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Holders(pub(crate) u64);
+/// The first word of an entry whose holders are in a list: no holder has it (its source,
+/// 2^17 − 1, is [`MAX_SOURCES`], one past the last).
+pub(crate) const LIST: Holder = Holder(u32::MAX);
 
-pub(crate) const ONE: u64 = 1;
-pub(crate) const LIST: u64 = 2;
-/// Where a list's lapse stamp sits.
-pub(crate) const STAMP: u64 = ((1 << 30) - 1) << 2;
+/// The sources holding a key, sorted by source (one holder a source at most), in 12 bytes: up
+/// to three holders inline, the words after the last 0; or [`LIST`], the number of a list in
+/// [`Lists`] (four holders or more) and the [`Inner::lapses`] count when the list was last rid
+/// of lapsed holders. Keeps a table slot at 24 bytes with its key and token count: in a fleet
+/// most keys have one to three holders, and they cost no allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct Holders([Holder; 3]);
 
-/// The holder lists of keys held by two sources or more; a freed slot is reused. The slot
+/// The holder lists of keys held by four sources or more; a freed slot is reused. The slot
 /// vector keeps the length of its peak (24 bytes a slot, not counted by the budget, which
 /// counts the slots in use and their lists).
 #[derive(Debug, Default)]
@@ -85,93 +84,85 @@ pub(crate) struct Lists {
     pub(crate) free: Vec<u32>,
 }
 
-/// An entry's holders, borrowed for reading.
-pub(crate) enum HolderView<'a> {
-    One(Holder),
-    Many(&'a [Holder]),
-}
-
-impl HolderView<'_> {
-    pub(crate) fn as_slice(&self) -> &[Holder] {
-        match self {
-            Self::One(h) => std::slice::from_ref(h),
-            Self::Many(v) => v,
-        }
-    }
-}
-
 impl Holders {
-    pub(crate) const NONE: Self = Self(0);
+    pub(crate) const NONE: Self = Self([Holder(0); 3]);
 
-    pub(crate) fn one(h: Holder) -> Self {
-        Self(h.0 | ONE)
+    /// Up to three holders, inline.
+    fn inline(holders: &[Holder]) -> Self {
+        debug_assert!(holders.len() <= 3);
+        let mut words = [Holder(0); 3];
+        words[..holders.len()].copy_from_slice(holders);
+        Self(words)
     }
 
-    pub(crate) fn list(i: u32) -> Self {
-        Self((u64::from(i) << 32) | LIST)
+    /// The number of its list, if its holders are in one.
+    fn list(&self) -> Option<usize> {
+        (self.0[0] == LIST).then_some(self.0[1].0 as usize)
     }
 
-    pub(crate) fn view(self, lists: &Lists) -> HolderView<'_> {
-        match self.0 & 3 {
-            ONE => HolderView::One(Holder(self.0 & !3)),
-            LIST => HolderView::Many(&lists.lists[(self.0 >> 32) as usize]),
-            _ => HolderView::Many(&[]),
+    /// The holders, sorted by source.
+    pub(crate) fn view<'a>(&'a self, lists: &'a Lists) -> &'a [Holder] {
+        match self.list() {
+            Some(i) => &lists.lists[i],
+            None => {
+                let n = self.0.iter().take_while(|h| h.0 != 0).count();
+                &self.0[..n]
+            }
         }
     }
 
-    pub(crate) fn len(self, lists: &Lists) -> usize {
-        self.view(lists).as_slice().len()
+    pub(crate) fn len(&self, lists: &Lists) -> usize {
+        self.view(lists).len()
     }
 
-    pub(crate) fn list_mut(self, lists: &mut Lists) -> Option<(u32, &mut Vec<Holder>)> {
-        if self.0 & 3 == LIST {
-            let i = (self.0 >> 32) as u32;
-            Some((i, &mut lists.lists[i as usize]))
-        } else {
-            None
+    /// A list stamped with `lapses` (inline holders stay as they are: checking three costs less
+    /// than a stamp).
+    pub(crate) fn stamped(mut self, lapses: u32) -> Self {
+        if self.list().is_some() {
+            self.0[2] = Holder(lapses);
         }
-    }
-
-    /// A list stamped with `lapses` (one holder stays as it is).
-    pub(crate) fn stamped(self, lapses: u32) -> Self {
-        if self.0 & 3 == LIST {
-            Self((self.0 & !STAMP) | ((u64::from(lapses) << 2) & STAMP))
-        } else {
-            self
-        }
+        self
     }
 
     /// True for a list stamped with `lapses`: no holder of it lapsed since it was stamped.
-    pub(crate) fn stamped_with(self, lapses: u32) -> bool {
-        self.0 & 3 == LIST && self.0 & STAMP == (u64::from(lapses) << 2) & STAMP
+    pub(crate) fn stamped_with(&self, lapses: u32) -> bool {
+        self.list().is_some() && self.0[2].0 == lapses
     }
 
     /// Without `source`'s holder: a binary search in a list, not a scan (a key of a shared
     /// system prompt can have a holder on every replica of the fleet).
     pub(crate) fn remove(self, lists: &mut Lists, source: u32) -> Self {
-        let Some((_, v)) = self.list_mut(lists) else {
-            return match self.view(lists) {
-                HolderView::One(h) if h.source() == source => Self::NONE,
-                _ => self,
-            };
-        };
-        if let Ok(i) = v.binary_search_by_key(&source, |h| h.source()) {
-            v.remove(i);
+        let found = |v: &[Holder]| v.binary_search_by_key(&source, |h| h.source());
+        match self.list() {
+            Some(i) => {
+                let v = &mut lists.lists[i];
+                if let Ok(at) = found(v) {
+                    v.remove(at);
+                }
+                self.collapsed(lists)
+            }
+            None => {
+                let v = self.view(lists);
+                match found(v) {
+                    Ok(at) => {
+                        let mut kept = [Holder(0); 3];
+                        kept[..at].copy_from_slice(&v[..at]);
+                        kept[at..v.len() - 1].copy_from_slice(&v[at + 1..]);
+                        Self(kept)
+                    }
+                    Err(_) => self,
+                }
+            }
         }
-        self.collapsed(lists)
     }
 
-    /// A list that lost holders: one holder inline when one is left, none when none is (its
-    /// list given back either way).
-    pub(crate) fn collapsed(self, lists: &mut Lists) -> Self {
-        match self.view(lists).as_slice() {
-            &[only] => {
+    /// A list that lost holders: inline when three or fewer are left (its list given back).
+    fn collapsed(self, lists: &mut Lists) -> Self {
+        match self.list() {
+            Some(i) if lists.lists[i].len() <= 3 => {
+                let inline = Self::inline(&lists.lists[i]);
                 self.free(lists);
-                Self::one(only)
-            }
-            [] => {
-                self.free(lists);
-                Self::NONE
+                inline
             }
             _ => self,
         }
@@ -189,7 +180,7 @@ impl Holders {
     ) -> Self {
         if self == Self::NONE {
             // A new key (most stores): nothing to keep or merge.
-            return Self::one(holder);
+            return Self::inline(&[holder]);
         }
         let kept = if self.stamped_with(lapses) {
             self
@@ -201,76 +192,82 @@ impl Holders {
 
     /// Gives its list back, if it has one.
     pub(crate) fn free(self, lists: &mut Lists) {
-        if let Some((i, v)) = self.list_mut(lists) {
-            *v = Vec::new();
-            lists.free.push(i);
+        if let Some(i) = self.list() {
+            lists.lists[i] = Vec::new();
+            lists.free.push(i as u32);
         }
     }
 
     /// The holders `keep` keeps.
     pub(crate) fn retain(self, lists: &mut Lists, keep: impl Fn(&Holder) -> bool) -> Self {
-        match self.view(lists) {
-            HolderView::One(h) => {
-                if keep(&h) {
-                    self
-                } else {
-                    Self::NONE
-                }
-            }
-            HolderView::Many(_) => {
-                let Some((_, v)) = self.list_mut(lists) else {
-                    return Self::NONE;
-                };
-                v.retain(|h| keep(h));
+        match self.list() {
+            Some(i) => {
+                lists.lists[i].retain(|h| keep(h));
                 self.collapsed(lists)
+            }
+            None => {
+                let mut kept = [Holder(0); 3];
+                for (n, h) in self.view(lists).iter().filter(|h| keep(h)).enumerate() {
+                    kept[n] = *h;
+                }
+                Self(kept)
             }
         }
     }
 
     /// Adds `holder`, replacing the same source's.
     pub(crate) fn upsert(self, lists: &mut Lists, holder: Holder) -> Self {
-        match self.view(lists) {
-            HolderView::Many([]) => Self::one(holder),
-            HolderView::One(h) if h.source() == holder.source() => Self::one(holder),
-            HolderView::One(h) => {
-                let pair = if h.source() < holder.source() {
-                    vec![h, holder]
-                } else {
-                    vec![holder, h]
-                };
-                let i = match lists.free.pop() {
-                    Some(i) => {
-                        lists.lists[i as usize] = pair;
-                        i
-                    }
-                    None => {
-                        lists.lists.push(pair);
-                        (lists.lists.len() - 1) as u32
-                    }
-                };
-                Self::list(i)
+        if let Some(i) = self.list() {
+            let v = &mut lists.lists[i];
+            match v.binary_search_by_key(&holder.source(), |h| h.source()) {
+                Ok(at) => v[at] = holder,
+                Err(at) => v.insert(at, holder),
             }
-            HolderView::Many(_) => {
-                if let Some((_, v)) = self.list_mut(lists) {
-                    match v.binary_search_by_key(&holder.source(), |h| h.source()) {
-                        Ok(i) => v[i] = holder,
-                        Err(i) => v.insert(i, holder),
-                    }
-                }
-                self
-            }
+            return self;
         }
+        let v = self.view(lists);
+        let at = match v.binary_search_by_key(&holder.source(), |h| h.source()) {
+            Ok(at) => {
+                let mut words = self;
+                words.0[at] = holder;
+                return words;
+            }
+            Err(at) => at,
+        };
+        if v.len() < 3 {
+            let mut words = [Holder(0); 3];
+            words[..at].copy_from_slice(&v[..at]);
+            words[at] = holder;
+            words[at + 1..=v.len()].copy_from_slice(&v[at..]);
+            return Self(words);
+        }
+        // A fourth holder: the four go to a list.
+        let mut list = Vec::with_capacity(4);
+        list.extend_from_slice(&v[..at]);
+        list.push(holder);
+        list.extend_from_slice(&v[at..]);
+        let i = match lists.free.pop() {
+            Some(i) => {
+                lists.lists[i as usize] = list;
+                i
+            }
+            None => {
+                lists.lists.push(list);
+                (lists.lists.len() - 1) as u32
+            }
+        };
+        Self([LIST, Holder(i), Holder(0)])
     }
 }
 
-/// Heap bytes of an entry's holders: none for one (kept inline), else its list's slot and the
-/// list's block (capacity doubling from 4, plus the allocator's header).
+/// Heap bytes of an entry's holders: none for three or fewer (kept inline), else its list's
+/// slot and the list's block (capacity doubling from 4, plus the allocator's header).
 pub(crate) fn entry_bytes(holders: usize) -> usize {
-    if holders <= 1 {
+    if holders <= 3 {
         0
     } else {
         std::mem::size_of::<Vec<Holder>>()
-            + holders.next_power_of_two().max(4) * std::mem::size_of::<Holder>()
+            + holders.next_power_of_two() * std::mem::size_of::<Holder>()
             + 16
     }
 }

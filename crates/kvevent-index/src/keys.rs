@@ -55,46 +55,35 @@ impl IndexStats {
     }
 }
 
-/// A key's identity: its prefix key and adapter number, 12 bytes. The key is kept mixed
-/// with the adapter (a bijection for each adapter, so no two identities meet): it is its own
-/// hash, and a probe walk does not hash every entry it passes.
+/// A key's identity, 8 bytes: its prefix key mixed (a bijection), then, for an adapter other
+/// than the base model's, told apart by a word of the adapter's own (`mix(key) ^ salt`). It is
+/// its own hash, so a probe walk hashes nothing. Two identities of one adapter never meet; of
+/// two adapters they meet only where their 64-bit keys would (one chance in 2^64 a pair, as
+/// for any two fingerprints), so the adapter is not kept beside it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-#[repr(C, packed(4))]
-pub(crate) struct KeyId {
-    pub(crate) mixed: u64,
-    pub(crate) adapter: u32,
-}
+pub(crate) struct KeyId(u64);
 
 impl KeyId {
     pub(crate) fn new(key: u64, adapter: u32) -> Self {
-        Self {
-            mixed: kvevent_table::mix(key ^ u64::from(adapter).rotate_left(32)),
-            adapter,
-        }
+        let salt = match adapter {
+            0 => 0,
+            a => kvevent_table::mix(u64::from(a) | 1 << 63),
+        };
+        Self(kvevent_table::mix(key) ^ salt)
     }
 }
 
 impl kvevent_table::Key for KeyId {
     fn hash(&self) -> u64 {
-        self.mixed
+        self.0
     }
 }
 
-/// What the index knows of a key, 12 bytes: the prefix's token count and its holders.
-#[derive(Debug, Clone, Copy)]
-#[repr(C, packed(4))]
+/// What the index knows of a key, 16 bytes: the prefix's token count and its holders.
+#[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Entry {
     pub(crate) tokens: u32,
     pub(crate) holders: Holders,
-}
-
-impl Default for Entry {
-    fn default() -> Self {
-        Self {
-            tokens: 0,
-            holders: Holders::NONE,
-        }
-    }
 }
 
 /// The key table (see `kvevent_table`): 24-byte slots and a tag byte each, 72–90 % full, no
@@ -251,6 +240,8 @@ impl Inner {
                 };
                 self.young_bytes =
                     (self.young_bytes + entry_bytes(after.len(lists))).saturating_sub(before);
+                // A list that grew is held to the budget like a new key.
+                self.hold_to(budget);
                 return;
             }
             TableEntry::Vacant(v) => v,
@@ -277,21 +268,48 @@ impl Inner {
             self.old.bytes() + young_after_insert + self.old_bytes + self.young_bytes + heap;
         if after > budget {
             // The young table moves to the old generation: the walk's place is gone with it.
-            self.stats.evicted_keys += self.old.len() as u64;
-            for e in self.old.values() {
-                let h = e.holders;
-                self.shares.changed(h.len(lists), 0);
-                h.free(lists);
-            }
-            let fresh = Keys::new();
-            self.old = std::mem::replace(&mut self.young, fresh);
-            self.old_bytes = std::mem::take(&mut self.young_bytes);
+            self.rotate();
             self.young.insert_new(key, Entry { tokens, holders });
         } else {
             // Where the lookup's walk ended.
             vacant.insert(Entry { tokens, holders });
         }
         self.young_bytes += heap;
+        self.hold_to(budget);
+    }
+
+    /// Bytes the key tables (by capacity) and holder lists hold.
+    pub(crate) fn bytes(&self) -> usize {
+        self.young.bytes() + self.old.bytes() + self.young_bytes + self.old_bytes
+    }
+
+    /// Past `budget` (a holder list grew, or the old generation alone is past it): the old
+    /// generation goes and the young one becomes old; still past, that goes too.
+    fn hold_to(&mut self, budget: usize) {
+        if self.bytes() > budget {
+            self.rotate();
+        }
+        if self.bytes() > budget {
+            self.drop_old();
+        }
+    }
+
+    /// The old generation goes and the young one becomes old.
+    fn rotate(&mut self) {
+        self.drop_old();
+        self.old = std::mem::take(&mut self.young);
+        self.old_bytes = std::mem::take(&mut self.young_bytes);
+    }
+
+    /// The old generation's entries go (counted in `evicted_keys`).
+    fn drop_old(&mut self) {
+        self.stats.evicted_keys += self.old.len() as u64;
+        for e in self.old.values() {
+            self.shares.changed(e.holders.len(&self.lists), 0);
+            e.holders.free(&mut self.lists);
+        }
+        self.old = Keys::new();
+        self.old_bytes = 0;
     }
 
     pub(crate) fn lookup(&self, key: &KeyId) -> Option<Entry> {

@@ -14,8 +14,10 @@ pub(crate) struct Source {
     pub(crate) replica: u32,
     /// Moves on at each reset or clear and when the source is removed ([`Inner::lapse`]):
     /// holders of older epochs no longer count, and a slot reused never meets its previous
-    /// source's holders. 32 bits: a slot lapsing every millisecond wraps it after 49 days,
-    /// and a wrap drops its holders for real.
+    /// source's holders. 1 to [`Holder::EPOCHS`] (14 bits of a holder word): at a wrap, a live
+    /// source's older holders are dropped for real (one scan of the tables, once every 16,383
+    /// resets of one source), and a removed source's slot is not used again (its holders go
+    /// with the sweep).
     pub(crate) epoch: u32,
     /// Which use of the slot this is ([`SourceId`]).
     pub(crate) generation: u32,
@@ -35,14 +37,8 @@ pub(crate) struct ReplicaSlot {
     pub(crate) in_use: bool,
     /// Its live sources, loading ones included.
     pub(crate) sources: u32,
-    /// What its follower said ([`Index::set_replica_state`]); it keeps the replica known.
-    pub(crate) state: Option<ReplicaState>,
-}
-
-impl ReplicaSlot {
-    pub(crate) fn state(&self) -> ReplicaState {
-        self.state.unwrap_or(ReplicaState::Exact)
-    }
+    /// A state was set ([`Index::set_replica_state`]): it keeps the replica known.
+    pub(crate) state_set: bool,
 }
 
 /// Where the incremental sweep of lapsed holders is ([`Inner::sweep`]).
@@ -99,10 +95,12 @@ impl Inner {
         let id = match self.free_replicas.pop() {
             Some(id) => {
                 Arc::make_mut(&mut self.replicas)[id as usize] = name.clone();
+                Arc::make_mut(&mut self.states)[id as usize] = ReplicaState::Exact;
                 id
             }
             None => {
                 Arc::make_mut(&mut self.replicas).push(name.clone());
+                Arc::make_mut(&mut self.states).push(ReplicaState::Exact);
                 self.replica_slots.push(ReplicaSlot::default());
                 (self.replicas.len() - 1) as u32
             }
@@ -123,7 +121,7 @@ impl Inner {
     /// Gives `id`'s number back if nothing keeps it: no live source, no state set.
     pub(crate) fn release_replica(&mut self, id: u32) {
         let r = &self.replica_slots[id as usize];
-        if !r.in_use || r.sources > 0 || r.state.is_some() {
+        if !r.in_use || r.sources > 0 || r.state_set {
             return;
         }
         self.replica_slots[id as usize] = ReplicaSlot::default();
@@ -140,7 +138,9 @@ impl Inner {
     }
 
     /// `source` is no longer followed: it stops counting at once (its epoch moves on), its
-    /// holders are reclaimed by the sweep, its mapper's memory goes, and its slot is free.
+    /// holders are reclaimed by the sweep, its mapper's memory goes, and its slot is free,
+    /// unless its epoch wrapped: then holders of its new epoch may still be in the tables, so
+    /// the slot is never used again (one slot every 16,383 uses, not a scan of the tables).
     pub(crate) fn retire(
         &mut self,
         source: SourceId,
@@ -161,18 +161,24 @@ impl Inner {
         if let Some(m) = mappers.get_mut(slot as usize) {
             *m = blank();
         }
-        self.free_sources.push(slot);
+        // Epoch 1 after a lapse: it wrapped.
+        if self.sources[slot as usize].epoch != 1 {
+            self.free_sources.push(slot);
+        }
         self.release_replica(replica);
     }
 
     /// Everything `source` held stops counting: its epoch moves on, so its older holders are
     /// invalid ([`counts`]); the sweep reclaims them, and a store that meets one drops it.
-    /// Should the epoch wrap, they are dropped now, so that none can count again.
+    /// Should the epoch of a live source wrap, they are dropped now, so that none can count
+    /// again (a removed source's slot is not used again instead: see [`Inner::retire`]).
     pub(crate) fn lapse(&mut self, source: u32) {
         let Some(s) = self.sources.get_mut(source as usize) else {
             return;
         };
-        s.epoch = s.epoch.wrapping_add(1);
+        let wrapped = s.epoch == Holder::EPOCHS;
+        s.epoch = if wrapped { 1 } else { s.epoch + 1 };
+        let live = s.live;
         self.lapses = self.lapses.wrapping_add(1);
         if !self.sweep.owed {
             self.sweep = Sweep {
@@ -182,7 +188,7 @@ impl Inner {
                 lapses_at_start: self.lapses,
             };
         }
-        if s.epoch == 0 {
+        if wrapped && live {
             self.drop_holders(|h| h.source() == source);
         }
     }

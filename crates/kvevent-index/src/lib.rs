@@ -188,14 +188,17 @@ pub enum KeyChange<'a> {
     Cleared,
 }
 
-/// Sources an index follows at once, at most (29 bits of a holder word).
-pub const MAX_SOURCES: u32 = 1 << 29;
+/// Sources an index follows at once, at most (17 bits of a holder word, less one value).
+pub const MAX_SOURCES: u32 = (1 << 17) - 1;
 
 #[derive(Debug, Default)]
 struct Inner {
     /// Replica names by number; answers share them (a replica added while an answer holds
     /// them copies the list). A free number keeps its last name until it is reused.
     replicas: Arc<Vec<Arc<str>>>,
+    /// Each replica's state, by number, as its follower last said (exact until then); answers
+    /// share it like the names.
+    states: Arc<Vec<ReplicaState>>,
     replica_ids: Map<Arc<str>, u32>,
     /// The replicas in use, in name order: answers are sorted stably from it, by numbers,
     /// not names.
@@ -347,7 +350,7 @@ impl Index {
             None => {
                 inner.sources.push(Source {
                     replica: 0,
-                    epoch: 0,
+                    epoch: 1,
                     generation: 0,
                     live: false,
                     counting: false,
@@ -429,7 +432,8 @@ impl Index {
         let mut guard = self.write();
         let inner = &mut guard.inner;
         let id = inner.replica(replica);
-        inner.replica_slots[id as usize].state = Some(state);
+        inner.replica_slots[id as usize].state_set = true;
+        Arc::make_mut(&mut inner.states)[id as usize] = state;
     }
 
     /// Stops following every source of `replica` and forgets it: its entries stop counting
@@ -441,7 +445,8 @@ impl Index {
         let Some(&id) = inner.replica_ids.get(replica) else {
             return;
         };
-        inner.replica_slots[id as usize].state = None;
+        inner.replica_slots[id as usize].state_set = false;
+        Arc::make_mut(&mut inner.states)[id as usize] = ReplicaState::Exact;
         let gone: Vec<SourceId> = inner
             .sources
             .iter()

@@ -31,19 +31,11 @@ pub struct Score<'a> {
 #[derive(Debug, Clone, Default)]
 pub struct Scores {
     names: Arc<Vec<Arc<str>>>,
-    entries: Vec<Answer>,
+    states: Arc<Vec<ReplicaState>>,
+    /// ([`answer_order`], replica), best first.
+    entries: Vec<(u64, u32)>,
     /// With [`Index::score_among`]: the positions of the candidates the index does not know.
     unknown: Vec<usize>,
-}
-
-/// One replica's match, named by number.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Answer {
-    pub(crate) replica: u32,
-    pub(crate) blocks: u32,
-    pub(crate) tokens: u32,
-    pub(crate) tier: Tier,
-    pub(crate) state: ReplicaState,
 }
 
 impl Scores {
@@ -82,13 +74,14 @@ impl Scores {
         &self.unknown
     }
 
-    pub(crate) fn score(&self, e: &Answer) -> Score<'_> {
+    pub(crate) fn score(&self, &(order, replica): &(u64, u32)) -> Score<'_> {
+        let (blocks, tokens, tier) = unrank(order);
         Score {
-            replica: &self.names[e.replica as usize],
-            matched_blocks: e.blocks,
-            matched_tokens: e.tokens,
-            tier: e.tier,
-            state: e.state,
+            replica: &self.names[replica as usize],
+            matched_blocks: blocks,
+            matched_tokens: tokens,
+            tier,
+            state: self.states[replica as usize],
         }
     }
 }
@@ -106,7 +99,7 @@ impl<'a> IntoIterator for &'a Scores {
 #[derive(Debug, Clone)]
 pub struct ScoresIter<'a> {
     scores: &'a Scores,
-    entries: std::slice::Iter<'a, Answer>,
+    entries: std::slice::Iter<'a, (u64, u32)>,
 }
 
 impl<'a> Iterator for ScoresIter<'a> {
@@ -136,14 +129,68 @@ pub(crate) struct Scratch {
     pub(crate) keys: Vec<u64>,
     /// The sources matching every block so far.
     pub(crate) alive: Vec<Holder>,
-    /// (source, blocks, tokens, tier) of the sources whose match ended.
-    pub(crate) done: Vec<(u32, u32, u32, u8)>,
-    /// Per replica, its best source's (blocks, tokens, tier).
-    pub(crate) best: Vec<Option<(u32, u32, u8)>>,
-    /// (sort key, replica) of the replicas in the answer.
+    /// Per replica, its best source's [`rank`] (0: none).
+    pub(crate) best: Vec<u64>,
+    /// ([`answer_order`], replica) of the replicas in the answer, in name order, then best
+    /// first.
     pub(crate) order: Vec<(u64, u32)>,
+    pub(crate) sorted: Vec<(u64, u32)>,
     /// Per replica, whether it is among the candidates asked about.
     pub(crate) asked: Vec<bool>,
+}
+
+/// A source's match as one number, the better the larger: most blocks, then most tokens, then
+/// T1 over T2 (a replica's best source). Never 0 (a match of no block at T1, a candidate's, is
+/// 1), so 0 is no match. A query of 2^31 blocks or more is not a real one: its count is taken
+/// as 2^31 − 1.
+pub(crate) fn rank(blocks: u32, tokens: u32, tier: u8) -> u64 {
+    (u64::from(blocks.min(u32::MAX >> 1)) << 33) | (u64::from(tokens) << 1) | u64::from(tier == 0)
+}
+
+/// A [`rank`] in the answer's order, the better the larger: most tokens, then most blocks, then
+/// T1 over T2.
+fn answer_order(rank: u64) -> u64 {
+    ((rank >> 1) << 32) | ((rank >> 33) << 1) | (rank & 1)
+}
+
+/// (blocks, tokens, tier) of an [`answer_order`].
+fn unrank(r: u64) -> (u32, u32, Tier) {
+    let tier = if r & 1 == 1 { Tier::T1 } else { Tier::T2 };
+    (((r >> 1) & 0x7fff_ffff) as u32, (r >> 32) as u32, tier)
+}
+
+/// `order` (in name order) into `sorted`, best first, names in order among ties. An answer
+/// mostly has few distinct ranks (every replica ties on a shared prefix): up to eight are
+/// gathered one pass each, without a sort; more are sorted (stably).
+fn best_first(order: &[(u64, u32)], sorted: &mut Vec<(u64, u32)>) {
+    sorted.clear();
+    let mut ranks = [0u64; 8];
+    let mut n = 0;
+    let mut last = 0;
+    for &(r, _) in order {
+        if r != last && !ranks[..n].contains(&r) {
+            if n == ranks.len() {
+                sorted.extend_from_slice(order);
+                sorted.sort_by_key(|&(r, _)| std::cmp::Reverse(r));
+                return;
+            }
+            ranks[n] = r;
+            n += 1;
+        }
+        last = r;
+    }
+    ranks[..n].sort_unstable_by(|a, b| b.cmp(a));
+    // Every entry written, the next one over it unless it has the rank: no branch (one slot
+    // more for the last write).
+    sorted.resize(order.len() + 1, (0, 0));
+    let mut w = 0;
+    for &r in &ranks[..n] {
+        for &e in order {
+            sorted[w] = e;
+            w += usize::from(e.0 == r);
+        }
+    }
+    sorted.truncate(w);
 }
 
 thread_local! {
@@ -178,7 +225,7 @@ impl Inner {
         SCRATCH.with(|scratch| {
             let scratch = &mut *scratch.borrow_mut();
             scratch.best.clear();
-            scratch.best.resize(self.replicas.len(), None);
+            scratch.best.resize(self.replicas.len(), 0);
             let adapter = self.adapters.get(adapter);
             if let Some(&adapter) = adapter
                 && !matches!(query, QueryKeys::Tokens { block_size: 0, .. })
@@ -192,17 +239,13 @@ impl Inner {
     /// Per replica in `scratch.best`, its best source's match of the query.
     pub(crate) fn match_blocks(&self, query: &QueryKeys<'_>, adapter: u32, scratch: &mut Scratch) {
         let Scratch {
-            keys,
-            alive,
-            done,
-            best,
-            ..
+            keys, alive, best, ..
         } = scratch;
         // Sources still matching, sorted by source, each with its worst tier so far. They all
-        // matched the same blocks so far (`matched`, covering `tokens`); one that drops out goes
-        // to `done` with them. Validity is checked at block 0; later blocks need the same epoch.
+        // matched the same blocks so far (`matched`, covering `tokens`); one that drops out
+        // counts for its replica with them. Validity is checked at block 0; later blocks need
+        // the same epoch.
         alive.clear();
-        done.clear();
         let (mut matched, mut tokens) = (0u32, 0u32);
         // The blocks are looked up one after another until one misses, `SCORE_CHUNK` at a
         // time: each chunk's slots are loaded first, so their cache misses overlap.
@@ -227,45 +270,18 @@ impl Inner {
             let Some(entry) = self.lookup(&KeyId::new(*k, adapter)) else {
                 break;
             };
-            let view = { entry.holders }.view(&self.lists);
-            let holders = view.as_slice();
+            let holders = entry.holders.view(&self.lists);
             if i == 0 {
-                alive.extend(holders.iter().filter(|h| counts(&self.sources, h)));
-            } else {
-                // Merge the two sorted lists in place: who holds block i too goes on, with the
-                // worse tier (the larger word: same source and epoch). The blocks of a shared
-                // prompt mostly have the same holders, tiers included, so runs of eight equal
-                // words are taken whole (compared with no branch but one a run of eight) and
-                // only the words around a difference are merged one by one.
-                let (mut r, mut j, mut kept) = (0, 0, 0);
-                while r < alive.len() {
-                    let run = alive[r..]
-                        .chunks_exact(8)
-                        .zip(holders[j..].chunks_exact(8))
-                        .take_while(|(a, h)| {
-                            a.iter().zip(*h).fold(0, |d, (a, h)| d | (a.0 ^ h.0)) == 0
-                        })
-                        .count()
-                        * 8;
-                    if kept != r {
-                        alive.copy_within(r..r + run, kept);
-                    }
-                    (r, j, kept) = (r + run, j + run, kept + run);
-                    let Some(&a) = alive.get(r) else { break };
-                    while holders.get(j).is_some_and(|h| h.source() < a.source()) {
-                        j += 1;
-                    }
-                    match holders.get(j) {
-                        Some(&h) if h.same_id(a) => {
-                            alive[kept] = a.max(h);
-                            kept += 1;
-                            j += 1;
-                        }
-                        _ => done.push((a.source(), matched, tokens, a.tier())),
-                    }
-                    r += 1;
+                // Every holder written, the next one over it unless it counts: no branch.
+                alive.resize(holders.len(), Holder(0));
+                let mut n = 0;
+                for &h in holders {
+                    alive[n] = h;
+                    n += usize::from(counts(&self.sources, &h));
                 }
-                alive.truncate(kept);
+                alive.truncate(n);
+            } else {
+                self.intersect(alive, holders, best, rank(matched, tokens, 0));
             }
             if alive.is_empty() {
                 break;
@@ -273,29 +289,74 @@ impl Inner {
             matched += 1;
             tokens = entry.tokens;
         }
-        done.extend(
-            alive
-                .iter()
-                .map(|a| (a.source(), matched, tokens, a.tier())),
-        );
-        // Per replica, its best source.
-        for &(source, blocks, tokens, tier) in done.iter() {
-            let replica = self.sources[source as usize].replica as usize;
-            let candidate = (blocks, tokens, tier);
-            let better = |b: &(u32, u32, u8)| {
-                (blocks, tokens, std::cmp::Reverse(tier)) > (b.0, b.1, std::cmp::Reverse(b.2))
-            };
-            if best[replica].as_ref().is_none_or(better) {
-                best[replica] = Some(candidate);
-            }
+        for &a in alive.iter() {
+            self.ended(a, rank(matched, tokens, 0), best);
         }
+    }
+
+    /// Source `a`'s match ended at `so_far` (a [`rank`] at T1; its tier clears that bit):
+    /// its replica's best is the better of the two.
+    #[inline]
+    fn ended(&self, a: Holder, so_far: u64, best: &mut [u64]) {
+        let replica = self.sources[a.source() as usize].replica as usize;
+        best[replica] = best[replica].max(so_far & !u64::from(a.tier()));
+    }
+
+    /// Keeps in `alive` the sources that hold this block too (`holders`), each with the worse
+    /// tier (the larger word: same source and epoch); the others' match ends at `so_far` (a
+    /// [`rank`] at T1). Both lists are sorted by source. The blocks of a
+    /// shared prompt mostly have the same holders, tiers included, so runs of eight equal
+    /// words are taken whole (compared with no branch but one a run of eight) and only the
+    /// words around a difference are merged one by one.
+    fn intersect(
+        &self,
+        alive: &mut Vec<Holder>,
+        holders: &[Holder],
+        best: &mut [u64],
+        so_far: u64,
+    ) {
+        let (mut r, mut j, mut kept) = (0, 0, 0);
+        while r < alive.len() {
+            if alive.len() - r >= 8 && holders.len() - j >= 8 {
+                let run = alive[r..]
+                    .chunks_exact(8)
+                    .zip(holders[j..].chunks_exact(8))
+                    .take_while(|(a, h)| a.iter().zip(*h).fold(0, |d, (a, h)| d | (a.0 ^ h.0)) == 0)
+                    .count()
+                    * 8;
+                if kept != r {
+                    alive.copy_within(r..r + run, kept);
+                }
+                (r, j, kept) = (r + run, j + run, kept + run);
+                if r == alive.len() {
+                    break;
+                }
+            }
+            let a = alive[r];
+            while j < holders.len() && holders[j].source() < a.source() {
+                j += 1;
+            }
+            if j < holders.len() && holders[j].same_id(a) {
+                alive[kept] = a.max(holders[j]);
+                kept += 1;
+                j += 1;
+            } else {
+                self.ended(a, so_far, best);
+            }
+            r += 1;
+        }
+        alive.truncate(kept);
     }
 
     /// The answer from `scratch.best`: the replicas matching block 0, or every candidate
     /// known (matching or not) and the positions of those unknown.
     pub(crate) fn answer(&self, candidates: Option<&[&str]>, scratch: &mut Scratch) -> Scores {
         let Scratch {
-            best, order, asked, ..
+            best,
+            order,
+            sorted,
+            asked,
+            ..
         } = scratch;
         let mut unknown = Vec::new();
         if let Some(candidates) = candidates {
@@ -305,43 +366,28 @@ impl Inner {
                 match self.replica_ids.get(*name) {
                     Some(&id) => {
                         asked[id as usize] = true;
-                        best[id as usize].get_or_insert((0, 0, 0));
+                        best[id as usize] = best[id as usize].max(rank(0, 0, 0));
                     }
                     None => unknown.push(i),
                 }
             }
         }
-        // Best first: most tokens, most blocks, T1 before T2, then by name. The replicas are
-        // taken in name order and sorted stably by the rest as one number: many tie on a
-        // shared prompt, and sorting runs of equal keys is cheap.
+        // Best first: most tokens, most blocks, T1 before T2, then by name (the replicas are
+        // taken in name order).
         order.clear();
-        order.extend(self.by_name.iter().filter_map(|&replica| {
-            if candidates.is_some() && !asked[replica as usize] {
-                return None;
-            }
-            let (blocks, tokens, tier) = best[replica as usize]?;
-            // A query of 2^31 blocks or more is not a real one: such counts tie.
-            let blocks = u64::from(blocks.min(u32::MAX >> 1));
-            let key = (u64::from(!tokens) << 32) | ((!blocks & 0x7fff_ffff) << 1) | u64::from(tier);
-            Some((key, replica))
-        }));
-        order.sort_by_key(|&(key, _)| key);
-        let mut entries = Vec::with_capacity(order.len());
-        entries.extend(order.iter().map(|&(_, replica)| {
-            let (blocks, tokens, tier) = best[replica as usize].unwrap_or_default();
-            let tier = if tier == 0 { Tier::T1 } else { Tier::T2 };
-            let slot = &self.replica_slots[replica as usize];
-            Answer {
-                replica,
-                blocks,
-                tokens,
-                tier,
-                state: slot.state(),
-            }
-        }));
+        order.resize(self.by_name.len() + 1, (0, 0));
+        let mut n = 0;
+        for &replica in &self.by_name {
+            let r = best[replica as usize];
+            order[n] = (answer_order(r), replica);
+            n += usize::from(r != 0 && (candidates.is_none() || asked[replica as usize]));
+        }
+        order.truncate(n);
+        best_first(order, sorted);
         Scores {
             names: self.replicas.clone(),
-            entries,
+            states: self.states.clone(),
+            entries: sorted.clone(),
             unknown,
         }
     }

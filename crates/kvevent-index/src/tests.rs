@@ -26,19 +26,83 @@ fn holders(index: &Index, key: u64) -> Vec<String> {
 }
 
 #[test]
-fn a_holder_is_one_word_inline_or_in_a_list() {
-    let h = Holder::new(MAX_SOURCES - 1, u32::MAX, 1);
-    assert_eq!(
-        (h.source(), h.epoch(), h.tier()),
-        (MAX_SOURCES - 1, u32::MAX, 1)
-    );
-    let lists = Lists::default();
-    assert!(matches!(Holders::one(h).view(&lists), HolderView::One(v) if v == h));
+fn a_holder_is_one_word_and_up_to_three_are_inline() {
+    let e = Holder::EPOCHS;
+    let h = Holder::new(MAX_SOURCES - 1, e, 1);
+    assert_eq!((h.source(), h.epoch(), h.tier()), (MAX_SOURCES - 1, e, 1));
+    assert_ne!(h, LIST, "no holder is the list mark");
+    assert_ne!(Holder::new(0, 1, 0).0, 0, "no holder is an unused word");
     // Words sort by source first, and by tier last.
-    assert!(Holder::new(1, u32::MAX, 1) < Holder::new(2, 0, 0));
+    assert!(Holder::new(1, e, 1) < Holder::new(2, 1, 0));
     assert!(Holder::new(2, 5, 0) < Holder::new(2, 5, 1));
     assert!(Holder::new(2, 5, 0).same_id(Holder::new(2, 5, 1)));
     assert!(!Holder::new(2, 5, 0).same_id(Holder::new(2, 6, 0)));
+
+    let mut lists = Lists::default();
+    let all = |n: u32| -> Vec<Holder> { (0..n).map(|s| Holder::new(s * 7, 3, 0)).collect() };
+    let mut held = Holders::NONE;
+    // Stored in an order of their own, read back sorted; the fourth takes a list.
+    for &s in &[14, 0, 21, 7] {
+        held = held.upsert(&mut lists, Holder::new(s, 3, 0));
+    }
+    assert_eq!(held.view(&lists), all(4));
+    assert_eq!(lists.lists.iter().filter(|l| !l.is_empty()).count(), 1);
+    // A holder of the same source replaces its word.
+    held = held.upsert(&mut lists, Holder::new(7, 3, 1));
+    assert_eq!(held.len(&lists), 4);
+    assert_eq!(held.view(&lists)[1].tier(), 1);
+    // Back to three: inline again, the list given back.
+    held = held.remove(&mut lists, 7);
+    assert_eq!(
+        held.view(&lists),
+        [
+            Holder::new(0, 3, 0),
+            Holder::new(14, 3, 0),
+            Holder::new(21, 3, 0)
+        ]
+    );
+    assert_eq!(lists.free.len(), 1);
+    held = held.retain(&mut lists, |h| h.source() != 0);
+    assert_eq!(
+        held.view(&lists),
+        [Holder::new(14, 3, 0), Holder::new(21, 3, 0)]
+    );
+    held = held.remove(&mut lists, 21).remove(&mut lists, 14);
+    assert_eq!(held, Holders::NONE);
+    assert_eq!(entry_bytes(3), 0);
+}
+
+#[test]
+fn an_epoch_wraps_to_1_and_a_removed_slot_that_wrapped_is_not_reused() {
+    let index = Index::new(Config {
+        mapping: mapper::Options {
+            key_mode: KeyMode::Engine,
+            ..mapper::Options::default()
+        },
+        ..Config::default()
+    });
+    let a = index.add_source("a").expect("a source");
+    index.apply(a, &stored(1));
+    // A live source wrapping: its older holders are dropped at once.
+    for _ in 0..Holder::EPOCHS {
+        index.reset(a);
+    }
+    assert_eq!(index.read().inner.sources[0].epoch, 1);
+    assert!(holders(&index, 1).is_empty());
+    index.apply(a, &stored(1));
+    assert_eq!(holders(&index, 1), ["a"]);
+    // Lapsed to the last epoch, then removed: the wrap retires its slot for good.
+    for _ in 0..Holder::EPOCHS - 1 {
+        index.reset(a);
+    }
+    index.apply(a, &stored(2));
+    index.remove_source(a);
+    let b = index.add_source("b").expect("a source");
+    assert_ne!(
+        b.slot, a.slot,
+        "a slot whose epoch wrapped is not used again"
+    );
+    assert!(holders(&index, 2).is_empty());
 }
 
 /// The scan the counters replace: every key's holders, as stored.
@@ -144,12 +208,12 @@ fn an_epoch_that_wraps_drops_the_holders_of_its_source() {
     let index = Index::new(keys);
     let [a, b] = ["a", "b"].map(|r| index.add_source(r).expect("a source"));
     index.apply(b, &stored(1));
-    // `a` stores key 1 at epoch 0, then its epoch is taken to the last before the wrap.
+    // `a` stores key 1 at epoch 1, then its epoch is taken to the last before the wrap.
     index.apply(a, &stored(1));
-    index.write().inner.sources[a.slot as usize].epoch = u32::MAX;
+    index.write().inner.sources[a.slot as usize].epoch = Holder::EPOCHS;
     assert_eq!(holders(&index, 1), ["b"]);
-    index.reset(a); // u32::MAX -> 0: the epoch `a`'s holder was stored at.
-    assert_eq!(index.read().inner.sources[a.slot as usize].epoch, 0);
+    index.reset(a); // EPOCHS -> 1: the epoch `a`'s holder was stored at.
+    assert_eq!(index.read().inner.sources[a.slot as usize].epoch, 1);
     assert_eq!(holders(&index, 1), ["b"]);
     assert_eq!(index.stats().pairs, 1, "a's holder is gone, not lapsed");
 }

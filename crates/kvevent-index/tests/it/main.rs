@@ -72,6 +72,14 @@ enum Op {
     Replace {
         replica: usize,
     },
+    /// A run of blocks stored, then blocks from its middle evicted (an engine's LRU takes
+    /// blocks out of the middle of chains): queries stop at the hole.
+    EvictMid {
+        source: usize,
+        first: u64,
+        len: u64,
+        holes: u64,
+    },
     /// The engine stores a block, clears its cache (an `AllBlocksCleared` event) and stores
     /// another, in one batch.
     Clear {
@@ -89,6 +97,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..6usize).prop_map(|source| Op::Reset { source }),
         1 => (0..6usize, any::<bool>()).prop_map(|(source, fresh)| Op::Fresh { source, fresh }),
         1 => (0..3usize).prop_map(|replica| Op::Replace { replica }),
+        2 => (0..6usize, 0..12u64, 3..21u64, 1..3u64).prop_map(|(source, first, len, holes)| Op::EvictMid { source, first, len, holes }),
         1 => (0..6usize, 0..32u64, 0..32u64).prop_map(|(source, before, after)| Op::Clear { source, before, after }),
     ]
 }
@@ -128,6 +137,23 @@ proptest! {
                     small.apply(small_sources[source], &batch(vec![stored(&hashes, "GPU")]));
                     held.push((many_sources[source], batch(vec![stored(&hashes, "GPU")])));
                     model[source].extend(hashes);
+                }
+                Op::EvictMid { source, first, len, holes } => {
+                    let hashes: Vec<u64> = (first..first + len).collect();
+                    // Holes spread over the middle: never the run's first or last block.
+                    let middle: Vec<u64> = (1..=holes).map(|i| first + i * (len - 1) / (holes + 1)).collect();
+                    let events = || {
+                        let mut e = vec![stored(&hashes, "GPU")];
+                        e.extend(middle.iter().map(|&h| removed(h)));
+                        batch(e)
+                    };
+                    index.apply(sources[source], &events());
+                    small.apply(small_sources[source], &events());
+                    held.push((many_sources[source], events()));
+                    model[source].extend(&hashes);
+                    for h in &middle {
+                        model[source].remove(h);
+                    }
                 }
                 Op::Remove { source, h } => {
                     index.apply(sources[source], &batch(vec![removed(h)]));
@@ -179,6 +205,11 @@ proptest! {
             }
         }
         apply_held(&mut held);
+        // The small index stays within its budget, and its counters agree with the big one's
+        // at most (it may have forgotten, never invented).
+        let (big, little) = (index.stats(), small.stats());
+        prop_assert!(little.bytes <= 1_200, "{:?}", little);
+        prop_assert!(little.pairs <= big.pairs, "{:?} {:?}", little, big);
         for start in 0..12u64 {
             let query: Vec<u64> = (start..start + 20).collect();
             let answer = index.score(&Query { adapter: "", keys: QueryKeys::Keys(&query) });
