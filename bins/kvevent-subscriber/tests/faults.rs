@@ -5,7 +5,7 @@
 //! to answer; engines paused (SIGSTOP); batches lost on the way (replayable) and beyond the
 //! replay buffer; the engine's HTTP server gone while its event sockets live; sidecars killed
 //! and restarted, with and without a state file; the router restarted; the feed link cut,
-//! blackholed, delayed and congested.
+//! blackholed, delayed, congested, and delayed then blackholed.
 //!
 //! Checked every 100 ms, for every replica and prompt: an answer that says `exact` while its
 //! content differs from what the engine's current process holds, for longer than the
@@ -506,12 +506,19 @@ enum Fault {
         replica: usize,
         for_: Duration,
     },
+    /// Delayed, then blackholed: what came late was older than it looked when the link went
+    /// quiet.
+    FeedDelayedThenBlackholed {
+        replica: usize,
+        delayed: Duration,
+        blackholed: Duration,
+    },
 }
 
 impl Fault {
     fn draw(rng: &mut Rng) -> Self {
         let replica = rng.below(REPLICAS as u64) as usize;
-        match rng.below(13) {
+        match rng.below(14) {
             0 | 1 => Self::EngineKilled {
                 replica,
                 down: rng.ms(200, 3000),
@@ -558,9 +565,14 @@ impl Fault {
                 replica,
                 for_: rng.ms(500, 2000),
             },
-            _ => Self::FeedCongested {
+            12 => Self::FeedCongested {
                 replica,
                 for_: rng.ms(500, 3000),
+            },
+            _ => Self::FeedDelayedThenBlackholed {
+                replica,
+                delayed: rng.ms(500, 2000),
+                blackholed: rng.ms(500, 1500),
             },
         }
     }
@@ -880,6 +892,15 @@ impl Run {
             Fault::FeedBlackholed { replica, for_ } => self.link(replica, Link::Blackhole, for_),
             Fault::FeedDelayed { replica, for_ } => self.link(replica, Link::Delay, for_),
             Fault::FeedCongested { replica, for_ } => self.link(replica, Link::Congested, for_),
+            Fault::FeedDelayedThenBlackholed {
+                replica,
+                delayed,
+                blackholed,
+            } => {
+                self.replicas[replica].proxy.set(Link::Delay);
+                self.hold(delayed, true);
+                self.link(replica, Link::Blackhole, blackholed);
+            }
         }
     }
 

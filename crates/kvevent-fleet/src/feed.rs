@@ -217,13 +217,15 @@ impl FeedFollower {
         let mut loading: Option<Loading> = None;
         // A sidecar sends something at least every heartbeat: two missed, and the replica is
         // degraded (a link cut without a word, blackholed, or a sidecar frozen says nothing);
-        // five, and the stream is given up and followed again.
+        // five, and the stream is given up and followed again. The two are counted from when
+        // the last message was made, not when it came: what came late is that much older.
         let mut heard = tokio::time::Instant::now();
         let opened = Instant::now();
         let mut lag = Lag::default();
+        let mut behind = Duration::ZERO;
         let lag_after = config.lag_after;
         let result = loop {
-            let quiet_at = heard + silent_after * 2 / 5;
+            let quiet_at = heard + (silent_after * 2 / 5).saturating_sub(behind);
             let silent = lock(&self.status).silent;
             let deadline = lock(&self.status)
                 .next_deadline(&self.core)
@@ -256,8 +258,9 @@ impl FeedFollower {
             if let Err(e) = self.take(message, &mut loading, &mut silent_after) {
                 break Err(e);
             }
-            if let Some(behind) = lag.behind(sent_ms, opened.elapsed().as_millis() as u64) {
-                let lagging = behind > lag_after;
+            if let Some(late) = lag.behind(sent_ms, opened.elapsed().as_millis() as u64) {
+                behind = late;
+                let lagging = late > lag_after;
                 let mut s = lock(&self.status);
                 if s.lagging != lagging {
                     s.on(&self.name, Event::Lagging(lagging), Instant::now());
