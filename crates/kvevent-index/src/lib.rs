@@ -317,27 +317,51 @@ impl Index {
             return;
         };
         let budget = self.config.byte_budget;
+        // Changes are queued with their buckets prefetched, then applied in order, a window of
+        // `TOUCH_AHEAD` at a time: their cache misses overlap. The adapter's number is looked
+        // up once for a run of changes of one adapter.
+        let mut last: Option<(&str, Option<u32>)> = None;
         for change in changes {
-            match *change {
+            let (key, op) = match *change {
                 KeyChange::Stored {
                     key,
                     tokens,
                     tier,
                     adapter,
                 } => {
-                    let key = KeyId::new(key, inner.adapter(adapter));
+                    let id = match last {
+                        Some((name, Some(id))) if name == adapter => id,
+                        _ => inner.adapter(adapter),
+                    };
+                    last = Some((adapter, Some(id)));
+                    let key = KeyId::new(key, id);
                     let tier = u8::from(tier != Tier::T1);
-                    inner.store(key, slot, tier, tokens, budget);
+                    (key, Op::Store { key, tier, tokens })
                 }
                 KeyChange::Evicted { key, adapter } => {
-                    let Some(&adapter) = inner.adapters.get(adapter) else {
-                        continue;
+                    let id = match last {
+                        Some((name, id)) if name == adapter => id,
+                        _ => inner.adapters.get(adapter).copied(),
                     };
-                    inner.evict(KeyId::new(key, adapter), slot);
+                    last = Some((adapter, id));
+                    // An adapter never stored holds nothing.
+                    let Some(id) = id else { continue };
+                    let key = KeyId::new(key, id);
+                    (key, Op::Evict { key })
                 }
-                KeyChange::Cleared => inner.lapse(slot),
+                KeyChange::Cleared => {
+                    inner.flush(inner.pending.len(), budget);
+                    inner.lapse(slot);
+                    continue;
+                }
+            };
+            inner.prefetch_key(&key);
+            inner.pending.push((slot, op));
+            if inner.pending.len() >= kvevent_table::TOUCH_AHEAD {
+                inner.flush(inner.pending.len(), budget);
             }
         }
+        inner.flush(inner.pending.len(), budget);
         inner.sweep(SWEEP_PER_CALL + SWEEP_PER_CHANGE * changes.len());
     }
 
