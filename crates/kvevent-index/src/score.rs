@@ -135,6 +135,8 @@ pub(crate) struct Scratch {
     /// first.
     pub(crate) order: Vec<(u64, u32)>,
     pub(crate) sorted: Vec<(u64, u32)>,
+    /// Per entry of `order`, which of its few distinct ranks it has.
+    pub(crate) tags: Vec<u8>,
     /// Per replica, whether it is among the candidates asked about.
     pub(crate) asked: Vec<bool>,
 }
@@ -159,38 +161,59 @@ fn unrank(r: u64) -> (u32, u32, Tier) {
     (((r >> 1) & 0x7fff_ffff) as u32, (r >> 32) as u32, tier)
 }
 
-/// `order` (in name order) into `sorted`, best first, names in order among ties. An answer
-/// mostly has few distinct ranks (every replica ties on a shared prefix): up to eight are
-/// gathered one pass each, without a sort; more are sorted (stably).
-fn best_first(order: &[(u64, u32)], sorted: &mut Vec<(u64, u32)>) {
-    sorted.clear();
+/// `order` (in name order) into `sorted`, best first, names in order among ties; its length.
+/// An answer mostly has few distinct ranks (every replica ties on a shared prefix): with up to
+/// eight, each entry is counted under its rank, then put in place (a counting sort, two
+/// passes, no comparisons between entries); with more, a stable sort. The buffers only grow.
+fn best_first(order: &[(u64, u32)], sorted: &mut Vec<(u64, u32)>, tags: &mut Vec<u8>) -> usize {
+    grow(sorted, order.len());
+    grow(tags, order.len());
+    let (out, tags) = (&mut sorted[..order.len()], &mut tags[..order.len()]);
     let mut ranks = [0u64; 8];
-    let mut n = 0;
-    let mut last = 0;
-    for &(r, _) in order {
-        if r != last && !ranks[..n].contains(&r) {
-            if n == ranks.len() {
-                sorted.extend_from_slice(order);
-                sorted.sort_by_key(|&(r, _)| std::cmp::Reverse(r));
-                return;
-            }
+    let mut counts = [0usize; 8];
+    let (mut n, mut last) = (0, 0);
+    for (&(r, _), tag) in order.iter().zip(tags.iter_mut()) {
+        let b = if n > 0 && ranks[last] == r {
+            last
+        } else if let Some(b) = ranks[..n].iter().position(|&x| x == r) {
+            b
+        } else if n < ranks.len() {
             ranks[n] = r;
             n += 1;
-        }
-        last = r;
+            n - 1
+        } else {
+            out.copy_from_slice(order);
+            out.sort_by_key(|&(r, _)| std::cmp::Reverse(r));
+            return order.len();
+        };
+        counts[b] += 1;
+        *tag = b as u8;
+        last = b;
     }
-    ranks[..n].sort_unstable_by(|a, b| b.cmp(a));
-    // Every entry written, the next one over it unless it has the rank: no branch (one slot
-    // more for the last write).
-    sorted.resize(order.len() + 1, (0, 0));
-    let mut w = 0;
-    for &r in &ranks[..n] {
-        for &e in order {
-            sorted[w] = e;
-            w += usize::from(e.0 == r);
-        }
+    // Where each rank's entries begin: the best rank first.
+    let mut by_rank = [0, 1, 2, 3, 4, 5, 6, 7];
+    by_rank[..n].sort_unstable_by(|&a, &b| ranks[b].cmp(&ranks[a]));
+    let mut start = [0usize; 8];
+    let mut at = 0;
+    for &b in &by_rank[..n] {
+        start[b] = at;
+        at += counts[b];
     }
-    sorted.truncate(w);
+    for (e, &b) in order.iter().zip(tags.iter()) {
+        let at = &mut start[usize::from(b) & 7];
+        if let Some(slot) = out.get_mut(*at) {
+            *slot = *e;
+        }
+        *at += 1;
+    }
+    order.len()
+}
+
+/// `v` at least `len` long (grown with defaults, never shrunk: what it held is overwritten).
+fn grow<T: Copy + Default>(v: &mut Vec<T>, len: usize) {
+    if v.len() < len {
+        v.resize(len, T::default());
+    }
 }
 
 thread_local! {
@@ -315,6 +338,32 @@ impl Inner {
         best: &mut [u64],
         so_far: u64,
     ) {
+        if holders.len() * 8 < alive.len() {
+            // Few go on (the block after a shared prefix): each holder is searched for, and
+            // the sources passed over end here.
+            let (mut r, mut kept) = (0, 0);
+            for &h in holders {
+                let skip = alive[r..].partition_point(|a| a.source() < h.source());
+                for &a in &alive[r..r + skip] {
+                    self.ended(a, so_far, best);
+                }
+                r += skip;
+                if let Some(&a) = alive.get(r).filter(|a| a.source() == h.source()) {
+                    if a.same_id(h) {
+                        alive[kept] = a.max(h);
+                        kept += 1;
+                    } else {
+                        self.ended(a, so_far, best);
+                    }
+                    r += 1;
+                }
+            }
+            for &a in &alive[r..] {
+                self.ended(a, so_far, best);
+            }
+            alive.truncate(kept);
+            return;
+        }
         let (mut r, mut j, mut kept) = (0, 0, 0);
         while r < alive.len() {
             if alive.len() - r >= 8 && holders.len() - j >= 8 {
@@ -355,6 +404,7 @@ impl Inner {
             best,
             order,
             sorted,
+            tags,
             asked,
             ..
         } = scratch;
@@ -373,21 +423,20 @@ impl Inner {
             }
         }
         // Best first: most tokens, most blocks, T1 before T2, then by name (the replicas are
-        // taken in name order).
-        order.clear();
-        order.resize(self.by_name.len() + 1, (0, 0));
+        // taken in name order). Each written, the next over it unless it is in the answer.
+        grow(order, self.by_name.len() + 1);
+        let (out, best) = (&mut order[..], &best[..]);
         let mut n = 0;
         for &replica in &self.by_name {
-            let r = best[replica as usize];
-            order[n] = (answer_order(r), replica);
+            let r = best.get(replica as usize).copied().unwrap_or(0);
+            out[n] = (answer_order(r), replica);
             n += usize::from(r != 0 && (candidates.is_none() || asked[replica as usize]));
         }
-        order.truncate(n);
-        best_first(order, sorted);
+        let len = best_first(&order[..n], sorted, tags);
         Scores {
             names: self.replicas.clone(),
             states: self.states.clone(),
-            entries: sorted.clone(),
+            entries: sorted[..len].to_vec(),
             unknown,
         }
     }

@@ -785,3 +785,51 @@ fn candidates_are_answered_each_known_matching_or_not_and_states_are_carried() {
     index.remove_replica("c");
     assert_eq!(index.score_among(&query, &["c"]).unknown(), [0]);
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(150))]
+    /// Many sources on one shared prefix (24 sources, two a replica): each holds a chain of
+    /// its own length at its own tier, with holes evicted. The blocks where most sources drop
+    /// out are scored by searching the few that go on; every answer equals the model's.
+    #[test]
+    fn wide_answers_match_a_naive_model(
+        chains in proptest::collection::vec((prop_oneof![8 => Just(4u64), 1 => 0..14u64], any::<bool>(), proptest::collection::vec(0..14u64, 0..2)), 24),
+    ) {
+        let index = Index::new(Config::default());
+        let names: Vec<String> = (0..12).map(|r| format!("r{:02}", 11 - r)).collect();
+        let mut model: Vec<(usize, BTreeSet<u64>, bool)> = Vec::new();
+        for (i, (len, t2, holes)) in chains.iter().enumerate() {
+            let replica = i / 2;
+            let source = index.add_source(&names[replica]).expect("a source");
+            let tier = if *t2 { Tier::T2 } else { Tier::T1 };
+            let mut changes: Vec<kvevent_index::KeyChange<'_>> = (0..*len)
+                .map(|k| kvevent_index::KeyChange::Stored { key: 1000 + k, tokens: (k as u32 + 1) * 16, tier, adapter: "" })
+                .collect();
+            changes.extend(holes.iter().map(|&h| kvevent_index::KeyChange::Evicted { key: 1000 + h, adapter: "" }));
+            index.apply_keys(source, &changes);
+            let held: BTreeSet<u64> = (0..*len).filter(|k| !holes.contains(k)).map(|k| 1000 + k).collect();
+            model.push((replica, held, *t2));
+        }
+        let query: Vec<u64> = (1000..1014).collect();
+        let answer = index.score(&Query { adapter: "", keys: QueryKeys::Keys(&query) });
+        let got: Vec<(String, u32, Tier)> = answer.iter().map(|s| (s.replica.to_owned(), s.matched_blocks, s.tier)).collect();
+        // Per replica its best source: most blocks, then T1 over T2.
+        let mut best: BTreeMap<String, (u32, bool)> = BTreeMap::new();
+        for (replica, held, t2) in &model {
+            let n = query.iter().take_while(|k| held.contains(k)).count() as u32;
+            if n == 0 {
+                continue;
+            }
+            let e = best.entry(names[*replica].clone()).or_insert((n, *t2));
+            if (n, !*t2) > (e.0, !e.1) {
+                *e = (n, *t2);
+            }
+        }
+        let mut want: Vec<(String, u32, Tier)> = best
+            .into_iter()
+            .map(|(name, (n, t2))| (name, n, if t2 { Tier::T2 } else { Tier::T1 }))
+            .collect();
+        want.sort_by(|a, b| (std::cmp::Reverse(a.1), a.2, &a.0).cmp(&(std::cmp::Reverse(b.1), b.2, &b.0)));
+        prop_assert_eq!(got, want);
+    }
+}
