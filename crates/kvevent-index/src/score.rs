@@ -32,7 +32,7 @@ pub struct Score<'a> {
 pub struct Scores {
     names: Arc<Vec<Arc<str>>>,
     states: Arc<Vec<ReplicaState>>,
-    /// ([`answer_order`], replica), best first.
+    /// ([`rank`], replica), best first.
     entries: Vec<(u64, u32)>,
     /// With [`Index::score_among`]: the positions of the candidates the index does not know.
     unknown: Vec<usize>,
@@ -131,8 +131,7 @@ pub(crate) struct Scratch {
     pub(crate) alive: Vec<Holder>,
     /// Per replica, its best source's [`rank`] (0: none).
     pub(crate) best: Vec<u64>,
-    /// ([`answer_order`], replica) of the replicas in the answer, in name order, then best
-    /// first.
+    /// ([`rank`], replica) of the replicas in the answer, in name order.
     pub(crate) order: Vec<(u64, u32)>,
     pub(crate) sorted: Vec<(u64, u32)>,
     /// Per entry of `order`, which of its few distinct ranks it has.
@@ -155,10 +154,10 @@ fn answer_order(rank: u64) -> u64 {
     ((rank >> 1) << 32) | ((rank >> 33) << 1) | (rank & 1)
 }
 
-/// (blocks, tokens, tier) of an [`answer_order`].
+/// (blocks, tokens, tier) of a [`rank`].
 fn unrank(r: u64) -> (u32, u32, Tier) {
     let tier = if r & 1 == 1 { Tier::T1 } else { Tier::T2 };
-    (((r >> 1) & 0x7fff_ffff) as u32, (r >> 32) as u32, tier)
+    ((r >> 33) as u32, (r >> 1) as u32, tier)
 }
 
 /// `order` (in name order) into `sorted`, best first, names in order among ties; its length.
@@ -183,7 +182,7 @@ fn best_first(order: &[(u64, u32)], sorted: &mut Vec<(u64, u32)>, tags: &mut Vec
             n - 1
         } else {
             out.copy_from_slice(order);
-            out.sort_by_key(|&(r, _)| std::cmp::Reverse(r));
+            out.sort_by_key(|&(r, _)| std::cmp::Reverse(answer_order(r)));
             return order.len();
         };
         counts[b] += 1;
@@ -192,7 +191,7 @@ fn best_first(order: &[(u64, u32)], sorted: &mut Vec<(u64, u32)>, tags: &mut Vec
     }
     // Where each rank's entries begin: the best rank first.
     let mut by_rank = [0, 1, 2, 3, 4, 5, 6, 7];
-    by_rank[..n].sort_unstable_by(|&a, &b| ranks[b].cmp(&ranks[a]));
+    by_rank[..n].sort_unstable_by_key(|&b| std::cmp::Reverse(answer_order(ranks[b])));
     let mut start = [0usize; 8];
     let mut at = 0;
     for &b in &by_rank[..n] {
@@ -429,7 +428,7 @@ impl Inner {
         let mut n = 0;
         for &replica in &self.by_name {
             let r = best.get(replica as usize).copied().unwrap_or(0);
-            out[n] = (answer_order(r), replica);
+            out[n] = (r, replica);
             n += usize::from(r != 0 && (candidates.is_none() || asked[replica as usize]));
         }
         let len = best_first(&order[..n], sorted, tags);
