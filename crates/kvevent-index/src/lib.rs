@@ -8,23 +8,23 @@
 //! answers, per replica, how many blocks and tokens of the query are present from block 0 on,
 //! at which tier, and how far the replica's state can be trusted ([`Score::state`]).
 //!
-//! - **Layout.** One table, (prefix key, adapter) → (token count, holders), 24 bytes a slot
-//!   and a tag byte in a [`kvevent_table::Table`] (bucketed cuckoo hashing, any size, 72–90 %
-//!   full, no tombstones: churn never grows it). A holder is a source, its
-//!   reset epoch and the tier; one is kept in the slot, two or more in a shared list, sorted
-//!   by source so scoring intersects holder lists block by block (one lookup per query
-//!   block, whatever the number of replicas).
-//!   Batches come in through the mapper's [`Sink`](mapper::Sink): no protobuf is made. A
-//!   batch's changes are queued, their slots loaded at once (the cache misses overlap), then
-//!   applied in order.
+//! - **Layout.** One table, prefix key (the adapter salted in) → (token count, holders), 24
+//!   bytes a slot and a tag byte in a [`kvevent_table::Table`] (bucketed cuckoo hashing, any
+//!   size, 72–90 % full, no tombstones: churn never grows it). A holder is 32 bits: a source,
+//!   its reset epoch and the tier; up to three are kept in the slot, four or more in a shared
+//!   list, sorted by source so scoring intersects holder lists block by block (one lookup per
+//!   query block, whatever the number of replicas).
+//!   Batches come in through the mapper's [`Sink`](mapper::Sink), keyed changes through
+//!   [`Index::apply_keys`]: no protobuf is made. Changes are queued, their slots loaded at once
+//!   (the cache misses overlap), then applied in order.
 //! - **Resets** of one source are O(1): its epoch moves on and older holders no longer count
 //!   (they are dropped when next touched). Removing a replica resets its sources.
 //! - **Keyed changes and atomic snapshots.** [`Index::apply_keys`] takes changes already keyed
 //!   (a sidecar's feed); a snapshot loads into [`Index::add_loading_source`], which counts in
 //!   no answer until [`Index::promote`] swaps it for the source it replaces, in one lock.
-//! - **Byte budget.** Entries live in two generations; when a new key would take the key
-//!   tables and holder lists past the budget (measured by the tables' capacity, free slots
-//!   included), the old one is dropped (counted in [`IndexStats::evicted_keys`]) and the young one
+//! - **Byte budget.** Entries live in two generations; when a new key (or a list that grows)
+//!   would take the key tables and holder lists past the budget (measured by the tables'
+//!   capacity, free slots included), the old one is dropped (counted in [`IndexStats::evicted_keys`]) and the young one
 //!   becomes old: an entry not stored again during a whole generation goes first. The key
 //!   tables stay within the budget however many blocks churn through.
 //! - **Concurrency.** One `RwLock`: any number of threads score while one applies events.
