@@ -41,7 +41,8 @@ pub struct SourceOptions {
     pub heartbeat_timeout: Duration,
     /// First reconnect delay. Default 100 ms.
     pub reconnect_interval: Duration,
-    /// Longest reconnect delay (exponential backoff up to it). Default 5 s.
+    /// Longest reconnect delay (exponential backoff up to it). Default 1 s: a restarted engine
+    /// is known (new or the same) only once reconnected, within this of its sockets answering.
     pub reconnect_interval_max: Duration,
     /// TCP keepalive idle time (0 leaves the OS default). Default 60 s.
     pub tcp_keepalive_idle: Duration,
@@ -57,7 +58,7 @@ impl Default for SourceOptions {
             heartbeat_interval: Duration::from_secs(5),
             heartbeat_timeout: Duration::from_secs(15),
             reconnect_interval: Duration::from_millis(100),
-            reconnect_interval_max: Duration::from_secs(5),
+            reconnect_interval_max: Duration::from_secs(1),
             tcp_keepalive_idle: Duration::from_secs(60),
             replay_idle_timeout: Duration::from_secs(3),
         }

@@ -145,8 +145,9 @@ super::define_options! {
     engine_heartbeat_interval: GoDuration = GoDuration::secs(5), "DURATION";
     /// An engine silent this long after a heartbeat is reconnected.
     engine_heartbeat_timeout: GoDuration = GoDuration::secs(15), "DURATION";
-    /// Longest delay between reconnection attempts to the engine.
-    engine_reconnect_max: GoDuration = GoDuration::secs(5), "DURATION";
+    /// Longest delay between reconnection attempts to the engine (a restarted engine is
+    /// proven new, or the same, only once reconnected).
+    engine_reconnect_max: GoDuration = GoDuration::secs(1), "DURATION";
     /// Deadline of an engine metrics scrape.
     scrape_timeout: GoDuration = GoDuration::secs(5), "DURATION";
     /// Largest engine /metrics body read, in bytes; a larger one fails the scrape
