@@ -3,6 +3,17 @@
 
 use super::*;
 
+/// Engine block hashes as keys: a test names its keys.
+fn engine_keys() -> Config {
+    Config {
+        mapping: mapper::Options {
+            key_mode: KeyMode::Engine,
+            ..mapper::Options::default()
+        },
+        ..Config::default()
+    }
+}
+
 fn stored(hash: u64) -> wire::EventBatch<'static> {
     wire::EventBatch {
         ts: 0.0,
@@ -74,13 +85,7 @@ fn a_holder_is_one_word_and_up_to_three_are_inline() {
 
 #[test]
 fn an_epoch_wraps_to_1_and_a_removed_slot_that_wrapped_is_not_reused() {
-    let index = Index::new(Config {
-        mapping: mapper::Options {
-            key_mode: KeyMode::Engine,
-            ..mapper::Options::default()
-        },
-        ..Config::default()
-    });
+    let index = Index::new(engine_keys());
     let a = index.add_source("a").expect("a source");
     index.apply(a, &stored(1));
     // A live source wrapping: its older holders are dropped at once.
@@ -132,11 +137,8 @@ fn scanned(index: &Index) -> (usize, u64, u64) {
 #[test]
 fn the_sharing_counters_equal_a_scan_after_every_change() {
     let config = Config {
-        mapping: mapper::Options {
-            key_mode: KeyMode::Engine,
-            ..mapper::Options::default()
-        },
         byte_budget: 16 << 10,
+        ..engine_keys()
     };
     let index = Index::new(config);
     let mut sources: Vec<SourceId> = ["a", "b", "c", "d"]
@@ -198,13 +200,7 @@ fn the_sharing_counters_equal_a_scan_after_every_change() {
 /// count again when the epoch comes back round.
 #[test]
 fn an_epoch_that_wraps_drops_the_holders_of_its_source() {
-    let keys = Config {
-        mapping: mapper::Options {
-            key_mode: KeyMode::Engine,
-            ..mapper::Options::default()
-        },
-        ..Config::default()
-    };
+    let keys = engine_keys();
     let index = Index::new(keys);
     let [a, b] = ["a", "b"].map(|r| index.add_source(r).expect("a source"));
     index.apply(b, &stored(1));
