@@ -18,7 +18,10 @@
 //!
 //! `cargo test -p kvevent-subscriber --test faults` runs seeds 1 and 2 and one random seed, each
 //! for `KVEVENT_FAULTS_SECONDS` (default 18); a failure prints its seed and schedule, and
-//! `KVEVENT_FAULTS_SEED=N` runs that seed alone. `benches/faults.sh` is the soak.
+//! `KVEVENT_FAULTS_SEED=N` runs that seed alone, `KVEVENT_FAULTS_KINDS=0,1,9` draws only those
+//! kinds of fault (to chase one sequence), `KVEVENT_FAULTS_VERBOSE=1` prints each fault as it
+//! heals. A wrong answer is reported with its prompt's story (what the engine's processes did
+//! to it). `benches/faults.sh` is the soak.
 
 use std::collections::HashSet;
 use std::io::{BufRead, BufReader, Write};
@@ -40,6 +43,8 @@ const BLOCK_SIZE: usize = 16;
 /// The engine stand-in's replay buffer, in batches (vLLM's default).
 const BUFFER: u32 = 10_000;
 const WINDOW: Duration = Duration::from_millis(500);
+/// Changes an engine's truth remembers for a wrong answer's report.
+const HISTORY: usize = 4096;
 const CONVERGE: Duration = Duration::from_secs(10);
 const CHECK_EVERY: Duration = Duration::from_millis(100);
 const REPLICAS: usize = 2;
@@ -80,6 +85,9 @@ struct Truth {
     /// Stopped (SIGSTOP): a batch it sent may sit in its socket's buffer until it runs again,
     /// which nothing outside it can see; what it holds is not judged meanwhile.
     paused: bool,
+    /// The last changes (`+ P B`, `- P B`, `C`, `. SEQ`, `killed`, `started`), with when and by
+    /// which process: a wrong answer is reported with its prompt's story.
+    history: std::collections::VecDeque<(Instant, u64, String)>,
 }
 
 impl Truth {
@@ -90,7 +98,37 @@ impl Truth {
             incarnation: 0,
             server: (false, Instant::now()),
             paused: false,
+            history: std::collections::VecDeque::new(),
         }
+    }
+
+    fn note(&mut self, what: String) {
+        if self.history.len() == HISTORY {
+            self.history.pop_front();
+        }
+        self.history
+            .push_back((Instant::now(), self.incarnation, what));
+    }
+
+    /// Prompt `p`'s story (and the kills, starts and clears around it) from `since` on, for a
+    /// wrong answer's report.
+    fn story(&self, p: u32, since: Instant, started: Instant) -> String {
+        let prompt = format!(" {p} ");
+        self.history
+            .iter()
+            .filter(|(at, _, what)| {
+                *at >= since
+                    && (what.starts_with(['+', '-']) && what[1..].starts_with(&prompt)
+                        || !what.starts_with(['+', '-', '.']))
+            })
+            .map(|(at, inc, what)| {
+                format!(
+                    "{:.3}s #{inc} {what}",
+                    at.saturating_duration_since(started).as_secs_f64()
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
     }
 
     /// The prompt's truth has not changed for the propagation window.
@@ -133,6 +171,7 @@ impl Engine {
             t.held.clear();
             t.all_changed();
             t.server = (true, Instant::now());
+            t.note(format!("started{}", if idle { " idle" } else { "" }));
             t.incarnation
         };
         let mut command = Command::new(kvevent_test_support::python());
@@ -189,6 +228,9 @@ impl Engine {
                     }
                     _ => {}
                 }
+                if kind != Some(".") {
+                    t.note(line);
+                }
             }
         });
         Self { child, stdin }
@@ -209,6 +251,7 @@ impl Engine {
     fn kill(mut self, truth: &Shared<Truth>) {
         {
             let mut t = lock(truth);
+            t.note("killed".into());
             t.incarnation += 1;
             t.held.clear();
             t.all_changed();
@@ -516,9 +559,16 @@ enum Fault {
 }
 
 impl Fault {
-    fn draw(rng: &mut Rng) -> Self {
+    /// A fault of one of `kinds` (their numbers below; empty: any).
+    fn draw(rng: &mut Rng, kinds: &[u64]) -> Self {
         let replica = rng.below(REPLICAS as u64) as usize;
-        match rng.below(14) {
+        let kind = loop {
+            let k = rng.below(14);
+            if kinds.is_empty() || kinds.contains(&k) {
+                break k;
+            }
+        };
+        match kind {
             0 | 1 => Self::EngineKilled {
                 replica,
                 down: rng.ms(200, 3000),
@@ -684,11 +734,16 @@ impl Run {
                     ));
                 } else if exact && settled && matched != truth.matched(p) {
                     self.report.wrong.push(format!(
-                        "{:.1}s {} prompt {p}: exact with {matched} blocks, the engine holds {} ({:?})",
+                        "{:.1}s {} prompt {p}: exact with {matched} blocks, the engine holds {} ({:?}); its story: {}",
                         self.started.elapsed().as_secs_f64(),
                         r.name,
                         truth.matched(p),
-                        state
+                        state,
+                        truth.story(
+                            p,
+                            now.checked_sub(Duration::from_secs(15)).unwrap_or(self.started),
+                            self.started
+                        )
                     ));
                 }
             }
@@ -970,9 +1025,16 @@ fn run_seed(seed: u64, seconds: u64, runtime: &tokio::runtime::Runtime) -> (Repo
         started: Instant::now(),
     };
     run.converge("start");
+    // `KVEVENT_FAULTS_KINDS=0,1,9`: only those kinds (as numbered in `Fault::draw`), to chase
+    // one sequence.
+    let kinds: Vec<u64> = std::env::var("KVEVENT_FAULTS_KINDS")
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|k| k.trim().parse().ok())
+        .collect();
     let end = Instant::now() + Duration::from_secs(seconds);
     while Instant::now() < end {
-        let fault = Fault::draw(&mut run.rng);
+        let fault = Fault::draw(&mut run.rng, &kinds);
         run.schedule.push(format!(
             "{:.1}s {fault:?}",
             run.started.elapsed().as_secs_f64()
