@@ -114,10 +114,10 @@ struct PublishArgs {
     #[arg(long, default_value = "0.33.0")]
     release: wire::Release,
     /// PUB endpoint (binds when it has `*`, as vLLM does; otherwise connects).
-    #[arg(long, default_value = "tcp://*:5557")]
+    #[arg(long, default_value = "tcp://*:5557", value_parser = endpoint)]
     endpoint: String,
     /// Replay ROUTER endpoint; empty for none.
-    #[arg(long, default_value = "tcp://*:5558")]
+    #[arg(long, default_value = "tcp://*:5558", value_parser = endpoint_or_none)]
     replay_endpoint: String,
     /// Topic frame.
     #[arg(long, default_value = "kv-events")]
@@ -292,6 +292,30 @@ fn publish(args: PublishArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A ZeroMQ endpoint flag's value: clap names the flag with what is wrong.
+pub(crate) fn endpoint(text: &str) -> Result<String, String> {
+    kvevent_zmq::check_endpoint(text).map(|()| text.to_owned())
+}
+
+/// As [`endpoint`], or empty for none.
+pub(crate) fn endpoint_or_none(text: &str) -> Result<String, String> {
+    if text.is_empty() {
+        return Ok(String::new());
+    }
+    endpoint(text)
+}
+
+/// `bytes` in the unit a person reads: 812 B, 35.0 KB, 1.2 MB, 3.40 GB (powers of 1,000).
+pub(crate) fn human_bytes(bytes: u64) -> String {
+    let b = bytes as f64;
+    match bytes {
+        0..1_000 => format!("{bytes} B"),
+        1_000..1_000_000 => format!("{:.1} KB", b / 1e3),
+        1_000_000..1_000_000_000 => format!("{:.1} MB", b / 1e6),
+        _ => format!("{:.2} GB", b / 1e9),
+    }
+}
+
 fn fingerprint(
     block_size: usize,
     parent: Option<u64>,
@@ -308,12 +332,14 @@ fn fingerprint(
         None => tokens,
     };
     let chain = kvevent_fingerprint::chain(&tokens, block_size, parent);
+    let mut out = io::BufWriter::new(io::stdout().lock());
     for (i, block) in chain.iter().enumerate() {
         let hex: String = kvevent_fingerprint::wire_key(block.prefix)
             .iter()
             .map(|b| format!("{b:02x}"))
             .collect();
-        println!(
+        writeln!(
+            out,
             "{}",
             serde_json::json!({
                 "block": i,
@@ -322,8 +348,9 @@ fn fingerprint(
                 "prefix": block.prefix.to_string(),
                 "prefix_be_hex": hex,
             })
-        );
+        )?;
     }
+    out.flush()?;
     let tail = tokens.len() % block_size;
     if tail > 0 {
         eprintln!("kvevents: {tail} token(s) after the last full block are not fingerprinted");
@@ -359,6 +386,7 @@ fn decode(engine: wire::Engine, files: &[PathBuf]) -> ExitCode {
             match record::decode_recording(&name.to_string(), &payload, &mut out) {
                 Ok(true) => {}
                 Ok(false) => failed = true,
+                Err(e) if closed_pipe(&e) => return ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("kvevents: {e:#}");
                     failed = true;
@@ -375,8 +403,13 @@ fn decode(engine: wire::Engine, files: &[PathBuf]) -> ExitCode {
                     );
                 }
                 let line = json::to_json_engine(&batch, engine);
-                if writeln!(out, "{line}").is_err() {
-                    return ExitCode::FAILURE;
+                match writeln!(out, "{line}") {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == io::ErrorKind::BrokenPipe => return ExitCode::SUCCESS,
+                    Err(e) => {
+                        eprintln!("kvevents: cannot write to stdout: {e}");
+                        return ExitCode::FAILURE;
+                    }
                 }
             }
             Err(e) => {
@@ -487,9 +520,19 @@ fn main() -> ExitCode {
     }
 }
 
+/// The reader of our output went away (`kvevents decode x | head`): not an error of ours.
+fn closed_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<io::Error>()
+            .is_some_and(|e| e.kind() == io::ErrorKind::BrokenPipe)
+    })
+}
+
+/// Exit 0, or the error on stderr and exit 1; a closed pipe ends quietly.
 fn report(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if closed_pipe(&e) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("kvevents: {e:#}");
             ExitCode::FAILURE

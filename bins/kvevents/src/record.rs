@@ -7,8 +7,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
+use std::collections::BTreeMap;
+
 use anyhow::Context as _;
 use kvevent_recording::{Header, Reader, Record, SourceInfo, Writer};
+use kvevent_source::{ReplayEnd, ResetReason, SourceMetrics, SourceState, StateConfig, Step};
 use kvevent_wire::{self as wire, frames};
 use kvevent_zmq::{Delivery, SourceOptions, Transport, dp_sources};
 
@@ -16,10 +19,10 @@ use kvevent_zmq::{Delivery, SourceOptions, Transport, dp_sources};
 pub(crate) struct RecordArgs {
     /// The engine's KV-event PUB endpoint (rank 0's with --dp-size; a `*` binds, for engines
     /// that connect).
-    #[arg(long, default_value = "tcp://127.0.0.1:5557")]
+    #[arg(long, default_value = "tcp://127.0.0.1:5557", value_parser = crate::endpoint)]
     endpoint: String,
     /// Its replay ROUTER endpoint (rank 0's); empty: none.
-    #[arg(long, default_value = "")]
+    #[arg(long, default_value = "", value_parser = crate::endpoint_or_none)]
     replay_endpoint: String,
     /// Data-parallel ranks 0..N-1, endpoints by vLLM's port offset from the two above.
     #[arg(long, default_value_t = 1)]
@@ -31,13 +34,15 @@ pub(crate) struct RecordArgs {
     /// Whose wire the payloads are (kept in the header, for `decode` and `stats`).
     #[arg(long, default_value = "vllm")]
     engine: wire::Engine,
-    /// First ask the replay endpoint for everything it still holds, then record live.
+    /// First ask the replay endpoint for everything it still holds, then record live. Without
+    /// it, the replay endpoint is asked for what came before once the first live batch shows
+    /// something did (past seq 0), as a sidecar asks.
     #[arg(long)]
     replay_first: bool,
     /// Stop after this long: 90s, 10m, 1h (0: until interrupted).
     #[arg(long, default_value = "0", value_parser = seconds)]
     duration: f64,
-    /// Stop once the file reaches this many bytes (it ends with the batch that reached it; 0: no
+    /// Stop once the file reaches this many bytes: it ends with the batch that reached it (0: no
     /// limit).
     #[arg(long, default_value_t = 0)]
     max_bytes: u64,
@@ -63,17 +68,25 @@ fn seconds(text: &str) -> Result<f64, String> {
         .ok_or_else(|| format!("`{text}` is not a duration (e.g. 90s, 10m, 1h)"))
 }
 
-/// A batch as it arrived: seq, topic, payload, µs since the start.
-type Batch = (u64, Vec<u8>, Vec<u8>, u64);
-
-/// Per rank: the last seq written, and the live batches held while a replay runs.
-#[derive(Default)]
+/// One rank being recorded. Its continuity is `kvevent-source`'s [`SourceState`], the one a
+/// sidecar keeps: a gap is filled from the replay endpoint or named, a restart (seqs back, or
+/// a new process across a reconnect) starts the rank over, and the recording says so at the
+/// record where it happened ([`Record::reset`]).
 struct Rank {
-    last: Option<u64>,
-    replaying: bool,
-    held: Vec<Batch>,
-    gaps: u64,
-    missing: u64,
+    no: u32,
+    state: SourceState,
+    metrics: Arc<SourceMetrics>,
+    /// The topic of its last message.
+    topic: Vec<u8>,
+    /// When each live batch the state holds back (during a replay) arrived, µs from the start.
+    arrived: BTreeMap<u64, u64>,
+    /// The reset the next record carries (none before the rank's first: nothing is stale).
+    reset: Option<ResetReason>,
+    /// A record of it was written.
+    written: bool,
+    /// Resets for a gap nothing filled.
+    unfilled: u64,
+    connected: bool,
 }
 
 /// The recording being written, and what went into it.
@@ -81,44 +94,95 @@ struct Out<W: std::io::Write> {
     writer: Writer<W>,
     batches: u64,
     payload_bytes: u64,
+    /// `--max-bytes` (0: none).
+    max_bytes: u64,
 }
 
 impl<W: std::io::Write> Out<W> {
-    /// Writes `batch` of `rank` unless it was written already; a gap before it is counted and
-    /// named (the recording has it too).
-    fn put(
+    /// Reached `--max-bytes`: nothing more is written.
+    fn full(&self) -> bool {
+        self.max_bytes > 0 && self.writer.bytes_written() >= self.max_bytes
+    }
+
+    /// Does what the rank's state asked, in order: writes the batches it delivers, marks its
+    /// resets, asks the replays. `replayed`: the steps answer a replay reply (the batches came
+    /// from the replay endpoint). Stops writing once the file is full.
+    fn steps(
         &mut self,
         rank: &mut Rank,
-        rank_no: u32,
-        batch: Batch,
-        replay: bool,
+        steps: &mut Vec<Step>,
+        replayed: bool,
+        now_us: u64,
+        transport: Option<&mut Transport>,
+        source: usize,
     ) -> anyhow::Result<()> {
-        let (seq, topic, payload, at_us) = batch;
-        if rank.last.is_some_and(|l| seq <= l) {
-            return Ok(());
+        let mut transport = transport;
+        let mut i = 0;
+        while i < steps.len() {
+            if self.full() {
+                steps.clear();
+                return Ok(());
+            }
+            match std::mem::replace(&mut steps[i], Step::Replay { from: 0 }) {
+                Step::Deliver { seq, payload } => {
+                    let at_us = if replayed {
+                        now_us
+                    } else {
+                        rank.arrived.remove(&seq).unwrap_or(now_us)
+                    };
+                    // Older arrivals were duplicates the state dropped.
+                    rank.arrived = rank.arrived.split_off(&seq);
+                    self.payload_bytes += payload.len() as u64;
+                    self.writer.write(&Record {
+                        rank: rank.no,
+                        seq,
+                        at_us,
+                        topic: rank.topic.clone(),
+                        replay: replayed,
+                        reset: rank
+                            .reset
+                            .take()
+                            .filter(|_| rank.written)
+                            .map(|r| r.as_str().to_owned()),
+                        payload,
+                    })?;
+                    rank.written = true;
+                    self.batches += 1;
+                }
+                Step::Reset(reason) if !rank.written => rank.reset = Some(reason),
+                Step::Reset(reason) => {
+                    eprintln!(
+                        "kvevents: rank {}: starts over ({}): the recording marks it at the next batch",
+                        rank.no,
+                        reason.as_str()
+                    );
+                    if matches!(
+                        reason,
+                        ResetReason::Gap | ResetReason::TruncatedReplay | ResetReason::Reconnect
+                    ) {
+                        rank.unfilled += 1;
+                    }
+                    rank.reset = Some(reason);
+                }
+                Step::Replay { from } => {
+                    let asked = transport
+                        .as_deref_mut()
+                        .is_some_and(|t| t.request_replay(source, from));
+                    if asked {
+                        eprintln!(
+                            "kvevents: rank {}: asking the replay endpoint from seq {from}",
+                            rank.no
+                        );
+                    } else {
+                        // No replay to be had (or stopping): the batches held go on as they are.
+                        rank.state
+                            .on_replay_done(ReplayEnd::Failed, Instant::now(), steps);
+                    }
+                }
+            }
+            i += 1;
         }
-        if let Some(l) = rank.last
-            && seq > l + 1
-        {
-            rank.gaps += 1;
-            rank.missing += seq - l - 1;
-            eprintln!(
-                "kvevents: rank {rank_no}: seqs {}..{} never arrived (the recording has a gap there)",
-                l + 1,
-                seq - 1
-            );
-        }
-        self.payload_bytes += payload.len() as u64;
-        self.writer.write(&Record {
-            rank: rank_no,
-            seq,
-            at_us,
-            topic,
-            replay,
-            payload,
-        })?;
-        rank.last = Some(seq);
-        self.batches += 1;
+        steps.clear();
         Ok(())
     }
 }
@@ -167,12 +231,28 @@ pub(crate) fn record(args: RecordArgs) -> anyhow::Result<()> {
         .with_context(|| format!("cannot create {}", args.out.display()))?;
     let ctx = zmq::Context::new();
     let mut transport = Transport::start(&ctx, &sources, &SourceOptions::default())?;
-    let mut ranks: Vec<Rank> = sources.iter().map(|_| Rank::default()).collect();
-    if args.replay_first {
-        for (i, rank) in ranks.iter_mut().enumerate() {
-            rank.replaying = transport.request_replay(i, 0);
-        }
-    }
+    let mut ranks: Vec<Rank> = sources
+        .iter()
+        .map(|s| {
+            let metrics = Arc::new(SourceMetrics::default());
+            let config = StateConfig {
+                has_replay: s.replay_endpoint.is_some(),
+                label: s.label(),
+                ..StateConfig::default()
+            };
+            Rank {
+                no: s.dp_rank,
+                state: SourceState::new(config, metrics.clone()),
+                metrics,
+                topic: args.topic.as_bytes().to_vec(),
+                arrived: BTreeMap::new(),
+                reset: None,
+                written: false,
+                unfilled: 0,
+                connected: false,
+            }
+        })
+        .collect();
     eprintln!(
         "kvevents: recording {} rank(s) from {}{} to {}{}; Ctrl-C stops it",
         sources.len(),
@@ -189,15 +269,23 @@ pub(crate) fn record(args: RecordArgs) -> anyhow::Result<()> {
         }
     );
     let start = Instant::now();
-    let mut frames = std::collections::VecDeque::new();
     let mut out = Out {
         writer: Writer::new(std::io::BufWriter::with_capacity(1 << 20, file), &header)?,
         batches: 0,
         payload_bytes: 0,
+        max_bytes: args.max_bytes,
     };
+    let mut steps = Vec::new();
+    if args.replay_first {
+        for (source, rank) in ranks.iter_mut().enumerate() {
+            rank.state.on_start(Instant::now(), &mut steps);
+            out.steps(rank, &mut steps, false, 0, Some(&mut transport), source)?;
+        }
+    }
+    let mut frames = std::collections::VecDeque::new();
     let mut last_flush = Instant::now();
     let mut last_said = Instant::now();
-    let mut connected = vec![false; sources.len()];
+    let mut last_tick = Instant::now();
     let why = loop {
         if stop.load(Relaxed) {
             break "interrupted";
@@ -205,86 +293,98 @@ pub(crate) fn record(args: RecordArgs) -> anyhow::Result<()> {
         if args.duration > 0.0 && start.elapsed().as_secs_f64() >= args.duration {
             break "its duration passed";
         }
+        if out.full() {
+            break "it reached --max-bytes";
+        }
         transport.poll(Duration::from_millis(50), &mut frames);
+        let now = Instant::now();
         let now_us = start.elapsed().as_micros() as u64;
-        let mut full = false;
-        for f in frames.drain(..) {
-            let rank_no = sources[f.source].dp_rank;
-            let rank = &mut ranks[f.source];
+        while let Some(f) = frames.pop_front() {
+            if out.full() {
+                break;
+            }
+            let source = f.source;
+            let rank = &mut ranks[source];
+            let mut replayed = false;
             match f.delivery {
-                Delivery::Live(msg) => {
+                Delivery::Live(mut msg) => {
                     let Ok(live) = frames::parse_live(&msg) else {
                         eprintln!(
-                            "kvevents: rank {rank_no}: a message that is not [topic, seq, payload]: skipped"
+                            "kvevents: rank {}: a message that is not [topic, seq, payload]: skipped",
+                            rank.no
                         );
                         continue;
                     };
-                    let batch = (live.seq, live.topic.to_vec(), live.payload.to_vec(), now_us);
-                    if rank.replaying {
-                        rank.held.push(batch);
-                        continue;
+                    let seq = live.seq;
+                    if live.topic != rank.topic.as_slice() {
+                        rank.topic = live.topic.to_vec();
                     }
-                    // A gap: what the replay endpoint still holds fills it, live batches held
-                    // meanwhile so the file stays in seq order.
-                    if let Some(l) = rank.last
-                        && live.seq > l + 1
-                        && sources[f.source].replay_endpoint.is_some()
-                        && transport.request_replay(f.source, l + 1)
-                    {
-                        eprintln!(
-                            "kvevents: rank {rank_no}: seqs {}..{} missed live: asking the replay endpoint for them",
-                            l + 1,
-                            live.seq - 1
-                        );
-                        rank.replaying = true;
-                        rank.held.push(batch);
-                        continue;
-                    }
-                    out.put(rank, rank_no, batch, false)?;
+                    rank.arrived.insert(seq, now_us);
+                    let payload = msg.pop().unwrap_or_default();
+                    rank.state.on_live(seq, payload, now, &mut steps);
                 }
-                Delivery::Replay(msg) => match frames::parse_replay(&msg) {
-                    Ok(frames::ReplayReply::Batch {
-                        topic,
-                        seq,
-                        payload,
-                    }) => {
-                        let topic = topic.unwrap_or(args.topic.as_bytes()).to_vec();
-                        out.put(rank, rank_no, (seq, topic, payload.to_vec(), now_us), true)?;
+                Delivery::Replay(mut msg) => match frames::parse_replay(&msg) {
+                    Ok(frames::ReplayReply::Batch { topic, seq, .. }) => {
+                        if let Some(topic) = topic.filter(|t| *t != rank.topic.as_slice()) {
+                            rank.topic = topic.to_vec();
+                        }
+                        replayed = true;
+                        let payload = msg.pop().unwrap_or_default();
+                        rank.state.on_replayed(seq, payload, &mut steps);
                     }
                     Ok(frames::ReplayReply::End) => {}
                     Err(e) => eprintln!(
-                        "kvevents: rank {rank_no}: a replay reply that does not parse: {e}"
+                        "kvevents: rank {}: a replay reply that does not parse: {e}",
+                        rank.no
                     ),
                 },
                 Delivery::ReplayDone(outcome) => {
-                    rank.replaying = false;
-                    eprintln!(
-                        "kvevents: rank {rank_no}: replay over ({outcome:?}); {} live batch(es) held meanwhile follow",
-                        rank.held.len()
-                    );
-                    for batch in std::mem::take(&mut rank.held) {
-                        out.put(rank, rank_no, batch, false)?;
+                    if let kvevent_zmq::ReplayOutcome::Failed(why) = &outcome {
+                        eprintln!("kvevents: rank {}: the replay failed: {why}", rank.no);
                     }
+                    rank.state
+                        .on_replay_done(ReplayEnd::of(&outcome), now, &mut steps);
                 }
                 Delivery::Connected => {
-                    if !std::mem::replace(&mut connected[f.source], true) {
+                    if !std::mem::replace(&mut rank.connected, true) {
                         eprintln!(
-                            "kvevents: rank {rank_no}: connected to {}",
-                            sources[f.source].endpoint
+                            "kvevents: rank {}: connected to {}",
+                            rank.no, sources[source].endpoint
                         );
                     }
+                    rank.state.on_connected(now, &mut steps);
                 }
                 Delivery::Disconnected => {
-                    connected[f.source] = false;
-                    eprintln!("kvevents: rank {rank_no}: connection lost (libzmq reconnects)");
+                    rank.connected = false;
+                    rank.state.on_disconnected();
+                    eprintln!(
+                        "kvevents: rank {}: connection lost (libzmq reconnects)",
+                        rank.no
+                    );
                 }
             }
-            if args.max_bytes > 0 && out.writer.bytes_written() >= args.max_bytes {
-                full = true;
-            }
+            out.steps(
+                rank,
+                &mut steps,
+                replayed,
+                now_us,
+                Some(&mut transport),
+                source,
+            )?;
         }
-        if full {
-            break "it reached --max-bytes";
+        if now.saturating_duration_since(last_tick) >= Duration::from_millis(50) {
+            last_tick = now;
+            for (source, rank) in ranks.iter_mut().enumerate() {
+                rank.state.on_tick(now, &mut steps);
+                out.steps(
+                    rank,
+                    &mut steps,
+                    false,
+                    now_us,
+                    Some(&mut transport),
+                    source,
+                )?;
+            }
         }
         if last_flush.elapsed() >= Duration::from_millis(100) {
             out.writer.flush()?;
@@ -292,14 +392,14 @@ pub(crate) fn record(args: RecordArgs) -> anyhow::Result<()> {
         }
         if last_said.elapsed() >= Duration::from_secs(10) {
             eprintln!(
-                "kvevents: {} batches recorded ({:.1} MB) in {:.0} s",
+                "kvevents: {} batches recorded ({}) in {:.0} s",
                 out.batches,
-                out.writer.bytes_written() as f64 / 1e6,
+                crate::human_bytes(out.writer.bytes_written()),
                 start.elapsed().as_secs_f64()
             );
             last_said = Instant::now();
         }
-        if connected.iter().all(|c| !c)
+        if ranks.iter().all(|r| !r.connected)
             && start.elapsed() >= Duration::from_secs(3)
             && out.batches == 0
             && last_said.elapsed() >= Duration::from_secs(5)
@@ -312,17 +412,37 @@ pub(crate) fn record(args: RecordArgs) -> anyhow::Result<()> {
             last_said = Instant::now();
         }
     };
+    // Live batches held back by a replay still under way are written as they are: the
+    // replay is given up (a gap it would have filled is marked where it is).
+    let now_us = start.elapsed().as_micros() as u64;
+    for (source, rank) in ranks.iter_mut().enumerate() {
+        for _ in 0..3 {
+            if !rank.state.replaying() {
+                break;
+            }
+            rank.state
+                .on_replay_done(ReplayEnd::Failed, Instant::now(), &mut steps);
+            out.steps(rank, &mut steps, false, now_us, None, source)?;
+        }
+    }
     let size = out.writer.bytes_written();
     out.writer.finish()?.flush()?;
     let (batches, payload_bytes) = (out.batches, out.payload_bytes);
-    let (gaps, missing) = ranks
-        .iter()
-        .fold((0, 0), |(g, m), r| (g + r.gaps, m + r.missing));
+    let count = |f: fn(&SourceMetrics) -> &std::sync::atomic::AtomicU64| {
+        ranks
+            .iter()
+            .map(|r| f(&r.metrics).load(Relaxed))
+            .sum::<u64>()
+    };
     eprintln!(
-        "kvevents: stopped ({why}): {batches} batches, {:.1} MB of payloads, {:.1} MB written to {}; gaps: {gaps} ({missing} seqs never arrived)",
-        payload_bytes as f64 / 1e6,
-        size as f64 / 1e6,
-        args.out.display()
+        "kvevents: stopped ({why}): {batches} batches, {} of payloads, {} written to {}; gaps: {} seen ({} seqs), {} left unfilled (marked in the file); engine restarts: {}",
+        crate::human_bytes(payload_bytes),
+        crate::human_bytes(size),
+        args.out.display(),
+        count(|m| &m.gaps),
+        count(|m| &m.missing_seqs),
+        ranks.iter().map(|r| r.unfilled).sum::<u64>(),
+        count(|m| &m.restarts),
     );
     transport.shutdown();
     Ok(())

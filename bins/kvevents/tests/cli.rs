@@ -472,3 +472,56 @@ fn sglang_payloads_decode_and_encode_with_engine_sglang() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// An endpoint without its scheme is refused before anything opens, naming the flag and the
+/// form meant, for `record` and `publish` alike.
+#[test]
+fn an_endpoint_without_its_scheme_names_the_flag_and_the_form_meant() {
+    for args in [
+        &["record", "--endpoint", "127.0.0.1:5557", "-o", "/dev/null"][..],
+        &["publish", "--endpoint", "127.0.0.1:5557"][..],
+        &[
+            "record",
+            "--replay-endpoint",
+            "127.0.0.1:5558",
+            "-o",
+            "/dev/null",
+        ][..],
+    ] {
+        let out = kvevents(args, None);
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {said}");
+        assert!(
+            said.contains("-endpoint")
+                && said
+                    .contains("is not a tcp://, ipc:// or inproc:// endpoint (tcp://127.0.0.1:555"),
+            "{args:?}: {said}"
+        );
+    }
+}
+
+/// `kvevents decode … | head`: the reader going away ends the tool quietly, exit 0.
+#[test]
+fn a_closed_pipe_ends_quietly() {
+    use std::io::Read as _;
+    let vector = shared().join("vectors/vllm-0.26.0/basic.msgpack");
+    let path = vector.to_str().expect("utf-8");
+    // Enough lines to outlast a pipe's buffer, read one line of, then closed.
+    let args: Vec<&str> = std::iter::once("decode")
+        .chain(std::iter::repeat_n(path, 5_000))
+        .collect();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvevents"))
+        .args(&args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let mut stdout = child.stdout.take().expect("stdout");
+    let mut first = [0u8; 64];
+    stdout.read_exact(&mut first).expect("some output");
+    drop(stdout);
+    let out = child.wait_with_output().expect("wait");
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}: {said}", out.status);
+    assert!(said.is_empty(), "{said}");
+}

@@ -385,6 +385,7 @@ fn a_damaged_or_foreign_recording_is_an_error_naming_the_byte() {
             at_us: seq * 1000,
             topic: b"kv-events".to_vec(),
             replay: false,
+            reset: None,
             payload: payload.clone(),
         })
         .expect("write");
@@ -474,6 +475,7 @@ fn stats_on_a_hand_made_fleet_give_the_figures_worked_out_by_hand() {
                 at_us: at_ms * 1000,
                 topic: b"kv-events".to_vec(),
                 replay: false,
+                reset: None,
                 payload: wire::encode(&batch, wire::Release::NEWEST_KNOWN).expect("encode"),
             })
             .expect("write");
@@ -554,6 +556,53 @@ fn stats_on_a_hand_made_fleet_give_the_figures_worked_out_by_hand() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// An empty batch whose `ts` is `i`: its bytes differ from every other `i`'s.
+fn empty_payload(i: u32) -> Vec<u8> {
+    wire::encode(
+        &wire::EventBatch {
+            ts: f64::from(i),
+            events: vec![],
+            data_parallel_rank: None,
+            unknown_events: 0,
+        },
+        wire::Release::NEWEST_KNOWN,
+    )
+    .expect("encode")
+}
+
+/// A recorder of `engine` (not --replay-first) writing to `path`, its stderr to `log`.
+fn record_live(endpoint: &str, replay: &str, path: &Path, log: &Path, more: &[&str]) -> Child {
+    kvevents()
+        .args([
+            "record",
+            "--endpoint",
+            endpoint,
+            "--replay-endpoint",
+            replay,
+        ])
+        .args(more)
+        .arg("-o")
+        .arg(path)
+        .stderr(std::fs::File::create(log).expect("log"))
+        .spawn()
+        .expect("spawn record")
+}
+
+/// Publishes seq 0 (`payload`) until the recorder has it: it may join late. A repeat is the
+/// same bytes at seq 0 after a restart of the stand-in: a duplicate, not recorded twice.
+fn first_recorded(engine: &kvevent_test_support::Publisher, path: &Path) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        engine.restart();
+        engine.publish_payload(empty_payload(0));
+        std::thread::sleep(Duration::from_millis(100));
+        if std::fs::read(path).is_ok_and(|b| read_all(&b).is_ok_and(|(_, r, _)| !r.is_empty())) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "seq 0 never recorded");
+    }
+}
+
 /// Batches lost on the way (an HWM, a blip) are asked of the replay endpoint, as the sidecar
 /// does, and the file keeps every seq in order.
 #[test]
@@ -564,50 +613,17 @@ fn a_gap_in_the_live_stream_is_filled_from_the_replay_endpoint() {
     let ctx = zmq::Context::new();
     let engine = Publisher::start(&ctx, PublisherConfig::loopback(wire::Release::NEWEST_KNOWN))
         .expect("engine");
-    let payload = |i: u8| {
-        wire::encode(
-            &wire::EventBatch {
-                ts: f64::from(i),
-                events: vec![],
-                data_parallel_rank: None,
-                unknown_events: 0,
-            },
-            wire::Release::NEWEST_KNOWN,
-        )
-        .expect("encode")
-    };
     // Not --replay-first: whatever comes from the replay endpoint comes for the gap.
     let log = dir.join("record.log");
-    let recorder = kvevents()
-        .args([
-            "record",
-            "--endpoint",
-            engine.endpoint(),
-            "--replay-endpoint",
-        ])
-        .arg(engine.replay_endpoint().expect("replay"))
-        .arg("-o")
-        .arg(&path)
-        .stderr(std::fs::File::create(&log).expect("log"))
-        .spawn()
-        .expect("spawn record");
-    // Seq 0 arrives live (published until the recorder has it: it may join late).
-    let deadline = Instant::now() + WAIT;
-    loop {
-        engine.restart();
-        engine.publish_payload(payload(0));
-        std::thread::sleep(Duration::from_millis(100));
-        if std::fs::read(&path).is_ok_and(|b| read_all(&b).is_ok_and(|(_, r, _)| !r.is_empty())) {
-            break;
-        }
-        assert!(Instant::now() < deadline, "seq 0 never recorded");
-    }
+    let replay = engine.replay_endpoint().expect("replay");
+    let recorder = record_live(engine.endpoint(), replay, &path, &log, &[]);
+    first_recorded(&engine, &path);
     // Seqs 1 to 4 are lost on the way (kept for replay only), 5 to 7 arrive live.
     for i in 1..=4 {
-        engine.publish_lost(payload(i));
+        engine.publish_lost(empty_payload(i));
     }
     for i in 5..=7 {
-        engine.publish_payload(payload(i));
+        engine.publish_payload(empty_payload(i));
     }
     let records = wait_recorded(&path, 8);
     stop(recorder);
@@ -618,11 +634,160 @@ fn a_gap_in_the_live_stream_is_filled_from_the_replay_endpoint() {
     assert_eq!(seqs, (0..=7).collect::<Vec<u64>>());
     assert!(records[1..=4].iter().all(|r| r.replay), "{records:?}");
     assert!(!records[0].replay);
+    assert!(records.iter().all(|r| r.reset.is_none()), "{records:?}");
     let said = std::fs::read_to_string(&log).expect("log");
     assert!(
-        said.contains("seqs 1..4 missed live: asking the replay endpoint")
-            && said.contains("gaps: 0"),
+        said.contains("asking the replay endpoint from seq 1")
+            && said.contains("gaps: 1 seen (4 seqs), 0 left unfilled"),
         "{said}"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// An engine restarted under the recorder (seqs back to 0, another process's batches): kept,
+/// as `kvevent-source` keeps them, with the restart marked at the new process's first batch,
+/// not dropped until the new seqs pass the old.
+#[test]
+fn an_engine_restart_under_record_is_kept_and_marked() {
+    use kvevent_test_support::{Publisher, PublisherConfig};
+    let dir = scratch("restart");
+    let path = dir.join("restart.kvrec");
+    let log = dir.join("record.log");
+    let ctx = zmq::Context::new();
+    let engine = Publisher::start(&ctx, PublisherConfig::loopback(wire::Release::NEWEST_KNOWN))
+        .expect("engine");
+    let replay = engine.replay_endpoint().expect("replay");
+    let recorder = record_live(engine.endpoint(), replay, &path, &log, &[]);
+    first_recorded(&engine, &path);
+    for i in 1..=5 {
+        engine.publish_payload(empty_payload(i));
+    }
+    wait_recorded(&path, 6);
+    // A new process: seqs from 0 again, other batches.
+    engine.restart();
+    for i in 100..103 {
+        engine.publish_payload(empty_payload(i));
+    }
+    let records = wait_recorded(&path, 9);
+    stop(recorder);
+    let seqs: Vec<u64> = records.iter().map(|r| r.seq).collect();
+    assert_eq!(seqs, vec![0, 1, 2, 3, 4, 5, 0, 1, 2], "{records:?}");
+    let resets: Vec<Option<&str>> = records.iter().map(|r| r.reset.as_deref()).collect();
+    assert_eq!(resets[6], Some("restart"), "{records:?}");
+    assert!(
+        resets.iter().filter(|r| r.is_some()).count() == 1,
+        "{resets:?}"
+    );
+    assert_eq!(records[7].payload, empty_payload(101));
+    let said = std::fs::read_to_string(&log).expect("log");
+    assert!(said.contains("engine restarts: 1"), "{said}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Stopped while a replay is under way (the replay endpoint never answers), the recorder
+/// writes the live batches it held for it: the file marks the gap the replay was for.
+#[test]
+fn a_stop_during_a_replay_writes_the_live_batches_held_for_it() {
+    use kvevent_test_support::{Publisher, PublisherConfig};
+    let dir = scratch("stop-mid-replay");
+    let path = dir.join("held.kvrec");
+    let log = dir.join("record.log");
+    let ctx = zmq::Context::new();
+    let engine = Publisher::start(&ctx, PublisherConfig::loopback(wire::Release::NEWEST_KNOWN))
+        .expect("engine");
+    // A replay endpoint that takes requests and never answers.
+    let silent = ctx.socket(zmq::ROUTER).expect("router");
+    silent.bind("tcp://127.0.0.1:*").expect("bind");
+    let replay = silent
+        .get_last_endpoint()
+        .expect("endpoint")
+        .expect("utf-8");
+    let recorder = record_live(engine.endpoint(), &replay, &path, &log, &[]);
+    first_recorded(&engine, &path);
+    for i in 1..=3 {
+        engine.publish_lost(empty_payload(i));
+    }
+    for i in 4..=6 {
+        engine.publish_payload(empty_payload(i));
+    }
+    // The recorder asks for 1..3 and holds 4 to 6 meanwhile (its replay times out after 3 s).
+    let deadline = Instant::now() + WAIT;
+    while !std::fs::read_to_string(&log).is_ok_and(|l| l.contains("from seq 1")) {
+        assert!(Instant::now() < deadline, "no replay asked");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    stop(recorder);
+    let (_, records, cut) = read_all(&std::fs::read(&path).expect("file")).expect("reads");
+    assert_eq!(cut, None);
+    let seqs: Vec<u64> = records.iter().map(|r| r.seq).collect();
+    assert_eq!(seqs, vec![0, 4, 5, 6], "{records:?}");
+    assert_eq!(records[1].reset.as_deref(), Some("gap"), "{records:?}");
+    assert!(records[1..].iter().all(|r| !r.replay));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--max-bytes`: the file ends with the batch that reached the limit, even when more came
+/// in the same read (a replay answers in a burst).
+#[test]
+fn max_bytes_ends_the_file_with_the_batch_that_reached_it() {
+    use kvevent_test_support::{Publisher, PublisherConfig};
+    let dir = scratch("max-bytes");
+    let path = dir.join("capped.kvrec");
+    let log = dir.join("record.log");
+    let ctx = zmq::Context::new();
+    let engine = Publisher::start(&ctx, PublisherConfig::loopback(wire::Release::NEWEST_KNOWN))
+        .expect("engine");
+    // 200 batches in the replay buffer, asked for at once.
+    for i in 0..200 {
+        engine.publish_lost(empty_payload(i));
+    }
+    let replay = engine.replay_endpoint().expect("replay");
+    let max = 1_000u64;
+    let max_text = max.to_string();
+    let mut recorder = record_live(
+        engine.endpoint(),
+        replay,
+        &path,
+        &log,
+        &["--replay-first", "--max-bytes", &max_text],
+    );
+    let deadline = Instant::now() + WAIT;
+    let status = loop {
+        if let Some(status) = recorder.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "record did not stop at --max-bytes"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "record exited {status}");
+    let bytes = std::fs::read(&path).expect("file");
+    let (header, records, cut) = read_all(&bytes).expect("reads");
+    assert_eq!(cut, None);
+    assert!(
+        records.len() > 1 && records.len() < 200,
+        "{} records",
+        records.len()
+    );
+    // The same records written again: the last one, and only it, crossed the limit.
+    let size = |records: &[Record]| {
+        let mut w = Writer::new(Vec::new(), &header).expect("header");
+        for r in records {
+            w.write(r).expect("record");
+        }
+        w.finish().expect("finish").len() as u64
+    };
+    assert_eq!(size(&records), bytes.len() as u64);
+    assert!(
+        size(&records[..records.len() - 1]) < max,
+        "{} bytes",
+        bytes.len()
+    );
+    assert!(bytes.len() as u64 >= max);
+    let said = std::fs::read_to_string(&log).expect("log");
+    assert!(said.contains("it reached --max-bytes"), "{said}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -8,7 +8,7 @@
 //!           record*
 //! record  = body-len(varint) body crc(u32 LE, CRC-32 of body)
 //! body    = flags(1 byte) rank(varint) seq-delta(zigzag varint) gap-us(varint)
-//!           [topic-len(varint) topic] payload
+//!           [topic-len(varint) topic] [reason-len(varint) reason] payload
 //! ```
 //!
 //! - `seq-delta` is the seq less the previous seq of the same rank, less one (0 for the next
@@ -16,7 +16,10 @@
 //!   start). So a batch costs a few bytes beyond its payload: length, flags, rank, seq, time
 //!   and checksum (`docs/performance.md` has what it measured).
 //! - `flags`: bit 0, the topic follows (else it is the rank's previous one); bit 1, the batch
-//!   came from the replay endpoint, not live.
+//!   came from the replay endpoint, not live; bit 2, the rank starts over here (what its
+//!   earlier records built is stale: an engine restart, a gap nothing could fill), and the
+//!   reason follows, a word of `kvevent_source::ResetReason` (`restart`, `gap`, ...). A
+//!   reader from before bit 2 refuses such a file with "flags are unknown" at the record.
 //! - A file cut while a record was written (a killed recorder) reads back up to its last
 //!   whole record ([`Reader::truncated`]); anything else that does not parse is an error
 //!   naming its byte offset, never a panic.
@@ -26,7 +29,7 @@
 //!
 //! let mut file = Vec::new();
 //! let mut w = Writer::new(&mut file, &Header::new("vllm", 1_700_000_000_000))?;
-//! w.write(&Record { rank: 0, seq: 7, at_us: 1_500, topic: b"kv-events".to_vec(), replay: false, payload: b"\x93\xcb".to_vec() })?;
+//! w.write(&Record { rank: 0, seq: 7, at_us: 1_500, topic: b"kv-events".to_vec(), replay: false, reset: None, payload: b"\x93\xcb".to_vec() })?;
 //! w.finish()?;
 //! let mut r = Reader::new(&file[..])?;
 //! assert_eq!(r.header().engine, "vllm");
@@ -52,6 +55,9 @@ pub const MAX_RECORD: u64 = 256 << 20;
 
 const TOPIC: u8 = 1;
 const REPLAY: u8 = 2;
+const RESET: u8 = 4;
+/// The longest reset reason written (a reason is one word).
+const MAX_REASON: usize = 64;
 
 /// What was recorded and how: the first thing in the file.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -113,6 +119,9 @@ pub struct Record {
     pub topic: Vec<u8>,
     /// It came from the replay endpoint, not live.
     pub replay: bool,
+    /// The rank starts over at this record, and why (`restart`, `gap`, ...): what its earlier
+    /// records built is stale, as a consumer of the live stream would have cleared it.
+    pub reset: Option<String>,
     /// The payload, byte for byte.
     pub payload: Vec<u8>,
 }
@@ -224,6 +233,9 @@ impl<W: Write> Writer<W> {
         if r.payload.len() as u64 > MAX_RECORD {
             return Err(Error::Unwritable("a payload over 256 MiB"));
         }
+        if r.reset.as_ref().is_some_and(|why| why.len() > MAX_REASON) {
+            return Err(Error::Unwritable("a reset reason over 64 bytes"));
+        }
         let (last_seq, last_topic) = self.context.ranks.entry(r.rank).or_default();
         let new_topic = last_seq.is_none() || *last_topic != r.topic;
         let delta = match *last_seq {
@@ -232,13 +244,21 @@ impl<W: Write> Writer<W> {
         };
         let body = &mut self.body;
         body.clear();
-        body.push((u8::from(new_topic) * TOPIC) | (u8::from(r.replay) * REPLAY));
+        body.push(
+            (u8::from(new_topic) * TOPIC)
+                | (u8::from(r.replay) * REPLAY)
+                | (u8::from(r.reset.is_some()) * RESET),
+        );
         put_varint(body, u64::from(r.rank));
         put_varint(body, zigzag(delta));
         put_varint(body, r.at_us.saturating_sub(self.context.last_at_us));
         if new_topic {
             put_varint(body, r.topic.len() as u64);
             body.extend_from_slice(&r.topic);
+        }
+        if let Some(why) = &r.reset {
+            put_varint(body, why.len() as u64);
+            body.extend_from_slice(why.as_bytes());
         }
         body.extend_from_slice(&r.payload);
         let frame = &mut self.frame;
@@ -421,7 +441,7 @@ impl<R: Read> Reader<R> {
 fn parse(context: &mut Context, body: &[u8], at: u64) -> Result<Record, Error> {
     let bad = |what: &str| Error::corrupt(at, format!("a record whose {what}"));
     let flags = body[0];
-    if flags & !(TOPIC | REPLAY) != 0 {
+    if flags & !(TOPIC | REPLAY | RESET) != 0 {
         return Err(bad("flags are unknown"));
     }
     let mut rest = &body[1..];
@@ -445,6 +465,19 @@ fn parse(context: &mut Context, body: &[u8], at: u64) -> Result<Record, Error> {
     } else {
         None
     };
+    let reset = if flags & RESET != 0 {
+        let (len, n) = take_varint(rest).ok_or_else(|| bad("reset reason is cut"))?;
+        rest = &rest[n..];
+        let len = usize::try_from(len)
+            .ok()
+            .filter(|l| *l <= rest.len() && *l <= MAX_REASON)
+            .ok_or_else(|| bad("reset reason runs past its end"))?;
+        let (why, after) = rest.split_at(len);
+        rest = after;
+        Some(String::from_utf8_lossy(why).into_owned())
+    } else {
+        None
+    };
     let (last_seq, last_topic) = context.ranks.entry(rank).or_default();
     let seq = match *last_seq {
         Some(prev) => prev.wrapping_add(1).wrapping_add(delta as u64),
@@ -463,6 +496,7 @@ fn parse(context: &mut Context, body: &[u8], at: u64) -> Result<Record, Error> {
         at_us,
         topic: last_topic.clone(),
         replay: flags & REPLAY != 0,
+        reset,
         payload: rest.to_vec(),
     })
 }

@@ -9,6 +9,7 @@ fn record(rank: u32, seq: u64, at_us: u64, topic: &[u8], payload: &[u8]) -> Reco
         at_us,
         topic: topic.to_vec(),
         replay: seq.is_multiple_of(3),
+        reset: None,
         payload: payload.to_vec(),
     }
 }
@@ -22,7 +23,10 @@ fn records() -> Vec<Record> {
         record(0, 1, 20, b"kv-events", b""),
         record(0, 7, 1_000_000, b"kv-events", &[7u8; 20_000]),
         record(1, 1, 1_000_001, b"other", b"\x91\x01"),
-        record(0, 0, 5_000_000, b"kv-events", b"\x92"),
+        Record {
+            reset: Some("restart".into()),
+            ..record(0, 0, 5_000_000, b"kv-events", b"\x92")
+        },
         record(0, u64::MAX - 1, 5_000_001, b"", b"\x93"),
     ]
 }
@@ -61,6 +65,7 @@ fn a_batch_costs_at_most_16_bytes_beyond_its_payload() {
             at_us: i * 10_000,
             topic: b"kv-events".to_vec(),
             replay: false,
+            reset: None,
             payload: payload.clone(),
         })
         .collect();

@@ -83,6 +83,17 @@ pub enum ReplayEnd {
     Failed,
 }
 
+impl ReplayEnd {
+    /// How the transport says a replay ended, as the state takes it.
+    pub fn of(outcome: &kvevent_zmq::ReplayOutcome) -> Self {
+        match outcome {
+            kvevent_zmq::ReplayOutcome::Complete => Self::Complete,
+            kvevent_zmq::ReplayOutcome::TimedOut => Self::TimedOut,
+            kvevent_zmq::ReplayOutcome::Failed(_) => Self::Failed,
+        }
+    }
+}
+
 /// Settings of one source's state.
 #[derive(Debug, Clone)]
 pub struct StateConfig {

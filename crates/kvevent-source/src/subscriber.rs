@@ -465,15 +465,10 @@ impl Subscriber {
                 state.on_connected(now, &mut self.steps);
             }
             transport::Delivery::ReplayDone(outcome) => {
-                let end = match outcome {
-                    transport::ReplayOutcome::Complete => ReplayEnd::Complete,
-                    transport::ReplayOutcome::TimedOut => ReplayEnd::TimedOut,
-                    transport::ReplayOutcome::Failed(why) => {
-                        tracing::warn!(source = %self.sources[source].label(), %why, "replay failed");
-                        ReplayEnd::Failed
-                    }
-                };
-                state.on_replay_done(end, now, &mut self.steps);
+                if let transport::ReplayOutcome::Failed(why) = &outcome {
+                    tracing::warn!(source = %self.sources[source].label(), %why, "replay failed");
+                }
+                state.on_replay_done(ReplayEnd::of(&outcome), now, &mut self.steps);
             }
         }
         self.apply_steps(source);

@@ -62,7 +62,7 @@ mod options;
 pub mod publisher;
 mod transport;
 
-pub use options::{Source, SourceOptions, dp_endpoint, dp_sources};
+pub use options::{Source, SourceOptions, check_endpoint, dp_endpoint, dp_sources};
 pub use transport::{Delivery, Frames, ReplayOutcome, Transport, Waker};
 
 /// What went wrong setting up sockets.

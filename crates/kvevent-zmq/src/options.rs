@@ -69,6 +69,34 @@ pub(crate) fn ms(d: Duration) -> i32 {
     i32::try_from(d.as_millis()).unwrap_or(i32::MAX)
 }
 
+/// Whether `endpoint` is one ZeroMQ can open (`tcp://`, `ipc://`, `inproc://`); if not, what
+/// is wrong, with the form it likely meant.
+///
+/// ```
+/// use kvevent_zmq::check_endpoint;
+/// assert!(check_endpoint("tcp://127.0.0.1:5557").is_ok());
+/// assert_eq!(
+///     check_endpoint("127.0.0.1:5557").unwrap_err(),
+///     "`127.0.0.1:5557` is not a tcp://, ipc:// or inproc:// endpoint (tcp://127.0.0.1:5557?)"
+/// );
+/// ```
+pub fn check_endpoint(endpoint: &str) -> Result<(), String> {
+    if ["tcp://", "ipc://", "inproc://"]
+        .iter()
+        .any(|p| endpoint.starts_with(p))
+    {
+        return Ok(());
+    }
+    let meant = match endpoint.split_once("://") {
+        Some((_, rest)) => format!("tcp://{rest}"),
+        None if endpoint.starts_with('/') => format!("ipc://{endpoint}"),
+        None => format!("tcp://{endpoint}"),
+    };
+    Err(format!(
+        "`{endpoint}` is not a tcp://, ipc:// or inproc:// endpoint ({meant}?)"
+    ))
+}
+
 /// The endpoint DP rank `rank` uses, by vLLM's rule: a `tcp://` port is offset by the rank,
 /// an `inproc://x` becomes `inproc://x_dp{rank}`. Rank 0 is the base endpoint unchanged.
 ///

@@ -359,15 +359,8 @@ impl Settings {
                 !self.replay_endpoint.is_empty(),
             ),
         ] {
-            if allowed
-                && !["tcp://", "ipc://", "inproc://"]
-                    .iter()
-                    .any(|p| value.starts_with(p))
-            {
-                bad(
-                    option,
-                    format!("`{value}` is not a tcp://, ipc:// or inproc:// endpoint"),
-                );
+            if allowed && let Err(why) = kvevent_zmq::check_endpoint(value) {
+                bad(option, why);
             }
         }
         if self.dp_size == 0 || self.dp_size > 256 {
