@@ -321,6 +321,10 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
             .map_or_else(Default::default, |h| h.metrics().clone()),
     ));
     telemetry.subscribed.store(true, Relaxed);
+    telemetry
+        .delivery
+        .has_server
+        .store(client.is_some(), Relaxed);
 
     let http = if settings.metrics_address.is_empty() {
         None

@@ -25,6 +25,9 @@ pub struct Delivery {
     pub server_unreachable: Mutex<Option<String>>,
     /// The server was probed at least once.
     pub server_probed: AtomicBool,
+    /// A server is configured. Feed only, there is none, and no `kvevent_server_reachable`: a
+    /// gauge of a server that does not exist would read 0 for good (and page someone).
+    pub has_server: AtomicBool,
 }
 
 impl Delivery {
@@ -36,6 +39,7 @@ impl Delivery {
             stats_last_success_unix_ms: AtomicU64::new(0),
             server_unreachable: Mutex::new(None),
             server_probed: AtomicBool::new(false),
+            has_server: AtomicBool::new(true),
         }
     }
 
@@ -132,14 +136,16 @@ impl Collector for DeliveryCollector {
             "Pending prefix entries plus events.",
             f.queue_depth.load(Relaxed),
         )?;
-        let unreachable = lock(&d.server_unreachable).is_some();
-        encode::single(
-            &mut enc,
-            false,
-            "kvevent_server_reachable",
-            "1 when the last probe (a gRPC health check; any answer counts) reached the server, 0 when it did not.",
-            u64::from(d.server_probed.load(Relaxed) && !unreachable),
-        )?;
+        if d.has_server.load(Relaxed) {
+            let unreachable = lock(&d.server_unreachable).is_some();
+            encode::single(
+                &mut enc,
+                false,
+                "kvevent_server_reachable",
+                "1 when the last probe (a gRPC health check; any answer counts) reached the server, 0 when it did not.",
+                u64::from(d.server_probed.load(Relaxed) && !unreachable),
+            )?;
+        }
         encode::single(
             &mut enc,
             false,
@@ -214,5 +220,24 @@ impl Collector for DeliveryCollector {
             &[],
             &h.window_send_seconds,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A feed-only sidecar exports no gauge of a server it does not have: one reading 0 for
+    /// good fired the critical KVEventServerUnreachable on every such sidecar.
+    #[test]
+    fn server_reachable_is_exported_only_with_a_server() {
+        let telemetry = crate::telemetry::Telemetry::new(Vec::new(), Vec::new(), Arc::default());
+        assert!(
+            telemetry
+                .render()
+                .contains("\nkvevent_server_reachable 0\n")
+        );
+        telemetry.delivery.has_server.store(false, Relaxed);
+        assert!(!telemetry.render().contains("kvevent_server_reachable"));
     }
 }
