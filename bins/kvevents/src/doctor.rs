@@ -15,13 +15,13 @@ use kvevent_zmq::Source;
 pub(crate) struct DoctorArgs {
     /// The engine's HTTP base URL (`http://host:8000`): `/metrics` and, on vLLM 0.31+,
     /// `/kv_event_sources` are read from it.
-    #[arg(long)]
+    #[arg(long, value_parser = http_url)]
     engine_url: Option<String>,
     /// The engine's PUB endpoint, when it is not discovered (`tcp://host:5557`).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::endpoint)]
     endpoint: Option<String>,
     /// Its replay endpoint (`tcp://host:5558`); empty or absent: none.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::endpoint_or_none)]
     replay_endpoint: Option<String>,
     /// Data-parallel ranks behind `--endpoint` (ports offset by rank).
     #[arg(long, default_value_t = 1)]
@@ -32,6 +32,17 @@ pub(crate) struct DoctorArgs {
     /// How long to wait for the engine at each step (HTTP, replay, a live batch).
     #[arg(long, default_value = "10s", value_parser = parse_secs)]
     timeout: Duration,
+}
+
+/// `--engine-url`: an HTTP base URL, or what is wrong with the form it likely meant.
+fn http_url(text: &str) -> Result<String, String> {
+    if text.starts_with("http://") || text.starts_with("https://") {
+        return Ok(text.to_owned());
+    }
+    let rest = text.split_once("://").map_or(text, |(_, rest)| rest);
+    Err(format!(
+        "`{text}` is not an http:// or https:// URL (http://{rest}?)"
+    ))
 }
 
 fn parse_secs(s: &str) -> Result<Duration, String> {

@@ -500,6 +500,22 @@ fn an_endpoint_without_its_scheme_names_the_flag_and_the_form_meant() {
     }
 }
 
+/// `doctor --engine-url 127.0.0.1:8000` names the flag and the URL meant, not the engine's
+/// metrics or its vLLM version.
+#[test]
+fn doctor_names_an_engine_url_without_its_scheme() {
+    let out = kvevents(&["doctor", "--engine-url", "127.0.0.1:8000"], None);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{said}");
+    assert!(
+        said.contains("--engine-url")
+            && said.contains(
+                "`127.0.0.1:8000` is not an http:// or https:// URL (http://127.0.0.1:8000?)"
+            ),
+        "{said}"
+    );
+}
+
 /// `kvevents decode … | head`: the reader going away ends the tool quietly, exit 0.
 #[test]
 fn a_closed_pipe_ends_quietly() {
