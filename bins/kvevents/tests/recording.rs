@@ -556,6 +556,169 @@ fn stats_on_a_hand_made_fleet_give_the_figures_worked_out_by_hand() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Two DP ranks of one replica and a second replica: `stats` counts (prefix, rank) pairs as the
+/// router's index does on the same batches (a clear of one rank leaves the other's blocks, an
+/// eviction on one rank leaves the other's copy); one resident set a replica did not.
+#[test]
+fn stats_count_dp_ranks_as_the_routers_index_does() {
+    let dir = scratch("stats-ranks");
+    let hash = |h: u64| wire::BlockHash::Int(wire::Int::U64(h));
+    let stored = |hashes: &[u64], tokens: std::ops::Range<u32>| {
+        wire::Event::BlockStored(wire::BlockStored {
+            block_hashes: hashes.iter().map(|h| hash(*h)).collect(),
+            token_ids: tokens.collect::<Vec<u32>>().into(),
+            block_size: 16,
+            ..Default::default()
+        })
+    };
+    let removed = |hashes: &[u64]| {
+        wire::Event::BlockRemoved(wire::BlockRemoved {
+            block_hashes: hashes.iter().map(|h| hash(*h)).collect(),
+            ..Default::default()
+        })
+    };
+    let cleared = || wire::Event::AllBlocksCleared(Default::default());
+    // (replica, rank, ms, event): each rank its own engine hashes, the same prompts' tokens.
+    let batches = vec![
+        (0, 0, 0, stored(&[1, 2], 0..32)),
+        (0, 1, 100, stored(&[11, 12], 0..32)),
+        (1, 0, 200, stored(&[21, 22], 0..32)),
+        (0, 1, 300, stored(&[13], 100..116)),
+        (0, 0, 400, removed(&[2])),
+        (0, 1, 500, cleared()),
+        (0, 0, 600, stored(&[3], 100..116)),
+    ];
+    let batch = |e: &wire::Event<'static>| wire::EventBatch {
+        ts: 1.0,
+        events: vec![e.clone()],
+        data_parallel_rank: None,
+        unknown_events: 0,
+    };
+    let paths: Vec<PathBuf> = ["a", "b"]
+        .iter()
+        .enumerate()
+        .map(|(replica, name)| {
+            let path = dir.join(format!("{name}.kvrec"));
+            let mut w = Writer::new(Vec::new(), &Header::new("vllm", 1_000_000)).expect("header");
+            let mut seqs = [0u64; 2];
+            for (_, rank, at_ms, e) in batches.iter().filter(|b| b.0 == replica) {
+                let seq = &mut seqs[*rank as usize];
+                w.write(&Record {
+                    rank: *rank,
+                    seq: *seq,
+                    at_us: at_ms * 1000,
+                    topic: b"kv-events".to_vec(),
+                    replay: false,
+                    reset: None,
+                    payload: wire::encode(&batch(e), wire::Release::NEWEST_KNOWN).expect("encode"),
+                })
+                .expect("write");
+                *seq += 1;
+            }
+            std::fs::write(&path, w.finish().expect("finish")).expect("write");
+            path
+        })
+        .collect();
+    // The router's index, a source a rank, the same batches in the same order.
+    let index = kvevent_index::Index::new(kvevent_index::Config::default());
+    let mut sources = BTreeMap::new();
+    for (replica, rank, _, e) in &batches {
+        let source = *sources
+            .entry((*replica, *rank))
+            .or_insert_with(|| index.add_source(["a", "b"][*replica]).expect("a source"));
+        index.apply(source, &batch(e));
+    }
+    let want = index.stats();
+    let out = kvevents()
+        .args(["stats", "--json"])
+        .args(&paths)
+        .output()
+        .expect("stats");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let fleet = &v["fleet"];
+    assert_eq!(fleet["sources"], 3, "{v}");
+    // a#0 holds P's first block and Q, b both of P's: 4 pairs of 3 prefixes.
+    assert_eq!((want.pairs, want.keys), (4, 3));
+    assert_eq!(fleet["pairs_end"], want.pairs as u64, "{v}");
+    let got = fleet["duplication_end"].as_f64().expect("a share");
+    assert!(
+        (got - want.duplication()).abs() < 1e-9,
+        "{got} against {}",
+        want.duplication()
+    );
+    assert_eq!(v["replicas"][0]["ranks"], serde_json::json!([0, 1]));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A `--replay-first` recording: the history the replay buffer answered arrives in a burst at
+/// the start, but counts at the engine's own times (each batch's `ts`), so its rates are the
+/// engine's, not a burst's.
+#[test]
+fn stats_put_replayed_history_at_its_engine_time() {
+    let dir = scratch("stats-replayed");
+    let path = dir.join("r.kvrec");
+    let start_unix_s = 1_764_000_000u64;
+    // The recorder started at start_unix_s + 10; the engine stored one block a second from
+    // start_unix_s on: ten replayed (all arriving within 10 ms), then two live.
+    let mut w =
+        Writer::new(Vec::new(), &Header::new("vllm", (start_unix_s + 10) * 1000)).expect("header");
+    for i in 0..12u64 {
+        let batch = wire::EventBatch {
+            ts: (start_unix_s + i) as f64,
+            events: vec![wire::Event::BlockStored(wire::BlockStored {
+                block_hashes: vec![wire::BlockHash::Int(wire::Int::U64(i + 1))],
+                token_ids: ((i as u32 * 16)..(i as u32 * 16 + 16))
+                    .collect::<Vec<u32>>()
+                    .into(),
+                block_size: 16,
+                ..Default::default()
+            })],
+            data_parallel_rank: None,
+            unknown_events: 0,
+        };
+        let replay = i < 10;
+        w.write(&Record {
+            rank: 0,
+            seq: i,
+            at_us: if replay {
+                i * 1000
+            } else {
+                (i - 10) * 1_000_000
+            },
+            topic: b"kv-events".to_vec(),
+            replay,
+            reset: None,
+            payload: wire::encode(&batch, wire::Release::NEWEST_KNOWN).expect("encode"),
+        })
+        .expect("write");
+    }
+    std::fs::write(&path, w.finish().expect("finish")).expect("write");
+    let out = kvevents()
+        .args(["stats", "--json"])
+        .arg(&path)
+        .output()
+        .expect("stats");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let r = &v["replicas"][0];
+    // From the first replayed store (start) to the last live one (start + 11 s).
+    let duration = r["duration_s"].as_f64().expect("seconds");
+    assert!((duration - 11.0).abs() < 1e-6, "{v}");
+    let rate = r["stored_per_s"].as_f64().expect("a rate");
+    assert!((rate - 12.0 / 11.0).abs() < 1e-6, "{v}");
+    assert_eq!(r["replayed_at_arrival"], 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// An empty batch whose `ts` is `i`: its bytes differ from every other `i`'s.
 fn empty_payload(i: u32) -> Vec<u8> {
     wire::encode(
