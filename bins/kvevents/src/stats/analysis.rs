@@ -180,7 +180,7 @@ pub(crate) struct Fleet {
 /// SGLang stamp `time.time()`); `None` when it is not (a test's or a stand-in's counter).
 fn wall_clock_us(ts: f64) -> Option<u64> {
     // 2001-09-09 to 2286: any engine running today.
-    (1e9..1e10).contains(&ts).then(|| (ts * 1e6) as u64)
+    (1e9..1e10).contains(&ts).then_some((ts * 1e6) as u64)
 }
 
 /// One recording, read and mapped: the replica's figures and its changes for the fleet.
