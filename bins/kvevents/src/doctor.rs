@@ -126,7 +126,7 @@ pub(crate) fn run(args: &DoctorArgs) -> anyhow::Result<bool> {
             match runtime.block_on(fetch(&url, args.timeout)) {
                 Ok(body) => {
                     bound_as = listed_endpoints(&body);
-                    match kvevent_pipeline::discovery::parse(body.as_bytes(), &url, topic) {
+                    match kvevent_discovery::parse(body.as_bytes(), &url, topic) {
                         Ok(s) => {
                             r.ok(
                                 "endpoints",

@@ -116,14 +116,5 @@ impl StatsReporter {
     }
 }
 
-/// `a: b: c` from an error and its sources.
-pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(inner) = cur {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        cur = inner.source();
-    }
-    s
-}
+/// `a: b: c` from an error and its sources (written once, with discovery's words).
+pub(crate) use kvevent_discovery::error_chain;
