@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 
-use kvevent_pipeline::Settings;
+use kvevent_sidecar::Settings;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -3,7 +3,7 @@
 #![no_main]
 
 use kvevent_mapper::{Identity, KeyMode, Options};
-use kvevent_pipeline::state_file::{self, Expected};
+use kvevent_sidecar::state_file::{self, Expected};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

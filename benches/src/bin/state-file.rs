@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use kvevent_mapper::{Identity, KeyMode, Mapper, Options};
-use kvevent_pipeline::state_file;
+use kvevent_sidecar::state_file;
 use kvevent_wire as wire;
 
 fn filled(n: u64, mode: KeyMode) -> (Mapper, Options) {

@@ -2,7 +2,7 @@
 //!
 //! Flags are the top layer over defaults, the `--config` TOML file and `KVEVENT_*` variables:
 //! only the flags actually given are passed on, so an absent flag never hides a lower layer.
-//! The options' flags are made from `kvevent_pipeline::settings::OPTIONS`, where each option is
+//! The options' flags are made from `kvevent_sidecar::settings::OPTIONS`, where each option is
 //! written once.
 
 use std::path::PathBuf;
@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::collections::BTreeMap;
 
 use clap::{Parser, Subcommand};
-use kvevent_pipeline as pipeline;
+use kvevent_sidecar as pipeline;
 
 /// `--version`: the version, the commit it was built from, the vLLM releases it decodes.
 const LONG_VERSION: &str = concat!(
@@ -173,7 +173,7 @@ mod tests {
     #[test]
     fn every_help_default_is_the_settings_default() {
         let command = super::command();
-        for (option, default) in kvevent_pipeline::settings::defaults() {
+        for (option, default) in kvevent_sidecar::settings::defaults() {
             let arg = command
                 .get_arguments()
                 .find(|a| a.get_long() == Some(&option.replace('_', "-")))
@@ -194,7 +194,7 @@ mod tests {
             }
         }
         // Every flag but --config is an option of the settings.
-        let options = kvevent_pipeline::settings::known_options();
+        let options = kvevent_sidecar::settings::known_options();
         for arg in command.get_arguments() {
             let id = arg.get_id().as_str();
             assert!(

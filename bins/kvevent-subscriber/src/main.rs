@@ -7,7 +7,7 @@ mod cli;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use kvevent_pipeline::{self as pipeline, Settings};
+use kvevent_sidecar::{self as pipeline, Settings};
 
 /// Bad configuration (EX_USAGE).
 const EXIT_CONFIG: u8 = 64;

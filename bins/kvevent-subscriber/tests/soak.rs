@@ -31,7 +31,7 @@ impl Sidecar {
                 "--key-mode=engine",
                 "--stats-interval=0",
                 // The pipeline's info lines name the port /metrics took.
-                "--log-level=warn,kvevent_pipeline=info",
+                "--log-level=warn,kvevent_sidecar=info",
                 "--metrics-address=127.0.0.1:0",
             ])
             .args(extra)

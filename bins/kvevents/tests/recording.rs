@@ -9,9 +9,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
-use kvevent_pipeline::settings::GoDuration;
-use kvevent_pipeline::{Settings, start};
 use kvevent_recording::{Header, Record, Writer, read_all};
+use kvevent_sidecar::settings::GoDuration;
+use kvevent_sidecar::{Settings, start};
 use kvevent_test_support::{PythonPublisher, Received, RecordingServer};
 use kvevent_wire as wire;
 
@@ -173,7 +173,7 @@ async fn sidecar_state(
         .await
         .expect("the sidecar starts");
     let deadline = Instant::now() + WAIT;
-    let applied = |r: &kvevent_pipeline::Running| {
+    let applied = |r: &kvevent_sidecar::Running| {
         let m = &r.telemetry().sources.metrics[0];
         m.batches.load(Relaxed) > 0 && m.last_seq.load(Relaxed) >= last
     };

@@ -10,7 +10,7 @@
 //! the host the discovery URL names. A layout where one rank's PUB endpoint is another's (or its
 //! own) replay endpoint is refused: the ranks' port offsets collide.
 //!
-//! The sidecar (`kvevent-pipeline`) and `kvevents doctor` both read listings with this crate:
+//! The sidecar (`kvevent-sidecar`) and `kvevents doctor` both read listings with this crate:
 //! one set of rules, and the offline tool does not link the sidecar for them.
 
 use std::time::{Duration, Instant};

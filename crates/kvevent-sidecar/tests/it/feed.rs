@@ -7,7 +7,7 @@ use kvevent_fleet::{
     Degraded, EngineSockets, Fleet, FleetConfig, Lost, Query, QueryKeys, ReplicaSource,
     ReplicaState, SidecarFeed,
 };
-use kvevent_pipeline::{Settings, start};
+use kvevent_sidecar::{Settings, start};
 use kvevent_test_support::{Received, RecordingServer};
 use kvevent_wire::{self as wire, Release};
 use kvevent_zmq::publisher::{Publisher, PublisherConfig};
@@ -527,7 +527,7 @@ async fn an_engine_whose_server_is_gone_is_not_exact() {
     let s = Settings {
         feed_address: "127.0.0.1:0".into(),
         engine_metrics_url: format!("http://127.0.0.1:{port}/metrics"),
-        engine_health_interval: kvevent_pipeline::settings::GoDuration::ms(100),
+        engine_health_interval: kvevent_sidecar::settings::GoDuration::ms(100),
         ..crate::loopback(&engine, &server)
     };
     let running = start(&s, &ctx).await.expect("start");

@@ -26,7 +26,7 @@ impl GoDuration {
 /// Parses a Go-style duration.
 ///
 /// ```
-/// use kvevent_pipeline::settings::parse_duration;
+/// use kvevent_sidecar::settings::parse_duration;
 /// use std::time::Duration;
 /// assert_eq!(parse_duration("1m30s")?, Duration::from_secs(90));
 /// assert_eq!(parse_duration("50ms")?, Duration::from_millis(50));

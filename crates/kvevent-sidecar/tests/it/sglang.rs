@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use kvevent_pipeline::{Settings, start};
 use kvevent_proto as pb;
+use kvevent_sidecar::{Settings, start};
 use kvevent_test_support::{HeldPort, PythonPublisher, Received, RecordingServer};
 
 const WAIT: Duration = Duration::from_secs(20);

@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use kvevent_pipeline::settings;
+use kvevent_sidecar::settings;
 
 fn operating() -> String {
     std::fs::read_to_string(concat!(

@@ -14,8 +14,8 @@ mod tls;
 
 use std::time::Duration;
 
-use kvevent_pipeline::Settings;
-use kvevent_pipeline::settings::GoDuration;
+use kvevent_sidecar::Settings;
+use kvevent_sidecar::settings::GoDuration;
 use kvevent_test_support::{Publisher, PublisherConfig, RecordingServer};
 
 /// The pipeline between `engine` and `server` on loopback: replica `r1` of `llama`, a 20 ms

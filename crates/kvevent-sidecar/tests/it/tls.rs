@@ -2,8 +2,8 @@
 
 use std::time::{Duration, Instant};
 
-use kvevent_pipeline::settings::GoDuration;
-use kvevent_pipeline::{Settings, start};
+use kvevent_sidecar::settings::GoDuration;
+use kvevent_sidecar::{Settings, start};
 use kvevent_test_support::{Publisher, PublisherConfig};
 use kvevent_test_support::{Received, RecordingServer};
 use kvevent_wire::Release;
@@ -55,7 +55,7 @@ async fn deliver_one(
     settings: &Settings,
     engine: &Publisher,
     ctx: &zmq::Context,
-) -> kvevent_pipeline::Running {
+) -> kvevent_sidecar::Running {
     let running = start(settings, ctx).await.expect("start");
     assert!(tokio::task::block_in_place(
         || engine.wait_for_subscribers(1, WAIT)

@@ -3,10 +3,10 @@
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
-use kvevent_pipeline::demo;
-use kvevent_pipeline::settings::GoDuration;
-use kvevent_pipeline::{Settings, start};
 use kvevent_proto as pb;
+use kvevent_sidecar::demo;
+use kvevent_sidecar::settings::GoDuration;
+use kvevent_sidecar::{Settings, start};
 use kvevent_test_support::{HeldPort, Publisher, PublisherConfig};
 use kvevent_test_support::{Received, RecordingServer, distinct_prefixes};
 use kvevent_wire::Release;
@@ -86,7 +86,7 @@ async fn events_and_stats_flow_end_to_end() {
         (last.pressure - 0.7).abs() < 1e-6,
         "(5 running + 2 waiting) / 10"
     );
-    assert_eq!(last.client_version, kvevent_pipeline::CLIENT_VERSION);
+    assert_eq!(last.client_version, kvevent_sidecar::CLIENT_VERSION);
 
     let addr = running.metrics_addr().expect("metrics address");
     let (status, body) = http_get(addr, "/metrics").await;
@@ -538,7 +538,7 @@ async fn a_source_shows_whether_its_socket_reaches_the_engine() {
         .await
         .expect("start");
     wait_subscribed(&engine).await;
-    let connected = |r: &kvevent_pipeline::Running| {
+    let connected = |r: &kvevent_sidecar::Running| {
         r.telemetry().sources.metrics[0]
             .connected
             .load(std::sync::atomic::Ordering::Relaxed)

@@ -13,9 +13,9 @@ use kvevent_fleet::{
     EngineSockets, Fleet, FleetConfig, Outcome, Prediction, Query, QueryKeys, ReplicaSource,
     ReplicaState, SidecarFeed,
 };
-use kvevent_pipeline::settings::GoDuration;
-use kvevent_pipeline::{Settings, start};
 use kvevent_proto as pb;
+use kvevent_sidecar::settings::GoDuration;
+use kvevent_sidecar::{Settings, start};
 use kvevent_test_support::{
     HeldPort, Received, RecordingServer, VLLM_BLOCK as BLOCK, Vllm as Engine, vllm_venv,
 };

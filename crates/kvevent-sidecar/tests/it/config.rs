@@ -8,8 +8,8 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use figment::Jail;
-use kvevent_pipeline::Settings;
-use kvevent_pipeline::settings::parse_duration;
+use kvevent_sidecar::Settings;
+use kvevent_sidecar::settings::parse_duration;
 
 fn flags(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
     pairs

@@ -3,9 +3,9 @@
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
-use kvevent_pipeline::settings::GoDuration;
-use kvevent_pipeline::{Settings, StartError, start};
 use kvevent_proto as pb;
+use kvevent_sidecar::settings::GoDuration;
+use kvevent_sidecar::{Settings, StartError, start};
 use kvevent_source::ResetReason;
 use kvevent_test_support::{Publisher, PublisherConfig};
 use kvevent_test_support::{Received, RecordingServer};

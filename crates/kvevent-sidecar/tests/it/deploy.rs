@@ -5,8 +5,8 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-use kvevent_pipeline::Settings;
-use kvevent_pipeline::settings::known_options;
+use kvevent_sidecar::Settings;
+use kvevent_sidecar::settings::known_options;
 
 fn deploy(file: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -65,7 +65,7 @@ fn the_example_configuration_loads() {
         assert_eq!(s.max_pending, 100_000);
         assert_eq!(s.engine_cache_size_bytes, 68_719_476_736);
         assert_eq!(s.metrics_address.as_str(), ":9095");
-        assert_eq!(s.log_format, kvevent_pipeline::settings::LogFormat::Json);
+        assert_eq!(s.log_format, kvevent_sidecar::settings::LogFormat::Json);
         assert_eq!(s.token_file, Some(jail.directory().join("token")));
         assert_eq!(s.state_file, Some(jail.directory().join("state")));
         assert!(s.uses_tls());

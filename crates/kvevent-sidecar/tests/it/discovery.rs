@@ -4,8 +4,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvevent_pipeline::settings::GoDuration;
-use kvevent_pipeline::{Settings, start};
+use kvevent_sidecar::settings::GoDuration;
+use kvevent_sidecar::{Settings, start};
 use kvevent_test_support::{Publisher, PublisherConfig};
 use kvevent_test_support::{RecordingServer, distinct_prefixes};
 use kvevent_wire::Release;
