@@ -23,7 +23,7 @@ use hyper::body::{Frame, Incoming};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use kvevent_fleet::{Fleet, Prediction, Query, QueryKeys, ReplicaState};
+use kvevent_fleet::{Fleet, Prediction, Query, QueryKeys, route};
 
 /// One `--upstream NAME=http://HOST:PORT`: where a replica serves completions.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -86,6 +86,8 @@ pub(crate) struct Proxy {
     responses: Mutex<HashMap<(String, u16), u64>>,
     /// Turns text prompts into the engine's token ids, when given.
     tokenizer: Option<tokenizers::Tokenizer>,
+    /// The base model's name: a request naming another is for that LoRA adapter.
+    model: String,
 }
 
 /// Counts a request in flight to a replica while it lasts.
@@ -129,6 +131,7 @@ impl Proxy {
         upstreams: Vec<Upstream>,
         timeout: Duration,
         tokenizer: Option<tokenizers::Tokenizer>,
+        model: String,
     ) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
@@ -144,6 +147,7 @@ impl Proxy {
             overhead: Mutex::default(),
             responses: Mutex::default(),
             tokenizer,
+            model,
         }
     }
 
@@ -164,64 +168,43 @@ impl Proxy {
         *r.entry((replica.to_owned(), status)).or_default() += 1;
     }
 
-    /// The replica for `prompt`, and the prediction the choice acts on.
-    fn choose(&self, fleet: &Fleet, prompt: &[u32]) -> Option<(&Upstream, Prediction)> {
+    /// The replica for `prompt` (of `adapter`, "" for the base model), and the prediction the
+    /// choice acts on: `kvevent_fleet::route`'s rule.
+    fn choose(
+        &self,
+        fleet: &Fleet,
+        prompt: &[u32],
+        adapter: &str,
+    ) -> Option<(&Upstream, Prediction)> {
         let block = fleet.block_size();
         let names: Vec<&str> = self.upstreams.iter().map(|u| u.name.as_str()).collect();
-        let in_flight = |name: &str| self.in_flight.get(name).map_or(0, |n| n.load(Relaxed));
         let scores = block.and_then(|b| {
-            fleet
-                .score_among(
-                    &Query {
-                        adapter: "",
-                        keys: QueryKeys::Tokens {
-                            ids: prompt,
-                            block_size: b as usize,
-                        },
-                    },
-                    &names,
-                )
-                .ok()
+            let query = Query {
+                adapter,
+                keys: QueryKeys::Tokens {
+                    ids: prompt,
+                    block_size: b as usize,
+                },
+            };
+            fleet.score_among(&query, &names).ok()
         });
-        let prompt_tokens = prompt.len() as u32;
-        let of = |name: &str, tokens: u32, state: ReplicaState| Prediction {
-            replica: name.to_owned(),
-            predicted_tokens: tokens,
-            prompt_tokens,
-            block_size: block.unwrap_or(0),
-            state,
-        };
-        let best = scores.as_ref().and_then(|scores| {
-            scores
-                .iter()
-                .filter(|s| s.state == ReplicaState::Exact)
-                .max_by(|a, b| {
-                    a.matched_tokens
-                        .cmp(&b.matched_tokens)
-                        .then(in_flight(b.replica).cmp(&in_flight(a.replica)))
-                        .then(b.replica.cmp(a.replica))
-                })
-                .map(|s| of(s.replica, s.matched_tokens, s.state))
-        });
-        let prediction = best.or_else(|| {
-            // Fail open: the least loaded, with what the index says of it.
-            let name = names
-                .iter()
-                .min_by(|a, b| in_flight(a).cmp(&in_flight(b)).then(a.cmp(b)))?;
-            let known = scores
-                .as_ref()
-                .and_then(|s| s.iter().find(|s| s.replica == *name))
-                .map(|s| (s.matched_tokens, s.state));
-            let (tokens, state) = known.unwrap_or((
-                0,
-                ReplicaState::Degraded(kvevent_fleet::Degraded::Connecting),
-            ));
-            Some(of(name, tokens, state))
-        })?;
-        let upstream = self
+        let candidates: Vec<route::Candidate<'_>> = self
             .upstreams
             .iter()
-            .find(|u| u.name == prediction.replica)?;
+            .map(|u| route::Candidate {
+                name: &u.name,
+                in_flight: self.in_flight.get(&u.name).map_or(0, |n| n.load(Relaxed)),
+            })
+            .collect();
+        let choice = route::choose(scores.as_ref(), &candidates)?;
+        let upstream = self.upstreams.iter().find(|u| u.name == choice.replica)?;
+        let prediction = Prediction {
+            replica: choice.replica.to_owned(),
+            predicted_tokens: choice.matched_tokens,
+            prompt_tokens: prompt.len() as u32,
+            block_size: block.unwrap_or(0),
+            state: choice.state,
+        };
         Some((upstream, prediction))
     }
 
@@ -271,7 +254,9 @@ impl Proxy {
             },
             _ => return error(400, "`prompt` must be an array of token ids".into()),
         };
-        let Some((upstream, prediction)) = self.choose(fleet, &prompt) else {
+        // A LoRA adapter is asked for by its name in `model`, as vLLM serves it.
+        let adapter = route::adapter_of(v["model"].as_str().unwrap_or_default(), &self.model);
+        let Some((upstream, prediction)) = self.choose(fleet, &prompt, adapter) else {
             return error(
                 503,
                 "no replica to route to: give --upstream NAME=http://HOST:PORT".into(),

@@ -163,7 +163,12 @@ impl Router {
             })?),
             None => None,
         };
-        let proxy = Proxy::new(config.upstreams.clone(), config.upstream_timeout, tokenizer);
+        let proxy = Proxy::new(
+            config.upstreams.clone(),
+            config.upstream_timeout,
+            tokenizer,
+            config.model.clone(),
+        );
         Ok(Self {
             fleet,
             config,

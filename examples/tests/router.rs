@@ -340,6 +340,23 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
         unknown_events: 0,
     })
     .expect("publish");
+    // Replica b stored it for the LoRA adapter `sql-lora` (vLLM serves an adapter under its own
+    // model name): a request naming that model is the adapter's.
+    b.publish(&wire::EventBatch {
+        ts: 1.0,
+        events: vec![wire::Event::BlockStored(wire::BlockStored {
+            block_hashes: (11..=14)
+                .map(|h| wire::BlockHash::Int(wire::Int::U64(h)))
+                .collect(),
+            token_ids: prompt.clone().into(),
+            block_size: 32,
+            lora_name: Some("sql-lora".into()),
+            ..Default::default()
+        })],
+        data_parallel_rank: None,
+        unknown_events: 0,
+    })
+    .expect("publish");
     let ((ua, _ta), (ub, _tb)) = (fake_upstream("a", 96).await, fake_upstream("b", 0).await);
     let nothing = kvevent_test_support::HeldPort::new();
     let spec = |name: &str, p: &kvevent_zmq::publisher::Publisher| {
@@ -461,6 +478,30 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
     let (status, body) = post_raw(addr, "/v1/completions", &text).await;
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("\"text\":\"a\""), "{body}");
+    // The same prompt for the adapter goes to b, its holder, not to a, the base model's.
+    let lora = |adapter: &str| {
+        router
+            .fleet()
+            .score(&kvevent_fleet::Query {
+                adapter,
+                keys: kvevent_fleet::QueryKeys::Tokens {
+                    ids: &prompt,
+                    block_size: 32,
+                },
+            })
+            .ok()
+            .and_then(|s| s.first().map(|s| (s.replica.to_owned(), s.matched_blocks)))
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while lora("sql-lora") != Some(("b".to_owned(), 4)) {
+        assert!(Instant::now() < deadline, "b's adapter store never came");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let adapted =
+        serde_json::json!({"model": "sql-lora", "prompt": prompt, "max_tokens": 1}).to_string();
+    let (status, body) = post_raw(addr, "/v1/completions", &adapted).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("\"text\":\"b\""), "{body}");
     // Without a tokenizer, a text prompt is a clear 400.
     let bare = Arc::new(
         Router::start(RouterConfig {
@@ -523,7 +564,7 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
         "kvevent_router_predictions_total{replica=\"a\",outcome=\"exact\"} 4",
         "kvevent_router_predictions_total{replica=\"a\",outcome=\"pessimistic\"} 0",
         "kvevent_router_prediction_error_blocks_bucket{replica=\"a\",le=\"0\"} 4",
-        "kvevent_router_proxy_overhead_seconds_count 4",
+        "kvevent_router_proxy_overhead_seconds_count 5",
         "kvevent_router_responses_total{replica=\"c\",code=\"502\"} 1",
     ] {
         assert!(metrics.contains(needle), "no {needle} in\n{metrics}");

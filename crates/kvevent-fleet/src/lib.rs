@@ -18,6 +18,9 @@
 //!   one read lock, names shared, the answer's list the only allocation. A candidate the fleet
 //!   does not follow is named in [`Scores::unknown`]; a token query before any replica said
 //!   its block size is [`ScoreError::BlockSizeUnknown`].
+//! - **Routing.** [`route::choose`] is the rule a router applies to an answer (best exact
+//!   replica, ties by requests in flight then name, fail open); [`route::adapter_of`] reads
+//!   the LoRA adapter from a request's `model`.
 //!
 //! ```no_run
 //! use kvevent_fleet::{Fleet, FleetConfig, Query, QueryKeys, ReplicaSource, SidecarFeed};
@@ -49,6 +52,7 @@ pub mod accounting;
 #[cfg(feature = "engines")]
 mod engines;
 mod feed;
+pub mod route;
 mod status;
 
 pub use accounting::{ERROR_BUCKETS, Outcome, Prediction, ReplicaAccounting};
