@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use kvevent_recording::{Header, Record, Writer, read_all};
 use kvevent_sidecar::settings::GoDuration;
 use kvevent_sidecar::{Settings, start};
-use kvevent_test_support::{PythonPublisher, Received, RecordingServer};
+use kvevent_test_support::{PythonPublisher, Received, RecordingServer, batches};
 use kvevent_wire as wire;
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -443,32 +443,15 @@ fn a_damaged_or_foreign_recording_is_an_error_naming_the_byte() {
 #[test]
 fn stats_on_a_hand_made_fleet_give_the_figures_worked_out_by_hand() {
     let dir = scratch("stats");
-    let hash = |h: u64| wire::BlockHash::Int(wire::Int::U64(h));
     let stored = |hashes: &[u64], parent: Option<u64>, tokens: std::ops::Range<u32>| {
-        wire::Event::BlockStored(wire::BlockStored {
-            block_hashes: hashes.iter().map(|h| hash(*h)).collect(),
-            parent_block_hash: parent.map(hash),
-            token_ids: tokens.collect::<Vec<u32>>().into(),
-            block_size: 16,
-            ..Default::default()
-        })
+        batches::stored(hashes, parent, tokens, 16)
     };
-    let removed = |hashes: &[u64]| {
-        wire::Event::BlockRemoved(wire::BlockRemoved {
-            block_hashes: hashes.iter().map(|h| hash(*h)).collect(),
-            ..Default::default()
-        })
-    };
+    let removed = batches::removed;
     let write = |name: &str, batches: Vec<(u64, wire::Event<'static>)>| {
         let path = dir.join(format!("{name}.kvrec"));
         let mut w = Writer::new(Vec::new(), &Header::new("vllm", 1_000_000)).expect("header");
         for (seq, (at_ms, event)) in batches.into_iter().enumerate() {
-            let batch = wire::EventBatch {
-                ts: 1.0,
-                events: vec![event],
-                data_parallel_rank: None,
-                unknown_events: 0,
-            };
+            let batch = batches::batch(1.0, vec![event]);
             w.write(&Record {
                 rank: 0,
                 seq: seq as u64,
@@ -562,22 +545,9 @@ fn stats_on_a_hand_made_fleet_give_the_figures_worked_out_by_hand() {
 #[test]
 fn stats_count_dp_ranks_as_the_routers_index_does() {
     let dir = scratch("stats-ranks");
-    let hash = |h: u64| wire::BlockHash::Int(wire::Int::U64(h));
-    let stored = |hashes: &[u64], tokens: std::ops::Range<u32>| {
-        wire::Event::BlockStored(wire::BlockStored {
-            block_hashes: hashes.iter().map(|h| hash(*h)).collect(),
-            token_ids: tokens.collect::<Vec<u32>>().into(),
-            block_size: 16,
-            ..Default::default()
-        })
-    };
-    let removed = |hashes: &[u64]| {
-        wire::Event::BlockRemoved(wire::BlockRemoved {
-            block_hashes: hashes.iter().map(|h| hash(*h)).collect(),
-            ..Default::default()
-        })
-    };
-    let cleared = || wire::Event::AllBlocksCleared(Default::default());
+    let stored =
+        |hashes: &[u64], tokens: std::ops::Range<u32>| batches::stored(hashes, None, tokens, 16);
+    let (removed, cleared) = (batches::removed, batches::cleared);
     // (replica, rank, ms, event): each rank its own engine hashes, the same prompts' tokens.
     let batches = vec![
         (0, 0, 0, stored(&[1, 2], 0..32)),
@@ -588,12 +558,7 @@ fn stats_count_dp_ranks_as_the_routers_index_does() {
         (0, 1, 500, cleared()),
         (0, 0, 600, stored(&[3], 100..116)),
     ];
-    let batch = |e: &wire::Event<'static>| wire::EventBatch {
-        ts: 1.0,
-        events: vec![e.clone()],
-        data_parallel_rank: None,
-        unknown_events: 0,
-    };
+    let batch = |e: &wire::Event<'static>| batches::batch(1.0, vec![e.clone()]);
     let paths: Vec<PathBuf> = ["a", "b"]
         .iter()
         .enumerate()

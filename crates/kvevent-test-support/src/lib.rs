@@ -14,14 +14,19 @@
 //!   child process, so both sides' libzmq really talk.
 //! - [`Vllm`]: a real vLLM engine on CPU, for the real-engine checks (`.ci/real-engine`).
 //!
+//! And the plumbing of tests: [`eventually`] (a bounded wait whose failure says what it waited
+//! for and the last value seen) and [`batches`] (`EventBatch` builders).
+//!
 //! Used by tests and benchmarks, never by what ships. Every wait is bounded by a timeout.
 
+pub mod batches;
 mod ports;
 #[cfg(feature = "engine")]
 mod python;
 mod server;
 #[cfg(feature = "engine")]
 mod vllm;
+mod wait;
 
 #[cfg(feature = "engine")]
 pub use kvevent_zmq::publisher::{Publisher, PublisherConfig};
@@ -33,6 +38,7 @@ pub use server::{
 };
 #[cfg(feature = "engine")]
 pub use vllm::{VLLM_BLOCK, VLLM_CACHE_BLOCKS, Vllm, vllm_venv};
+pub use wait::{eventually, eventually_blocking, when};
 
 /// The repository's `testdata/` (vectors, metrics fixtures, golden fingerprints; see its
 /// README for where each comes from).

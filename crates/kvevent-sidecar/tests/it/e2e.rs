@@ -1,14 +1,14 @@
 //! Engine → pipeline → server over loopback sockets, with stats and our HTTP endpoint.
 
 use std::sync::atomic::Ordering::Relaxed;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvevent_proto as pb;
 use kvevent_sidecar::demo;
 use kvevent_sidecar::settings::GoDuration;
 use kvevent_sidecar::{Settings, start};
 use kvevent_test_support::{HeldPort, Publisher, PublisherConfig};
-use kvevent_test_support::{Received, RecordingServer, distinct_prefixes};
+use kvevent_test_support::{Received, RecordingServer, distinct_prefixes, eventually, when};
 use kvevent_wire::Release;
 use kvevent_zmq::publisher::scripted_batch;
 
@@ -189,11 +189,10 @@ async fn an_engine_metrics_body_past_scrape_max_bytes_fails_the_scrape() {
             assert_eq!(scrapes("too_large"), 0);
         } else {
             // The second failed scrape comes after the first one's tick is over.
-            let deadline = Instant::now() + WAIT;
-            while scrapes("too_large") < 2 {
-                assert!(Instant::now() < deadline, "too-large scrapes not counted");
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+            eventually("too-large scrapes counted", WAIT, || async {
+                when(scrapes("too_large"), |n| *n >= 2)
+            })
+            .await;
             assert!(stats_of(&server.received()).is_empty());
             assert_eq!(scrapes("ok"), 0);
         }
@@ -221,19 +220,17 @@ async fn a_failing_scrape_never_touches_the_event_path() {
                 .any(|x| matches!(x, Received::Update(u) if !u.prefixes.is_empty()))
         })
         .await;
-    let deadline = Instant::now() + WAIT;
-    while running
-        .telemetry()
-        .scrapes
-        .outcomes
-        .lock()
-        .map(|m| m.get("request").copied().unwrap_or(0))
-        .unwrap_or(0)
-        < 2
-    {
-        assert!(Instant::now() < deadline, "scrape failures not counted");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("scrape failures counted", WAIT, || async {
+        let failed = running
+            .telemetry()
+            .scrapes
+            .outcomes
+            .lock()
+            .map(|m| m.get("request").copied().unwrap_or(0))
+            .unwrap_or(0);
+        when(failed, |n| *n >= 2)
+    })
+    .await;
     assert!(stats_of(&server.received()).is_empty());
     running.shutdown(Duration::from_secs(5)).await;
 }
@@ -251,19 +248,12 @@ async fn readyz_waits_for_the_server_to_accept_something() {
     // The engine socket must be seen connected first, or /readyz rightly
     // names the socket instead of the server.
     wait_subscribed(&engine).await;
-    let deadline = Instant::now() + WAIT;
-    let body = loop {
+    let body = eventually("the engine seen connected", WAIT, || async {
         let (status, body) = http_get(addr, "/readyz").await;
         assert_eq!(status, 503, "{body}");
-        if !body.contains("engine socket") {
-            break body;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "engine never seen connected: {body}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+        when(body, |b| !b.contains("engine socket"))
+    })
+    .await;
     assert!(
         body.contains("no report accepted") || body.contains("the server cannot be reached"),
         "{body}"
@@ -275,11 +265,12 @@ async fn readyz_waits_for_the_server_to_accept_something() {
     );
     server.restart().await;
     engine.publish(&scripted_batch(0)).expect("publish");
-    let deadline = Instant::now() + WAIT;
-    while http_get(addr, "/readyz").await.0 != 200 {
-        assert!(Instant::now() < deadline, "never ready");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually("ready", WAIT, || async {
+        when(http_get(addr, "/readyz").await, |(status, _)| {
+            *status == 200
+        })
+    })
+    .await;
     running.shutdown(Duration::from_secs(5)).await;
 }
 
@@ -310,14 +301,11 @@ async fn shutdown_drains_adds_still_in_their_window() {
             .queue_depth
             .load(Relaxed)
     };
-    let deadline = Instant::now() + WAIT;
-    while running.telemetry().sources.metrics[0].batches.load(Relaxed) < 2 || depth() == 0 {
-        assert!(
-            Instant::now() < deadline,
-            "the adds never reached the forwarder"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually("the adds in the forwarder", WAIT, || async {
+        let batches = running.telemetry().sources.metrics[0].batches.load(Relaxed);
+        when((batches, depth()), |(b, d)| *b >= 2 && *d > 0)
+    })
+    .await;
     let stats_before = stats_of(&server.received()).len();
     server
         .wait_for(WAIT, |r| stats_of(r).len() > stats_before)
@@ -496,15 +484,12 @@ async fn a_silent_engine_makes_readyz_say_why_until_it_sends() {
     let addr = running.metrics_addr().expect("metrics address");
     wait_subscribed(&engine).await;
     // Once the grace has passed in silence, /readyz says why.
-    let deadline = Instant::now() + WAIT;
-    loop {
-        let (status, body) = http_get(addr, "/readyz").await;
-        if status == 503 && body.contains("no KV events from any engine source") {
-            break;
-        }
-        assert!(Instant::now() < deadline, "{status}: {body}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("not ready: no KV events", WAIT, || async {
+        when(http_get(addr, "/readyz").await, |(status, body)| {
+            *status == 503 && body.contains("no KV events from any engine source")
+        })
+    })
+    .await;
     let (_, metrics) = http_get(addr, "/metrics").await;
     assert!(
         metrics.contains("kvevent_source_last_batch_age_seconds{source="),
@@ -543,11 +528,10 @@ async fn a_source_shows_whether_its_socket_reaches_the_engine() {
             .connected
             .load(std::sync::atomic::Ordering::Relaxed)
     };
-    let deadline = Instant::now() + WAIT;
-    while !connected(&running) {
-        assert!(Instant::now() < deadline, "never connected");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("connected", WAIT, || async {
+        when(connected(&running), |c| *c)
+    })
+    .await;
     let addr = running.metrics_addr().expect("metrics");
     let (_, body) = http_get(addr, "/metrics").await;
     assert!(
@@ -560,11 +544,10 @@ async fn a_source_shows_whether_its_socket_reaches_the_engine() {
     );
     // The engine goes away: the gauge drops.
     engine.shutdown();
-    let deadline = Instant::now() + WAIT;
-    while connected(&running) {
-        assert!(Instant::now() < deadline, "still connected");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("disconnected", WAIT, || async {
+        when(connected(&running), |c| !*c)
+    })
+    .await;
     running.shutdown(Duration::from_secs(2)).await;
     assert!(!connected(&never));
     never.shutdown(Duration::from_secs(2)).await;
@@ -603,15 +586,11 @@ async fn an_sglang_engine_is_read_with_engine_sglang_salts_and_eagle_pairs_inclu
     ] {
         engine.publish_payload(payload(case));
     }
-    let deadline = Instant::now() + WAIT;
     let metrics = &running.telemetry().sources.metrics[0];
-    while metrics.batches.load(Relaxed) < 3 {
-        assert!(
-            Instant::now() < deadline,
-            "the SGLang batches never arrived"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually("the SGLang batches", WAIT, || async {
+        when(metrics.batches.load(Relaxed), |n| *n >= 3)
+    })
+    .await;
     assert_eq!(
         metrics
             .decode_failures
@@ -647,17 +626,14 @@ async fn readyz_says_which_source_is_degraded_and_for_how_long() {
         kvevent_wire::encode(&scripted_batch(1), Release::NEWEST_KNOWN).expect("encode"),
     );
     engine.publish(&scripted_batch(2)).expect("publish");
-    let deadline = Instant::now() + WAIT;
-    loop {
-        let (status, body) = http_get(addr, "/readyz").await;
-        if status == 200 && body.contains("degraded: batches were lost") {
-            assert!(body.starts_with("ready; tcp://"), "{body}");
-            assert!(body.contains(" s\n"), "for how long: {body}");
-            break;
-        }
-        assert!(Instant::now() < deadline, "{status}: {body}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let (_, body) = eventually("ready, degraded", WAIT, || async {
+        when(http_get(addr, "/readyz").await, |(status, body)| {
+            *status == 200 && body.contains("degraded: batches were lost")
+        })
+    })
+    .await;
+    assert!(body.starts_with("ready; tcp://"), "{body}");
+    assert!(body.contains(" s\n"), "for how long: {body}");
     running.shutdown(Duration::from_secs(2)).await;
 }
 
@@ -703,15 +679,13 @@ async fn a_sidecar_restarted_beside_a_connecting_engine_sees_no_false_restart() 
     for step in 10..15 {
         engine.publish(&scripted_batch(step)).expect("publish");
     }
-    let deadline = Instant::now() + WAIT;
-    let metrics = loop {
+    let metrics = eventually("last seq 14", WAIT, || async {
         let (_, metrics) = http_get(addr, "/metrics").await;
-        if metrics.contains("kvevent_source_last_seq{") && metrics.contains("} 14\n") {
-            break metrics;
-        }
-        assert!(Instant::now() < deadline, "{metrics}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+        when(metrics, |m| {
+            m.contains("kvevent_source_last_seq{") && m.contains("} 14\n")
+        })
+    })
+    .await;
     let restarts: Vec<&str> = metrics
         .lines()
         .filter(|l| l.starts_with("kvevent_engine_restarts_total{"))
