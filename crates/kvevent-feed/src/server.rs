@@ -358,7 +358,9 @@ async fn follow(
                 let hello = first.then(|| hub.hello(true));
                 async {
                     if let Some(hello) = hello {
-                        let (e, s) = at.unwrap_or(position);
+                        // Stamped with where the changes that follow end: a follower is not
+                        // exact again until it is there.
+                        let (e, s) = position;
                         send(Ok(encode_with(
                             &hub,
                             e,

@@ -35,6 +35,10 @@ pub(crate) struct FeedFollower {
     source: Option<SourceId>,
     /// The (epoch, seq) of the last change applied.
     at: Option<(u64, u64)>,
+    /// Resumed behind the sidecar: the position its hello named, which the changes that
+    /// follow it bring us to. Until then what counts is the state before the outage, so the
+    /// replica is not exact (`Replaying`).
+    catch_up: Option<(u64, u64)>,
 }
 
 /// The snapshot loading.
@@ -116,6 +120,7 @@ impl FeedFollower {
             status,
             source: None,
             at: None,
+            catch_up: None,
         }
     }
 
@@ -367,17 +372,27 @@ impl FeedFollower {
                         .max(Duration::from_secs(1));
                 }
                 self.core.note_block_size(hello.block_size);
+                // A resumed stream's hello names where the changes that follow it end (a
+                // sidecar before this rule names our own position: nothing to wait for).
+                self.catch_up = match self.at {
+                    Some((e, q)) if hello.resumed && e == epoch && q < seq => Some((epoch, seq)),
+                    _ => None,
+                };
                 let mut s = lock(&self.status);
                 if hello.block_size > 0 {
                     s.block_size = hello.block_size;
                 }
+                let now = Instant::now();
                 s.on(
                     &self.name,
                     Event::Connected {
                         resumed: hello.resumed,
                     },
-                    Instant::now(),
+                    now,
                 );
+                if self.catch_up.is_some() {
+                    s.on(&self.name, Event::CatchingUp(true), now);
+                }
             }
             Some(Body::Snapshot(chunk)) => {
                 let fresh = !loading.is_some_and(|l| l.epoch == epoch && l.seq == seq);
@@ -415,6 +430,7 @@ impl FeedFollower {
                 self.core.index.promote(source, self.source);
                 self.source = Some(source);
                 self.at = Some((epoch, seq));
+                self.catch_up = None;
                 lock(&self.status).on(
                     &self.name,
                     Event::SnapshotWhole { blocks: count },
@@ -449,13 +465,22 @@ impl FeedFollower {
                 }
                 self.core.index.apply_keys(source, &applied);
                 self.at = Some((epoch, seq));
-                lock(&self.status).on(
+                let caught_up = self
+                    .catch_up
+                    .take_if(|(e, q)| *e != epoch || *q <= seq)
+                    .is_some();
+                let mut s = lock(&self.status);
+                let now = Instant::now();
+                s.on(
                     &self.name,
                     Event::Changed {
                         blocks: blocks.max(0) as u64,
                     },
-                    Instant::now(),
+                    now,
                 );
+                if caught_up {
+                    s.on(&self.name, Event::CatchingUp(false), now);
+                }
             }
             Some(Body::Heartbeat(_)) | None => {}
         }
@@ -549,7 +574,7 @@ mod tests {
     //! malformed leaves the previous state counting.
 
     use super::*;
-    use kvevent_index::{Query, QueryKeys};
+    use kvevent_index::{Query, QueryKeys, ReplicaState};
 
     fn follower(index: &Arc<kvevent_index::Index>) -> FeedFollower {
         let core = Arc::new(Core {
@@ -623,6 +648,65 @@ mod tests {
                 keys: QueryKeys::Keys(&[key]),
             })
             .is_empty()
+    }
+
+    /// A follower back from an outage (its feed resumed) is not exact while the changes it
+    /// missed are on their way: the state from before the outage counts until they are in.
+    /// (A sidecar's hello names where they end; the fifth fault soak caught a router saying
+    /// `exact` in between, with blocks its engine had evicted while the feed was blackholed.)
+    #[test]
+    fn a_resumed_follower_is_not_exact_until_it_caught_up() {
+        let index = Arc::new(kvevent_index::Index::new(kvevent_index::Config::default()));
+        let mut f = follower(&index);
+        let mut loading = None;
+        let mut silent = Duration::from_secs(3);
+        let state =
+            |f: &FeedFollower| lock(&f.status).state(f.core.config.dead_after, Instant::now());
+        let hello = |resumed| {
+            pb::feed_message::Body::Hello(pb::Hello {
+                resumed,
+                ..Default::default()
+            })
+        };
+        let removed = |key| {
+            pb::feed_message::Body::Changes(pb::Changes {
+                changes: vec![pb::Change {
+                    kind: Some(pb::change::Kind::Removed(pb::Removed {
+                        key,
+                        ..Default::default()
+                    })),
+                }],
+            })
+        };
+        for m in [
+            message(1, 0, hello(false)),
+            message(1, 5, blocks(&[1, 2])),
+            message(1, 5, end(2)),
+        ] {
+            f.take(m, &mut loading, &mut silent).expect("a message");
+        }
+        assert_eq!(state(&f), ReplicaState::Exact);
+        // Away, then back: the hello names seq 7, two changes on.
+        f.stream_ended(&mut loading);
+        f.take(message(1, 7, hello(true)), &mut loading, &mut silent)
+            .expect("hello");
+        assert_eq!(
+            state(&f),
+            ReplicaState::Degraded(kvevent_index::Degraded::Replaying)
+        );
+        assert!(holds(&index, 1), "the state from before still counts");
+        f.take(message(1, 6, removed(1)), &mut loading, &mut silent)
+            .expect("change");
+        assert!(!state(&f).is_exact(), "one change of two in");
+        f.take(message(1, 7, removed(2)), &mut loading, &mut silent)
+            .expect("change");
+        assert_eq!(state(&f), ReplicaState::Exact);
+        assert!(!holds(&index, 1) && !holds(&index, 2));
+        // Back with nothing missed (the hello names our own position): exact at once.
+        f.stream_ended(&mut loading);
+        f.take(message(1, 7, hello(true)), &mut loading, &mut silent)
+            .expect("hello");
+        assert_eq!(state(&f), ReplicaState::Exact);
     }
 
     #[test]

@@ -70,6 +70,9 @@ pub(crate) enum Event {
         /// A snapshot does not follow: what counts goes on.
         resumed: bool,
     },
+    /// Resumed behind the source: the changes missed while away follow (true), or they are
+    /// in (false). Meanwhile what counts is the state from before: `Replaying`, not exact.
+    CatchingUp(bool),
     /// A snapshot began loading beside what counts.
     SnapshotStarted,
     /// A whole snapshot of `blocks` was promoted.
@@ -153,6 +156,14 @@ impl Status {
                 self.lagging = false;
                 self.error = None;
                 self.degraded = (!resumed).then_some(Degraded::SnapshotLoading);
+            }
+            Event::CatchingUp(true) => {
+                self.degraded = self.degraded.or(Some(Degraded::Replaying));
+            }
+            Event::CatchingUp(false) => {
+                if self.degraded == Some(Degraded::Replaying) {
+                    self.degraded = None;
+                }
             }
             Event::SnapshotStarted => self.degraded = Some(Degraded::SnapshotLoading),
             Event::SnapshotWhole { blocks } => {

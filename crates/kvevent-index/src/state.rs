@@ -11,7 +11,8 @@ pub enum Degraded {
     Connecting,
     /// A snapshot is loading (the previous state, if any, still counts).
     SnapshotLoading,
-    /// Its engine's events are replaying, or lost batches that could not be replayed.
+    /// Its engine's events are replaying (or, after a feed resumed, the changes missed while
+    /// away), or lost batches that could not be replayed.
     Replaying,
     /// Its sidecar is there, but the sidecar lost the engine (for less than `dead_after`).
     EngineLost,
