@@ -143,6 +143,10 @@ struct PublishArgs {
     /// With --recording: wait for this many subscribers on every rank before the first batch.
     #[arg(long, default_value_t = 0, requires = "recording")]
     wait_for: usize,
+    /// With --recording: a damaged recording is published up to its damage (else it is an
+    /// error naming the file and the byte).
+    #[arg(long, requires = "recording")]
+    skip_damaged: bool,
     // The help names a JSON batch: written as an attribute, not a doc comment, so that
     // rustdoc does not read its brackets as links.
     #[arg(
@@ -209,6 +213,7 @@ fn publish(args: PublishArgs) -> anyhow::Result<()> {
         recording,
         speed,
         wait_for,
+        skip_damaged,
         files,
     } = args;
     if let Some(recording) = recording {
@@ -219,6 +224,7 @@ fn publish(args: PublishArgs) -> anyhow::Result<()> {
             release,
             speed,
             wait_for,
+            skip_damaged,
         });
     }
     let files = files.as_slice();

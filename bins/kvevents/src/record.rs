@@ -464,9 +464,35 @@ pub(crate) fn engine_of(header: &Header) -> anyhow::Result<wire::Engine> {
     }
 }
 
-/// Whether `path` starts with a recording's magic.
+/// Whether `bytes` are a recording's: its magic, or enough of it (`KVEV`) that a damaged one
+/// is reported as a damaged recording, not decoded as a payload.
 pub(crate) fn is_recording(bytes: &[u8]) -> bool {
-    bytes.starts_with(kvevent_recording::MAGIC)
+    bytes.starts_with(&kvevent_recording::MAGIC[..4])
+}
+
+/// The next record of `reader` (the recording at `path`). Damage is an error naming the file
+/// and the byte, unless `skip_damaged`: then it is said on stderr and the file ends there (a
+/// record's seq and time count from the one before it, so nothing after damage can be read
+/// back as it was).
+pub(crate) fn next_whole<R: std::io::Read>(
+    reader: &mut Reader<R>,
+    path: &std::path::Path,
+    skip_damaged: bool,
+) -> anyhow::Result<Option<Record>> {
+    match reader.next_record() {
+        Ok(r) => Ok(r),
+        Err(e) if skip_damaged => {
+            eprintln!(
+                "kvevents: {}: {e}: the rest of the file is skipped (--skip-damaged)",
+                path.display()
+            );
+            Ok(None)
+        }
+        Err(e) => Err(anyhow::Error::new(e).context(format!(
+            "{} is damaged (--skip-damaged reads it up to the damage)",
+            path.display()
+        ))),
+    }
 }
 
 /// `decode` of a recording: one JSON line a record (rank, seq, time, whether replayed, the
@@ -542,6 +568,8 @@ pub(crate) struct Replay {
     pub(crate) release: wire::Release,
     pub(crate) speed: Speed,
     pub(crate) wait_for: usize,
+    /// Publish a damaged recording up to its damage.
+    pub(crate) skip_damaged: bool,
 }
 
 /// Publishes a recording as the engine did: each rank on its endpoint (vLLM's port offset from
@@ -561,7 +589,7 @@ pub(crate) fn publish_recording(r: Replay) -> anyhow::Result<()> {
     let mut ranks: std::collections::BTreeMap<u32, Vec<u8>> = Default::default();
     let mut scan = open()?;
     let mut records = 0u64;
-    while let Some(rec) = scan.next_record()? {
+    while let Some(rec) = next_whole(&mut scan, &r.recording, r.skip_damaged)? {
         ranks.entry(rec.rank).or_insert(rec.topic);
         records += 1;
     }
@@ -610,7 +638,7 @@ pub(crate) fn publish_recording(r: Replay) -> anyhow::Result<()> {
     let start = Instant::now();
     let mut sent = 0u64;
     let mut first_at = None;
-    while let Some(rec) = reader.next_record()? {
+    while let Some(rec) = next_whole(&mut reader, &r.recording, r.skip_damaged)? {
         if stop.load(Relaxed) {
             eprintln!("kvevents: interrupted after {sent} batches");
             break;

@@ -400,7 +400,7 @@ fn a_damaged_or_foreign_recording_is_an_error_naming_the_byte() {
             .expect("decode")
             .success()
     );
-    // A byte of the second record's payload flipped: its checksum no longer matches.
+    // A byte of the last record's payload flipped: its checksum no longer matches.
     let n = bytes.len();
     bytes[n - 6] ^= 0xff;
     let damaged = dir.join("damaged.kvrec");
@@ -417,7 +417,35 @@ fn a_damaged_or_foreign_recording_is_an_error_naming_the_byte() {
             text.contains("byte ") && text.contains("checksum"),
             "{command:?}: {text}"
         );
+        // Named with its file; stats and publish offer a way past it.
+        if command != ["decode"] {
+            assert!(
+                text.contains("damaged.kvrec is damaged (--skip-damaged"),
+                "{command:?}: {text}"
+            );
+        }
     }
+    // --skip-damaged: stats gives the figures of what came before the damage.
+    let out = kvevents()
+        .args(["stats", "--json", "--skip-damaged"])
+        .arg(&damaged)
+        .output()
+        .expect("stats");
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    assert!(said.contains("the rest of the file is skipped"), "{said}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    // Three records, the last damaged: the first two count.
+    assert_eq!(v["replicas"][0]["batches"], 2, "{v}");
+    // A damaged magic: still a damaged recording, not a payload.
+    let mut bad_magic = bytes.clone();
+    bad_magic[5] ^= 0xff;
+    let bad = dir.join("bad-magic.kvrec");
+    std::fs::write(&bad, &bad_magic).expect("write");
+    let out = kvevents().arg("decode").arg(&bad).output().expect("decode");
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(said.contains("not a kvevent recording"), "{said}");
     let foreign = dir.join("foreign.kvrec");
     std::fs::write(&foreign, b"{\"not\": \"a recording\"}").expect("write");
     for command in [&["stats"][..], &["publish", "--recording"]] {

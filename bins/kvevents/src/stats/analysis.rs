@@ -187,6 +187,7 @@ fn wall_clock_us(ts: f64) -> Option<u64> {
 pub(crate) fn replica(
     path: &Path,
     adapters: &mut HashMap<Arc<str>, u32>,
+    skip_damaged: bool,
 ) -> anyhow::Result<(Replica, Vec<Event>)> {
     let name = path.file_stem().map_or_else(
         || path.display().to_string(),
@@ -206,10 +207,7 @@ pub(crate) fn replica(
     let (mut batches, mut stored, mut removed, mut cleared) = (0u64, 0u64, 0u64, 0u64);
     let mut replayed_at_arrival = 0u64;
     let mut block_size = 0u32;
-    while let Some(r) = reader
-        .next_record()
-        .with_context(|| path.display().to_string())?
-    {
+    while let Some(r) = crate::record::next_whole(&mut reader, path, skip_damaged)? {
         let batch =
             wire::decode_engine(&r.payload, engine, &wire::Limits::DEFAULT).map_err(|e| {
                 anyhow::anyhow!(

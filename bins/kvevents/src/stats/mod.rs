@@ -20,6 +20,10 @@ pub(crate) struct StatsArgs {
     /// as SVG, here.
     #[arg(long, value_name = "FILE")]
     svg: Option<PathBuf>,
+    /// A damaged recording counts up to its damage (said on stderr), instead of stopping with
+    /// an error naming the file and the byte.
+    #[arg(long)]
+    skip_damaged: bool,
     /// Recordings, one per replica (`kvevents record`); together they are the fleet.
     #[arg(required = true)]
     files: Vec<PathBuf>,
@@ -38,7 +42,7 @@ pub(crate) fn stats(args: StatsArgs) -> anyhow::Result<()> {
     let started = std::time::Instant::now();
     let mut blocks = 0u64;
     for path in &args.files {
-        let (r, e) = analysis::replica(path, &mut adapters)?;
+        let (r, e) = analysis::replica(path, &mut adapters, args.skip_damaged)?;
         blocks += e.len() as u64;
         replicas.push(r);
         events.push(e);
