@@ -12,8 +12,8 @@
 //! known, the one with the fewest requests in flight (fail open).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -24,6 +24,9 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use kvevent_fleet::{Fleet, Prediction, Query, QueryKeys, route};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
 
 /// One `--upstream NAME=http://HOST:PORT`: where a replica serves completions.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -66,24 +69,16 @@ const OVERHEAD_BUCKETS: [f64; 8] = [
     0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.05,
 ];
 
-/// The proxy's own latency: what the router adds to a request (choosing, rewriting, handing
-/// the response back), not the upstream's time.
-#[derive(Debug, Default)]
-struct Overhead {
-    buckets: [u64; OVERHEAD_BUCKETS.len() + 1],
-    sum: f64,
-    count: u64,
-}
-
 /// The routing half of the example router.
 pub(crate) struct Proxy {
     client: Client<HttpConnector, Full<Bytes>>,
     upstreams: Vec<Upstream>,
     in_flight: HashMap<String, Arc<AtomicU32>>,
     timeout: Duration,
-    overhead: Mutex<Overhead>,
+    /// What the router adds to a request, in seconds.
+    overhead: Histogram,
     /// Responses by replica and status ("502" for a replica that failed).
-    responses: Mutex<HashMap<(String, u16), u64>>,
+    responses: Family<Vec<(&'static str, String)>, Counter>,
     /// Turns text prompts into the engine's token ids, when given.
     tokenizer: Option<tokenizers::Tokenizer>,
     /// The base model's name: a request naming another is for that LoRA adapter.
@@ -144,28 +139,39 @@ impl Proxy {
                 .collect(),
             upstreams,
             timeout,
-            overhead: Mutex::default(),
-            responses: Mutex::default(),
+            overhead: Histogram::new(OVERHEAD_BUCKETS),
+            responses: Family::default(),
             tokenizer,
             model,
         }
     }
 
     fn note_overhead(&self, d: Duration) {
-        let s = d.as_secs_f64();
-        let mut o = self.overhead.lock().unwrap_or_else(|e| e.into_inner());
-        let i = OVERHEAD_BUCKETS
-            .iter()
-            .position(|le| s <= *le)
-            .unwrap_or(OVERHEAD_BUCKETS.len());
-        o.buckets[i] += 1;
-        o.sum += s;
-        o.count += 1;
+        self.overhead.observe(d.as_secs_f64());
     }
 
     fn note_response(&self, replica: &str, status: u16) {
-        let mut r = self.responses.lock().unwrap_or_else(|e| e.into_inner());
-        *r.entry((replica.to_owned(), status)).or_default() += 1;
+        self.responses
+            .get_or_create(&vec![
+                ("replica", replica.to_owned()),
+                ("code", status.to_string()),
+            ])
+            .inc();
+    }
+
+    /// The proxy's families, into the router's registry.
+    pub(crate) fn register(&self, registry: &mut prometheus_client::registry::Registry) {
+        registry.register(
+            "kvevent_router_responses",
+            "Routed responses by replica and HTTP status (502: the replica failed the request)",
+            self.responses.clone(),
+        );
+        registry.register_with_unit(
+            "kvevent_router_proxy_overhead",
+            "What the router adds to a request (choosing, forwarding, reading the usage), not the engine's time",
+            prometheus_client::registry::Unit::Seconds,
+            self.overhead.clone(),
+        );
     }
 
     /// The replica for `prompt` (of `adapter`, "" for the base model), and the prediction the
@@ -378,34 +384,6 @@ impl Proxy {
         );
         self.note_overhead(before);
         r
-    }
-
-    /// The proxy's lines of `/metrics`.
-    pub(crate) fn metrics(&self) -> String {
-        let mut out = String::new();
-        out.push_str("# TYPE kvevent_router_responses_total counter\n");
-        let responses = self.responses.lock().unwrap_or_else(|e| e.into_inner());
-        let mut rows: Vec<_> = responses.iter().collect();
-        rows.sort();
-        for ((replica, status), n) in rows {
-            out.push_str(&format!(
-                "kvevent_router_responses_total{{replica=\"{replica}\",code=\"{status}\"}} {n}\n"
-            ));
-        }
-        let o = self.overhead.lock().unwrap_or_else(|e| e.into_inner());
-        out.push_str("# TYPE kvevent_router_proxy_overhead_seconds histogram\n");
-        let mut cumulative = 0;
-        for (i, le) in OVERHEAD_BUCKETS.iter().enumerate() {
-            cumulative += o.buckets[i];
-            out.push_str(&format!(
-                "kvevent_router_proxy_overhead_seconds_bucket{{le=\"{le}\"}} {cumulative}\n"
-            ));
-        }
-        out.push_str(&format!(
-            "kvevent_router_proxy_overhead_seconds_bucket{{le=\"+Inf\"}} {}\nkvevent_router_proxy_overhead_seconds_sum {}\nkvevent_router_proxy_overhead_seconds_count {}\n",
-            o.count, o.sum, o.count
-        ));
-        out
     }
 }
 

@@ -114,15 +114,17 @@ pub struct RouterConfig {
 
 /// The running service: a [`Fleet`] of the replicas.
 pub struct Router {
-    fleet: Fleet,
+    fleet: Arc<Fleet>,
     config: RouterConfig,
     proxy: Proxy,
+    /// `/metrics`: the fleet's collector and the proxy's own families.
+    registry: prometheus_client::registry::Registry,
 }
 
 impl Router {
     /// Follows every engine and sidecar, on the tokio runtime it is called in.
     pub fn start(config: RouterConfig) -> anyhow::Result<Self> {
-        let fleet = Fleet::new(FleetConfig::default())?;
+        let fleet = Arc::new(Fleet::new(FleetConfig::default())?);
         for e in &config.engines {
             fleet.ensure_replica(
                 &e.name,
@@ -169,10 +171,16 @@ impl Router {
             tokenizer,
             config.model.clone(),
         );
+        let mut registry = prometheus_client::registry::Registry::default();
+        registry.register_collector(Box::new(kvevent_fleet::metrics::FleetCollector::new(
+            fleet.clone(),
+        )));
+        proxy.register(&mut registry);
         Ok(Self {
             fleet,
             config,
             proxy,
+            registry,
         })
     }
 
@@ -278,76 +286,42 @@ impl Router {
     /// The index's and replicas' counters, the predictions' accounting and the proxy's own
     /// latency, in the Prometheus text format.
     pub fn metrics(&self) -> String {
-        self.index_metrics() + &self.accounting_metrics() + &self.proxy.metrics()
+        let mut text = String::with_capacity(16 * 1024);
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut text, &self.registry);
+        prometheus_text(&text)
     }
+}
 
-    /// Predicted against realized, per replica: decisions by outcome, and the error in blocks
-    /// (expected − reused: positive is optimistic) as a histogram.
-    fn accounting_metrics(&self) -> String {
-        let mut out = String::from(
-            "# TYPE kvevent_router_predictions counter
-# TYPE kvevent_router_prediction_error_blocks histogram
-",
-        );
-        for (replica, a) in self.fleet.accounting() {
-            for (outcome, n) in [
-                ("exact", a.exact),
-                ("optimistic", a.optimistic),
-                ("pessimistic", a.pessimistic),
-            ] {
-                out.push_str(&format!(
-                    "kvevent_router_predictions_total{{replica=\"{replica}\",outcome=\"{outcome}\"}} {n}\n"
-                ));
-            }
-            let mut cumulative = 0;
-            for (i, le) in kvevent_fleet::ERROR_BUCKETS.iter().enumerate() {
-                cumulative += a.error_blocks[i];
-                out.push_str(&format!(
-                    "kvevent_router_prediction_error_blocks_bucket{{replica=\"{replica}\",le=\"{le}\"}} {cumulative}\n"
-                ));
-            }
-            out.push_str(&format!(
-                "kvevent_router_prediction_error_blocks_bucket{{replica=\"{replica}\",le=\"+Inf\"}} {d}\nkvevent_router_prediction_error_blocks_sum{{replica=\"{replica}\"}} {}\nkvevent_router_prediction_error_blocks_count{{replica=\"{replica}\"}} {d}\n",
-                a.error_sum,
-                d = a.decisions,
-            ));
+/// prometheus-client writes OpenMetrics; `/metrics` is served as Prometheus text 0.0.4 (what
+/// `promtool check metrics` and every scraper read): a counter's HELP and TYPE name its samples
+/// (`x_total`), and OpenMetrics' `# UNIT` and `# EOF` lines go.
+fn prometheus_text(open_metrics: &str) -> String {
+    let mut counters = std::collections::HashSet::new();
+    for line in open_metrics.lines() {
+        if let Some(name) = line
+            .strip_prefix("# TYPE ")
+            .and_then(|l| l.strip_suffix(" counter"))
+        {
+            counters.insert(name.to_owned());
         }
-        out
     }
-
-    fn index_metrics(&self) -> String {
-        let s = self.fleet.index().stats();
-        let mut out = String::from(
-            "# TYPE kvevent_batches_received_total counter\n# TYPE kvevent_replica_exact gauge\n",
-        );
-        for r in self.fleet.replicas() {
-            out.push_str(&format!(
-                "kvevent_batches_received_total{{replica=\"{name}\"}} {}\nkvevent_replica_exact{{replica=\"{name}\"}} {}\nkvevent_replica_blocks{{replica=\"{name}\"}} {}\n",
-                r.batches,
-                u8::from(r.state == ReplicaState::Exact),
-                r.blocks,
-                name = r.name,
-            ));
+    let mut out = String::with_capacity(open_metrics.len() + 64 * counters.len());
+    for line in open_metrics.lines() {
+        if line.starts_with("# UNIT ") || line == "# EOF" {
+            continue;
         }
-        out + &format!(
-            "# TYPE kvevent_index_keys gauge\nkvevent_index_keys {}\n\
-             # TYPE kvevent_index_pairs gauge\nkvevent_index_pairs {}\n\
-             # TYPE kvevent_index_bytes gauge\nkvevent_index_bytes {}\n\
-             # TYPE kvevent_index_evicted_keys_total counter\nkvevent_index_evicted_keys_total {}\n\
-             # TYPE kvevent_index_stashed gauge\nkvevent_index_stashed {}\n\
-             # TYPE kvevent_index_applied_total counter\nkvevent_index_applied_total {}\n\
-             # TYPE kvevent_index_shared_pairs gauge\nkvevent_index_shared_pairs {}\n\
-             # TYPE kvevent_index_duplication_ratio gauge\nkvevent_index_duplication_ratio {}\n",
-            s.keys,
-            s.pairs,
-            s.bytes,
-            s.evicted_keys,
-            s.stashed,
-            s.applied,
-            s.shared_pairs,
-            s.duplication(),
-        )
+        let renamed = ["# HELP ", "# TYPE "].iter().find_map(|p| {
+            let rest = line.strip_prefix(p)?;
+            let (name, tail) = rest.split_once(' ')?;
+            counters
+                .contains(name)
+                .then(|| format!("{p}{name}_total {tail}"))
+        });
+        out.push_str(renamed.as_deref().unwrap_or(line));
+        out.push('\n');
     }
+    out
 }
 
 fn respond(status: u16, content_type: &str, body: String) -> hyper::Response<Body> {

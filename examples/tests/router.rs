@@ -563,10 +563,13 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
     for needle in [
         "kvevent_router_predictions_total{replica=\"a\",outcome=\"exact\"} 4",
         "kvevent_router_predictions_total{replica=\"a\",outcome=\"pessimistic\"} 0",
-        "kvevent_router_prediction_error_blocks_bucket{replica=\"a\",le=\"0\"} 4",
+        "kvevent_router_prediction_error_blocks_bucket{le=\"0.0\",replica=\"a\"} 4",
         "kvevent_router_proxy_overhead_seconds_count 5",
+        // Prometheus text: a counter's TYPE names its samples; no OpenMetrics EOF.
+        "# TYPE kvevent_router_predictions_total counter\n",
         "kvevent_router_responses_total{replica=\"c\",code=\"502\"} 1",
     ] {
         assert!(metrics.contains(needle), "no {needle} in\n{metrics}");
     }
+    assert!(!metrics.contains("# EOF"), "{metrics}");
 }

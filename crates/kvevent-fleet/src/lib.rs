@@ -18,6 +18,9 @@
 //!   one read lock, names shared, the answer's list the only allocation. A candidate the fleet
 //!   does not follow is named in [`Scores::unknown`]; a token query before any replica said
 //!   its block size is [`ScoreError::BlockSizeUnknown`].
+//! - **Metrics.** With feature `metrics`, `metrics::FleetCollector` exports the replicas'
+//!   states, the index's size and duplication and predicted against realized, for a router's
+//!   `/metrics` (prometheus-client).
 //! - **Routing.** [`route::choose`] is the rule a router applies to an answer (best exact
 //!   replica, ties by requests in flight then name, fail open); [`route::adapter_of`] reads
 //!   the LoRA adapter from a request's `model`.
@@ -52,6 +55,8 @@ pub mod accounting;
 #[cfg(feature = "engines")]
 mod engines;
 mod feed;
+#[cfg(feature = "metrics")]
+pub mod metrics;
 pub mod route;
 mod status;
 
