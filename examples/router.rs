@@ -11,101 +11,92 @@
 //! ```
 
 use std::sync::Arc;
+use std::time::Duration;
 
-use anyhow::{Context as _, bail};
+use clap::Parser;
 use kvevent_examples::proxy::Upstream;
 use kvevent_examples::router::{self, Engine, Router, RouterConfig, Sidecar};
 
-const HELP: &str = "\
-An example router: follows vLLM replicas' KV caches, through their sidecars' feeds or their
-engines' KV events, into an in-process prefix index, and answers POST /score with the replicas
-that hold the longest prefix of a request, best first.
-
-Usage: router --model M (--sidecar NAME=http://HOST:PORT | --engine NAME=tcp://HOST:PORT[,...])... [options]
-
-Options:
-  --listen ADDR          where to serve POST /score, GET /replicas and GET /metrics
-                         [default: 127.0.0.1:8080]
-  --model M              the served model (requests for another are refused)
-  --block-size N         the model's block size (else the request's block_size, else the one
-                         the replicas' events use)
-  --sidecar SPEC         a replica followed through its sidecar's feed (kvevent-subscriber
-                         --feed-address): NAME=http://HOST:PORT; it knows every resident
-                         prefix at once (repeatable)
-  --engine SPEC          a replica followed through its engine: NAME=tcp://HOST:PORT, with
-                         ,replay=tcp://HOST:PORT for its replay endpoint, ,dp=N for N
-                         data-parallel ranks and ,engine=sglang for an SGLang engine; it knows
-                         what the replay buffer holds (repeatable)
-  --upstream SPEC        where a replica serves completions: NAME=http://HOST:PORT (its
-                         vLLM server); POST /v1/completions is routed among these (repeatable)
-  --upstream-timeout S   seconds to wait for a routed response, and for each frame of a
-                         streamed one [default: 60]
-  --tokenizer FILE       the engine's tokenizer.json: text prompts are tokenized as the engine
-                         does (special tokens added) to find their prefix; without it a text
-                         prompt is refused with 400
-  -h, --help             print this
-
+/// An example router (a reference, not a product): follows vLLM replicas' KV caches, through
+/// their sidecars' feeds or their engines' KV events, into an in-process prefix index, and
+/// answers POST /score with the replicas that hold the longest prefix of a request, best first.
+#[derive(Parser)]
+#[command(
+    name = "router",
+    group(clap::ArgGroup::new("replicas").required(true).multiple(true).args(["sidecars", "engines"])),
+    after_help = "\
 POST /v1/completions takes an OpenAI completions request whose prompt is token ids (or text,
 with --tokenizer): it goes to the exact replica holding the longest prefix of it (ties: fewest
 requests in flight, then name; no exact replica: fewest in flight), and comes back as the
-replica sent it (streamed when asked; the usage chunk is asked for). A replica that fails it is a 502 naming it. What
-the engine reused (usage.prompt_tokens_details.cached_tokens) is recorded against what the
-index predicted: GET /metrics has kvevent_router_predictions_total and
+replica sent it (streamed when asked; the usage chunk is asked for). A request whose model is
+not --model is for that LoRA adapter, as vLLM serves one. A replica that fails it is a 502
+naming it. What the engine reused (usage.prompt_tokens_details.cached_tokens) is recorded
+against what the index predicted: GET /metrics has kvevent_router_predictions_total and
 kvevent_router_prediction_error_blocks per replica, and kvevent_router_proxy_overhead_seconds.
 
 POST /score takes {\"model\", \"adapter\", \"token_ids\", \"block_size\"?, \"candidates\"?}; each
 score says the replica's state: exact, degraded (connecting, loading a snapshot, replaying) or
-stale (its source lost), and fresh (true only when exact).
-";
+stale (its source lost), and fresh (true only when exact)."
+)]
+struct Args {
+    /// Where to serve POST /score, POST /v1/completions, GET /replicas and GET /metrics.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: String,
+    /// The served model (score requests for another are refused).
+    #[arg(long)]
+    model: String,
+    /// The model's block size (else the request's block_size, else the one the replicas'
+    /// events use).
+    #[arg(long)]
+    block_size: Option<usize>,
+    /// A replica followed through its sidecar's feed (kvevent-subscriber --feed-address):
+    /// NAME=http://HOST:PORT; it knows every resident prefix at once.
+    #[arg(long = "sidecar", value_name = "SPEC")]
+    sidecars: Vec<Sidecar>,
+    /// A replica followed through its engine: NAME=tcp://HOST:PORT, with ,replay=tcp://HOST:PORT
+    /// for its replay endpoint, ,dp=N for N data-parallel ranks and ,engine=sglang for an
+    /// SGLang engine; it knows what the replay buffer holds.
+    #[arg(long = "engine", value_name = "SPEC")]
+    engines: Vec<Engine>,
+    /// Where a replica serves completions: NAME=http://HOST:PORT (its vLLM server); POST
+    /// /v1/completions is routed among these.
+    #[arg(long = "upstream", value_name = "SPEC")]
+    upstreams: Vec<Upstream>,
+    /// Seconds to wait for a routed response, and for each frame of a streamed one.
+    #[arg(long, default_value_t = 60.0, value_name = "S", value_parser = seconds)]
+    upstream_timeout: f64,
+    /// The engine's tokenizer.json: text prompts are tokenized as the engine does (special
+    /// tokens added) to find their prefix; without it a text prompt is refused with 400.
+    #[arg(long, value_name = "FILE")]
+    tokenizer: Option<std::path::PathBuf>,
+}
+
+/// A number of seconds above 0.
+fn seconds(text: &str) -> Result<f64, String> {
+    text.parse::<f64>()
+        .ok()
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .ok_or_else(|| format!("`{text}` is not a number of seconds above 0"))
+}
 
 fn main() -> anyhow::Result<()> {
-    let mut listen = "127.0.0.1:8080".to_owned();
-    let mut config = RouterConfig {
-        model: String::new(),
-        block_size: None,
-        engines: Vec::new(),
-        sidecars: Vec::new(),
-        upstreams: Vec::new(),
-        upstream_timeout: std::time::Duration::from_secs(60),
-        tokenizer: None,
+    let args = Args::parse();
+    let config = RouterConfig {
+        model: args.model,
+        block_size: args.block_size,
+        engines: args.engines,
+        sidecars: args.sidecars,
+        upstreams: args.upstreams,
+        upstream_timeout: Duration::from_secs_f64(args.upstream_timeout),
+        tokenizer: args.tokenizer,
     };
-    let mut args = std::env::args().skip(1);
-    while let Some(flag) = args.next() {
-        let mut value = || args.next().with_context(|| format!("{flag} needs a value"));
-        match flag.as_str() {
-            "-h" | "--help" => {
-                print!("{HELP}");
-                return Ok(());
-            }
-            "--listen" => listen = value()?,
-            "--model" => config.model = value()?,
-            "--block-size" => config.block_size = Some(value()?.parse().context("--block-size")?),
-            "--engine" => config.engines.push(value()?.parse::<Engine>()?),
-            "--sidecar" => config.sidecars.push(value()?.parse::<Sidecar>()?),
-            "--upstream" => config.upstreams.push(value()?.parse::<Upstream>()?),
-            "--tokenizer" => config.tokenizer = Some(value()?.into()),
-            "--upstream-timeout" => {
-                config.upstream_timeout = std::time::Duration::from_secs_f64(
-                    value()?
-                        .parse()
-                        .context("--upstream-timeout takes seconds")?,
-                );
-            }
-            other => bail!(
-                "unknown flag {other} (router --help lists them): --listen ADDR --model M [--block-size N] (--sidecar NAME=http://host:port | --engine NAME=tcp://host:port[,replay=...][,dp=N])..."
-            ),
-        }
-    }
-    if config.model.is_empty() || (config.engines.is_empty() && config.sidecars.is_empty()) {
-        bail!("--model and at least one --sidecar or --engine are required");
-    }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     rt.block_on(async {
         // The fleet follows its replicas on this runtime.
         let router = Arc::new(Router::start(config)?);
-        let (addr, server) = router::bind(&listen, router.clone()).await?;
+        let (addr, server) = router::bind(&args.listen, router.clone()).await?;
         eprintln!(
             "scoring on http://{addr}/score, replicas on http://{addr}/replicas, metrics on http://{addr}/metrics"
         );

@@ -112,6 +112,47 @@ pub struct RouterConfig {
     pub tokenizer: Option<std::path::PathBuf>,
 }
 
+/// Why a request is refused, as its HTTP status says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RequestError {
+    /// The body is not what the endpoint takes (400).
+    BadRequest(String),
+    /// It asks about another model than the one served (404).
+    OtherModel {
+        /// The model served.
+        served: String,
+        /// The model asked about.
+        asked: String,
+    },
+    /// Nothing can be answered yet (no replica said its block size): route as if nothing
+    /// matched (503).
+    NotYet(String),
+}
+
+impl RequestError {
+    /// The HTTP status.
+    pub fn status(&self) -> u16 {
+        match self {
+            Self::BadRequest(_) => 400,
+            Self::OtherModel { .. } => 404,
+            Self::NotYet(_) => 503,
+        }
+    }
+}
+
+impl std::fmt::Display for RequestError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::BadRequest(m) | Self::NotYet(m) => f.write_str(m),
+            Self::OtherModel { served, asked } => {
+                write!(f, "this router serves `{served}`, not `{asked}`")
+            }
+        }
+    }
+}
+
+impl std::error::Error for RequestError {}
+
 /// The running service: a [`Fleet`] of the replicas.
 pub struct Router {
     fleet: Arc<Fleet>,
@@ -190,16 +231,16 @@ impl Router {
     }
 
     /// Answers one `/score` body.
-    pub fn score(&self, body: &[u8]) -> Result<serde_json::Value, (u16, String)> {
-        let bad = |m: String| (400, m);
+    pub fn score(&self, body: &[u8]) -> Result<serde_json::Value, RequestError> {
+        let bad = RequestError::BadRequest;
         let v: serde_json::Value =
             serde_json::from_slice(body).map_err(|e| bad(format!("not JSON: {e}")))?;
         let model = v["model"].as_str().unwrap_or_default();
         if model != self.config.model {
-            return Err((
-                404,
-                format!("this router serves `{}`, not `{model}`", self.config.model),
-            ));
+            return Err(RequestError::OtherModel {
+                served: self.config.model.clone(),
+                asked: model.to_owned(),
+            });
         }
         let adapter = v["adapter"].as_str().unwrap_or_default();
         let block_size = v["block_size"]
@@ -234,7 +275,7 @@ impl Router {
         }
         .map_err(|e| match e {
             // Nothing can be known yet: the caller routes as if nothing matched.
-            ScoreError::BlockSizeUnknown => (503, e.to_string()),
+            ScoreError::BlockSizeUnknown => RequestError::NotYet(e.to_string()),
             ScoreError::BlockSize { .. } => bad(e.to_string()),
         })?;
         let not_followed: Vec<&str> = candidates
@@ -364,10 +405,10 @@ pub async fn serve(listener: tokio::net::TcpListener, router: Arc<Router>) {
                             match Limited::new(req.into_body(), 8 << 20).collect().await {
                                 Ok(body) => match router.score(&body.to_bytes()) {
                                     Ok(v) => respond(200, "application/json", v.to_string()),
-                                    Err((code, m)) => respond(
-                                        code,
+                                    Err(e) => respond(
+                                        e.status(),
                                         "application/json",
-                                        serde_json::json!({ "error": m }).to_string(),
+                                        serde_json::json!({ "error": e.to_string() }).to_string(),
                                     ),
                                 },
                                 Err(e) => respond(413, "text/plain", format!("body: {e}\n")),
