@@ -70,7 +70,6 @@
 //! ```
 
 mod client;
-mod flight;
 mod handle;
 mod metrics;
 mod pending;
@@ -79,11 +78,11 @@ mod task;
 mod tests;
 
 pub use client::{Client, ClientConfig, Credentials, Retry, classify, connect};
-pub use flight::INITIAL_IN_FLIGHT;
 pub use handle::{
     Closed, Config, DrainReport, Forwarder, Handle, MAX_ENTRIES_PER_UPDATE, Submit, spawn,
 };
 pub use metrics::{DropReason, Histogram, Histograms, Metrics};
+pub use task::INITIAL_IN_FLIGHT;
 
 use kvevent_proto as pb;
 

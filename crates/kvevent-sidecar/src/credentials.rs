@@ -7,8 +7,6 @@ use std::time::SystemTime;
 use kvevent_forwarder as fwd;
 use tonic::transport::{Certificate, ClientTlsConfig, Identity};
 
-use crate::settings::Settings;
-
 /// Reads a bearer token from a file, again whenever the file changes (mounted secrets rotate).
 /// The file is looked at most once a second, not per call. The token is never logged.
 #[derive(Debug)]
@@ -87,11 +85,27 @@ pub(crate) fn read(path: &std::path::Path) -> Result<Vec<u8>, TlsFileError> {
     })
 }
 
+/// The TLS files and name the settings give for the server connection
+/// ([`crate::Settings::tls_files`]): what this module reads, and all it knows of the settings.
+#[derive(Debug, Clone, Copy)]
+pub struct TlsFiles<'a> {
+    /// TLS is asked for (an `https://` server, or any of the below).
+    pub enabled: bool,
+    /// The CA bundle; none: the system's roots.
+    pub ca: Option<&'a std::path::Path>,
+    /// The client certificate and its key, for mutual TLS.
+    pub cert: Option<&'a std::path::Path>,
+    /// The client key.
+    pub key: Option<&'a std::path::Path>,
+    /// The name the server's certificate must carry (empty: the address's host).
+    pub server_name: &'a str,
+}
+
 /// What is wrong with the TLS files the settings name, found at start rather than at the first
 /// call: a CA file without a PEM certificate, a certificate file without one, a key file
 /// without a private key, or a key that does not belong to its certificate. Files that cannot
 /// be read are left to the existence check. One `(option, message)` per problem.
-pub fn check_tls_files(settings: &Settings) -> Vec<(&'static str, String)> {
+pub fn check_tls_files(files: TlsFiles<'_>) -> Vec<(&'static str, String)> {
     use rustls_pki_types::pem::PemObject;
     use rustls_pki_types::{CertificateDer, PrivateKeyDer};
     let mut problems = Vec::new();
@@ -103,7 +117,7 @@ pub fn check_tls_files(settings: &Settings) -> Vec<(&'static str, String)> {
                 .collect(),
         )
     };
-    if let Some(ca_file) = &settings.tls_ca_file
+    if let Some(ca_file) = files.ca
         && let Some(ca) = certs(ca_file)
         && ca.is_empty()
     {
@@ -112,8 +126,7 @@ pub fn check_tls_files(settings: &Settings) -> Vec<(&'static str, String)> {
             format!("{} holds no PEM certificate", ca_file.display()),
         ));
     }
-    let (Some(cert_file), Some(key_file)) = (&settings.tls_cert_file, &settings.tls_key_file)
-    else {
+    let (Some(cert_file), Some(key_file)) = (files.cert, files.key) else {
         return problems;
     };
     let chain = certs(cert_file);
@@ -165,20 +178,20 @@ pub fn check_tls_files(settings: &Settings) -> Vec<(&'static str, String)> {
 }
 
 /// The client TLS config the settings ask for, if any.
-pub fn tls_config(settings: &Settings) -> Result<Option<ClientTlsConfig>, TlsFileError> {
-    if !settings.uses_tls() {
+pub fn tls_config(files: TlsFiles<'_>) -> Result<Option<ClientTlsConfig>, TlsFileError> {
+    if !files.enabled {
         return Ok(None);
     }
     let mut tls = ClientTlsConfig::new();
-    match &settings.tls_ca_file {
+    match files.ca {
         None => tls = tls.with_native_roots(),
         Some(ca_file) => tls = tls.ca_certificate(Certificate::from_pem(read(ca_file)?)),
     }
-    if let (Some(cert_file), Some(key_file)) = (&settings.tls_cert_file, &settings.tls_key_file) {
+    if let (Some(cert_file), Some(key_file)) = (files.cert, files.key) {
         tls = tls.identity(Identity::from_pem(read(cert_file)?, read(key_file)?));
     }
-    if !settings.tls_server_name.is_empty() {
-        tls = tls.domain_name(settings.tls_server_name.clone());
+    if !files.server_name.is_empty() {
+        tls = tls.domain_name(files.server_name.to_owned());
     }
     Ok(Some(tls))
 }

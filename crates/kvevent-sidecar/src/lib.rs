@@ -115,7 +115,7 @@ fn identity(s: &Settings) -> Result<mapper::Identity, mapper::Error> {
 }
 
 fn client_config(s: &Settings) -> Result<fwd::ClientConfig, StartError> {
-    let tls = credentials::tls_config(s)?;
+    let tls = credentials::tls_config(s.tls_files())?;
     let mut address = s.server().unwrap_or_default();
     if tls.is_some() && !address.starts_with("https://") {
         let bare = address.trim_start_matches("http://").to_owned();

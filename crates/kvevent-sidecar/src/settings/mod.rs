@@ -520,7 +520,7 @@ impl Settings {
                 bad(option, format!("no such file {}", path.display()));
             }
         }
-        for (option, message) in crate::credentials::check_tls_files(self) {
+        for (option, message) in crate::credentials::check_tls_files(self.tls_files()) {
             bad(option, message);
         }
         if problems.is_empty() {
@@ -547,6 +547,17 @@ impl Settings {
             || self.tls_ca_file.is_some()
             || self.tls_cert_file.is_some()
             || !self.tls_server_name.is_empty()
+    }
+
+    /// The TLS files and name for the server connection, as `credentials` reads them.
+    pub fn tls_files(&self) -> crate::credentials::TlsFiles<'_> {
+        crate::credentials::TlsFiles {
+            enabled: self.uses_tls(),
+            ca: self.tls_ca_file.as_deref(),
+            cert: self.tls_cert_file.as_deref(),
+            key: self.tls_key_file.as_deref(),
+            server_name: &self.tls_server_name,
+        }
     }
 }
 

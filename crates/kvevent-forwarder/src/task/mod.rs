@@ -3,7 +3,11 @@
 //! bounded rate and drains on shutdown.
 //!
 //! It delivers through [`Deliver`] (the gRPC [`Client`]; a fake in the property tests), so its
-//! rules can be tested under tokio's paused time without a server.
+//! rules can be tested under tokio's paused time without a server. Its child `flight` holds
+//! the front stage's calls and the in-flight limit (the methods of [`Task`] only the stage on
+//! the wire needs).
+
+mod flight;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -14,9 +18,10 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
 
-use crate::flight::{Call, Flight, in_flight_floor};
 use crate::pending::{Pending, Stage};
 use crate::{Client, Config, DrainReport, DropReason, Metrics, pb};
+pub use flight::INITIAL_IN_FLIGHT;
+use flight::{Call, Flight, in_flight_floor};
 
 /// Reports taken in between two checks of the bound.
 const INTAKE_CHUNK: usize = 256;

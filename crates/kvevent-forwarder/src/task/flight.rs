@@ -16,8 +16,8 @@ use std::time::Duration;
 use futures_util::stream::FuturesUnordered;
 use tokio::time::Instant;
 
+use super::{Deliver, Task};
 use crate::pending::{Adds, Group, Interner, Map, Op, Pending, Scope, Stage, Window};
-use crate::task::{Deliver, Task};
 use crate::{Config, DropReason, MAX_ENTRIES_PER_UPDATE, Metrics, Retry, classify, pb};
 
 /// A call on the wire: what it carries.
