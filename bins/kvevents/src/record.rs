@@ -225,7 +225,7 @@ pub(crate) fn record(args: RecordArgs) -> anyhow::Result<()> {
         replay_first: args.replay_first,
         tool: concat!("kvevents ", env!("CARGO_PKG_VERSION")).to_owned(),
         command: std::env::args().collect(),
-        ..Header::new(engine_word(args.engine), started_unix_ms)
+        ..Header::new(args.engine.as_str(), started_unix_ms)
     };
     let file = std::fs::File::create(&args.out)
         .with_context(|| format!("cannot create {}", args.out.display()))?;
@@ -448,20 +448,12 @@ pub(crate) fn record(args: RecordArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn engine_word(engine: wire::Engine) -> &'static str {
-    match engine {
-        wire::Engine::Vllm => "vllm",
-        wire::Engine::Sglang => "sglang",
-    }
-}
-
 /// The engine a recording's header names.
 pub(crate) fn engine_of(header: &Header) -> anyhow::Result<wire::Engine> {
-    match header.engine.as_str() {
-        "vllm" => Ok(wire::Engine::Vllm),
-        "sglang" => Ok(wire::Engine::Sglang),
-        other => anyhow::bail!("the recording names an unknown engine `{other}`"),
-    }
+    header
+        .engine
+        .parse()
+        .map_err(|_| anyhow::anyhow!("the recording names an unknown engine `{}`", header.engine))
 }
 
 /// Whether `bytes` are a recording's: its magic, or enough of it (`KVEV`) that a damaged one

@@ -9,7 +9,6 @@
 //! wall clock counts at its arrival, and the figures say how many did.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -19,32 +18,8 @@ use kvevent_recording::Reader;
 use kvevent_wire as wire;
 use serde::Serialize;
 
-/// Fingerprints are hashes already: a key hashes to itself, mixed once.
-#[derive(Default)]
-struct KeyHasher(u64);
-
-impl Hasher for KeyHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for chunk in bytes.chunks(8) {
-            let mut b = [0u8; 8];
-            b[..chunk.len()].copy_from_slice(chunk);
-            self.write_u64(u64::from_le_bytes(b));
-        }
-    }
-    fn write_u64(&mut self, v: u64) {
-        self.0 = (self.0 ^ v)
-            .wrapping_mul(0x9e37_79b9_7f4a_7c15)
-            .rotate_left(29);
-    }
-    fn write_u32(&mut self, v: u32) {
-        self.write_u64(u64::from(v));
-    }
-}
-
-type Fast<K, V> = HashMap<K, V, BuildHasherDefault<KeyHasher>>;
+/// The workspace's hasher for maps of keys (the feed's hub uses it too).
+type Fast<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
 /// A prefix across the fleet: its fingerprint and its adapter (interned).
 pub(crate) type Key = (u64, u32);
