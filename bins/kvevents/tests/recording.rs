@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 use kvevent_recording::{Header, Record, Writer, read_all};
 use kvevent_sidecar::settings::GoDuration;
 use kvevent_sidecar::{Settings, start};
-use kvevent_test_support::{PythonPublisher, Received, RecordingServer, batches};
+use kvevent_test_support::{
+    PythonPublisher, Received, RecordingServer, batches, eventually, eventually_blocking, when,
+};
 use kvevent_wire as wire;
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -47,21 +49,18 @@ fn record(endpoint: &str, replay: &str, engine: &str, out: &Path) -> Child {
 
 /// Waits until the recording at `path` holds `n` records.
 fn wait_recorded(path: &Path, n: usize) -> Vec<Record> {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        if let Ok(bytes) = std::fs::read(path)
-            && let Ok((_, records, _)) = read_all(&bytes)
-            && records.len() >= n
-        {
-            return records;
+    eventually_blocking(&format!("{n} records in {}", path.display()), WAIT, || {
+        let records = std::fs::read(path)
+            .ok()
+            .and_then(|bytes| read_all(&bytes).ok())
+            .map(|(_, records, _)| records)
+            .unwrap_or_default();
+        if records.len() >= n {
+            Ok(records)
+        } else {
+            Err(format!("{} records", records.len()))
         }
-        assert!(
-            Instant::now() < deadline,
-            "fewer than {n} records in {}",
-            path.display()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    })
 }
 
 /// Stops a recorder as Ctrl-C would; it must exit 0 and leave a whole file.
@@ -172,18 +171,12 @@ async fn sidecar_state(
     let running = start(&sidecar(endpoint, replay, engine, &server), &ctx)
         .await
         .expect("the sidecar starts");
-    let deadline = Instant::now() + WAIT;
-    let applied = |r: &kvevent_sidecar::Running| {
-        let m = &r.telemetry().sources.metrics[0];
-        m.batches.load(Relaxed) > 0 && m.last_seq.load(Relaxed) >= last
-    };
-    while !applied(&running) {
-        assert!(
-            Instant::now() < deadline,
-            "the sidecar never applied seq {last}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(&format!("the sidecar applied seq {last}"), WAIT, || async {
+        let m = &running.telemetry().sources.metrics[0];
+        let seen = (m.batches.load(Relaxed), m.last_seq.load(Relaxed));
+        when(seen, |(batches, seq)| *batches > 0 && *seq >= last)
+    })
+    .await;
     let left = running.shutdown(Duration::from_secs(5)).await;
     assert_eq!(left.unsent_prefixes + left.unsent_events, 0);
     resident(&server.received())
@@ -332,11 +325,11 @@ fn a_recorder_killed_while_writing_leaves_a_file_that_reads_to_its_last_whole_ba
             }
         }
     });
-    let deadline = Instant::now() + WAIT;
-    while std::fs::metadata(&path).map_or(0, |m| m.len()) < 500_000 {
-        assert!(Instant::now() < deadline, "the recorder wrote too little");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    eventually_blocking("the recorder wrote 500 kB", WAIT, || {
+        when(std::fs::metadata(&path).map_or(0, |m| m.len()), |n| {
+            *n >= 500_000
+        })
+    });
     recorder.kill().expect("SIGKILL");
     recorder.wait().expect("wait");
     stop_flag.store(true, Relaxed);
@@ -867,11 +860,11 @@ fn a_stop_during_a_replay_writes_the_live_batches_held_for_it() {
         engine.publish_payload(empty_payload(i));
     }
     // The recorder asks for 1..3 and holds 4 to 6 meanwhile (its replay times out after 3 s).
-    let deadline = Instant::now() + WAIT;
-    while !std::fs::read_to_string(&log).is_ok_and(|l| l.contains("from seq 1")) {
-        assert!(Instant::now() < deadline, "no replay asked");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    eventually_blocking("a replay asked from seq 1", WAIT, || {
+        when(std::fs::read_to_string(&log).unwrap_or_default(), |l| {
+            l.contains("from seq 1")
+        })
+    });
     std::thread::sleep(Duration::from_millis(300));
     stop(recorder);
     let (_, records, cut) = read_all(&std::fs::read(&path).expect("file")).expect("reads");
@@ -908,17 +901,12 @@ fn max_bytes_ends_the_file_with_the_batch_that_reached_it() {
         &log,
         &["--replay-first", "--max-bytes", &max_text],
     );
-    let deadline = Instant::now() + WAIT;
-    let status = loop {
-        if let Some(status) = recorder.try_wait().expect("wait") {
-            break status;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "record did not stop at --max-bytes"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = eventually_blocking("record stopped at --max-bytes", WAIT, || {
+        recorder
+            .try_wait()
+            .expect("wait")
+            .ok_or_else(|| "still running".to_owned())
+    });
     assert!(status.success(), "record exited {status}");
     let bytes = std::fs::read(&path).expect("file");
     let (header, records, cut) = read_all(&bytes).expect("reads");
