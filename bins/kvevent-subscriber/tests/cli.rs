@@ -3,7 +3,10 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvevent_test_support::{HeldPort, Publisher, PublisherConfig, Received, RecordingServer};
+use kvevent_test_support::{
+    HeldPort, Publisher, PublisherConfig, Received, RecordingServer, eventually,
+    eventually_blocking, when,
+};
 use kvevent_wire::Release;
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvevent-subscriber");
@@ -135,14 +138,13 @@ async fn end_to_end_with_go_style_flags_and_a_sigterm_drain_that_loses_nothing()
             .publish(&kvevent_zmq::publisher::scripted_batch(step))
             .expect("publish");
     }
-    let deadline = Instant::now() + WAIT;
-    while metric(metrics_port, "kvevent_batches_received_total").await != Some(batches as f64) {
-        assert!(
-            Instant::now() < deadline,
-            "the binary did not receive every batch"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually("every batch received", WAIT, || async {
+        when(
+            metric(metrics_port, "kvevent_batches_received_total").await,
+            |n| *n == Some(batches as f64),
+        )
+    })
+    .await;
     let pending = metric(metrics_port, "kvevent_queue_depth")
         .await
         .unwrap_or(0.0);
@@ -153,14 +155,12 @@ async fn end_to_end_with_go_style_flags_and_a_sigterm_drain_that_loses_nothing()
         .expect("kill");
     assert!(kill.success());
     let status = tokio::task::block_in_place(|| {
-        let deadline = Instant::now() + WAIT;
-        loop {
-            if let Some(status) = child.try_wait().expect("wait") {
-                return status;
-            }
-            assert!(Instant::now() < deadline, "did not exit after SIGTERM");
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        eventually_blocking("an exit after SIGTERM", WAIT, || {
+            child
+                .try_wait()
+                .expect("wait")
+                .ok_or_else(|| "still running".to_owned())
+        })
     });
     let log = stderr.wait_for(&["everything pending was sent"]);
     assert_eq!(status.code(), Some(0), "{log}");
@@ -433,15 +433,12 @@ async fn colliding_block_hashes_are_counted_and_warned_about_once() {
     let stashed = || metric(metrics_port, "kvevent_mapper_stashed_blocks{");
     for (blocks, aside) in [(1..201, 170.0), (201..211, 180.0)] {
         engine.publish(&stored(blocks)).expect("publish");
-        let deadline = Instant::now() + WAIT;
-        while stashed().await != Some(aside) {
-            assert!(
-                Instant::now() < deadline,
-                "kvevent_mapper_stashed_blocks never read {aside}: {:?}",
-                stashed().await
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        eventually(
+            &format!("kvevent_mapper_stashed_blocks {aside}"),
+            WAIT,
+            || async { when(stashed().await, |n| *n == Some(aside)) },
+        )
+        .await;
     }
     let _ = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
@@ -531,8 +528,7 @@ async fn a_feed_only_sidecar_runs_clean_beside_an_engine_and_serves_a_router() {
     };
     engine.publish(&batch).expect("publish");
     let ids: Vec<u32> = (0..32).collect();
-    let deadline = Instant::now() + WAIT;
-    loop {
+    eventually("the router sees the blocks", WAIT, || async {
         let matched = fleet
             .score(&Query {
                 adapter: "",
@@ -543,16 +539,20 @@ async fn a_feed_only_sidecar_runs_clean_beside_an_engine_and_serves_a_router() {
             })
             .ok()
             .and_then(|s| s.first().map(|s| s.matched_blocks));
-        if matched == Some(2) {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the router never saw the blocks");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+        when(matched, |m| *m == Some(2))
+    })
+    .await;
     let readyz = get(metrics, "/readyz");
     assert!(
         readyz.contains("200") && readyz.contains("ready (feed only"),
         "{readyz}"
+    );
+    // No gauge of a server it does not have (one reading 0 for good paged someone).
+    let exposition = get(metrics, "/metrics");
+    assert!(
+        exposition.contains("kvevent_feed_followers")
+            && !exposition.contains("kvevent_server_reachable"),
+        "{exposition}"
     );
     let _ = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
