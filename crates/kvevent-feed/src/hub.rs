@@ -40,6 +40,12 @@ pub struct HubConfig {
     /// After a change, a follower waits this long for more before it is sent what came, as
     /// one message: fewer wakeups and writes a follower, at this much latency. Default 50 ms.
     pub linger: Duration,
+    /// The events thread says what it sees of the engine every turn ([`Hub::set_engine`], at
+    /// least every 100 ms while it waits on the engine): this long without a turn, and the
+    /// sidecar is behind its engine (starved of CPU, or stuck on a batch), so every rank is
+    /// sent as degraded until it turns again: a router must not call the replica exact while
+    /// the engine's newest batches wait unread. Default 300 ms.
+    pub stalled_after: Duration,
 }
 
 impl HubConfig {
@@ -53,6 +59,7 @@ impl HubConfig {
             snapshot_chunk: 8192,
             follower_queue: 64,
             linger: Duration::from_millis(50),
+            stalled_after: Duration::from_millis(300),
         }
     }
 }
@@ -134,6 +141,8 @@ pub struct Hub {
     metrics: HubMetrics,
     /// The origin of the messages' `sent_ms`.
     born: std::time::Instant,
+    /// [`Hub::now_ms`] of the events thread's last turn ([`Hub::set_engine`]).
+    turned: AtomicU64,
 }
 
 /// One engine rank as the sidecar sees it ([`Hub::set_engine`]).
@@ -241,6 +250,7 @@ impl Hub {
             born: std::time::Instant::now()
                 .checked_sub(Duration::from_millis(1))
                 .unwrap_or_else(std::time::Instant::now),
+            turned: AtomicU64::new(0),
         })
     }
 
@@ -490,6 +500,12 @@ impl Hub {
     /// when it changed, and with every hello and heartbeat. The events thread calls it once a
     /// turn; it costs a compare when nothing changed.
     pub fn set_engine(&self, ranks: &[RankHealth]) {
+        // A turn after a stall: the followers hear at once that it is over.
+        let was_stalled = self.stalled();
+        self.turned.store(self.now_ms(), Relaxed);
+        if was_stalled {
+            self.health.send_modify(|n| *n = n.wrapping_add(1));
+        }
         let mut engine = self.engine.lock().unwrap_or_else(PoisonError::into_inner);
         let now = std::time::Instant::now();
         let same = engine.as_ref().is_some_and(|e| {
@@ -543,7 +559,16 @@ impl Hub {
 
     /// The engine's health as the feed carries it, and the block size (`None` before
     /// [`Hub::set_engine`] and the first block).
+    /// The events thread has not turned for `stalled_after` (after its first turn): the
+    /// sidecar is behind its engine.
+    fn stalled(&self) -> bool {
+        let turned = self.turned.load(Relaxed);
+        turned > 0
+            && self.now_ms().saturating_sub(turned) > self.config.stalled_after.as_millis() as u64
+    }
+
     pub(crate) fn engine_health(&self) -> Option<pb::EngineHealth> {
+        let stalled = self.stalled();
         let block_size = self.block_size();
         let engine = self.engine.lock().unwrap_or_else(PoisonError::into_inner);
         let server = self
@@ -568,7 +593,7 @@ impl Hub {
                     rank: r.rank,
                     connected: r.connected,
                     since_ms: since.elapsed().as_millis() as u64,
-                    degraded: r.degraded || r.unverified,
+                    degraded: r.degraded || r.unverified || stalled,
                     unverified: r.unverified,
                 })
                 .collect(),
@@ -615,6 +640,42 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    /// An events thread that stops turning (starved, or stuck on a batch) leaves the engine's
+    /// newest batches unread: past `stalled_after` every rank is sent as degraded, and the
+    /// next turn says at once that it is over.
+    #[test]
+    fn a_stalled_events_thread_makes_every_rank_degraded_until_it_turns() {
+        let hub = Hub::new(HubConfig {
+            stalled_after: Duration::from_millis(50),
+            ..HubConfig::new("r", "m")
+        });
+        let rank = RankHealth {
+            rank: 0,
+            connected: true,
+            degraded: false,
+            unverified: false,
+        };
+        let degraded = |hub: &Hub| {
+            hub.engine_health()
+                .expect("health")
+                .ranks
+                .iter()
+                .all(|r| r.degraded)
+        };
+        hub.set_engine(&[rank]);
+        assert!(!degraded(&hub));
+        let mut health = hub.subscribe_health();
+        health.borrow_and_update();
+        std::thread::sleep(Duration::from_millis(80));
+        assert!(degraded(&hub), "no turn for 80 ms");
+        hub.set_engine(&[rank]);
+        assert!(!degraded(&hub));
+        assert!(
+            health.has_changed().unwrap_or(false),
+            "the end of the stall is sent at once"
+        );
+    }
 
     #[derive(Debug, Clone)]
     enum Op {
