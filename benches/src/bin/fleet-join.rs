@@ -165,13 +165,23 @@ fn join(
         .spawn()?;
     let pid = child.id();
     let router = Guard(child);
-    let deadline = started + Duration::from_secs(300);
+    let deadline = started
+        + Duration::from_secs(
+            std::env::var("FLEET_JOIN_WAIT")
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(300),
+        );
     // Exact, and (without a target) no more blocks for 500 ms: the replays are in.
     let (mut last, mut steady_since) = (0u64, Instant::now());
     let states;
+    // The replicas' states and reasons last seen, for a join that does not come.
+    let mut seen = String::new();
+    // When every block was known (exact or not yet): the rest of the join is the states.
+    let mut all_blocks_at = None;
     let joined_at = loop {
         if Instant::now() > deadline {
-            bail!("{how}: the replicas were not all exact within 300 s");
+            bail!("{how}: the replicas were not all exact within 300 s; last seen: {seen}");
         }
         let Ok(text) = http::get(&addr, "/replicas") else {
             std::thread::sleep(Duration::from_millis(5));
@@ -187,9 +197,18 @@ fn join(
                 .iter()
                 .all(|r| r["state"] != "stale" && r["reason"] != "connecting");
         let blocks: u64 = list.iter().filter_map(|r| r["blocks"].as_u64()).sum();
+        let mut tally = std::collections::BTreeMap::<String, usize>::new();
+        for r in &list {
+            let what = format!("{} {}", r["state"], r["reason"]).replace('"', "");
+            *tally.entry(what).or_default() += 1;
+        }
+        seen = format!("{} replicas, {blocks} blocks: {tally:?}", list.len());
         let now = Instant::now();
         if blocks != last {
             (last, steady_since) = (blocks, now);
+        }
+        if want_blocks.is_some_and(|w| blocks >= w) && all_blocks_at.is_none() {
+            all_blocks_at = Some(now - started);
         }
         match want_blocks {
             Some(want) if (exact || !need_exact) && connected && blocks >= want => {
@@ -205,6 +224,13 @@ fn join(
         std::thread::sleep(Duration::from_millis(5));
     };
     let join = joined_at - started;
+    if let Some(at) = all_blocks_at {
+        println!(
+            "  {how}: every block known after {:.2} s, every replica exact after {:.2} s",
+            at.as_secs_f64(),
+            join.as_secs_f64()
+        );
+    }
     let (mut whole, mut short) = (0u64, 0u64);
     for r in 0..replicas as u64 {
         for i in 0..SAMPLE.min(prompts) {
@@ -284,6 +310,10 @@ fn main() -> anyhow::Result<()> {
                 "m",
                 "--stats-interval",
                 "0s",
+                // The stand-in engines serve no HTTP: no stats, and no server to health-check
+                // (else every replica reads stale, `server_down`).
+                "--engine-metrics-url",
+                "",
                 "--refresh-interval",
                 "0s",
                 "--feed-address",

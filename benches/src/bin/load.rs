@@ -592,6 +592,10 @@ fn sidecar_command(
                 &args.window,
                 "--stats-interval",
                 "0s",
+                // The stand-in engines serve no HTTP: no stats, and no server to health-check
+                // (else every replica reads stale, `server_down`).
+                "--engine-metrics-url",
+                "",
                 "--metrics-address=127.0.0.1:0",
                 "--log-level",
                 "warn",
