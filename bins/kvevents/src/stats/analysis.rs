@@ -4,7 +4,7 @@
 //! Invariants: a source is one engine rank (each its own cache), as in the router's index: a
 //! clear or an eviction on one rank leaves the others' blocks alone, and the fleet's
 //! duplication is `1 − distinct prefixes ÷ (prefix, source) pairs`, the index's
-//! ([`kvevent_index::IndexStats::duplication`]). Replayed batches count at the engine's own
+//! (`kvevent_index::IndexStats::duplication`). Replayed batches count at the engine's own
 //! time (the batch's `ts`), not when the recorder asked for them; a batch whose `ts` is not a
 //! wall clock counts at its arrival, and the figures say how many did.
 
