@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvevent_examples::router::{self, Engine, Router, RouterConfig, Sidecar};
-use kvevent_test_support::PythonPublisher;
+use kvevent_test_support::{PythonPublisher, eventually, when};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 async fn post(addr: std::net::SocketAddr, path: &str, body: &str) -> (u16, serde_json::Value) {
@@ -430,11 +430,10 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
         .ready(Duration::from_secs(20))
         .await
         .expect("exact");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while router.fleet().block_size().is_none() {
-        assert!(Instant::now() < deadline, "a's store never came");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("a's store", Duration::from_secs(20), || async {
+        when(router.fleet().block_size(), Option::is_some)
+    })
+    .await;
     let request = |stream: bool| {
         serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": 1, "stream": stream})
             .to_string()
@@ -454,15 +453,16 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
             && body.contains("[DONE]"),
         "{body}"
     );
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let accounted = loop {
-        let a = router.fleet().accounting();
-        if a.iter().any(|(n, t)| n == "a" && t.decisions == 2) {
-            break a;
-        }
-        assert!(Instant::now() < deadline, "{a:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let accounted = eventually(
+        "a's two decisions accounted",
+        Duration::from_secs(10),
+        || async {
+            when(router.fleet().accounting(), |a| {
+                a.iter().any(|(n, t)| n == "a" && t.decisions == 2)
+            })
+        },
+    )
+    .await;
     let (_, t) = accounted.iter().find(|(n, _)| n == "a").expect("a");
     assert_eq!((t.exact, t.optimistic, t.pessimistic), (2, 0, 0), "{t:?}");
     // A new prompt: every replica ties at 0; the first by name among the least loaded.
@@ -492,11 +492,10 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
             .ok()
             .and_then(|s| s.first().map(|s| (s.replica.to_owned(), s.matched_blocks)))
     };
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while lora("sql-lora") != Some(("b".to_owned(), 4)) {
-        assert!(Instant::now() < deadline, "b's adapter store never came");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("b's adapter store", Duration::from_secs(20), || async {
+        when(lora("sql-lora"), |l| *l == Some(("b".to_owned(), 4)))
+    })
+    .await;
     let adapted =
         serde_json::json!({"model": "sql-lora", "prompt": prompt, "max_tokens": 1}).to_string();
     let (status, body) = post_raw(addr, "/v1/completions", &adapted).await;
