@@ -69,9 +69,10 @@ enum Command {
         out: Option<PathBuf>,
     },
     /// Record an engine's KV-event stream to a file: each batch's payload byte for byte, with
-    /// its rank, topic, seq and receive time; a gap in the live stream is filled from the
-    /// replay endpoint, when there is one. Stops at --duration, --max-bytes or Ctrl-C; the file
-    /// is valid up to its last whole batch. Uses the network.
+    /// its rank, topic, seq and receive time, kept as a sidecar keeps its sources: a gap is
+    /// filled from the replay endpoint when there is one, an engine restart (or a gap nothing
+    /// could fill) is kept and marked where it happened. Stops at --duration, --max-bytes or
+    /// Ctrl-C; the file is valid up to its last whole batch. Uses the network.
     Record(record::RecordArgs),
     /// What the cache of each replica, and of the fleet, did over recordings (one per
     /// replica): blocks stored and removed a second, resident blocks, how long evicted blocks

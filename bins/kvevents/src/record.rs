@@ -117,6 +117,8 @@ impl<W: std::io::Write> Out<W> {
         source: usize,
     ) -> anyhow::Result<()> {
         let mut transport = transport;
+        // By index, each taken as it comes: a replay that cannot be asked ends at once, and the
+        // batches it held are appended to `steps` while they are being taken.
         let mut i = 0;
         while i < steps.len() {
             if self.full() {

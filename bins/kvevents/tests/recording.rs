@@ -285,12 +285,14 @@ fn replayed_at_speed_10_it_keeps_its_order_seqs_and_bytes() {
 
 #[test]
 fn a_recorder_killed_while_writing_leaves_a_file_that_reads_to_its_last_whole_batch() {
-    use kvevent_test_support::{Publisher, PublisherConfig};
-    let dir = scratch("kill");
-    let path = dir.join("killed.kvrec");
-    let ctx = zmq::Context::new();
-    let engine = Publisher::start(&ctx, PublisherConfig::loopback(wire::Release::NEWEST_KNOWN))
-        .expect("engine");
+    // The context lives as long as its engine: bound, not dropped with the rest.
+    let Setup {
+        dir,
+        path,
+        engine,
+        ctx: _ctx,
+        ..
+    } = setup("kill");
     let mut recorder = kvevents()
         .args(["record", "--endpoint", engine.endpoint(), "-o"])
         .arg(&path)
@@ -708,12 +710,7 @@ fn stats_put_replayed_history_at_its_engine_time() {
 /// An empty batch whose `ts` is `i`: its bytes differ from every other `i`'s.
 fn empty_payload(i: u32) -> Vec<u8> {
     wire::encode(
-        &wire::EventBatch {
-            ts: f64::from(i),
-            events: vec![],
-            data_parallel_rank: None,
-            unknown_events: 0,
-        },
+        &batches::batch(f64::from(i), Vec::new()),
         wire::Release::NEWEST_KNOWN,
     )
     .expect("encode")
@@ -737,6 +734,31 @@ fn record_live(endpoint: &str, replay: &str, path: &Path, log: &Path, more: &[&s
         .expect("spawn record")
 }
 
+/// What a recorder test starts from: a scratch folder with the recording's and the log's
+/// paths, and an engine stand-in on loopback (its context beside it, dropped after it).
+struct Setup {
+    dir: PathBuf,
+    path: PathBuf,
+    log: PathBuf,
+    engine: kvevent_test_support::Publisher,
+    ctx: zmq::Context,
+}
+
+fn setup(name: &str) -> Setup {
+    use kvevent_test_support::{Publisher, PublisherConfig};
+    let dir = scratch(name);
+    let ctx = zmq::Context::new();
+    let engine = Publisher::start(&ctx, PublisherConfig::loopback(wire::Release::NEWEST_KNOWN))
+        .expect("engine");
+    Setup {
+        path: dir.join(format!("{name}.kvrec")),
+        log: dir.join("record.log"),
+        dir,
+        engine,
+        ctx,
+    }
+}
+
 /// Publishes seq 0 (`payload`) until the recorder has it: it may join late. A repeat is the
 /// same bytes at seq 0 after a restart of the stand-in: a duplicate, not recorded twice.
 fn first_recorded(engine: &kvevent_test_support::Publisher, path: &Path) {
@@ -756,14 +778,14 @@ fn first_recorded(engine: &kvevent_test_support::Publisher, path: &Path) {
 /// does, and the file keeps every seq in order.
 #[test]
 fn a_gap_in_the_live_stream_is_filled_from_the_replay_endpoint() {
-    use kvevent_test_support::{Publisher, PublisherConfig};
-    let dir = scratch("gap");
-    let path = dir.join("gap.kvrec");
-    let ctx = zmq::Context::new();
-    let engine = Publisher::start(&ctx, PublisherConfig::loopback(wire::Release::NEWEST_KNOWN))
-        .expect("engine");
+    let Setup {
+        dir,
+        path,
+        log,
+        engine,
+        ctx: _ctx,
+    } = setup("gap");
     // Not --replay-first: whatever comes from the replay endpoint comes for the gap.
-    let log = dir.join("record.log");
     let replay = engine.replay_endpoint().expect("replay");
     let recorder = record_live(engine.endpoint(), replay, &path, &log, &[]);
     first_recorded(&engine, &path);
@@ -798,13 +820,13 @@ fn a_gap_in_the_live_stream_is_filled_from_the_replay_endpoint() {
 /// not dropped until the new seqs pass the old.
 #[test]
 fn an_engine_restart_under_record_is_kept_and_marked() {
-    use kvevent_test_support::{Publisher, PublisherConfig};
-    let dir = scratch("restart");
-    let path = dir.join("restart.kvrec");
-    let log = dir.join("record.log");
-    let ctx = zmq::Context::new();
-    let engine = Publisher::start(&ctx, PublisherConfig::loopback(wire::Release::NEWEST_KNOWN))
-        .expect("engine");
+    let Setup {
+        dir,
+        path,
+        log,
+        engine,
+        ctx: _ctx,
+    } = setup("restart");
     let replay = engine.replay_endpoint().expect("replay");
     let recorder = record_live(engine.endpoint(), replay, &path, &log, &[]);
     first_recorded(&engine, &path);
@@ -837,13 +859,13 @@ fn an_engine_restart_under_record_is_kept_and_marked() {
 /// writes the live batches it held for it: the file marks the gap the replay was for.
 #[test]
 fn a_stop_during_a_replay_writes_the_live_batches_held_for_it() {
-    use kvevent_test_support::{Publisher, PublisherConfig};
-    let dir = scratch("stop-mid-replay");
-    let path = dir.join("held.kvrec");
-    let log = dir.join("record.log");
-    let ctx = zmq::Context::new();
-    let engine = Publisher::start(&ctx, PublisherConfig::loopback(wire::Release::NEWEST_KNOWN))
-        .expect("engine");
+    let Setup {
+        dir,
+        path,
+        log,
+        engine,
+        ctx,
+    } = setup("stop-mid-replay");
     // A replay endpoint that takes requests and never answers.
     let silent = ctx.socket(zmq::ROUTER).expect("router");
     silent.bind("tcp://127.0.0.1:*").expect("bind");
@@ -880,13 +902,13 @@ fn a_stop_during_a_replay_writes_the_live_batches_held_for_it() {
 /// in the same read (a replay answers in a burst).
 #[test]
 fn max_bytes_ends_the_file_with_the_batch_that_reached_it() {
-    use kvevent_test_support::{Publisher, PublisherConfig};
-    let dir = scratch("max-bytes");
-    let path = dir.join("capped.kvrec");
-    let log = dir.join("record.log");
-    let ctx = zmq::Context::new();
-    let engine = Publisher::start(&ctx, PublisherConfig::loopback(wire::Release::NEWEST_KNOWN))
-        .expect("engine");
+    let Setup {
+        dir,
+        path,
+        log,
+        engine,
+        ctx: _ctx,
+    } = setup("max-bytes");
     // 200 batches in the replay buffer, asked for at once.
     for i in 0..200 {
         engine.publish_lost(empty_payload(i));

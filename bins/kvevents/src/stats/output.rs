@@ -153,25 +153,22 @@ pub(crate) fn svg(replicas: &[Replica], fleet: &Fleet) -> String {
             );
         }
     }
-    for &v in &y_ticks {
-        let _ = writeln!(
-            s,
-            r##"<line x1="{left}" y1="{0:.1}" x2="{right}" y2="{0:.1}" stroke="#e5e5e5"/><text x="{1}" y="{2:.1}" text-anchor="end">{3}</text>"##,
-            y1(v),
-            left - 6.0,
-            y1(v) + 4.0,
-            label(v, y_ticks.get(1).copied().unwrap_or(1.0))
-        );
-    }
-    for &v in &d_ticks {
-        let _ = writeln!(
-            s,
-            r##"<line x1="{left}" y1="{0:.1}" x2="{right}" y2="{0:.1}" stroke="#e5e5e5"/><text x="{1}" y="{2:.1}" text-anchor="end">{3} %</text>"##,
-            y2(v),
-            left - 6.0,
-            y2(v) + 4.0,
-            label(v, d_ticks.get(1).copied().unwrap_or(1.0))
-        );
+    // Each chart's own y scale: resident blocks above, the duplication share (%) below.
+    for (ticks, top, bottom, scale, unit) in [
+        (&y_ticks, top1, bottom1, y_top, ""),
+        (&d_ticks, top2, bottom2, d_top, " %"),
+    ] {
+        let step = ticks.get(1).copied().unwrap_or(1.0);
+        for &v in ticks {
+            let y = bottom - v / scale * (bottom - top);
+            let _ = writeln!(
+                s,
+                r##"<line x1="{left}" y1="{y:.1}" x2="{right}" y2="{y:.1}" stroke="#e5e5e5"/><text x="{0}" y="{1:.1}" text-anchor="end">{2}{unit}</text>"##,
+                left - 6.0,
+                y + 4.0,
+                label(v, step)
+            );
+        }
     }
     let _ = writeln!(
         s,
