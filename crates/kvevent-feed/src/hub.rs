@@ -143,6 +143,8 @@ pub struct Hub {
     born: std::time::Instant,
     /// [`Hub::now_ms`] of the events thread's last turn ([`Hub::set_engine`]).
     turned: AtomicU64,
+    /// [`Hub::now_ms`] of the last log line about a stall.
+    stall_logged: AtomicU64,
 }
 
 /// One engine rank as the sidecar sees it ([`Hub::set_engine`]).
@@ -251,6 +253,7 @@ impl Hub {
                 .checked_sub(Duration::from_millis(1))
                 .unwrap_or_else(std::time::Instant::now),
             turned: AtomicU64::new(0),
+            stall_logged: AtomicU64::new(0),
         })
     }
 
@@ -500,11 +503,21 @@ impl Hub {
     /// when it changed, and with every hello and heartbeat. The events thread calls it once a
     /// turn; it costs a compare when nothing changed.
     pub fn set_engine(&self, ranks: &[RankHealth]) {
-        // A turn after a stall: the followers hear at once that it is over.
+        // A turn after a stall: the followers hear at once that it is over, and the log says
+        // it happened (at most every 10 s).
+        let now = self.now_ms();
         let was_stalled = self.stalled();
-        self.turned.store(self.now_ms(), Relaxed);
+        let stalled_for = now.saturating_sub(self.turned.swap(now, Relaxed));
         if was_stalled {
             self.health.send_modify(|n| *n = n.wrapping_add(1));
+            let logged = self.stall_logged.load(Relaxed);
+            if logged == 0 || now.saturating_sub(logged) >= 10_000 {
+                self.stall_logged.store(now, Relaxed);
+                tracing::warn!(
+                    stalled_ms = stalled_for,
+                    "the events thread did not turn for {stalled_for} ms (starved of CPU, or stuck on a batch): feed followers were told the engine is degraded meanwhile"
+                );
+            }
         }
         let mut engine = self.engine.lock().unwrap_or_else(PoisonError::into_inner);
         let now = std::time::Instant::now();
