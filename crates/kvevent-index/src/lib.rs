@@ -206,6 +206,8 @@ struct Inner {
     replica_slots: Vec<ReplicaSlot>,
     free_replicas: Vec<u32>,
     sources: Vec<Source>,
+    /// Per source slot, what scoring reads of it ([`Scoring`]).
+    scoring: Vec<Scoring>,
     /// Slots of removed sources, reused first.
     free_sources: Vec<u32>,
     sweep: Sweep,
@@ -292,6 +294,7 @@ impl Index {
         let State { inner, mappers } = &mut *state;
         if let Some(slot) = inner.live(source) {
             inner.sources[slot as usize].counting = true;
+            inner.rescore(slot);
         }
         if let Some(old) = retire.filter(|old| *old != source) {
             inner.retire(old, mappers, || self.mapper());
@@ -398,10 +401,9 @@ impl Index {
             counting,
             adapter: None,
         };
-        Ok(SourceId {
-            slot,
-            generation: s.generation,
-        })
+        let generation = s.generation;
+        inner.rescore(slot);
+        Ok(SourceId { slot, generation })
     }
 
     /// Applies one decoded batch of `source`, in seq order.

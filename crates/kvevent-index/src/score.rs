@@ -129,15 +129,26 @@ pub(crate) struct Scratch {
     pub(crate) keys: Vec<u64>,
     /// The sources matching every block so far.
     pub(crate) alive: Vec<Holder>,
-    /// Per replica, its best source's [`rank`] (0: none).
-    pub(crate) best: Vec<u64>,
-    /// ([`rank`], replica) of the replicas in the answer, in name order.
-    pub(crate) order: Vec<(u64, u32)>,
-    pub(crate) sorted: Vec<(u64, u32)>,
-    /// Per entry of `order`, which of its few distinct ranks it has.
-    pub(crate) tags: Vec<u8>,
+    /// Per replica, its best source's match as a [`code`] (0: none).
+    pub(crate) best: Vec<u32>,
+    /// Per block of the query, as far as any source matched, the tokens up to its end.
+    pub(crate) tokens: Vec<u32>,
+    /// Per [`code`], how many replicas have it, then where its entries go next.
+    pub(crate) at: Vec<usize>,
+    /// Per [`code`], its [`rank`].
+    pub(crate) ranks: Vec<u64>,
+    /// The codes in the answer, best first.
+    pub(crate) codes: Vec<(u64, usize)>,
     /// Per replica, whether it is among the candidates asked about.
     pub(crate) asked: Vec<bool>,
+}
+
+/// A source's match while a query is matched, as a small number, the better the larger: a
+/// match of `blocks` at T1 is `2 × blocks + 2`, at T2 one less. Never 0 (no match). Within one
+/// query it orders matches as [`rank`] does (the same blocks cover the same tokens), and the
+/// answer is sorted by counting replicas under their codes.
+fn code(blocks: u32, tier: u8) -> u32 {
+    2 * blocks.min(u32::MAX >> 2) + 2 - u32::from(tier & 1)
 }
 
 /// A source's match as one number, the better the larger: most blocks, then most tokens, then
@@ -158,61 +169,6 @@ fn answer_order(rank: u64) -> u64 {
 fn unrank(r: u64) -> (u32, u32, Tier) {
     let tier = if r & 1 == 1 { Tier::T1 } else { Tier::T2 };
     ((r >> 33) as u32, (r >> 1) as u32, tier)
-}
-
-/// `order` (in name order) into `sorted`, best first, names in order among ties; its length.
-/// An answer mostly has few distinct ranks (every replica ties on a shared prefix): with up to
-/// eight, each entry is counted under its rank, then put in place (a counting sort, two
-/// passes, no comparisons between entries); with more, a stable sort. The buffers only grow.
-fn best_first(order: &[(u64, u32)], sorted: &mut Vec<(u64, u32)>, tags: &mut Vec<u8>) -> usize {
-    grow(sorted, order.len());
-    grow(tags, order.len());
-    let (out, tags) = (&mut sorted[..order.len()], &mut tags[..order.len()]);
-    let mut ranks = [0u64; 8];
-    let mut counts = [0usize; 8];
-    let (mut n, mut last) = (0, 0);
-    for (&(r, _), tag) in order.iter().zip(tags.iter_mut()) {
-        let b = if n > 0 && ranks[last] == r {
-            last
-        } else if let Some(b) = ranks[..n].iter().position(|&x| x == r) {
-            b
-        } else if n < ranks.len() {
-            ranks[n] = r;
-            n += 1;
-            n - 1
-        } else {
-            out.copy_from_slice(order);
-            out.sort_by_key(|&(r, _)| std::cmp::Reverse(answer_order(r)));
-            return order.len();
-        };
-        counts[b] += 1;
-        *tag = b as u8;
-        last = b;
-    }
-    // Where each rank's entries begin: the best rank first.
-    let mut by_rank = [0, 1, 2, 3, 4, 5, 6, 7];
-    by_rank[..n].sort_unstable_by_key(|&b| std::cmp::Reverse(answer_order(ranks[b])));
-    let mut start = [0usize; 8];
-    let mut at = 0;
-    for &b in &by_rank[..n] {
-        start[b] = at;
-        at += counts[b];
-    }
-    for (e, &b) in order.iter().zip(tags.iter()) {
-        let at = &mut start[usize::from(b) & 7];
-        if let Some(slot) = out.get_mut(*at) {
-            *slot = *e;
-        }
-        *at += 1;
-    }
-    order.len()
-}
-
-/// `v` at least `len` long (grown with defaults, never shrunk: what it held is overwritten).
-fn grow<T: Copy + Default>(v: &mut Vec<T>, len: usize) {
-    if v.len() < len {
-        v.resize(len, T::default());
-    }
 }
 
 thread_local! {
@@ -248,6 +204,7 @@ impl Inner {
             let scratch = &mut *scratch.borrow_mut();
             scratch.best.clear();
             scratch.best.resize(self.replicas.len(), 0);
+            scratch.tokens.clear();
             let adapter = self.adapters.get(adapter);
             if let Some(&adapter) = adapter
                 && !matches!(query, QueryKeys::Tokens { block_size: 0, .. })
@@ -258,17 +215,21 @@ impl Inner {
         })
     }
 
-    /// Per replica in `scratch.best`, its best source's match of the query.
+    /// Per replica in `scratch.best`, its best source's match of the query (a [`code`]), and
+    /// in `scratch.tokens` the tokens each number of blocks matched covers.
     pub(crate) fn match_blocks(&self, query: &QueryKeys<'_>, adapter: u32, scratch: &mut Scratch) {
         let Scratch {
-            keys, alive, best, ..
+            keys,
+            alive,
+            best,
+            tokens,
+            ..
         } = scratch;
         // Sources still matching, sorted by source, each with its worst tier so far. They all
-        // matched the same blocks so far (`matched`, covering `tokens`); one that drops out
-        // counts for its replica with them. Validity is checked at block 0; later blocks need
-        // the same epoch.
+        // matched the same blocks so far (`matched`); one that drops out counts for its
+        // replica with them. Validity is checked at block 0; later blocks need the same epoch.
         alive.clear();
-        let (mut matched, mut tokens) = (0u32, 0u32);
+        let mut matched = 0u32;
         // The blocks are looked up one after another until one misses, `SCORE_CHUNK` at a
         // time: each chunk's slots are loaded first, so their cache misses overlap.
         for i in 0.. {
@@ -296,37 +257,43 @@ impl Inner {
             if i == 0 {
                 // Every holder written, the next one over it unless it counts: no branch.
                 alive.resize(holders.len(), Holder(0));
+                let (out, scoring) = (&mut alive[..], &self.scoring[..]);
                 let mut n = 0;
                 for &h in holders {
-                    alive[n] = h;
-                    n += usize::from(counts(&self.sources, &h));
+                    out[n] = h;
+                    n += usize::from(counts(scoring, h));
                 }
                 alive.truncate(n);
             } else {
-                self.intersect(alive, holders, best, rank(matched, tokens, 0));
+                self.intersect(alive, holders, best, code(matched, 0));
             }
             if alive.is_empty() {
                 break;
             }
             matched += 1;
-            tokens = entry.tokens;
+            tokens.push(entry.tokens);
         }
         for &a in alive.iter() {
-            self.ended(a, rank(matched, tokens, 0), best);
+            self.ended(a, code(matched, 0), best);
         }
     }
 
-    /// Source `a`'s match ended at `so_far` (a [`rank`] at T1; its tier clears that bit):
-    /// its replica's best is the better of the two.
+    /// Source `a`'s match ended at `so_far` (a [`code`] at T1; its tier takes one off): its
+    /// replica's best is the better of the two.
     #[inline]
-    fn ended(&self, a: Holder, so_far: u64, best: &mut [u64]) {
-        let replica = self.sources[a.source() as usize].replica as usize;
-        best[replica] = best[replica].max(so_far & !u64::from(a.tier()));
+    fn ended(&self, a: Holder, so_far: u32, best: &mut [u32]) {
+        let replica = self
+            .scoring
+            .get(a.source() as usize)
+            .map_or(0, |s| s.replica);
+        if let Some(b) = best.get_mut(replica as usize) {
+            *b = (*b).max(so_far - u32::from(a.tier()));
+        }
     }
 
     /// Keeps in `alive` the sources that hold this block too (`holders`), each with the worse
     /// tier (the larger word: same source and epoch); the others' match ends at `so_far` (a
-    /// [`rank`] at T1). Both lists are sorted by source. The blocks of a
+    /// [`code`] at T1). Both lists are sorted by source. The blocks of a
     /// shared prompt mostly have the same holders, tiers included, so runs of eight equal
     /// words are taken whole (compared with no branch but one a run of eight) and only the
     /// words around a difference are merged one by one.
@@ -334,8 +301,8 @@ impl Inner {
         &self,
         alive: &mut Vec<Holder>,
         holders: &[Holder],
-        best: &mut [u64],
-        so_far: u64,
+        best: &mut [u32],
+        so_far: u32,
     ) {
         if holders.len() * 8 < alive.len() {
             // Few go on (the block after a shared prefix): each holder is searched for, and
@@ -401,9 +368,10 @@ impl Inner {
     pub(crate) fn answer(&self, candidates: Option<&[&str]>, scratch: &mut Scratch) -> Scores {
         let Scratch {
             best,
-            order,
-            sorted,
-            tags,
+            tokens,
+            at,
+            ranks,
+            codes,
             asked,
             ..
         } = scratch;
@@ -415,28 +383,79 @@ impl Inner {
                 match self.replica_ids.get(*name) {
                     Some(&id) => {
                         asked[id as usize] = true;
-                        best[id as usize] = best[id as usize].max(rank(0, 0, 0));
+                        best[id as usize] = best[id as usize].max(code(0, 0));
                     }
                     None => unknown.push(i),
                 }
             }
+            for (b, &asked) in best.iter_mut().zip(asked.iter()) {
+                *b *= u32::from(asked);
+            }
         }
-        // Best first: most tokens, most blocks, T1 before T2, then by name (the replicas are
-        // taken in name order). Each written, the next over it unless it is in the answer.
-        grow(order, self.by_name.len() + 1);
-        let (out, best) = (&mut order[..], &best[..]);
-        let mut n = 0;
+        // Best first: most tokens, most blocks, T1 before T2, then by name. A counting sort
+        // over the replicas in name order, two passes: how many have each code, then each put
+        // in place. An answer is mostly a few long runs of one code (every replica ties on a
+        // shared prefix), so a run's count and place stay in a register.
+        let blocks = tokens.len() as u32;
+        at.clear();
+        at.resize(code(blocks, 0) as usize + 1, 0);
+        let best: &[u32] = best;
+        let code_of = |replica: u32| best.get(replica as usize).map_or(0, |&c| c as usize);
+        let (mut last, mut run) = (0, 0);
         for &replica in &self.by_name {
-            let r = best.get(replica as usize).copied().unwrap_or(0);
-            out[n] = (r, replica);
-            n += usize::from(r != 0 && (candidates.is_none() || asked[replica as usize]));
+            let c = code_of(replica);
+            if c != last {
+                at[last] += run;
+                (last, run) = (c, 0);
+            }
+            run += 1;
         }
-        let len = best_first(&order[..n], sorted, tags);
+        at[last] += run;
+        // The codes present, best first; where each one's entries begin (those not in the
+        // answer, code 0, after them).
+        codes.clear();
+        ranks.clear();
+        ranks.resize(at.len(), 0);
+        for c in (1..at.len()).filter(|&c| at[c] > 0) {
+            let blocks = (c as u32 - 1) / 2;
+            let tier = u8::from(c % 2 == 1);
+            ranks[c] = rank(blocks, tokens_of(tokens, blocks), tier);
+            codes.push((answer_order(ranks[c]), c));
+        }
+        codes.sort_unstable_by_key(|&(order, _)| std::cmp::Reverse(order));
+        let mut len = 0;
+        for &(_, c) in codes.iter() {
+            (at[c], len) = (len, len + at[c]);
+        }
+        // Each put in place in the answer itself (a copy of 4 kB costs as much as the pass).
+        let mut entries = vec![(0, 0); len];
+        let (mut last, mut next, mut r) = (0, len, 0);
+        for &replica in &self.by_name {
+            let c = code_of(replica);
+            if c != last {
+                at[last] = next;
+                (last, next, r) = (c, at[c], ranks[c]);
+            }
+            // Those not in the answer (code 0) are placed past its end: nowhere.
+            if let Some(slot) = entries.get_mut(next) {
+                *slot = (r, replica);
+            }
+            next += 1;
+        }
         Scores {
             names: self.replicas.clone(),
             states: self.states.clone(),
-            entries: sorted[..len].to_vec(),
+            entries,
             unknown,
         }
     }
+}
+
+/// Tokens the first `blocks` blocks of a query cover ([`Scratch::tokens`]).
+fn tokens_of(tokens: &[u32], blocks: u32) -> u32 {
+    blocks
+        .checked_sub(1)
+        .and_then(|m| tokens.get(m as usize))
+        .copied()
+        .unwrap_or(0)
 }

@@ -206,7 +206,11 @@ fn an_epoch_that_wraps_drops_the_holders_of_its_source() {
     index.apply(b, &stored(1));
     // `a` stores key 1 at epoch 1, then its epoch is taken to the last before the wrap.
     index.apply(a, &stored(1));
-    index.write().inner.sources[a.slot as usize].epoch = Holder::EPOCHS;
+    {
+        let inner = &mut index.write().inner;
+        inner.sources[a.slot as usize].epoch = Holder::EPOCHS;
+        inner.rescore(a.slot);
+    }
     assert_eq!(holders(&index, 1), ["b"]);
     index.reset(a); // EPOCHS -> 1: the epoch `a`'s holder was stored at.
     assert_eq!(index.read().inner.sources[a.slot as usize].epoch, 1);
