@@ -617,7 +617,8 @@ impl Hub {
         self.health.subscribe()
     }
 
-    pub(crate) fn hello(&self, resumed: bool) -> pb::Hello {
+    /// The stream's first message; `snapshot_blocks`: the blocks of the snapshot after it.
+    pub(crate) fn hello(&self, resumed: bool, snapshot_blocks: usize) -> pb::Hello {
         pb::Hello {
             replica: self.config.replica.clone(),
             model: self.config.model.clone(),
@@ -625,6 +626,7 @@ impl Hub {
             resumed,
             heartbeat_ms: self.config.heartbeat.as_millis() as u32,
             version: env!("CARGO_PKG_VERSION").to_owned(),
+            snapshot_blocks: snapshot_blocks as u64,
         }
     }
 }

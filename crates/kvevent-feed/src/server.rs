@@ -310,7 +310,7 @@ async fn follow(
             Next::Snapshot(snapshot) => {
                 hub.metrics().snapshots.fetch_add(1, Relaxed);
                 let (epoch, seq) = (snapshot.epoch, snapshot.seq);
-                let hello = first.then(|| hub.hello(false));
+                let hello = first.then(|| hub.hello(false, snapshot.len()));
                 async {
                     if let Some(hello) = hello {
                         send(Ok(encode_with(
@@ -355,7 +355,7 @@ async fn follow(
                 if first {
                     hub.metrics().resumes.fetch_add(1, Relaxed);
                 }
-                let hello = first.then(|| hub.hello(true));
+                let hello = first.then(|| hub.hello(true, 0));
                 async {
                     if let Some(hello) = hello {
                         // Stamped with where the changes that follow end: a follower is not
@@ -388,7 +388,7 @@ async fn follow(
             Next::Nothing(position) => {
                 let hello = first.then(|| {
                     hub.metrics().resumes.fetch_add(1, Relaxed);
-                    hub.hello(true)
+                    hub.hello(true, 0)
                 });
                 async {
                     if let Some(hello) = hello {

@@ -372,6 +372,12 @@ impl FeedFollower {
                         .max(Duration::from_secs(1));
                 }
                 self.core.note_block_size(hello.block_size);
+                // The snapshot that follows: the index makes room for it at once (a fleet
+                // joining from empty grows its tables once, not step by step).
+                if !hello.resumed && hello.snapshot_blocks > 0 {
+                    let blocks = usize::try_from(hello.snapshot_blocks).unwrap_or(usize::MAX);
+                    self.core.index.reserve(blocks);
+                }
                 // A resumed stream's hello names where the changes that follow it end (a
                 // sidecar before this rule names our own position: nothing to wait for).
                 self.catch_up = match self.at {

@@ -312,6 +312,44 @@ impl Inner {
         self.old_bytes = 0;
     }
 
+    /// Room in the young table for the keys of `blocks` more blocks arriving at once (see
+    /// [`Index::reserve`]); `room` remembers what was asked while snapshots load, so that the
+    /// snapshots of a fleet joining together add up.
+    pub(crate) fn reserve(&mut self, blocks: usize, budget: usize) {
+        // Blocks other sources hold add no key: the new keys are estimated from the keys a
+        // pair so far (one when empty).
+        let keys = self.young.len() + self.old.len();
+        let want = match self.shares.held {
+            0 => blocks,
+            held => (blocks as u128 * keys as u128).div_ceil(u128::from(held)) as usize,
+        };
+        // The keys expected once every snapshot announced is in (a fleet's snapshots
+        // announced while others load add up).
+        let len = self.young.len();
+        let room = self.room.max(len).saturating_add(want);
+        self.room = room;
+        let additional = room - len;
+        // Room the table has, or little beside what it holds (its ordinary growth of ×1.25
+        // does as well): nothing to take now.
+        if additional < len / 4 || self.young.bytes_with_room(additional) <= self.young.bytes() {
+            return;
+        }
+        let after = self.bytes() - self.young.bytes() + self.young.bytes_with_room(additional);
+        if after > budget {
+            return;
+        }
+        self.young.reserve(additional);
+    }
+
+    /// Once no snapshot loads, room reserved and not used goes back ([`Table::fit`]).
+    pub(crate) fn fit_after_load(&mut self) {
+        if self.room == 0 || self.sources.iter().any(|s| s.live && !s.counting) {
+            return;
+        }
+        self.room = 0;
+        self.young.fit();
+    }
+
     pub(crate) fn lookup(&self, key: &KeyId) -> Option<Entry> {
         self.young.get(key).or_else(|| self.old.get(key)).copied()
     }

@@ -225,6 +225,9 @@ struct Inner {
     /// Holders and sharing, as they change.
     shares: Shares,
     stats: IndexStats,
+    /// Keys expected once every snapshot announced is in ([`Index::reserve`]); 0 once they
+    /// are all in and the room not used went back.
+    room: usize,
     /// Changes, in order, with their sources, waiting for [`Inner::flush`] (kept for its
     /// capacity).
     pending: Vec<(u32, Op)>,
@@ -299,7 +302,20 @@ impl Index {
         if let Some(old) = retire.filter(|old| *old != source) {
             inner.retire(old, mappers, || self.mapper());
         }
+        inner.fit_after_load();
         inner.sweep(SWEEP_PER_CALL);
+    }
+
+    /// Makes room for the keys of `blocks` blocks about to arrive at once (a snapshot of a
+    /// replica joining, [`Index::add_loading_source`]): the key tables grow once instead of
+    /// step by step as the blocks come (each step moves every key; a fleet joining from empty
+    /// spent more than half its load growing). Blocks other sources already hold add no key,
+    /// so the room is estimated from the keys a pair so far; what goes unused is given back
+    /// when no snapshot loads any more ([`Index::promote`]). Nothing is reserved past the byte
+    /// budget, nor for a load small beside what the index holds.
+    pub fn reserve(&self, blocks: usize) {
+        let budget = self.config.byte_budget;
+        self.write().inner.reserve(blocks, budget);
     }
 
     /// Stops following `source` (one of a replica's): its entries stop counting at once and
@@ -308,6 +324,7 @@ impl Index {
         let mut state = self.write();
         let State { inner, mappers } = &mut *state;
         inner.retire(source, mappers, || self.mapper());
+        inner.fit_after_load();
         inner.sweep(SWEEP_PER_CALL);
     }
 

@@ -217,3 +217,84 @@ fn an_epoch_that_wraps_drops_the_holders_of_its_source() {
     assert_eq!(holders(&index, 1), ["b"]);
     assert_eq!(index.stats().pairs, 1, "a's holder is gone, not lapsed");
 }
+
+/// Two replicas joining at once, each announcing 10,000 blocks, the same 5,000 keys in fact:
+/// the room is taken before the blocks come (no growth while they load), what went unused goes
+/// back once both are promoted, and the answers are those of an index that grew step by step.
+#[test]
+fn room_reserved_for_a_join_is_taken_at_once_and_given_back_when_unused() {
+    let keys: Vec<u64> = (1..=5_000u64)
+        .map(|k| k.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+        .collect();
+    let changes: Vec<KeyChange<'_>> = keys
+        .iter()
+        .map(|&key| KeyChange::Stored {
+            key,
+            tokens: 16,
+            tier: Tier::T1,
+            adapter: "",
+        })
+        .collect();
+    let load = |reserve: bool| {
+        let index = Index::new(Config::default());
+        let sources = ["a", "b"].map(|r| index.add_loading_source(r).expect("a source"));
+        if reserve {
+            for _ in sources {
+                index.reserve(10_000);
+            }
+        }
+        let buckets = index.read().inner.young.bytes();
+        for s in sources {
+            index.apply_keys(s, &changes);
+        }
+        let grew = index.read().inner.young.bytes() != buckets;
+        index.promote(sources[0], None);
+        assert_eq!(
+            index.read().inner.room != 0,
+            reserve,
+            "b still loads: the room stays"
+        );
+        index.promote(sources[1], None);
+        (index, grew)
+    };
+    let (reserved, grew) = load(true);
+    assert!(!grew, "the tables did not grow while the snapshots loaded");
+    assert_eq!(reserved.read().inner.room, 0);
+    let (grown, _) = load(false);
+    let (r, g) = (reserved.stats(), grown.stats());
+    assert_eq!((r.keys, r.pairs), (g.keys, g.pairs));
+    assert!(
+        r.bytes <= g.bytes * 5 / 4,
+        "the unused room went back: {} bytes against {} grown step by step",
+        r.bytes,
+        g.bytes
+    );
+    for &key in keys.iter().step_by(97) {
+        let q = [key];
+        let query = Query {
+            adapter: "",
+            keys: QueryKeys::Keys(&q),
+        };
+        let names = |i: &Index| -> Vec<String> {
+            i.score(&query)
+                .iter()
+                .map(|s| s.replica.to_owned())
+                .collect()
+        };
+        assert_eq!(names(&reserved), ["a", "b"]);
+        assert_eq!(names(&reserved), names(&grown));
+    }
+}
+
+/// Room is never taken past the byte budget: the index grows step by step within it instead.
+#[test]
+fn no_room_is_reserved_past_the_byte_budget() {
+    let index = Index::new(Config {
+        byte_budget: 1 << 20,
+        ..Config::default()
+    });
+    let _a = index.add_loading_source("a").expect("a source");
+    index.reserve(10_000_000);
+    assert_eq!(index.read().inner.young.bytes(), 0, "no room taken");
+    assert!(index.stats().bytes <= 1 << 20);
+}

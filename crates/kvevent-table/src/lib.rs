@@ -611,9 +611,28 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
 
     /// Room for `additional` more entries without growing.
     pub fn reserve(&mut self, additional: usize) {
-        let want = buckets_for((self.len + additional) * 10 / MOST_TENTHS + 1);
+        let want = self.buckets_with_room(additional);
         if want > self.ctrl.len() {
             self.resize(want);
+        }
+    }
+
+    /// What [`Table::bytes`] would be after [`Table::reserve`]`(additional)`.
+    #[must_use]
+    pub fn bytes_with_room(&self, additional: usize) -> usize {
+        let buckets = self.buckets_with_room(additional).max(self.ctrl.len());
+        buckets * (G * std::mem::size_of::<(K, V)>() + std::mem::size_of::<Ctrl>())
+    }
+
+    fn buckets_with_room(&self, additional: usize) -> usize {
+        buckets_for(self.len.saturating_add(additional) * 10 / MOST_TENTHS + 1)
+    }
+
+    /// Gives back room a [`Table::reserve`] left unused: a table under half of its most is
+    /// rebuilt in place at a rebuild's size (4/5 full). One pass over the entries.
+    pub fn fit(&mut self) {
+        if self.ctrl.len() > MIN_BUCKETS && self.len * 20 < self.slots.len() * MOST_TENTHS {
+            self.resize(buckets_for(slots_for(self.len)));
         }
     }
 
@@ -1091,6 +1110,42 @@ mod tests {
         check_invariant(&table);
         assert_eq!(table.len(), 10);
         assert!(table.stash.is_empty());
+    }
+
+    #[test]
+    fn a_reserve_takes_its_room_at_once_and_fit_gives_back_what_went_unused() {
+        let mut table: Table<K2, u64> = Table::new();
+        let mut x = rng(7);
+        let keys: Vec<K2> = (0..20_000).map(|_| K2(x(), 0)).collect();
+        table.insert_new(keys[0], 0);
+        let bytes = table.bytes_with_room(20_000);
+        table.reserve(20_000);
+        assert_eq!(
+            table.bytes(),
+            bytes,
+            "bytes_with_room says what reserve takes"
+        );
+        let buckets = table.ctrl.len();
+        for (i, &k) in keys.iter().enumerate().skip(1).take(4_999) {
+            table.insert_new(k, i as u64);
+        }
+        assert_eq!(table.ctrl.len(), buckets, "no growth within the room");
+        // A quarter of the room used: fit rebuilds at a rebuild's size, every entry kept.
+        table.fit();
+        check_invariant(&table);
+        assert!(
+            table.ctrl.len() < buckets / 3,
+            "{} of {buckets}",
+            table.ctrl.len()
+        );
+        assert_eq!(table.len(), 5_000);
+        for (i, k) in keys.iter().enumerate().take(5_000) {
+            assert_eq!(table.get(k), Some(&(i as u64)));
+        }
+        // A table at its grown size is left as it is.
+        let fitted = table.ctrl.len();
+        table.fit();
+        assert_eq!(table.ctrl.len(), fitted);
     }
 
     #[test]

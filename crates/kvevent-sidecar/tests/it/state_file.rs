@@ -285,6 +285,19 @@ async fn a_sidecar_restarted_from_its_state_file_keeps_its_feed_epoch_and_follow
         .connect()
         .await
         .expect("connect");
+    // A follower from nothing: its hello says how many blocks the snapshot after it holds (a
+    // router makes room for them at once).
+    let mut fresh = pb::feed_client::FeedClient::new(channel.clone())
+        .follow(pb::FollowRequest::default())
+        .await
+        .expect("follow")
+        .into_inner();
+    let hello = next_message(&mut fresh).await;
+    let Some(pb::feed_message::Body::Hello(h)) = hello.body else {
+        panic!("a hello first: {hello:?}");
+    };
+    assert_eq!((h.resumed, h.snapshot_blocks), (false, 6), "{h:?}");
+    drop(fresh);
     let mut stream = pb::feed_client::FeedClient::new(channel)
         .follow(pb::FollowRequest {
             resume: Some(pb::Position { epoch, seq }),
