@@ -23,7 +23,8 @@ pub const DEFAULT_SERVER: &str = "127.0.0.1:9090";
 macro_rules! define_options {
     ($(
         $(#[doc = $doc:literal])+
-        $name:ident: $ty:ty = $default:expr, $value:literal $(, #[$attr:meta])?;
+        $name:ident: $ty:ty = $default:expr, $value:literal $(check($check:expr))?
+            $(, #[$attr:meta])?;
     )*) => {
         /// Every option, with the Go sidecar's names and defaults where it has them.
         #[derive(Debug, Clone, PartialEq, ::serde::Serialize, ::serde::Deserialize)]
@@ -49,6 +50,21 @@ macro_rules! define_options {
             }
         }
 
+        impl Settings {
+            /// What each option must be on its own (the `check` of its entry), in `--help`
+            /// order.
+            pub(super) fn own_problems(&self) -> Vec<$crate::settings::Problem> {
+                #[allow(unused_mut)]
+                let mut problems = Vec::new();
+                $($(
+                    if let Err(why) = ($check)(&self.$name) {
+                        problems.push($crate::settings::Problem::new(stringify!($name), why));
+                    }
+                )?)*
+                problems
+            }
+        }
+
         /// Every option's name, placeholder and help, in `--help` order.
         pub const OPTIONS: &[$crate::settings::OptionSpec] = &[
             $($crate::settings::OptionSpec {
@@ -61,6 +77,7 @@ macro_rules! define_options {
 }
 pub(crate) use define_options;
 
+mod check;
 mod options;
 
 pub use options::{OPTIONS, Settings};
@@ -340,32 +357,10 @@ impl Settings {
 
     /// Checks every option; reports every problem at once.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let mut problems = Vec::new();
+        let mut problems = self.own_problems();
         let mut bad = |option: &str, message: String| problems.push(Problem::new(option, message));
-        for (option, value) in [
-            ("replica_id", &self.replica_id),
-            ("model_id", &self.model_id),
-            ("hash_scheme", &self.hash_scheme),
-        ] {
-            if value.trim().is_empty() {
-                bad(option, "is required".into());
-            }
-        }
-        for (option, value, allowed) in [
-            ("engine_endpoint", &self.engine_endpoint, true),
-            (
-                "replay_endpoint",
-                &self.replay_endpoint,
-                !self.replay_endpoint.is_empty(),
-            ),
-        ] {
-            if allowed && let Err(why) = kvevent_zmq::check_endpoint(value) {
-                bad(option, why);
-            }
-        }
-        if self.dp_size == 0 || self.dp_size > 256 {
-            bad("dp_size", format!("must be 1 to 256, not {}", self.dp_size));
-        } else if self.dp_size > 1 {
+        // Between options, from here on.
+        if (2..=256).contains(&self.dp_size) {
             let mut derived = Vec::new();
             for (option, value) in [
                 ("engine_endpoint", &self.engine_endpoint),
@@ -402,66 +397,12 @@ impl Settings {
                 }
             }
         }
-        let server = self.server().unwrap_or_default();
-        let host_port = server
-            .strip_prefix("http://")
-            .or_else(|| server.strip_prefix("https://"))
-            .unwrap_or(&server);
-        if self.server().is_none() {
-            // A feed-only sidecar: no server, and nothing to check.
-        } else if host_port.is_empty()
-            || !host_port.contains(':')
-            || host_port.contains('/')
-            || format!("http://{host_port}").parse::<http::Uri>().is_err()
+        // The engine's metrics are read only while stats are reported.
+        if !self.engine_metrics_url.is_empty()
+            && !self.stats_interval.0.is_zero()
+            && let Err(why) = check::http_url(&self.engine_metrics_url)
         {
-            bad(
-                "server",
-                format!("`{server}` is not host:port or an http(s):// URI"),
-            );
-        }
-        if let Err(why) = check_log_filter(&self.log_level) {
-            bad("log_level", why);
-        }
-        if let Some(why) = self.lora_adapter_names.problem() {
-            bad("lora_adapter_names", why.to_owned());
-        }
-        if !self.engine_metrics_url.is_empty() && !self.stats_interval.0.is_zero() {
-            let ok = self
-                .engine_metrics_url
-                .parse::<http::Uri>()
-                .is_ok_and(|u| u.scheme_str() == Some("http") && u.host().is_some());
-            if !ok {
-                bad(
-                    "engine_metrics_url",
-                    format!("`{}` is not an http:// URL", self.engine_metrics_url),
-                );
-            }
-        }
-        if !self.engine_discovery_url.is_empty() {
-            let ok = self
-                .engine_discovery_url
-                .parse::<http::Uri>()
-                .is_ok_and(|u| u.scheme_str() == Some("http") && u.host().is_some());
-            if !ok {
-                bad(
-                    "engine_discovery_url",
-                    format!(
-                        "`{}` is not an http:// URL (e.g. http://127.0.0.1:8000/kv_event_sources)",
-                        self.engine_discovery_url
-                    ),
-                );
-            }
-        }
-        for (option, address) in [
-            ("metrics_address", &self.metrics_address),
-            ("feed_address", &self.feed_address),
-        ] {
-            if let Err(why) = ListenAddress::parse(address.as_str()) {
-                bad(option, why);
-            }
-        }
-        if self.feed_ring_bytes == 0 {
-            bad("feed_ring_bytes", "must be at least 1".into());
+            bad("engine_metrics_url", why);
         }
         if self.feed_tls_cert_file.is_some() != self.feed_tls_key_file.is_some() {
             bad(
@@ -469,56 +410,11 @@ impl Settings {
                 "the feed's certificate and its key go together: set both or neither".into(),
             );
         }
-        for (option, d) in [
-            ("window", self.window),
-            ("engine_discovery_timeout", self.engine_discovery_timeout),
-            ("engine_discovery_recheck", self.engine_discovery_recheck),
-            ("engine_silence_grace", self.engine_silence_grace),
-            ("rpc_timeout", self.rpc_timeout),
-            ("connect_timeout", self.connect_timeout),
-            ("max_backoff", self.max_backoff),
-            ("replay_timeout", self.replay_timeout),
-            ("scrape_timeout", self.scrape_timeout),
-        ] {
-            if d.0.is_zero() {
-                bad(option, "must be more than 0".into());
-            }
-        }
-        if self.engine_rcvhwm < 0 {
-            bad("engine_rcvhwm", "must be 0 (no limit) or more".into());
-        }
-        if self.engine_reconnect_max.0.is_zero() {
-            bad("engine_reconnect_max", "must be more than 0".into());
-        }
-        if self.scrape_max_bytes == 0 {
-            bad("scrape_max_bytes", "must be at least 1".into());
-        }
-        if self.max_pending == 0 {
-            bad("max_pending", "must be at least 1".into());
-        }
-        if self.max_in_flight == 0 || self.max_in_flight > 1024 {
-            bad("max_in_flight", "must be 1 to 1024".into());
-        }
         if self.tls_cert_file.is_some() != self.tls_key_file.is_some() {
             bad(
                 "tls_key_file",
                 "a client certificate and its key go together: set both or neither".into(),
             );
-        }
-        for (option, path) in [
-            ("tls_ca_file", &self.tls_ca_file),
-            ("tls_cert_file", &self.tls_cert_file),
-            ("tls_key_file", &self.tls_key_file),
-            ("token_file", &self.token_file),
-            ("feed_tls_cert_file", &self.feed_tls_cert_file),
-            ("feed_tls_key_file", &self.feed_tls_key_file),
-            ("feed_token_file", &self.feed_token_file),
-        ] {
-            if let Some(path) = path
-                && !path.is_file()
-            {
-                bad(option, format!("no such file {}", path.display()));
-            }
         }
         for (option, message) in crate::credentials::check_tls_files(self.tls_files()) {
             bad(option, message);
@@ -559,26 +455,4 @@ impl Settings {
             server_name: &self.tls_server_name,
         }
     }
-}
-
-/// A log level (`trace` … `error`, `off`) or filter directives `target=level`, comma-separated.
-/// A bare word that is not a level would be read as a target and silence every log line.
-fn check_log_filter(filter: &str) -> Result<(), String> {
-    const LEVELS: [&str; 6] = ["trace", "debug", "info", "warn", "error", "off"];
-    let is_level = |l: &str| LEVELS.iter().any(|v| v.eq_ignore_ascii_case(l.trim()));
-    if filter.trim().is_empty() {
-        return Err("is empty: give a level (trace, debug, info, warn, error, off)".into());
-    }
-    for directive in filter.split(',') {
-        let ok = match directive.rsplit_once('=') {
-            Some((target, level)) => !target.trim().is_empty() && is_level(level),
-            None => is_level(directive),
-        };
-        if !ok {
-            return Err(format!(
-                "`{directive}` is neither a level (trace, debug, info, warn, error, off) nor target=level"
-            ));
-        }
-    }
-    Ok(())
 }

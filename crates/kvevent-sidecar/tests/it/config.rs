@@ -96,6 +96,49 @@ fn every_problem_is_reported_at_once_with_flag_and_env_names() {
     });
 }
 
+/// Each option's own constraint is the `check` in its entry (`options.rs`): every one of them
+/// runs, and says what the value must be, with the flag and the variable.
+#[test]
+fn each_option_is_checked_by_its_entry() {
+    Jail::expect_with(|_jail| {
+        let err = Settings::load(
+            None,
+            flags(&[
+                ("replica_id", "r"),
+                ("model_id", "m"),
+                ("dp_size", "0"),
+                ("max_in_flight", "2000"),
+                ("engine_rcvhwm", "-1"),
+                ("feed_ring_bytes", "0"),
+                ("log_level", "loud"),
+                ("metrics_address", "nowhere"),
+                ("replay_endpoint", "127.0.0.1:5558"),
+                ("engine_discovery_url", "https://engine/kv_event_sources"),
+                ("token_file", "/no/such/token"),
+                ("engine_reconnect_max", "0"),
+            ]),
+        )
+        .expect_err("invalid");
+        let text = err.to_string();
+        for needle in [
+            "--dp-size (KVEVENT_DP_SIZE): must be 1 to 256, not 0",
+            "--max-in-flight (KVEVENT_MAX_IN_FLIGHT): must be 1 to 1024, not 2000",
+            "--engine-rcvhwm (KVEVENT_ENGINE_RCVHWM): must be 0 (no limit) or more",
+            "--feed-ring-bytes (KVEVENT_FEED_RING_BYTES): must be at least 1",
+            "--log-level (KVEVENT_LOG_LEVEL): `loud` is neither a level",
+            "--metrics-address (KVEVENT_METRICS_ADDRESS)",
+            "--replay-endpoint (KVEVENT_REPLAY_ENDPOINT)",
+            "--engine-discovery-url (KVEVENT_ENGINE_DISCOVERY_URL): `https://engine/kv_event_sources` is not an http:// URL",
+            "--token-file (KVEVENT_TOKEN_FILE): no such file /no/such/token",
+            "--engine-reconnect-max (KVEVENT_ENGINE_RECONNECT_MAX): must be more than 0",
+        ] {
+            assert!(text.contains(needle), "missing {needle:?} in:\n{text}");
+        }
+        assert_eq!(err.0.len(), 10, "{text}");
+        Ok(())
+    });
+}
+
 #[test]
 fn type_errors_name_the_option() {
     Jail::expect_with(|jail| {
