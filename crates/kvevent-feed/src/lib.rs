@@ -15,6 +15,8 @@
 
 #[cfg(feature = "server")]
 pub mod hub;
+#[cfg(feature = "metrics")]
+pub mod metrics;
 #[cfg(feature = "server")]
 pub mod server;
 

@@ -34,9 +34,9 @@
 use std::fmt;
 use std::sync::Arc;
 
+use kvevent_metrics as m;
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeGaugeValue, NoLabelSet};
-use prometheus_client::metrics::MetricType;
+use prometheus_client::encoding::DescriptorEncoder;
 
 use crate::{ERROR_BUCKETS, Fleet};
 
@@ -51,94 +51,54 @@ impl FleetCollector {
     }
 }
 
-type Labels<'a> = Vec<(&'static str, &'a str)>;
-
-fn gauge<V: EncodeGaugeValue>(
-    enc: &mut DescriptorEncoder<'_>,
-    name: &str,
-    help: &str,
-    samples: &[(Labels<'_>, V)],
-) -> fmt::Result {
-    let mut family = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
-    for (labels, value) in samples {
-        if labels.is_empty() {
-            family.encode_gauge(value)?;
-        } else {
-            family.encode_family(labels)?.encode_gauge(value)?;
-        }
-    }
-    Ok(())
-}
-
-/// `name` without `_total`: the encoder adds it to a counter.
-fn counter(
-    enc: &mut DescriptorEncoder<'_>,
-    name: &str,
-    help: &str,
-    samples: &[(Labels<'_>, u64)],
-) -> fmt::Result {
-    let mut family = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
-    for (labels, value) in samples {
-        if labels.is_empty() {
-            family.encode_counter::<NoLabelSet, _, f64>(value, None)?;
-        } else {
-            family
-                .encode_family(labels)?
-                .encode_counter::<NoLabelSet, _, f64>(value, None)?;
-        }
-    }
-    Ok(())
-}
-
 impl Collector for FleetCollector {
     fn encode(&self, mut enc: DescriptorEncoder<'_>) -> fmt::Result {
         let fleet = &self.0;
         let replicas = fleet.replicas();
-        let states: Vec<(Labels<'_>, i64)> = replicas
-            .iter()
-            .map(|r| {
-                let labels = vec![
-                    ("replica", r.name.as_str()),
-                    ("state", r.state.as_str()),
-                    ("reason", r.state.reason().unwrap_or("")),
-                ];
-                (labels, 1i64)
-            })
-            .collect();
-        gauge(
+        let mut f = m::gauge(
             &mut enc,
             "kvevent_replica_state",
             "1 for each replica's state now (exact, degraded, stale) and its reason",
-            &states,
         )?;
-        let per = |f: &dyn Fn(&crate::ReplicaStatus) -> i64| -> Vec<(Labels<'_>, i64)> {
-            replicas
-                .iter()
-                .map(|r| (vec![("replica", r.name.as_str())], f(r)))
-                .collect()
+        for r in &replicas {
+            let labels = [
+                ("replica", r.name.as_str()),
+                ("state", r.state.as_str()),
+                ("reason", r.state.reason().unwrap_or("")),
+            ];
+            m::level(&mut f, &labels, 1i64)?;
+        }
+        let per_replica = |enc: &mut DescriptorEncoder<'_>,
+                           name: &'static str,
+                           help: &str,
+                           value: &dyn Fn(&crate::ReplicaStatus) -> i64|
+         -> fmt::Result {
+            let mut f = m::gauge(enc, name, help)?;
+            for r in &replicas {
+                m::level(&mut f, &[("replica", r.name.as_str())], value(r))?;
+            }
+            Ok(())
         };
-        gauge(
+        per_replica(
             &mut enc,
             "kvevent_replica_exact",
             "1 while the replica is exact: the only state to route on",
-            &per(&|r| i64::from(r.state.is_exact())),
+            &|r| i64::from(r.state.is_exact()),
         )?;
-        gauge(
+        per_replica(
             &mut enc,
             "kvevent_replica_blocks",
             "Blocks the replica holds, as the fleet knows",
-            &per(&|r| r.blocks as i64),
+            &|r| r.blocks as i64,
         )?;
-        let batches: Vec<(Labels<'_>, u64)> = replicas
-            .iter()
-            .map(|r| (vec![("replica", r.name.as_str())], r.batches))
-            .collect();
-        counter(
+        let mut f = m::counter(
             &mut enc,
-            "kvevent_replica_batches",
+            "kvevent_replica_batches_total",
             "Engine batches, or feed messages of changes, applied for the replica",
-            &batches,
         )?;
+        for r in &replicas {
+            m::count(&mut f, &[("replica", r.name.as_str())], r.batches)?;
+        }
         let s = fleet.stats();
         for (name, help, value) in [
             (
@@ -167,61 +127,74 @@ impl Collector for FleetCollector {
                 s.stashed,
             ),
         ] {
-            gauge(&mut enc, name, help, &[(Vec::new(), value as i64)])?;
+            m::single(&mut enc, false, name, help, value as u64)?;
         }
-        gauge(
-            &mut enc,
-            "kvevent_index_duplication_ratio",
-            "1 - keys / pairs: the share of pairs whose prefix another rank also holds",
-            &[(Vec::new(), s.duplication())],
+        m::level(
+            &mut m::gauge(
+                &mut enc,
+                "kvevent_index_duplication_ratio",
+                "1 - keys / pairs: the share of pairs whose prefix another rank also holds",
+            )?,
+            &[],
+            s.duplication(),
         )?;
-        counter(
+        m::single(
             &mut enc,
-            "kvevent_index_evicted_keys",
+            true,
+            "kvevent_index_evicted_keys_total",
             "Keys the index's byte budget dropped",
-            &[(Vec::new(), s.evicted_keys)],
+            s.evicted_keys,
         )?;
-        counter(
+        m::single(
             &mut enc,
-            "kvevent_index_applied",
+            true,
+            "kvevent_index_applied_total",
             "Block events the index applied",
-            &[(Vec::new(), s.applied)],
+            s.applied,
         )?;
         let accounting = fleet.accounting();
-        let predictions: Vec<(Labels<'_>, u64)> = accounting
-            .iter()
-            .flat_map(|(replica, a)| {
-                [
-                    ("exact", a.exact),
-                    ("optimistic", a.optimistic),
-                    ("pessimistic", a.pessimistic),
-                ]
-                .map(|(outcome, n)| (vec![("replica", replica.as_str()), ("outcome", outcome)], n))
-            })
-            .collect();
-        counter(
+        let mut f = m::counter(
             &mut enc,
-            "kvevent_router_predictions",
+            "kvevent_router_predictions_total",
             "Routing decisions recorded, by how the prediction compared with what the engine reused",
-            &predictions,
-        )?;
-        let mut family = enc.encode_descriptor(
-            "kvevent_router_prediction_error_blocks",
-            "Expected minus reused blocks per decision (positive: the index promised more)",
-            None,
-            MetricType::Histogram,
         )?;
         for (replica, a) in &accounting {
-            // prometheus-client writes the bound f64::MAX as `+Inf`.
-            let buckets: Vec<(f64, u64)> = ERROR_BUCKETS
+            for (outcome, n) in [
+                ("exact", a.exact),
+                ("optimistic", a.optimistic),
+                ("pessimistic", a.pessimistic),
+            ] {
+                m::count(
+                    &mut f,
+                    &[("replica", replica.as_str()), ("outcome", outcome)],
+                    n,
+                )?;
+            }
+        }
+        let mut f = m::histogram(
+            &mut enc,
+            "kvevent_router_prediction_error_blocks",
+            "Expected minus reused blocks per decision (positive: the index promised more)",
+        )?;
+        for (replica, a) in &accounting {
+            let mut total = 0;
+            let cumulative: Vec<(f64, u64)> = ERROR_BUCKETS
                 .iter()
                 .map(|le| *le as f64)
-                .chain(std::iter::once(f64::MAX))
+                .chain(std::iter::once(f64::INFINITY))
                 .zip(a.error_blocks)
+                .map(|(le, n)| {
+                    total += n;
+                    (le, total)
+                })
                 .collect();
-            family
-                .encode_family(&[("replica", replica.as_str())])?
-                .encode_histogram::<NoLabelSet>(a.error_sum as f64, a.decisions, &buckets, None)?;
+            m::buckets(
+                &mut f,
+                &[("replica", replica.as_str())],
+                &cumulative,
+                a.error_sum as f64,
+                a.decisions,
+            )?;
         }
         Ok(())
     }

@@ -1,0 +1,200 @@
+//! Writing a family straight to prometheus-client's encoder, no samples kept in between: the
+//! helpers every collector of the workspace writes with (the sidecar's areas, the feed's hub, a
+//! router's `Fleet`), so that a family's name, help, type and labels are written one way.
+//!
+//! A counter is named as exposed, ending in `_total` (the encoder adds the suffix back).
+//!
+//! ```
+//! use prometheus_client::collector::Collector;
+//! use prometheus_client::encoding::DescriptorEncoder;
+//!
+//! #[derive(Debug)]
+//! struct Hits(u64);
+//!
+//! impl Collector for Hits {
+//!     fn encode(&self, mut enc: DescriptorEncoder<'_>) -> std::fmt::Result {
+//!         kvevent_metrics::single(&mut enc, true, "demo_hits_total", "Hits.", self.0)
+//!     }
+//! }
+//!
+//! let mut registry = prometheus_client::registry::Registry::default();
+//! registry.register_collector(Box::new(Hits(3)));
+//! let mut text = String::new();
+//! prometheus_client::encoding::text::encode(&mut text, &registry)?;
+//! assert!(text.contains("# TYPE demo_hits counter\ndemo_hits_total 3\n"));
+//! # Ok::<(), std::fmt::Error>(())
+//! ```
+
+use std::borrow::Cow;
+use std::fmt;
+
+use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeCounterValue, EncodeGaugeValue, MetricEncoder, NoLabelSet,
+};
+use prometheus_client::metrics::MetricType;
+
+/// Labels of one sample, in order; none are written without braces. Values are escaped as
+/// the text format asks (prometheus-client 0.24 writes them as given).
+pub type Labels<'l> = &'l [(&'l str, &'l str)];
+
+/// `labels` with each value escaped (`\`, `"`, a newline); borrowed when none needs it.
+fn escaped<'l>(labels: Labels<'l>) -> Vec<(&'l str, Cow<'l, str>)> {
+    labels
+        .iter()
+        .map(|&(k, v)| {
+            let v = if v.contains(['\\', '"', '\n']) {
+                Cow::Owned(
+                    v.replace('\\', "\\\\")
+                        .replace('"', "\\\"")
+                        .replace('\n', "\\n"),
+                )
+            } else {
+                Cow::Borrowed(v)
+            };
+            (k, v)
+        })
+        .collect()
+}
+
+/// A counter family; `name` is as exposed, ending in `_total`.
+pub fn counter<'e>(
+    enc: &'e mut DescriptorEncoder<'_>,
+    name: &'static str,
+    help: &str,
+) -> Result<MetricEncoder<'e>, fmt::Error> {
+    enc.encode_descriptor(
+        name.trim_end_matches("_total"),
+        help,
+        None,
+        MetricType::Counter,
+    )
+}
+
+/// A gauge family.
+pub fn gauge<'e>(
+    enc: &'e mut DescriptorEncoder<'_>,
+    name: &'static str,
+    help: &str,
+) -> Result<MetricEncoder<'e>, fmt::Error> {
+    enc.encode_descriptor(name, help, None, MetricType::Gauge)
+}
+
+/// A histogram family.
+pub fn histogram<'e>(
+    enc: &'e mut DescriptorEncoder<'_>,
+    name: &'static str,
+    help: &str,
+) -> Result<MetricEncoder<'e>, fmt::Error> {
+    enc.encode_descriptor(name, help, None, MetricType::Histogram)
+}
+
+/// One counter sample.
+pub fn count(
+    family: &mut MetricEncoder<'_>,
+    labels: Labels<'_>,
+    value: impl EncodeCounterValue,
+) -> fmt::Result {
+    if labels.is_empty() {
+        family.encode_counter::<NoLabelSet, _, f64>(&value, None)
+    } else {
+        family
+            .encode_family(&escaped(labels).as_slice())?
+            .encode_counter::<NoLabelSet, _, f64>(&value, None)
+    }
+}
+
+/// One gauge sample.
+pub fn level(
+    family: &mut MetricEncoder<'_>,
+    labels: Labels<'_>,
+    value: impl EncodeGaugeValue,
+) -> fmt::Result {
+    if labels.is_empty() {
+        family.encode_gauge(&value)
+    } else {
+        family
+            .encode_family(&escaped(labels).as_slice())?
+            .encode_gauge(&value)
+    }
+}
+
+/// One histogram: `cumulative` is (upper bound, observations at or below it) per bucket, the
+/// last bound infinite; `sum` and `count` over every observation.
+pub fn buckets(
+    family: &mut MetricEncoder<'_>,
+    labels: Labels<'_>,
+    cumulative: &[(f64, u64)],
+    sum: f64,
+    count: u64,
+) -> fmt::Result {
+    let mut before = 0;
+    let own: Vec<(f64, u64)> = cumulative
+        .iter()
+        .map(|&(le, n)| {
+            let own = n.saturating_sub(before);
+            before = n;
+            // prometheus-client writes the bound f64::MAX as `+Inf`.
+            (if le.is_infinite() { f64::MAX } else { le }, own)
+        })
+        .collect();
+    if labels.is_empty() {
+        family.encode_histogram::<NoLabelSet>(sum, count, &own, None)
+    } else {
+        family
+            .encode_family(&escaped(labels).as_slice())?
+            .encode_histogram::<NoLabelSet>(sum, count, &own, None)
+    }
+}
+
+/// A family of one sample without labels: a counter or a gauge.
+pub fn single(
+    enc: &mut DescriptorEncoder<'_>,
+    counter: bool,
+    name: &'static str,
+    help: &str,
+    value: u64,
+) -> fmt::Result {
+    if counter {
+        count(&mut self::counter(enc, name, help)?, &[], value)
+    } else {
+        level(&mut gauge(enc, name, help)?, &[], value)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use prometheus_client::collector::Collector;
+    use prometheus_client::encoding::DescriptorEncoder;
+
+    #[derive(Debug)]
+    struct Sample;
+
+    impl Collector for Sample {
+        fn encode(&self, mut enc: DescriptorEncoder<'_>) -> std::fmt::Result {
+            let mut f = super::gauge(&mut enc, "t_level", "A level.")?;
+            super::level(&mut f, &[("replica", "a\"b\\c\nd")], 2u64)?;
+            super::level(&mut f, &[("replica", "plain")], 1u64)?;
+            let mut h = super::histogram(&mut enc, "t_seconds", "A histogram.")?;
+            super::buckets(&mut h, &[], &[(0.5, 1), (f64::INFINITY, 3)], 2.5, 3)
+        }
+    }
+
+    #[test]
+    fn labels_are_escaped_and_histograms_are_cumulative() {
+        let mut registry = prometheus_client::registry::Registry::default();
+        registry.register_collector(Box::new(Sample));
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).expect("encode");
+        assert!(
+            text.contains("t_level{replica=\"a\\\"b\\\\c\\nd\"} 2\n"),
+            "{text}"
+        );
+        assert!(text.contains("t_level{replica=\"plain\"} 1\n"), "{text}");
+        assert!(text.contains("t_seconds_bucket{le=\"0.5\"} 1\n"), "{text}");
+        assert!(text.contains("t_seconds_bucket{le=\"+Inf\"} 3\n"), "{text}");
+        assert!(
+            text.contains("t_seconds_sum 2.5\nt_seconds_count 3\n"),
+            "{text}"
+        );
+    }
+}
