@@ -60,6 +60,8 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+#[cfg(feature = "metrics")]
+pub mod collector;
 mod metrics;
 mod state;
 mod subscriber;
