@@ -70,6 +70,8 @@
 //! ```
 
 mod client;
+#[cfg(feature = "metrics")]
+pub mod collector;
 mod handle;
 mod metrics;
 mod pending;

@@ -6,7 +6,7 @@ use std::fmt;
 use kvevent_forwarder as fwd;
 use prometheus_client::encoding::MetricEncoder;
 
-pub(crate) use kvevent_metrics::{Labels, count, counter, gauge, histogram, level, single};
+pub(crate) use kvevent_metrics::{Labels, count, counter, gauge, histogram, level};
 
 /// One forwarder histogram's buckets, sum and count.
 pub(crate) fn buckets(
