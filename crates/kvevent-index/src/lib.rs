@@ -323,7 +323,17 @@ impl Index {
     pub fn remove_source(&self, source: SourceId) {
         let mut state = self.write();
         let State { inner, mappers } = &mut *state;
+        let loading = inner
+            .live(source)
+            .is_some_and(|slot| !inner.sources[slot as usize].counting);
         inner.retire(source, mappers, || self.mapper());
+        if loading {
+            // A snapshot given up (its stream lost, or another replacing it): what was
+            // announced no longer counts, or streams that keep reconnecting would make the
+            // room grow without end. Snapshots still loading announce again only if they
+            // start over; the ordinary growth covers the rest.
+            inner.room = inner.room.min(inner.young.len());
+        }
         inner.fit_after_load();
         inner.sweep(SWEEP_PER_CALL);
     }

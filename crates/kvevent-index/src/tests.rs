@@ -298,3 +298,18 @@ fn no_room_is_reserved_past_the_byte_budget() {
     assert_eq!(index.read().inner.young.bytes(), 0, "no room taken");
     assert!(index.stats().bytes <= 1 << 20);
 }
+
+/// A snapshot given up (its stream lost mid-load) takes what it announced with it: a replica
+/// reconnecting again and again never makes the room grow.
+#[test]
+fn a_snapshot_given_up_takes_its_room_with_it() {
+    let index = Index::new(Config::default());
+    for _ in 0..5 {
+        let s = index.add_loading_source("a").expect("a source");
+        index.reserve(10_000);
+        index.remove_source(s);
+    }
+    let _s = index.add_loading_source("a").expect("a source");
+    index.reserve(10_000);
+    assert_eq!(index.read().inner.room, 10_000, "the last announcement only");
+}
