@@ -311,5 +311,9 @@ fn a_snapshot_given_up_takes_its_room_with_it() {
     }
     let _s = index.add_loading_source("a").expect("a source");
     index.reserve(10_000);
-    assert_eq!(index.read().inner.room, 10_000, "the last announcement only");
+    assert_eq!(
+        index.read().inner.room,
+        10_000,
+        "the last announcement only"
+    );
 }
