@@ -4,6 +4,8 @@
 //! - **The protocol** ([`pb`], always): `kvevent.feed.v1` (`proto/kvevent/feed/v1`), its
 //!   messages and client. A router follows feeds with `kvevent-fleet`, which builds this crate
 //!   without its `server` feature: no hub, no gRPC server.
+//! - **Metrics** (feature `metrics`, with `server`): `metrics`, the hub's families for a
+//!   `/metrics`, written where they are counted.
 //! - **The sidecar's side** (feature `server`, default). A [`Hub`] holds every prefix the
 //!   replica holds (fingerprint keys, token counts, tiers, adapters, DP ranks), the epoch, a
 //!   bounded ring of encoded changes, and what the sidecar sees of its engine ([`RankHealth`]);

@@ -1,4 +1,5 @@
-//! Delivers InferenceCache reports to the server without ever stalling the caller.
+//! Delivers InferenceCache reports to the server without ever stalling the caller. With
+//! feature `metrics`, `collector` writes its counters as `/metrics` families.
 //!
 //! The caller hands [`Report`](pb::Report)s to a [`Handle`] over a bounded channel and never
 //! waits on the network. A single task owns the pending work:

@@ -1,4 +1,5 @@
-//! Per-source state for vLLM (and SGLang) KV events, and the stream a router consumes.
+//! Per-source state for vLLM (and SGLang) KV events, and the stream a router consumes. With
+//! feature `metrics`, `collector` writes each source's counters as `/metrics` families.
 //!
 //! ZMQ PUB/SUB is at-most-once: batches are lost to slow joiners, HWM overflow and
 //! reconnects, and a seq going backwards means a new engine process. This crate turns the raw
