@@ -19,6 +19,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use serde_json::Value;
 
+mod fleet;
+
 pyo3::create_exception!(
     _kvevent,
     DecodeError,
@@ -41,13 +43,14 @@ pyo3::create_exception!(
 #[pyo3(signature = (token_ids, block_size, parent=None))]
 fn fingerprint_keys(
     py: Python<'_>,
-    token_ids: Vec<u32>,
+    token_ids: &Bound<'_, PyAny>,
     block_size: usize,
     parent: Option<u64>,
 ) -> PyResult<Vec<u64>> {
     if block_size == 0 {
         return Err(PyValueError::new_err("block_size must be at least 1"));
     }
+    let token_ids = fleet::token_ids(token_ids)?;
     Ok(py.detach(|| {
         let mut keys = Vec::with_capacity(token_ids.len() / block_size);
         kvevent_fingerprint::prefixes_into(&token_ids, block_size, parent, &mut keys);
@@ -217,5 +220,6 @@ fn _kvevent(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DecodeError", m.py().get_type::<DecodeError>())?;
     m.add("RecordingError", m.py().get_type::<RecordingError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    fleet::add(m)?;
     Ok(())
 }

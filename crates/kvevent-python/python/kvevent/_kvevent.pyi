@@ -1,7 +1,7 @@
 """Type stubs of the native module (see the package's docstring)."""
 
 from os import PathLike
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 __version__: str
 
@@ -11,9 +11,14 @@ class DecodeError(ValueError):
 class RecordingError(ValueError):
     """A file that is not a recording, or a damaged one: the file and what was wrong where."""
 
-def fingerprint_keys(
-    token_ids: Sequence[int], block_size: int, parent: Optional[int] = None
-) -> List[int]:
+TokenIds = Union[Sequence[int], bytes, bytearray]
+"""Token ids: a list (or other sequence) of ints, or bytes of native-endian u32
+(``array.array("I", ids).tobytes()``, ``numpy.asarray(ids, "u4").tobytes()``: the fastest)."""
+
+Keys = Union[Sequence[int], bytes, bytearray]
+"""Prefix keys, block 0 first: a list of ints, or bytes of native-endian u64."""
+
+def fingerprint_keys(token_ids: TokenIds, block_size: int, parent: Optional[int] = None) -> List[int]:
     """The prefix keys of ``token_ids``, one per full block of ``block_size`` tokens."""
 
 def decode(payload: bytes, engine: str = "vllm") -> Dict[str, Any]:
@@ -53,3 +58,236 @@ class Recording:
     def sources(self) -> List[Tuple[int, str, Optional[str]]]: ...
     def __iter__(self) -> Iterator[Record]: ...
     def __next__(self) -> Record: ...
+
+ERROR_BUCKETS: List[int]
+"""Upper bounds of the prediction error buckets, in blocks (expected - realized)."""
+
+class NotReady(Exception):
+    """Replicas not exact in time, or a token query before any replica said its block size."""
+
+    replicas: Dict[str, str]
+    """Each replica not exact, with its state and why."""
+    waited: float
+    """Seconds waited."""
+
+class BlockSizeUnknown(NotReady):
+    """No replica said its block size yet: route as if nothing matched."""
+
+class NotFollowed(KeyError):
+    """A replica the fleet does not follow."""
+
+class RankStatus:
+    """One engine rank as its follower last saw it."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def connected(self) -> bool: ...
+    @property
+    def since(self) -> Optional[float]:
+        """Seconds it has been connected, or lost (None: not known)."""
+    @property
+    def degraded(self) -> bool: ...
+
+class ReplicaStatus:
+    """One replica as the fleet knows it."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def source(self) -> str:
+        """The sidecar's URL."""
+    @property
+    def state(self) -> str:
+        """``exact``, ``degraded`` or ``stale``."""
+    @property
+    def reason(self) -> Optional[str]:
+        """Why it is not exact (``connecting``, ``engine_lost``, ``source_lost``, ...)."""
+    @property
+    def exact(self) -> bool: ...
+    @property
+    def blocks(self) -> int: ...
+    @property
+    def newest_change(self) -> Optional[float]:
+        """Seconds since its newest change was applied."""
+    @property
+    def block_size(self) -> Optional[int]: ...
+    @property
+    def batches(self) -> int: ...
+    @property
+    def error(self) -> Optional[str]:
+        """The last error or refusal, in the library's words."""
+    @property
+    def ranks(self) -> List[RankStatus]: ...
+
+class IndexStats:
+    """The index's counters."""
+
+    @property
+    def keys(self) -> int: ...
+    @property
+    def pairs(self) -> int: ...
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def table_bytes(self) -> int: ...
+    @property
+    def mapper_bytes(self) -> int: ...
+    @property
+    def evicted_keys(self) -> int: ...
+    @property
+    def stashed(self) -> int: ...
+    @property
+    def applied(self) -> int: ...
+    @property
+    def sources(self) -> int: ...
+    @property
+    def shared_pairs(self) -> int: ...
+    @property
+    def duplication(self) -> float: ...
+
+class Score:
+    """One replica's match."""
+
+    @property
+    def replica(self) -> str: ...
+    @property
+    def matched_blocks(self) -> int: ...
+    @property
+    def matched_tokens(self) -> int: ...
+    @property
+    def tier(self) -> str:
+        """``T1`` (GPU) or ``T2`` (an offload tier)."""
+    @property
+    def state(self) -> str:
+        """``exact``, ``degraded`` or ``stale``: route on exact, fail open otherwise."""
+    @property
+    def reason(self) -> Optional[str]: ...
+    @property
+    def exact(self) -> bool: ...
+
+class Scores:
+    """The answer to a query, best first."""
+
+    def __len__(self) -> int: ...
+    def __bool__(self) -> bool: ...
+    def __getitem__(self, i: int) -> Score: ...
+    def __iter__(self) -> Iterator[Score]: ...
+    @property
+    def best(self) -> Optional[Score]: ...
+    @property
+    def not_followed(self) -> List[str]:
+        """With ``score_among``: the candidates the fleet does not follow."""
+
+class Accounting:
+    """One replica's predictions so far."""
+
+    @property
+    def decisions(self) -> int: ...
+    @property
+    def exact(self) -> int: ...
+    @property
+    def optimistic(self) -> int: ...
+    @property
+    def pessimistic(self) -> int: ...
+    @property
+    def not_exact_state(self) -> int: ...
+    @property
+    def error_blocks(self) -> List[int]: ...
+    @property
+    def error_sum(self) -> int: ...
+
+class Change:
+    """Every replica now, those changed (or added) since the previous change, those removed."""
+
+    @property
+    def replicas(self) -> List[ReplicaStatus]: ...
+    @property
+    def changed(self) -> List[ReplicaStatus]: ...
+    @property
+    def removed(self) -> List[str]: ...
+
+class _Waiting:
+    def cancel(self) -> None: ...
+
+class _Changes:
+    def poll(self) -> Optional[Change]: ...
+    def next_blocking(self) -> Optional[Change]: ...
+    @property
+    def closed(self) -> bool: ...
+    def then(self, callback: Callable[[Optional[BaseException]], None]) -> _Waiting: ...
+
+class _Fleet:
+    def __init__(
+        self,
+        *,
+        byte_budget: int = ...,
+        dead_after: float = 3.0,
+        drop_after: float = 60.0,
+        connect_timeout: float = 5.0,
+        lag_after: float = 0.3,
+        reconnect_initial: float = 0.1,
+        reconnect_max: float = 2.0,
+        max_message_bytes: int = ...,
+    ) -> None: ...
+    def follow(
+        self,
+        name: str,
+        url: str,
+        *,
+        replica: str = "",
+        model: str = "",
+        token: Optional[str] = None,
+        tls_ca: Optional[Union[str, "PathLike[str]"]] = None,
+        tls_domain: Optional[str] = None,
+    ) -> None:
+        """Follows replica ``name`` through its sidecar's feed at ``url``."""
+    def remove(self, name: str) -> None:
+        """Stops following ``name`` and forgets what it held."""
+    def replicas(self) -> List[ReplicaStatus]: ...
+    def replica(self, name: str) -> ReplicaStatus: ...
+    @property
+    def block_size(self) -> Optional[int]: ...
+    def stats(self) -> IndexStats: ...
+    def score(
+        self,
+        tokens: Optional[TokenIds] = None,
+        *,
+        keys: Optional[Keys] = None,
+        block_size: Optional[int] = None,
+        adapter: str = "",
+    ) -> Scores:
+        """Every replica holding block 0 of the query, best first."""
+    def score_among(
+        self,
+        candidates: Sequence[str],
+        tokens: Optional[TokenIds] = None,
+        *,
+        keys: Optional[Keys] = None,
+        block_size: Optional[int] = None,
+        adapter: str = "",
+    ) -> Scores:
+        """``score`` among ``candidates`` only; those not followed are in ``not_followed``."""
+    def record(
+        self,
+        chosen: Union[Score, str],
+        prompt_tokens: int,
+        cached_tokens: int,
+        *,
+        block_size: Optional[int] = None,
+    ) -> str:
+        """Records what the engine reused: ``exact``, ``optimistic`` or ``pessimistic``."""
+    def accounting(self) -> Dict[str, Accounting]: ...
+    def ready_blocking(self, timeout: float, names: Optional[Sequence[str]] = None) -> None:
+        """Blocks until the replicas are exact, for at most ``timeout`` seconds."""
+    def _ready_then(
+        self,
+        timeout: float,
+        names: Optional[Sequence[str]],
+        callback: Callable[[Optional[BaseException]], None],
+    ) -> _Waiting: ...
+    def _changes(self) -> _Changes: ...
+    def close(self) -> None:
+        """Stops following every replica; ``ready`` fails and ``changes`` ends after."""
+    @property
+    def closed(self) -> bool: ...

@@ -1,0 +1,248 @@
+"""kvevent.Fleet as a Python router uses it, against real peers: Python publishers built like
+vLLM's and SGLang's, the sidecar binary in front of each, and the example router (a Rust
+Fleet) following the same sidecars for the same queries."""
+
+import array
+import asyncio
+import threading
+import time
+
+import pytest
+
+import kvevent
+from conftest import Publisher, Router, Sidecar
+
+# Each publisher's batch i stores two blocks of 16 tokens, range(32i, 32i + 32), chained to
+# batch i-1's; odd batches remove batch i-1's first block. One batch: tokens 0..32 held.
+PROMPT = list(range(40))
+
+
+def rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.fixture
+def three_sidecars(processes, subscriber_bin):
+    """a (vLLM 0.33) and b (SGLang) hold tokens 0..32; c (vLLM 0.20, three batches) has lost
+    its first block and matches no prompt from token 0."""
+    engines = {
+        "a": processes(Publisher, "vllm", "0.33.0", "--count", "1"),
+        "b": processes(Publisher, "sglang", "0.5.23", "--count", "1"),
+        "c": processes(Publisher, "vllm", "0.20.0", "--count", "3"),
+    }
+    sidecars = {name: processes(Sidecar, subscriber_bin, e, name) for name, e in engines.items()}
+    return engines, sidecars
+
+
+def follow(fleet, sidecars):
+    for name, s in sidecars.items():
+        fleet.follow(name, s.url, replica=name, model="m")
+
+
+def wait_until(what, predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"not {what} within {timeout}s"
+        time.sleep(0.05)
+
+
+def as_router_json(scores):
+    return [
+        {
+            "replica": s.replica,
+            "matched_tokens": s.matched_tokens,
+            "matched_blocks": s.matched_blocks,
+            "tier": s.tier,
+            "state": s.state,
+            "reason": s.reason,
+            "fresh": s.exact,
+        }
+        for s in scores
+    ]
+
+
+def test_scores_equal_the_rust_fleets_for_the_same_sidecars(processes, router_bin, three_sidecars):
+    engines, sidecars = three_sidecars
+    router = processes(Router, router_bin, {n: s.url for n, s in sidecars.items()})
+    with kvevent.Fleet() as fleet:
+        follow(fleet, sidecars)
+        fleet.ready_blocking(30)
+        # c's three batches are in once it holds its five blocks.
+        wait_until("c whole", lambda: fleet.replica("c").blocks == 5)
+        assert [r.name for r in fleet.replicas()] == ["a", "b", "c"]
+        assert all(r.exact and r.block_size == 16 for r in fleet.replicas())
+        assert fleet.block_size == 16
+        stats = fleet.stats()
+        # Six prefixes; a and b hold two, c five; k0 is held twice, k1 three times (h holders
+        # make h(h-1)/2 shared pairs).
+        assert (stats.keys, stats.pairs, stats.shared_pairs) == (6, 9, 1 + 3)
+        assert stats.duplication == pytest.approx(3 / 9)
+        queries = [
+            {"token_ids": PROMPT},
+            {"token_ids": list(range(16))},
+            {"token_ids": [9] * 16},
+            {"token_ids": PROMPT, "candidates": ["c", "d", "a"]},
+            {"token_ids": list(range(96)), "candidates": ["a", "b", "c"]},
+        ]
+        for q in queries:
+            wait_until("the router exact", lambda: all(
+                s["fresh"] for s in router.post("/score", {"model": "m", **q})[1]["scores"]
+            ) or not router.post("/score", {"model": "m", **q})[1]["scores"])
+            status, theirs = router.post("/score", {"model": "m", **q})
+            assert status == 200, theirs
+            if "candidates" in q:
+                ours = fleet.score_among(q["candidates"], q["token_ids"])
+            else:
+                ours = fleet.score(q["token_ids"])
+            assert as_router_json(ours) == theirs["scores"], q
+            assert ours.not_followed == theirs["not_followed"], q
+        # What the answers are, not only that they agree.
+        best = fleet.score(PROMPT)
+        assert [(s.replica, s.matched_tokens, s.state) for s in best] == [
+            ("a", 32, "exact"),
+            ("b", 32, "exact"),
+        ]
+        among = fleet.score_among(["c", "d", "a"], PROMPT)
+        assert [(s.replica, s.matched_blocks) for s in among] == [("a", 2), ("c", 0)]
+        assert among.not_followed == ["d"]
+        # Keys, and token ids as bytes, answer the same as the token list.
+        keys = kvevent.fingerprint_keys(PROMPT, 16)
+        assert as_router_json(fleet.score(keys=keys)) == as_router_json(best)
+        packed = array.array("I", PROMPT).tobytes()
+        assert as_router_json(fleet.score(packed)) == as_router_json(best)
+        assert as_router_json(fleet.score(keys=array.array("Q", keys).tobytes())) == as_router_json(best)
+        assert fleet.score(PROMPT, adapter="lora-x").best is None
+
+
+def test_changes_see_an_engine_killed_behind_its_sidecar(processes, subscriber_bin, three_sidecars):
+    engines, sidecars = three_sidecars
+    seen = []
+
+    async def main():
+        async with kvevent.Fleet(dead_after=1.0) as fleet:
+            follow(fleet, sidecars)
+            await fleet.ready(30)
+            changes = fleet.changes()
+            engines["a"].kill()
+            async def until_stale():
+                async for change in changes:
+                    a = [r for r in change.changed if r.name == "a"]
+                    seen.extend((r.state, r.reason) for r in a)
+                    if a and a[0].state == "stale":
+                        return a[0]
+            stale = await asyncio.wait_for(until_stale(), 30)
+            assert stale.reason == "engine_lost"
+            # The others stay exact; a's entries still count (fail open), marked stale.
+            assert [r.name for r in fleet.replicas() if r.exact] == ["b", "c"]
+            states = {s.replica: s.state for s in fleet.score(PROMPT)}
+            assert states == {"a": "stale", "b": "exact"}
+            with pytest.raises(kvevent.NotReady) as e:
+                await fleet.ready(0.2)
+            assert list(e.value.replicas) == ["a"]
+            assert "engine_lost" in e.value.replicas["a"]
+
+    asyncio.run(main())
+    # Degraded at once, stale after dead_after.
+    assert seen[0] == ("degraded", "engine_lost"), seen
+    assert seen[-1] == ("stale", "engine_lost"), seen
+
+
+def test_blocking_calls_from_a_thread(processes, three_sidecars):
+    engines, sidecars = three_sidecars
+    fleet = kvevent.Fleet(dead_after=1.0)
+    follow(fleet, {"b": sidecars["b"]})
+    changes = fleet.changes()
+    got = []
+
+    def watch():
+        for change in changes:  # blocks, the GIL released; ends when the fleet closes
+            got.append(change)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    fleet.ready_blocking(30, ["b"])
+    fleet.follow("c", sidecars["c"].url)
+    fleet.remove("b")
+    wait_until("changes seen", lambda: any("b" in c.removed for c in got))
+    fleet.close()
+    watcher.join(10)
+    assert not watcher.is_alive(), "changes did not end when the fleet closed"
+    assert fleet.closed and fleet.replicas() == [] and fleet.score(keys=[1]).best is None
+    with pytest.raises(RuntimeError, match="closed"):
+        fleet.follow("b", sidecars["b"].url)
+    assert any(any(r.name == "b" and r.exact for r in c.changed) for c in got), got
+
+
+def test_errors_are_typed_and_in_our_words(processes, three_sidecars):
+    engines, sidecars = three_sidecars
+    with kvevent.Fleet() as fleet:
+        with pytest.raises(kvevent.BlockSizeUnknown, match="no replica said its block size yet"):
+            fleet.score(PROMPT)
+        for url in ["10.0.0.1:7070", "tcp://127.0.0.1:5557", "http://"]:
+            with pytest.raises(ValueError, match="is not http://HOST:PORT or https://HOST:PORT"):
+                fleet.follow("x", url)
+        assert fleet.replicas() == [], "a bad URL changes nothing"
+        with pytest.raises(kvevent.NotFollowed, match="`x` is not followed"):
+            fleet.replica("x")
+        with pytest.raises(kvevent.NotFollowed):
+            fleet.remove("x")
+        with pytest.raises(kvevent.NotFollowed):
+            fleet.ready_blocking(1, ["x"])
+        with pytest.raises(KeyError):  # NotFollowed is a KeyError
+            fleet.record("x", 32, 0, block_size=16)
+        # A sidecar that serves another replica refuses, and says so.
+        fleet.follow("a", sidecars["a"].url, replica="not-a")
+        with pytest.raises(kvevent.NotReady) as e:
+            fleet.ready_blocking(5)
+        assert "refused" in e.value.replicas["a"], e.value.replicas
+        assert "refused" in fleet.replica("a").error
+        fleet.follow("a", sidecars["a"].url, replica="a")
+        fleet.ready_blocking(30)
+        with pytest.raises(ValueError, match="the query's block size is 32, the replicas' events use 16"):
+            fleet.score(PROMPT, block_size=32)
+        with pytest.raises(ValueError, match="one of them"):
+            fleet.score()
+        with pytest.raises(ValueError, match=r"token_ids\[1\]"):
+            fleet.score([1, -1])
+        with pytest.raises(ValueError, match="whole number of 4-byte words"):
+            fleet.score(b"\x00\x01\x02")
+        with pytest.raises(ValueError, match="timeout"):
+            fleet.ready_blocking(-1)
+
+
+def test_predicted_against_realized(processes, three_sidecars):
+    engines, sidecars = three_sidecars
+    with kvevent.Fleet() as fleet:
+        follow(fleet, sidecars)
+        fleet.ready_blocking(30)
+        best = fleet.score(PROMPT).best
+        # 40 tokens, 32 matched: the engine reuses 32 (the last block rule leaves 39 // 16).
+        assert fleet.record(best, len(PROMPT), 32) == "exact"
+        assert fleet.record(best, len(PROMPT), 16) == "optimistic"
+        assert fleet.record("c", len(PROMPT), 16) == "pessimistic"
+        acc = fleet.accounting()
+        assert (acc["a"].decisions, acc["a"].exact, acc["a"].optimistic) == (2, 1, 1)
+        assert acc["c"].pessimistic == 1
+        assert len(acc["a"].error_blocks) == len(kvevent.ERROR_BUCKETS) + 1
+
+
+def test_a_million_scores_leave_rss_flat(processes, three_sidecars):
+    engines, sidecars = three_sidecars
+    with kvevent.Fleet() as fleet:
+        follow(fleet, sidecars)
+        fleet.ready_blocking(30)
+        packed = array.array("I", PROMPT).tobytes()
+        score = fleet.score
+        for _ in range(100_000):  # warm: allocator pools, interned strings
+            score(PROMPT)
+        before = rss_bytes()
+        for i in range(1_000_000):
+            s = score(packed if i % 2 else PROMPT)
+            if i % 1000 == 0:
+                assert s.best.matched_tokens == 32
+        grown = rss_bytes() - before
+        assert grown < 2 << 20, f"RSS grew {grown} bytes over a million scores"
