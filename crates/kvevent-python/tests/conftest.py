@@ -166,6 +166,22 @@ class Router(Process):
             return e.code, json.loads(e.read() or b"null")
 
 
+class PythonRouter(Router):
+    """The wheel's example router (examples/router.py): a Python `Fleet` behind POST /score."""
+
+    def __init__(self, sidecars):
+        args = [sys.executable, str(ROOT / "crates" / "kvevent-python" / "examples" / "router.py")]
+        args += ["--listen", "127.0.0.1:0"]
+        for name, url in sidecars.items():
+            args += ["--sidecar", f"{name}={url}"]
+        Process.__init__(self, args, "python router")
+        line = self.proc.stdout.readline()
+        found = re.search(r"scoring on (http://[^/]+)/score", line)
+        if not found:
+            raise AssertionError(f"python router did not start: {line}\n{self.stderr()}")
+        self.base = found.group(1)
+
+
 @pytest.fixture
 def processes():
     """Starts processes (`start(cls, *args)`) and kills them all at the end."""

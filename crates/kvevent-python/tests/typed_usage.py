@@ -1,0 +1,64 @@
+"""What a router's code looks like to a type checker: `.ci/run` runs `mypy --strict` on this
+file and the package (its stubs), so a stub that lies about a signature fails CI. Not a test
+pytest collects; test_fleet.py runs the same calls against real peers."""
+
+import asyncio
+from typing import Dict, List, Optional
+
+import kvevent
+
+
+def best_replica(fleet: kvevent.Fleet, token_ids: List[int], candidates: List[str]) -> Optional[str]:
+    try:
+        scores: kvevent.Scores = fleet.score_among(candidates, token_ids, adapter="")
+    except kvevent.BlockSizeUnknown:
+        return None
+    exact: List[kvevent.Score] = [s for s in scores if s.exact]
+    if scores.not_followed:
+        print("not followed:", ", ".join(scores.not_followed))
+    return exact[0].replica if exact else None
+
+
+def states(fleet: kvevent.Fleet) -> Dict[str, str]:
+    out: Dict[str, str] = {}
+    for r in fleet.replicas():
+        ranks: List[kvevent.RankStatus] = r.ranks
+        out[r.name] = f"{r.state} {r.reason or ''} ({len(ranks)} ranks, {r.blocks} blocks)"
+    stats: kvevent.IndexStats = fleet.stats()
+    out[""] = f"{stats.keys} keys, duplication {stats.duplication:.2f}"
+    return out
+
+
+async def follow(urls: Dict[str, str]) -> None:
+    async with kvevent.Fleet(dead_after=3.0) as fleet:
+        for name, url in urls.items():
+            fleet.follow(name, url, replica=name)
+        try:
+            await fleet.ready(5.0)
+        except kvevent.NotReady as e:
+            waiting: Dict[str, str] = e.replicas
+            print(f"after {e.waited:.1f}s:", waiting)
+        async for change in fleet.changes():
+            for r in change.changed:
+                print(r.name, r.state, r.error)
+            gone: List[str] = change.removed
+            if gone:
+                break
+        s = fleet.score(kvevent.fingerprint_keys(list(range(64)), 16)).best
+        if s is not None:
+            outcome: str = fleet.record(s, 64, 48)
+            acc: kvevent.Accounting = fleet.accounting()[s.replica]
+            print(outcome, acc.decisions, kvevent.ERROR_BUCKETS)
+
+
+def threads(fleet: kvevent.Fleet) -> None:
+    fleet.ready_blocking(5.0, ["a"])
+    for change in fleet.changes():
+        print(len(change.replicas))
+    batch = kvevent.decode(b"", "vllm")
+    for record in kvevent.Recording("a.kvrec"):
+        print(record.seq, record.decode()["events"], batch["ts"])
+
+
+if __name__ == "__main__":
+    asyncio.run(follow({}))
