@@ -1,6 +1,7 @@
 //! The example router between two real vLLM engines on CPU (feature `real-engine`, run by
-//! `bash .ci/real-engine/run`): token-id prompts go to the engine that holds them, and
-//! `/metrics` shows each prediction against what the engine reused.
+//! `bash .ci/real-engine/run`): token-id prompts go to the engine that holds them, a LoRA
+//! adapter's request to the engine holding the prompt for that adapter, and `/metrics` shows
+//! each prediction against what the engine reused.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -10,10 +11,15 @@ use kvevent_examples::router::{self, Engine, Router, RouterConfig};
 use kvevent_test_support::{HeldPort, VLLM_BLOCK, Vllm, vllm_venv};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// `POST /v1/completions` through the router: status and body.
-async fn complete(addr: std::net::SocketAddr, prompt: &[u32]) -> (u16, serde_json::Value) {
+/// `POST /v1/completions` of `model` (the base model, or a LoRA adapter's name) through the
+/// router: status and body.
+async fn complete(
+    addr: std::net::SocketAddr,
+    model: &str,
+    prompt: &[u32],
+) -> (u16, serde_json::Value) {
     let body =
-        serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
+        serde_json::json!({"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0})
             .to_string();
     let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
     let req = format!(
@@ -49,6 +55,19 @@ async fn the_router_routes_between_two_real_engines() {
     let venv = vllm_venv();
     let logs = std::env::temp_dir().join(format!("kvevent-real-engines-{}", std::process::id()));
     std::fs::create_dir_all(&logs).expect("log dir");
+    // Both serve the LoRA adapter `tiny-lora`: vLLM keeps its blocks apart from the base
+    // model's (its events say lora_name), and the router reads it from a request's `model`.
+    let lora = logs.join("tiny-lora");
+    let made = std::process::Command::new(venv.join("bin/python"))
+        .arg(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../.ci/real-engine/make_lora.py"),
+        )
+        .arg(&lora)
+        .status()
+        .expect("make the LoRA adapter");
+    assert!(made.success(), "make_lora.py failed");
+    let lora_module = format!("--lora-modules=tiny-lora={}", lora.display());
     let ports: Vec<[HeldPort; 3]> = (0..2)
         .map(|_| [HeldPort::new(), HeldPort::new(), HeldPort::new()])
         .collect();
@@ -56,12 +75,18 @@ async fn the_router_routes_between_two_real_engines() {
         .iter()
         .enumerate()
         .map(|(i, [http, events, replay])| {
-            Vllm::start(
+            Vllm::start_with(
                 &venv,
                 http.port(),
                 events.port(),
                 replay.port(),
                 logs.join(format!("vllm-{i}.log")),
+                &[
+                    "--enable-lora",
+                    &lora_module,
+                    "--max-lora-rank=8",
+                    "--max-loras=1",
+                ],
             )
         })
         .collect();
@@ -107,11 +132,11 @@ async fn the_router_routes_between_two_real_engines() {
     // e2 served p2 before (straight to it); p1 is new to both.
     let (p1, p2) = (prompt(1), prompt(2));
     assert_eq!(engines[1].complete(&p2).await, 0);
-    let known = |ids: &[u32]| {
+    let known = |adapter: &str, ids: &[u32]| {
         router
             .fleet()
             .score(&kvevent_fleet::Query {
-                adapter: "",
+                adapter,
                 keys: kvevent_fleet::QueryKeys::Tokens {
                     ids,
                     block_size: VLLM_BLOCK as usize,
@@ -120,30 +145,30 @@ async fn the_router_routes_between_two_real_engines() {
             .ok()
             .and_then(|s| s.first().map(|s| (s.replica.to_owned(), s.matched_tokens)))
     };
-    let settle = |ids: Vec<u32>, on: &'static str| {
+    let settle = |adapter: &'static str, ids: Vec<u32>, on: &'static str| {
         let known = &known;
         async move {
             let deadline = Instant::now() + Duration::from_secs(30);
-            while known(&ids) != Some((on.to_owned(), 4 * VLLM_BLOCK)) {
+            while known(adapter, &ids) != Some((on.to_owned(), 4 * VLLM_BLOCK)) {
                 assert!(
                     Instant::now() < deadline,
                     "{on} never held it: {:?}",
-                    known(&ids)
+                    known(adapter, &ids)
                 );
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         }
     };
-    settle(p2.clone(), "e2").await;
+    settle("", p2.clone(), "e2").await;
     // p2 goes to e2, which holds it: 96 of 128 reused (the last block is computed again).
-    let (status, v) = complete(addr, &p2).await;
+    let (status, v) = complete(addr, "tiny", &p2).await;
     assert_eq!(status, 200, "{v}");
     assert_eq!(
         v["usage"]["prompt_tokens_details"]["cached_tokens"], 96,
         "{v}"
     );
     // p1 is new: both tie at 0, and it goes to e1 (neither busy; by name). Then again to e1.
-    let (status, v) = complete(addr, &p1).await;
+    let (status, v) = complete(addr, "tiny", &p1).await;
     assert_eq!(
         (
             status,
@@ -152,8 +177,8 @@ async fn the_router_routes_between_two_real_engines() {
         (200, &serde_json::json!(0)),
         "{v}"
     );
-    settle(p1.clone(), "e1").await;
-    let (status, v) = complete(addr, &p1).await;
+    settle("", p1.clone(), "e1").await;
+    let (status, v) = complete(addr, "tiny", &p1).await;
     assert_eq!(
         (
             status,
@@ -162,12 +187,28 @@ async fn the_router_routes_between_two_real_engines() {
         (200, &serde_json::json!(96)),
         "{v}"
     );
+    // p3 for the adapter, served by e2 before (straight to it). Nothing of p3 is held for the
+    // base model: a router scoring the base model's prefixes would tie at 0 and send it to e1
+    // by name. This one reads the adapter from the request's `model`: e2, which reuses 96.
+    let p3 = prompt(3);
+    assert_eq!(engines[1].complete_as("tiny-lora", &p3).await, 0);
+    settle("tiny-lora", p3.clone(), "e2").await;
+    assert_eq!(known("", &p3), None, "the base model holds nothing of p3");
+    let (status, v) = complete(addr, "tiny-lora", &p3).await;
+    assert_eq!(
+        (
+            status,
+            &v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        ),
+        (200, &serde_json::json!(96)),
+        "the adapter's request did not reach its holder: {v}"
+    );
     let metrics = router.metrics();
     for needle in [
         "kvevent_router_predictions_total{replica=\"e1\",outcome=\"exact\"} 2",
-        "kvevent_router_predictions_total{replica=\"e2\",outcome=\"exact\"} 1",
+        "kvevent_router_predictions_total{replica=\"e2\",outcome=\"exact\"} 2",
         "kvevent_router_responses_total{replica=\"e1\",code=\"200\"} 2",
-        "kvevent_router_responses_total{replica=\"e2\",code=\"200\"} 1",
+        "kvevent_router_responses_total{replica=\"e2\",code=\"200\"} 2",
     ] {
         assert!(metrics.contains(needle), "no {needle} in\n{metrics}");
     }
