@@ -16,7 +16,7 @@ use kvevent_wire::{Engine, Limits};
 use pyo3::IntoPyObjectExt;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 use serde_json::Value;
 
 mod fleet;
@@ -100,11 +100,46 @@ fn to_python<'py>(py: Python<'py>, v: &Value) -> PyResult<Bound<'py, PyAny>> {
         Value::Object(map) => {
             let dict = PyDict::new(py);
             for (k, item) in map {
-                dict.set_item(k, to_python(py, item)?)?;
+                dict.set_item(key(py, k), to_python(py, item)?)?;
             }
             Ok(dict.into_any())
         }
     }
+}
+
+/// A dict key of the normalized form as a Python string made once (its hash kept), not one
+/// string a key a dict; any other key is made fresh.
+fn key<'py>(py: Python<'py>, k: &str) -> Bound<'py, PyString> {
+    macro_rules! known {
+        ($($name:literal),*) => {
+            match k {
+                $($name => pyo3::intern!(py, $name).clone(),)*
+                _ => PyString::new(py, k),
+            }
+        };
+    }
+    known!(
+        "type",
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+        "group_idx",
+        "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window",
+        "locality",
+        "ownership",
+        "session_id",
+        "lookahead_token_ids",
+        "cache_salt",
+        "ts",
+        "data_parallel_rank",
+        "events"
+    )
 }
 
 /// One batch as it arrived, from a recording.

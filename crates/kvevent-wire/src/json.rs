@@ -32,12 +32,18 @@ pub fn to_json_engine(batch: &EventBatch<'_>, engine: crate::Engine) -> Json {
 
 /// The normalized JSON value of a batch (vLLM's schema).
 pub fn to_json(batch: &EventBatch<'_>) -> Json {
-    let events: Vec<Json> = batch.events.iter().map(event_json).collect();
-    json!({
-        "ts": batch.ts,
-        "data_parallel_rank": batch.data_parallel_rank,
-        "events": events,
-    })
+    // Built in place: `json!` with the events as a value would copy their tree (to_value).
+    let mut m = Map::new();
+    m.insert(
+        "ts".into(),
+        Number::from_f64(batch.ts).map_or(Json::Null, Json::Number),
+    );
+    m.insert("data_parallel_rank".into(), batch.data_parallel_rank.into());
+    m.insert(
+        "events".into(),
+        Json::Array(batch.events.iter().map(event_json).collect()),
+    );
+    Json::Object(m)
 }
 
 fn event_json(event: &Event<'_>) -> Json {
@@ -138,9 +144,13 @@ fn value_json(v: &Value<'_>) -> Json {
         Value::Str(s) => Json::from(&**s),
         Value::Bytes(b) => json!({ "hex": hex(b) }),
         Value::Array(items) => items.iter().map(value_json).collect(),
-        Value::Map(entries) => json!({
-            "map": entries.iter().map(|(k, v)| json!([value_json(k), value_json(v)])).collect::<Vec<_>>()
-        }),
+        Value::Map(entries) => {
+            let pairs = entries
+                .iter()
+                .map(|(k, v)| Json::Array(vec![value_json(k), value_json(v)]))
+                .collect();
+            Json::Object(Map::from_iter([("map".to_owned(), Json::Array(pairs))]))
+        }
     }
 }
 
