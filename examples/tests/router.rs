@@ -2,7 +2,7 @@
 //! the router's index → `POST /score`.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvevent_examples::router::{self, Engine, Router, RouterConfig, Sidecar};
 use kvevent_test_support::{PythonPublisher, eventually, when};
@@ -60,28 +60,26 @@ async fn python_publishers_into_the_router_and_scores_out() {
     let query = serde_json::json!({"model": "m", "adapter": "", "token_ids": tokens}).to_string();
     // The batch reaches the router through the engines' replay (it was published before the
     // router subscribed) or live; wait for both replicas.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let scores = loop {
-        let (status, v) = post(addr, "/score", &query).await;
-        // 503 until a replica said its block size: nothing can be known before.
-        assert!(
-            status == 200 || (status == 503 && v["error"] == "no replica said its block size yet"),
-            "{status} {v}"
-        );
-        // Both, and each replica's state set from its socket (exact: fresh).
-        if v["scores"]
-            .as_array()
-            .is_some_and(|s| s.len() == 2 && s.iter().all(|s| s["fresh"] == true))
-        {
-            break v;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no scores: {v}\n{}",
-            router.metrics()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let scores = eventually(
+        "both replicas scored, exact",
+        Duration::from_secs(20),
+        || async {
+            let (status, v) = post(addr, "/score", &query).await;
+            // 503 until a replica said its block size: nothing can be known before.
+            assert!(
+                status == 200
+                    || (status == 503 && v["error"] == "no replica said its block size yet"),
+                "{status} {v}"
+            );
+            // Both, and each replica's state set from its socket (exact: fresh).
+            when(v, |v| {
+                v["scores"]
+                    .as_array()
+                    .is_some_and(|s| s.len() == 2 && s.iter().all(|s| s["fresh"] == true))
+            })
+        },
+    )
+    .await;
     for s in scores["scores"].as_array().expect("scores") {
         assert_eq!(s["matched_blocks"], 2, "{s}");
         assert_eq!(s["matched_tokens"], 32, "{s}");
@@ -165,21 +163,17 @@ async fn python_publishers_into_the_router_and_scores_out() {
     assert_eq!(v["not_followed"], serde_json::json!(["c"]), "{v}");
     // An engine gone: its replica is degraded at once, then stale, and says why.
     drop(a);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
+    let ra = eventually("a stale", Duration::from_secs(20), || async {
         let replicas = router.replicas();
         let ra = replicas["replicas"]
             .as_array()
             .and_then(|r| r.iter().find(|r| r["name"] == "a").cloned())
             .expect("a");
-        if ra["state"] == "stale" {
-            assert_eq!(ra["reason"], "source_lost", "{ra}");
-            assert_eq!(ra["ranks"][0]["connected"], false, "{ra}");
-            break;
-        }
-        assert!(Instant::now() < deadline, "{ra}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        when(ra, |ra| ra["state"] == "stale")
+    })
+    .await;
+    assert_eq!(ra["reason"], "source_lost", "{ra}");
+    assert_eq!(ra["ranks"][0]["connected"], false, "{ra}");
     drop(_server);
 }
 
@@ -535,21 +529,22 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
     })
     .expect("publish");
     let held: Vec<u32> = (500..540).collect();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let scores = router.fleet().score(&kvevent_fleet::Query {
-            adapter: "",
-            keys: kvevent_fleet::QueryKeys::Tokens {
-                ids: &held,
-                block_size: 32,
-            },
-        });
-        if scores.is_ok_and(|s| s.first().is_some_and(|s| s.replica == "c")) {
-            break;
-        }
-        assert!(Instant::now() < deadline, "c's store never came");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let _ = eventually("c's store", Duration::from_secs(20), || async {
+        let best = router
+            .fleet()
+            .score(&kvevent_fleet::Query {
+                adapter: "",
+                keys: kvevent_fleet::QueryKeys::Tokens {
+                    ids: &held,
+                    block_size: 32,
+                },
+            })
+            .map(|s| s.first().map(|s| s.replica.to_owned()));
+        when(best, |b| {
+            b.as_ref().is_ok_and(|b| b.as_deref() == Some("c"))
+        })
+    })
+    .await;
     let to_c = serde_json::json!({"model": "m", "prompt": held, "max_tokens": 1}).to_string();
     let (status, body) = post_raw(addr, "/v1/completions", &to_c).await;
     assert_eq!(status, 502, "{body}");

@@ -11,6 +11,7 @@ use kvevent_fleet::{
     SidecarFeed,
 };
 use kvevent_mapper::{Identity, KeyMode, Mapper, Options};
+use kvevent_test_support::{eventually_blocking, when};
 use kvevent_wire as wire;
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -89,11 +90,7 @@ fn matched(fleet: &Fleet, seed: u32, blocks: usize) -> Option<(u32, ReplicaState
 }
 
 fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + WAIT;
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    eventually_blocking(what, WAIT, || when(f(), |held| *held).map(|_| ()));
 }
 
 fn state_of(fleet: &Fleet, name: &str) -> Option<ReplicaState> {
@@ -335,6 +332,8 @@ async fn a_stream_naming_another_replica_is_refused_and_a_slow_follower_is_cut_o
         .expect("follow")
         .into_inner();
     let mut m = mapper();
+    // A driving loop, not a wait: it publishes every millisecond until the follower falls
+    // behind (eventually's pause between looks would let it keep up).
     let deadline = Instant::now() + WAIT;
     let mut seed = 0;
     while hub.metrics().cut_off.load(Relaxed) == 0 {
@@ -487,21 +486,14 @@ fn a_fleet_follows_vllm_and_sglang_engines_side_by_side() {
             }
         }
     };
-    let deadline = Instant::now() + WAIT;
-    loop {
-        let scores = fleet.score(&query);
+    eventually_blocking("both replicas", WAIT, || {
         if blocks(&query) == [("v".to_owned(), 2), ("s".to_owned(), 1)]
             && blocks(&salted) == [("s".to_owned(), 2)]
         {
-            break;
+            return Ok(());
         }
-        assert!(
-            Instant::now() < deadline,
-            "both replicas: {scores:?} {:?}",
-            fleet.replicas()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+        Err(format!("{:?} {:?}", fleet.score(&query), fleet.replicas()))
+    });
 }
 
 /// The sidecar loses its engine: the replica, followed through the live sidecar, is degraded

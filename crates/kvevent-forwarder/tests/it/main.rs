@@ -4,7 +4,9 @@ use std::time::Duration;
 
 use kvevent_forwarder::{self as fwd, DropReason, Submit};
 use kvevent_proto as pb;
-use kvevent_test_support::{Behaviour, Received, RecordingServer, distinct_prefixes};
+use kvevent_test_support::{
+    Behaviour, Received, RecordingServer, distinct_prefixes, eventually, when,
+};
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -337,11 +339,10 @@ async fn server_down_then_up_loses_nothing_within_the_bound() {
 
 /// Waits until the forwarder has seen a call fail.
 async fn wait_failing(h: &fwd::Handle) {
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while h.metrics().rpc_errors(tonic::Code::Unavailable) == 0 {
-        assert!(tokio::time::Instant::now() < deadline, "no call failed");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    eventually("a call failed", WAIT, || async {
+        when(h.metrics().rpc_errors(tonic::Code::Unavailable), |n| *n > 0)
+    })
+    .await;
 }
 
 /// While the server is down, past the bound the oldest queued work is shed: when it is back
@@ -364,11 +365,13 @@ async fn during_an_outage_past_the_bound_the_oldest_work_is_dropped_and_counted(
         submit(&h, evict(100 + i));
     }
     let m = h.metrics().clone();
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while m.dropped_prefixes(DropReason::Overflow) + m.dropped_events(DropReason::Overflow) < 38 {
-        assert!(tokio::time::Instant::now() < deadline, "not shed");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    eventually("38 shed", WAIT, || async {
+        when(
+            m.dropped_prefixes(DropReason::Overflow) + m.dropped_events(DropReason::Overflow),
+            |n| *n >= 38,
+        )
+    })
+    .await;
     assert_eq!(m.dropped_prefixes(DropReason::Overflow), 19);
     assert_eq!(m.dropped_events(DropReason::Overflow), 19);
     server.restart().await;
@@ -807,21 +810,14 @@ async fn blocking_submit_waits_for_room_and_fails_once_shut_down() {
 
 /// Waits until the forwarder's in-flight limit reads `want`.
 async fn wait_for_limit(h: &fwd::Handle, want: usize) {
-    let deadline = std::time::Instant::now() + WAIT;
-    loop {
+    eventually(&format!("the in-flight limit at {want}"), WAIT, || async {
         let now = h
             .metrics()
             .in_flight_limit
             .load(std::sync::atomic::Ordering::Relaxed);
-        if now == want as u64 {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "in-flight limit {now}, waited for {want}"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+        when(now, |n| *n == want as u64)
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -4,7 +4,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
 use kvevent_source::{Config, ResetReason, Subscriber, Update};
-use kvevent_test_support::{Publisher, PublisherConfig};
+use kvevent_test_support::{Publisher, PublisherConfig, eventually_blocking, when};
 use kvevent_wire::{self as wire, Release};
 use kvevent_zmq as transport;
 
@@ -52,6 +52,8 @@ fn subscriber(ctx: &zmq::Context, sources: Vec<transport::Source>) -> Subscriber
 
 /// Collects updates as `B<source>:<seq>` / `R<source>:<reason>` until `done` holds.
 fn collect(sub: &mut Subscriber, done: impl Fn(&[String]) -> bool) -> Vec<String> {
+    // A driving loop, not a wait: each step reads for up to 100 ms (eventually's pause between
+    // looks would slow a long collection).
     let deadline = Instant::now() + WAIT;
     let mut seen = Vec::new();
     while !done(&seen) {
@@ -123,14 +125,10 @@ fn a_late_joiner_bootstraps_from_replay() {
         assert_eq!(seen, want, "{release}");
         // The end marker follows the last replayed batch.
         let m = sub.metrics()[0].clone();
-        let deadline = Instant::now() + WAIT;
-        while m.replays_complete.load(Relaxed) == 0 {
-            assert!(
-                Instant::now() < deadline,
-                "{release}: replay never completed"
-            );
+        eventually_blocking(&format!("{release}: the replay complete"), WAIT, || {
             sub.next(Duration::from_millis(50));
-        }
+            when(m.replays_complete.load(Relaxed), |n| *n > 0)
+        });
         assert!(!m.degraded.load(Relaxed), "{release}");
     }
 }
@@ -208,17 +206,13 @@ fn a_lost_end_marker_times_out_and_live_batches_go_on() {
     // The bootstrap replay asked for at start never ends either: its idle timeout closes it,
     // and the replay backoff (100 ms here) passes before the engine publishes.
     let m = sub.metrics()[0].clone();
-    let deadline = Instant::now() + WAIT;
     let mut startup = false;
-    while m.replays_timed_out.load(Relaxed) == 0 {
-        assert!(
-            Instant::now() < deadline,
-            "the startup replay did not time out"
-        );
+    eventually_blocking("the startup replay timed out", WAIT, || {
         if let Some(Update::Reset { reason, .. }) = sub.next(Duration::from_millis(50)) {
             startup |= reason.as_str() == "startup";
         }
-    }
+        when(m.replays_timed_out.load(Relaxed), |n| *n > 0)
+    });
     assert!(startup, "the source was reset at start");
     std::thread::sleep(Duration::from_millis(200));
     engine.publish(&batch(0)).expect("publish");
@@ -227,11 +221,10 @@ fn a_lost_end_marker_times_out_and_live_batches_go_on() {
     let seen = collect(&mut sub, has("B0:2"));
     // The gap replay delivered 1 and 2, then never ended: the idle timeout closes it.
     assert_eq!(seen, ["B0:0", "B0:1", "B0:2"]);
-    let deadline = Instant::now() + WAIT;
-    while m.replays_timed_out.load(Relaxed) < 2 {
-        assert!(Instant::now() < deadline, "no timeout counted");
+    eventually_blocking("a second replay timed out", WAIT, || {
         sub.next(Duration::from_millis(50));
-    }
+        when(m.replays_timed_out.load(Relaxed), |n| *n >= 2)
+    });
     engine.publish(&batch(3)).expect("publish");
     assert_eq!(collect(&mut sub, has("B0:3")), ["B0:3"]);
 }
@@ -365,36 +358,28 @@ fn restarted_across_a_reconnect(lost: u64) {
     collect(&mut sub, has("B0:2"));
     first.shutdown();
     // libzmq closes the old listeners asynchronously: retry the bind for a bounded time.
-    let deadline = Instant::now() + WAIT;
-    let second = loop {
+    let second = eventually_blocking("the second engine bound", WAIT, || {
         let config = PublisherConfig {
             endpoint: endpoint.clone(),
             bind: Some(true),
             replay_endpoint: replay.clone(),
             ..PublisherConfig::loopback(release)
         };
-        match Publisher::start(&ctx, config) {
-            Ok(p) => break p,
-            Err(e) if Instant::now() < deadline => {
-                let _ = e;
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            Err(e) => panic!("second engine: {e}"),
-        }
-    };
+        Publisher::start(&ctx, config).map_err(|e| e.to_string())
+    });
     for i in 10..10 + lost {
         second.publish_lost(payload(release, i));
     }
     // Read meanwhile: a socket read by the caller's thread attaches its new connection only
     // when that thread uses it.
     let mut early = Vec::new();
-    while !second.wait_for_subscribers(1, Duration::from_millis(10)) {
-        assert!(
-            Instant::now() < deadline,
-            "no resubscription; saw {early:?}"
-        );
+    eventually_blocking("the resubscription", WAIT, || {
+        if second.wait_for_subscribers(1, Duration::from_millis(10)) {
+            return Ok(());
+        }
         step(&mut sub, &mut early, Duration::from_millis(10));
-    }
+        Err(format!("{early:?}"))
+    });
     second.publish(&batch(10 + lost)).expect("publish");
     let mut seen = early;
     seen.extend(collect(&mut sub, has(&format!("B0:{lost}"))));
@@ -415,10 +400,11 @@ fn next_with_hands_over_the_decoded_batch_and_corrupt_ones_as_resets() {
     engine.publish(&batch(0)).expect("publish");
     engine.publish_payload(b"\x93\xcb".to_vec());
     engine.publish(&batch(2)).expect("publish");
-    let deadline = Instant::now() + WAIT;
     let mut seen = Vec::new();
-    while seen.len() < 4 {
-        assert!(Instant::now() < deadline, "saw {seen:?}");
+    eventually_blocking("four updates", WAIT, || {
+        if seen.len() >= 4 {
+            return Ok(());
+        }
         let view = sub.next_with(Duration::from_millis(100), |view| match view {
             kvevent_source::View::Batch { seq, batch, .. } => {
                 let wire::Event::BlockStored(s) = &batch.events[0] else {
@@ -429,7 +415,8 @@ fn next_with_hands_over_the_decoded_batch_and_corrupt_ones_as_resets() {
             kvevent_source::View::Reset { reason, .. } => format!("R:{}", reason.as_str()),
         });
         seen.extend(view);
-    }
+        Err(format!("{seen:?}"))
+    });
     assert_eq!(
         seen,
         [

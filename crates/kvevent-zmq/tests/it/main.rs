@@ -3,7 +3,7 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use kvevent_test_support::HeldPort;
+use kvevent_test_support::{HeldPort, eventually_blocking};
 use kvevent_wire::{Release, frames};
 use kvevent_zmq::publisher::{Publisher, PublisherConfig, binds};
 use kvevent_zmq::{Delivery, Frames, ReplayOutcome, Source, SourceOptions, Transport};
@@ -12,25 +12,26 @@ const WAIT: Duration = Duration::from_secs(10);
 
 /// The next delivery that is not a `Connected` (checked on its own below), read by polling.
 fn recv(transport: &mut Transport, got: &mut VecDeque<Frames>) -> Frames {
-    let deadline = Instant::now() + WAIT;
-    loop {
+    eventually_blocking("a delivery", WAIT, || {
         while let Some(f) = got.pop_front() {
             if f.delivery != Delivery::Connected {
-                return f;
+                return Ok(f);
             }
         }
-        assert!(Instant::now() < deadline, "frames within the wait");
         transport.poll(Duration::from_millis(100), got);
-    }
+        Err("nothing but Connected".into())
+    })
 }
 
 /// Polls until `engine` has `n` subscribers: libzmq sends a subscription as the socket is used.
 fn subscribed(transport: &mut Transport, got: &mut VecDeque<Frames>, engine: &Publisher, n: usize) {
-    let deadline = Instant::now() + WAIT;
-    while !engine.wait_for_subscribers(n, Duration::ZERO) {
-        assert!(Instant::now() < deadline, "no subscription within the wait");
+    eventually_blocking("the subscriptions", WAIT, || {
+        if engine.wait_for_subscribers(n, Duration::ZERO) {
+            return Ok(());
+        }
         transport.poll(Duration::from_millis(20), got);
-    }
+        Err(format!("fewer than {n}"))
+    });
 }
 
 /// A source that connects to `endpoint`: no replay, every topic, rank 0.
@@ -164,17 +165,18 @@ fn a_replay_with_no_answer_times_out() {
 
 /// The next deliveries that are not `Connected`, read by the caller's thread.
 fn poll_until(transport: &mut Transport, n: usize) -> Vec<Frames> {
-    let deadline = Instant::now() + WAIT;
     let mut got = VecDeque::new();
-    while got
-        .iter()
-        .filter(|f: &&Frames| f.delivery != Delivery::Connected)
-        .count()
-        < n
-    {
-        assert!(Instant::now() < deadline, "timed out; got {got:?}");
+    eventually_blocking("the deliveries", WAIT, || {
+        let delivered = got
+            .iter()
+            .filter(|f: &&Frames| f.delivery != Delivery::Connected)
+            .count();
+        if delivered >= n {
+            return Ok(());
+        }
         transport.poll(Duration::from_millis(100), &mut got);
-    }
+        Err(format!("{got:?}"))
+    });
     got.into_iter()
         .filter(|f| f.delivery != Delivery::Connected)
         .collect()
@@ -255,15 +257,14 @@ fn live_replay_and_timeout_read_in_the_caller_with_no_thread() {
     assert_eq!(again, 2, "an index is never reused");
     // Published until it arrives (the new subscription takes its time to reach the engine).
     let mut rest: VecDeque<Frames> = VecDeque::new();
-    let deadline = Instant::now() + WAIT;
-    while !rest.iter().any(|f| matches!(f.delivery, Delivery::Live(_))) {
-        assert!(
-            Instant::now() < deadline,
-            "the new source got nothing: {rest:?}"
-        );
+    eventually_blocking("a live batch on the new source", WAIT, || {
+        if rest.iter().any(|f| matches!(f.delivery, Delivery::Live(_))) {
+            return Ok(());
+        }
         engine.publish_payload(b"\x90".to_vec());
         transport.poll(Duration::from_millis(100), &mut rest);
-    }
+        Err(format!("{rest:?}"))
+    });
     assert!(rest.iter().all(|f| f.source != 0), "{rest:?}");
     transport.shutdown();
 }
@@ -349,11 +350,13 @@ fn losing_the_engine_is_reported_as_a_disconnect() {
         Transport::start(&ctx, &[source], &SourceOptions::default()).expect("start");
     let mut got = VecDeque::new();
     subscribed(&mut transport, &mut got, &engine, 1);
-    let deadline = Instant::now() + WAIT;
-    while got.is_empty() {
-        assert!(Instant::now() < deadline, "no delivery");
+    eventually_blocking("a delivery", WAIT, || {
+        if !got.is_empty() {
+            return Ok(());
+        }
         transport.poll(Duration::from_millis(100), &mut got);
-    }
+        Err("none".into())
+    });
     assert_eq!(got[0].delivery, Delivery::Connected);
     engine.shutdown();
     assert_eq!(
