@@ -8,7 +8,7 @@ use kvevent_fleet::{
     ReplicaState, ScoreError, SidecarFeed,
 };
 use kvevent_sidecar::{Settings, start};
-use kvevent_test_support::{Received, RecordingServer};
+use kvevent_test_support::{Received, RecordingServer, eventually_blocking, when};
 use kvevent_wire::{self as wire, Release};
 use kvevent_zmq::publisher::{Publisher, PublisherConfig};
 
@@ -58,11 +58,7 @@ fn blocks_matched(fleet: &Fleet, replica: &str, seed: u64) -> u32 {
 }
 
 fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + WAIT;
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    eventually_blocking(what, WAIT, || when(f(), |held| *held).map(|_| ()));
 }
 
 /// Follows the sidecar at `feed_url` (replica `r1` of `llama`) as `name`.

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use kvevent_proto as pb;
 use kvevent_sidecar::{Settings, start};
-use kvevent_test_support::{HeldPort, PythonPublisher, Received, RecordingServer};
+use kvevent_test_support::{
+    HeldPort, PythonPublisher, Received, RecordingServer, eventually, when,
+};
 
 const WAIT: Duration = Duration::from_secs(20);
 
@@ -151,15 +153,15 @@ async fn sglang_dp_ranks_publish_on_the_port_base_plus_rank() {
         ..settings(&ranks[0], &server)
     };
     let running = start(&s, &ctx).await.expect("start");
-    let deadline = std::time::Instant::now() + WAIT;
     let metrics = running.telemetry().sources.metrics.clone();
-    while metrics
-        .iter()
-        .any(|m| m.batches.load(std::sync::atomic::Ordering::Relaxed) < 4)
-    {
-        assert!(std::time::Instant::now() < deadline, "both ranks' batches");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually("both ranks' batches", WAIT, || async {
+        let batches: Vec<u64> = metrics
+            .iter()
+            .map(|m| m.batches.load(std::sync::atomic::Ordering::Relaxed))
+            .collect();
+        when(batches, |b| b.iter().all(|n| *n >= 4))
+    })
+    .await;
     assert_eq!(running.telemetry().sources.labels.len(), 2);
     running.shutdown(Duration::from_secs(2)).await;
     drop(ranks);

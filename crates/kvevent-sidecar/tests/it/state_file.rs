@@ -8,7 +8,7 @@ use kvevent_sidecar::settings::GoDuration;
 use kvevent_sidecar::{Settings, StartError, start};
 use kvevent_source::ResetReason;
 use kvevent_test_support::{Publisher, PublisherConfig};
-use kvevent_test_support::{Received, RecordingServer};
+use kvevent_test_support::{Received, RecordingServer, eventually, when};
 use kvevent_wire::Release;
 use kvevent_zmq::publisher::scripted_batch;
 
@@ -134,11 +134,13 @@ async fn a_restarted_sidecar_resumes_from_its_state_file_without_a_clear() {
     assert_eq!(metrics.resumes_refused.load(Relaxed), 0);
     assert!(!metrics.degraded.load(Relaxed));
     // The periodic save runs too.
-    let deadline = std::time::Instant::now() + WAIT;
-    while running.telemetry().state_file.writes.written.load(Relaxed) == 0 {
-        assert!(std::time::Instant::now() < deadline, "no periodic save");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("a periodic save", WAIT, || async {
+        when(
+            running.telemetry().state_file.writes.written.load(Relaxed),
+            |n| *n > 0,
+        )
+    })
+    .await;
     running.shutdown(Duration::from_secs(5)).await;
     engine.shutdown();
     let _ = std::fs::remove_dir_all(dir);
@@ -263,14 +265,10 @@ async fn a_sidecar_restarted_from_its_state_file_keeps_its_feed_epoch_and_follow
     engine.publish(&scripted_batch(0)).expect("publish");
     engine.publish(&scripted_batch(1)).expect("publish");
     let hub = first.telemetry().feed.hub().expect("feed").clone();
-    let deadline = std::time::Instant::now() + WAIT;
-    while hub.blocks() < 6 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the feed never held the blocks"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually("the feed holding the blocks", WAIT, || async {
+        when(hub.blocks(), |n| *n >= 6)
+    })
+    .await;
     let (epoch, seq) = hub.position();
     first.shutdown(Duration::from_secs(5)).await;
 

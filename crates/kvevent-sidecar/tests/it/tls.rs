@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 use kvevent_sidecar::settings::GoDuration;
 use kvevent_sidecar::{Settings, start};
 use kvevent_test_support::{Publisher, PublisherConfig};
-use kvevent_test_support::{Received, RecordingServer};
+use kvevent_test_support::{Received, RecordingServer, eventually, when};
 use kvevent_wire::Release;
 use kvevent_zmq::publisher::scripted_batch;
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
@@ -108,11 +108,10 @@ async fn mtls_with_a_custom_ca_delivers_and_a_missing_client_cert_does_not() {
     };
     // Failed handshakes are counted; the second is a retry of the first's report, so by then
     // the first has certainly not been delivered.
-    let deadline = Instant::now() + WAIT;
-    while errors() < 2 {
-        assert!(Instant::now() < deadline, "failed handshakes are counted");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("two failed handshakes counted", WAIT, || async {
+        when(errors(), |n| *n >= 2)
+    })
+    .await;
     assert!(server.received().is_empty());
     running.shutdown(Duration::from_millis(200)).await;
 
