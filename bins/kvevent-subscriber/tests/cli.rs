@@ -285,18 +285,9 @@ impl Stderr {
 
     /// Waits until every needle has been written (bounded by `WAIT`).
     fn wait_for(&self, needles: &[&str]) -> String {
-        let deadline = Instant::now() + WAIT;
-        loop {
-            let text = self.text();
-            if needles.iter().all(|n| text.contains(n)) {
-                return text;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "waited for {needles:?} in:\n{text}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        eventually_blocking(&format!("{needles:?} written"), WAIT, || {
+            when(self.text(), |text| needles.iter().all(|n| text.contains(n)))
+        })
     }
 }
 

@@ -7,7 +7,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvevent_proto as pb;
-use kvevent_test_support::{HeldPort, Publisher, PublisherConfig, Received, RecordingServer};
+use kvevent_test_support::{
+    HeldPort, Publisher, PublisherConfig, Received, RecordingServer, eventually, when,
+};
 use kvevent_wire::{self as wire, Release};
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvevent-subscriber");
@@ -382,16 +384,12 @@ async fn a_restarted_server_gets_the_same_prefixes_back_within_one_refresh_inter
     }
     // The engine's scripted workload: once every batch is read and nothing is left to send,
     // the server holds what the engine holds.
-    let deadline = Instant::now() + WAIT;
-    while sidecar.metric("kvevent_batches_received_total", "").await < 12.0
-        || sidecar.metric("kvevent_queue_depth", "").await != 0.0
-    {
-        assert!(
-            Instant::now() < deadline,
-            "the 12 batches were not all sent"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("the 12 batches all sent", WAIT, || async {
+        let received = sidecar.metric("kvevent_batches_received_total", "").await;
+        let depth = sidecar.metric("kvevent_queue_depth", "").await;
+        when((received, depth), |(r, d)| *r >= 12.0 && *d == 0.0)
+    })
+    .await;
     let before = applied(&server.received());
     assert!(before.len() >= 10, "{}", before.len());
     // The server restarts with an empty memory.

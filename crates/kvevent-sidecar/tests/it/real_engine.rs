@@ -17,7 +17,8 @@ use kvevent_proto as pb;
 use kvevent_sidecar::settings::GoDuration;
 use kvevent_sidecar::{Settings, start};
 use kvevent_test_support::{
-    HeldPort, Received, RecordingServer, VLLM_BLOCK as BLOCK, Vllm as Engine, vllm_venv,
+    HeldPort, Received, RecordingServer, VLLM_BLOCK as BLOCK, Vllm as Engine, eventually,
+    vllm_venv, when,
 };
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -49,18 +50,17 @@ fn predicted(fleet: &Fleet, replica: &str, ids: &[u32]) -> Option<(u32, ReplicaS
 
 /// Waits until both fleets know `ids` as `tokens` matched: the engine's events for it arrived.
 async fn settled(fleets: &[(&Fleet, &str)], ids: &[u32], tokens: u32) {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        let seen: Vec<_> = fleets.iter().map(|(f, r)| predicted(f, r, ids)).collect();
-        if seen.iter().all(|s| s.is_some_and(|(t, _)| t == tokens)) {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "never settled on {tokens}: {seen:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(
+        &format!("both fleets settled on {tokens}"),
+        WAIT,
+        || async {
+            let seen: Vec<_> = fleets.iter().map(|(f, r)| predicted(f, r, ids)).collect();
+            when(seen, |seen| {
+                seen.iter().all(|s| s.is_some_and(|(t, _)| t == tokens))
+            })
+        },
+    )
+    .await;
 }
 
 /// Routes `ids` to the engine as a router would: records each fleet's prediction, sends it,
@@ -512,15 +512,10 @@ async fn the_sidecar_follows_both_ranks_and_a_lora_adapter_of_a_real_engine() {
             .ok()
             .and_then(|s| s.first().map(|s| s.matched_tokens))
     };
-    let deadline = Instant::now() + WAIT;
-    while under("tiny-lora") != Some(4 * BLOCK) {
-        assert!(
-            Instant::now() < deadline,
-            "the adapter's blocks never came: {:?}",
-            under("tiny-lora")
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("the adapter's blocks", WAIT, || async {
+        when(under("tiny-lora"), |u| *u == Some(4 * BLOCK))
+    })
+    .await;
     assert_eq!(
         under(""),
         None,
