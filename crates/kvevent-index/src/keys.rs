@@ -328,17 +328,24 @@ impl Inner {
         let len = self.young.len();
         let room = self.room.max(len).saturating_add(want);
         self.room = room;
-        let additional = room - len;
         // Room the table has, or little beside what it holds (its ordinary growth of ×1.25
         // does as well): nothing to take now.
-        if additional < len / 4 || self.young.bytes_with_room(additional) <= self.young.bytes() {
+        if room - len < len / 4 || self.young.bytes_with_room(room - len) <= self.young.bytes() {
             return;
         }
-        let after = self.bytes() - self.young.bytes() + self.young.bytes_with_room(additional);
-        if after > budget {
-            return;
+        // Growing moves every key held: when it grows, the table at least doubles, so that a
+        // fleet whose announcements trickle in while the first snapshots load moves each key
+        // a bounded number of times (fleet-join: 64 sidecars' hellos over seconds made one
+        // move of everything each, half of its join). What goes unused is given back after
+        // the load ([`Self::fit_after_load`]); within the budget, else only what was asked.
+        let doubled = room.max(self.young.capacity().saturating_mul(2)) - len;
+        for additional in [doubled, room - len] {
+            let after = self.bytes() - self.young.bytes() + self.young.bytes_with_room(additional);
+            if after <= budget {
+                self.young.reserve(additional);
+                return;
+            }
         }
-        self.young.reserve(additional);
     }
 
     /// Once no snapshot loads, room reserved and not used goes back ([`Table::fit`]).

@@ -286,6 +286,71 @@ fn room_reserved_for_a_join_is_taken_at_once_and_given_back_when_unused() {
     }
 }
 
+/// 64 replicas whose announcements trickle in while the first snapshots load (fleet-join): the
+/// table grows a handful of times, each at least doubling it, not once an announcement (each
+/// growth moves every key held), and the unused room goes back after.
+#[test]
+fn announcements_trickling_in_grow_the_table_a_bounded_number_of_times() {
+    const REPLICAS: u64 = 64;
+    const BLOCKS: u64 = 2_000;
+    let index = Index::new(Config::default());
+    let mut sizes = vec![0];
+    let mut sources = Vec::new();
+    for r in 0..REPLICAS {
+        let s = index
+            .add_loading_source(&format!("r{r}"))
+            .expect("a source");
+        index.reserve(BLOCKS as usize);
+        // Half its snapshot is in before the next replica announces its own.
+        let keys: Vec<u64> = (0..BLOCKS)
+            .map(|b| (r * BLOCKS + b + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+            .collect();
+        let change = |&key: &u64| KeyChange::Stored {
+            key,
+            tokens: 16,
+            tier: Tier::T1,
+            adapter: "",
+        };
+        let changes: Vec<KeyChange<'_>> = keys.iter().map(change).collect();
+        index.apply_keys(s, &changes[..BLOCKS as usize / 2]);
+        sources.push((s, keys));
+        let bytes = index.read().inner.young.bytes();
+        if sizes.last() != Some(&bytes) {
+            sizes.push(bytes);
+        }
+    }
+    assert!(
+        sizes.len() <= 10,
+        "the table grew {} times for 64 announcements: {sizes:?}",
+        sizes.len() - 1
+    );
+    for (s, keys) in &sources {
+        let changes: Vec<KeyChange<'_>> = keys[BLOCKS as usize / 2..]
+            .iter()
+            .map(|&key| KeyChange::Stored {
+                key,
+                tokens: 16,
+                tier: Tier::T1,
+                adapter: "",
+            })
+            .collect();
+        index.apply_keys(*s, &changes);
+    }
+    for (s, _) in &sources {
+        index.promote(*s, None);
+    }
+    let stats = index.stats();
+    assert_eq!(stats.pairs as u64, REPLICAS * BLOCKS);
+    let inner = &index.read().inner;
+    assert_eq!(inner.room, 0);
+    assert!(
+        inner.young.len() * 2 >= inner.young.capacity(),
+        "the unused room went back: {} keys in room for {}",
+        inner.young.len(),
+        inner.young.capacity()
+    );
+}
+
 /// Room is never taken past the byte budget: the index grows step by step within it instead.
 #[test]
 fn no_room_is_reserved_past_the_byte_budget() {

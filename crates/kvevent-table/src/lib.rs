@@ -306,6 +306,12 @@ impl<K: Key, V: Copy + Default> Table<K, V> {
         }
     }
 
+    /// Entries the table takes before an insert grows it.
+    #[must_use]
+    pub fn capacity(&self) -> usize {
+        self.slots.len() * MOST_TENTHS / 10
+    }
+
     fn grows_on_insert(&self) -> bool {
         (self.len + 1) * 10 > self.slots.len() * MOST_TENTHS
     }
