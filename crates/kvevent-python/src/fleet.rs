@@ -653,6 +653,56 @@ impl PyFleet {
             .map_err(|e| PyValueError::new_err(e.to_string()))
     }
 
+    /// Follows replica `name` through its engine's own sockets (a wheel built with the
+    /// `engines` feature): `endpoint` is rank 0's PUB (`tcp://HOST:PORT`), `replay` its replay
+    /// endpoint, `dp` the data-parallel ranks (ports offset by rank), `topic` the topic
+    /// subscribed to, `engine` `vllm` or `sglang`, `http` the engine's HTTP server
+    /// (`http://HOST:PORT`, asked at /health: while it does not answer, the replica is not
+    /// exact). It knows what the replay buffer still holds, not every resident block: follow
+    /// a sidecar's feed for that.
+    #[pyo3(signature = (name, endpoint, *, replay=None, dp=1, topic="", engine="vllm", http=None))]
+    #[allow(clippy::too_many_arguments, unused_variables)]
+    fn follow_engine(
+        &self,
+        name: &str,
+        endpoint: &str,
+        replay: Option<String>,
+        dp: u32,
+        topic: &str,
+        engine: &str,
+        http: Option<String>,
+    ) -> PyResult<()> {
+        self.open()?;
+        #[cfg(feature = "engines")]
+        {
+            let engine: kvevent_wire::Engine = engine.parse().map_err(
+                |e: kvevent_wire::Error| PyValueError::new_err(format!("`{engine}`: {e}")),
+            )?;
+            if dp == 0 {
+                return Err(PyValueError::new_err("dp must be at least 1"));
+            }
+            let sockets = fleet::EngineSockets {
+                endpoint: endpoint.to_owned(),
+                replay,
+                dp,
+                topic: topic.as_bytes().to_vec(),
+                engine,
+                http,
+            };
+            let _runtime = self.shared.handle.enter();
+            self.shared
+                .fleet
+                .ensure_replica(name, ReplicaSource::Engine(sockets))
+                .map_err(|e| PyValueError::new_err(e.to_string()))
+        }
+        #[cfg(not(feature = "engines"))]
+        Err(PyRuntimeError::new_err(
+            "this kvevent wheel was built without engines: build it with `maturin build \
+             --features engines` (or pip install ./crates/kvevent-python --config-settings \
+             build-args=--features=engines), or follow the replica's sidecar",
+        ))
+    }
+
     /// Stops following `name` and forgets what it held; NotFollowed if it is not followed.
     fn remove(&self, name: &str) -> PyResult<()> {
         self.shared.not_followed(&[name.to_owned()])?;
@@ -1082,5 +1132,6 @@ pub(crate) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("BlockSizeUnknown", m.py().get_type::<BlockSizeUnknown>())?;
     m.add("NotFollowed", m.py().get_type::<NotFollowed>())?;
     m.add("ERROR_BUCKETS", fleet::ERROR_BUCKETS.to_vec())?;
+    m.add("ENGINES", cfg!(feature = "engines"))?;
     Ok(())
 }

@@ -258,3 +258,38 @@ def test_a_million_scores_leave_rss_flat(processes, three_sidecars):
                 assert s.best.matched_tokens == 32
         grown = rss_bytes() - before
         assert grown < 2 << 20, f"RSS grew {grown} bytes over a million scores"
+
+
+@pytest.mark.skipif(kvevent.ENGINES, reason="this wheel follows engines")
+def test_following_an_engine_without_the_feature_says_how_to_get_it():
+    with kvevent.Fleet() as fleet:
+        with pytest.raises(RuntimeError, match="--features engines"):
+            fleet.follow_engine("a", "tcp://127.0.0.1:5557")
+        assert fleet.replicas() == []
+
+
+@pytest.mark.skipif(
+    not kvevent.ENGINES,
+    reason="a wheel built with `--features engines` (.ci/run builds the default one)",
+)
+def test_an_engine_followed_directly_beside_a_sidecar(processes, subscriber_bin):
+    """A wheel built with engines: one replica through its engine's sockets (what the replay
+    buffer holds), one through its sidecar; both exact, the same blocks."""
+    direct = processes(Publisher, "vllm", "0.33.0", "--count", "1")
+    behind = processes(Publisher, "vllm", "0.33.0", "--count", "1")
+    sidecar = processes(Sidecar, subscriber_bin, behind, "s")
+    with kvevent.Fleet() as fleet:
+        with pytest.raises(ValueError, match="tcp://HOST:PORT"):
+            fleet.follow_engine("e", "127.0.0.1:1")
+        fleet.follow_engine("e", direct.endpoint, replay=direct.replay_endpoint)
+        fleet.follow("s", sidecar.url)
+        fleet.ready_blocking(30)
+        wait_until("both hold the prompt", lambda: len(fleet.score(PROMPT)) == 2)
+        assert [(s.replica, s.matched_tokens, s.state) for s in fleet.score(PROMPT)] == [
+            ("e", 32, "exact"),
+            ("s", 32, "exact"),
+        ]
+        assert fleet.replica("e").source == direct.endpoint
+        direct.kill()
+        wait_until("e not exact", lambda: not fleet.replica("e").exact)
+        assert fleet.replica("e").reason in ("connecting", "source_lost")

@@ -18,6 +18,7 @@ in time; ``NotFollowed`` (a ``KeyError``) for a name the fleet does not follow.
 
 from ._fleet import Changes, Fleet
 from ._kvevent import (
+    ENGINES,
     ERROR_BUCKETS,
     Accounting,
     BlockSizeUnknown,
@@ -39,6 +40,7 @@ from ._kvevent import (
 )
 
 __all__ = [
+    "ENGINES",
     "ERROR_BUCKETS",
     "Accounting",
     "BlockSizeUnknown",

@@ -1,5 +1,6 @@
 from ._fleet import Changes as Changes, Fleet as Fleet
 from ._kvevent import (
+    ENGINES as ENGINES,
     ERROR_BUCKETS as ERROR_BUCKETS,
     Accounting as Accounting,
     BlockSizeUnknown as BlockSizeUnknown,

@@ -59,6 +59,9 @@ class Recording:
     def __iter__(self) -> Iterator[Record]: ...
     def __next__(self) -> Record: ...
 
+ENGINES: bool
+"""The wheel was built with the ``engines`` feature: ``Fleet.follow_engine`` works."""
+
 ERROR_BUCKETS: List[int]
 """Upper bounds of the prediction error buckets, in blocks (expected - realized)."""
 
@@ -242,6 +245,19 @@ class _Fleet:
         tls_domain: Optional[str] = None,
     ) -> None:
         """Follows replica ``name`` through its sidecar's feed at ``url``."""
+    def follow_engine(
+        self,
+        name: str,
+        endpoint: str,
+        *,
+        replay: Optional[str] = None,
+        dp: int = 1,
+        topic: str = "",
+        engine: str = "vllm",
+        http: Optional[str] = None,
+    ) -> None:
+        """Follows replica ``name`` through its engine's sockets (a wheel built with the
+        ``engines`` feature; RuntimeError otherwise)."""
     def remove(self, name: str) -> None:
         """Stops following ``name`` and forgets what it held."""
     def replicas(self) -> List[ReplicaStatus]: ...
