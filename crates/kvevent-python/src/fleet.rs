@@ -699,7 +699,7 @@ impl PyFleet {
         Err(PyRuntimeError::new_err(
             "this kvevent wheel was built without engines: build it with `maturin build \
              --features engines` (or pip install ./crates/kvevent-python --config-settings \
-             build-args=--features=engines), or follow the replica's sidecar",
+             maturin.build-args=--features=engines), or follow the replica's sidecar",
         ))
     }
 
