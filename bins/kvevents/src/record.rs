@@ -645,6 +645,11 @@ pub(crate) fn publish_recording(r: Replay) -> anyhow::Result<()> {
             }
         }
         if let Some(p) = publishers.get(&rec.rank) {
+            // An engine restarted here: a new process starts its seqs and its replay buffer
+            // over, so a follower's replay never gets the old process's batches mixed in.
+            if rec.reset.as_deref() == Some("restart") {
+                p.restart();
+            }
             p.publish_payload_at(rec.seq, rec.payload);
             sent += 1;
         }

@@ -957,3 +957,65 @@ fn max_bytes_ends_the_file_with_the_batch_that_reached_it() {
     assert!(said.contains("it reached --max-bytes"), "{said}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A recording with an engine restart in it is published as that engine was: after the
+/// restart, a replay from seq 0 answers the new process's batches only, not the old one's
+/// (which a follower would take for a gap it cannot repair, or for stale state).
+#[test]
+fn a_recorded_restart_starts_the_replay_buffer_over() {
+    let dir = scratch("restart-replayed");
+    let path = dir.join("restart.kvrec");
+    let mut w = Writer::new(Vec::new(), &Header::new("vllm", 0)).expect("header");
+    let record = |seq: u64, at_us: u64, reset: Option<&str>| Record {
+        rank: 0,
+        seq,
+        at_us,
+        topic: b"kv-events".to_vec(),
+        replay: false,
+        reset: reset.map(str::to_owned),
+        payload: empty_payload(seq as u32),
+    };
+    // The old process's 0..5, the new one's 0 and 1 at once, then its 2 three seconds later:
+    // the replay is asked for meanwhile.
+    for seq in 0..5 {
+        w.write(&record(seq, 0, None)).expect("record");
+    }
+    w.write(&record(0, 0, Some("restart"))).expect("record");
+    w.write(&record(1, 0, None)).expect("record");
+    w.write(&record(2, 3_000_000, None)).expect("record");
+    std::fs::write(&path, w.finish().expect("finish")).expect("write");
+    let (publisher, endpoint, replay) = publish(&path, "1", 1);
+    let ctx = zmq::Context::new();
+    let sub = ctx.socket(zmq::SUB).expect("sub");
+    sub.set_subscribe(b"").expect("subscribe");
+    sub.connect(&endpoint).expect("connect");
+    // The new process's seq 1 arrives live once the publisher saw the subscription.
+    eventually_blocking("seq 1 of the new process, live", WAIT, || {
+        let frames = sub.recv_multipart(zmq::DONTWAIT).unwrap_or_default();
+        let seq = frames
+            .get(1)
+            .and_then(|f| <[u8; 8]>::try_from(f.as_slice()).ok())
+            .map(u64::from_be_bytes);
+        if seq.is_none() {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        when(seq, |s| *s == Some(1))
+    });
+    let dealer = ctx.socket(zmq::DEALER).expect("dealer");
+    dealer.set_rcvtimeo(5_000).expect("timeout");
+    dealer.connect(&replay).expect("connect");
+    dealer
+        .send_multipart([&b""[..], &0u64.to_be_bytes()], 0)
+        .expect("ask");
+    let mut seqs = Vec::new();
+    loop {
+        let frames = dealer.recv_multipart(0).expect("a reply in time");
+        match wire::frames::parse_replay(&frames).expect("a reply") {
+            wire::frames::ReplayReply::Batch { seq, .. } => seqs.push(seq),
+            wire::frames::ReplayReply::End => break,
+        }
+    }
+    assert_eq!(seqs, [0, 1], "the new process's batches only");
+    let _ = publisher.wait_with_output();
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -675,9 +675,10 @@ impl PyFleet {
         self.open()?;
         #[cfg(feature = "engines")]
         {
-            let engine: kvevent_wire::Engine = engine.parse().map_err(
-                |e: kvevent_wire::Error| PyValueError::new_err(format!("`{engine}`: {e}")),
-            )?;
+            let engine: kvevent_wire::Engine =
+                engine.parse().map_err(|e: kvevent_wire::Error| {
+                    PyValueError::new_err(format!("`{engine}`: {e}"))
+                })?;
             if dp == 0 {
                 return Err(PyValueError::new_err("dp must be at least 1"));
             }
