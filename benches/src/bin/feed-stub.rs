@@ -20,6 +20,7 @@ use kvevent_benches::Cli;
 use kvevent_feed::{Hub, HubConfig, ServeOptions};
 use kvevent_fleet::{Fleet, FleetConfig, Query, QueryKeys, ReplicaSource, SidecarFeed};
 use kvevent_mapper::{Identity, KeyMode, Mapper, Options};
+use kvevent_test_support::batches;
 use kvevent_wire as wire;
 
 const BLOCK: usize = 16;
@@ -36,19 +37,13 @@ fn prompt(seed: u32) -> Vec<u32> {
 }
 
 fn stored(seed: u32) -> wire::EventBatch<'static> {
-    wire::EventBatch {
-        ts: 1.0,
-        events: vec![wire::Event::BlockStored(wire::BlockStored {
-            block_hashes: (0..BLOCKS as u64)
-                .map(|h| wire::BlockHash::Int(wire::Int::U64(u64::from(seed) * 1000 + h + 1)))
-                .collect(),
-            token_ids: prompt(seed).into(),
-            block_size: BLOCK as u32,
-            ..Default::default()
-        })],
-        data_parallel_rank: None,
-        unknown_events: 0,
-    }
+    let hashes: Vec<u64> = (0..BLOCKS as u64)
+        .map(|h| u64::from(seed) * 1000 + h + 1)
+        .collect();
+    batches::batch(
+        1.0,
+        vec![batches::stored(&hashes, None, prompt(seed), BLOCK as u32)],
+    )
 }
 
 fn main() -> anyhow::Result<()> {

@@ -286,6 +286,16 @@ fn room_reserved_for_a_join_is_taken_at_once_and_given_back_when_unused() {
     }
 }
 
+/// `key` stored as a feed carries it: 16 tokens, on the GPU, the base model.
+fn stored_key(&key: &u64) -> KeyChange<'static> {
+    KeyChange::Stored {
+        key,
+        tokens: 16,
+        tier: Tier::T1,
+        adapter: "",
+    }
+}
+
 /// 64 replicas whose announcements trickle in while the first snapshots load (fleet-join): the
 /// table grows a handful of times, each at least doubling it, not once an announcement (each
 /// growth moves every key held), and the unused room goes back after.
@@ -305,13 +315,7 @@ fn announcements_trickling_in_grow_the_table_a_bounded_number_of_times() {
         let keys: Vec<u64> = (0..BLOCKS)
             .map(|b| (r * BLOCKS + b + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15))
             .collect();
-        let change = |&key: &u64| KeyChange::Stored {
-            key,
-            tokens: 16,
-            tier: Tier::T1,
-            adapter: "",
-        };
-        let changes: Vec<KeyChange<'_>> = keys.iter().map(change).collect();
+        let changes: Vec<KeyChange<'_>> = keys.iter().map(stored_key).collect();
         index.apply_keys(s, &changes[..BLOCKS as usize / 2]);
         sources.push((s, keys));
         let bytes = index.read().inner.young.bytes();
@@ -325,15 +329,8 @@ fn announcements_trickling_in_grow_the_table_a_bounded_number_of_times() {
         sizes.len() - 1
     );
     for (s, keys) in &sources {
-        let changes: Vec<KeyChange<'_>> = keys[BLOCKS as usize / 2..]
-            .iter()
-            .map(|&key| KeyChange::Stored {
-                key,
-                tokens: 16,
-                tier: Tier::T1,
-                adapter: "",
-            })
-            .collect();
+        let changes: Vec<KeyChange<'_>> =
+            keys[BLOCKS as usize / 2..].iter().map(stored_key).collect();
         index.apply_keys(*s, &changes);
     }
     for (s, _) in &sources {
