@@ -122,14 +122,14 @@ fn sidecar(
     server: &RecordingServer,
 ) -> Settings {
     Settings {
-        engine_endpoint: endpoint.to_owned(),
-        replay_endpoint: replay.to_owned(),
+        engine_endpoint: endpoint.into(),
+        replay_endpoint: replay.into(),
         engine,
-        server: server.addr().to_string(),
+        server: server.addr().to_string().into(),
         replica_id: "r1".into(),
         model_id: "m".into(),
         metrics_address: Default::default(),
-        engine_metrics_url: String::new(),
+        engine_metrics_url: Default::default(),
         window: GoDuration::ms(20),
         ..Settings::default()
     }

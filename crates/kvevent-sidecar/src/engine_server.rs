@@ -8,13 +8,6 @@ use std::time::Duration;
 use kvevent_scrape::Fetcher;
 use tokio::sync::watch;
 
-/// `/health` on the host of one of the engine's URLs (vLLM's and SGLang's health check).
-pub(crate) fn health_url(engine_url: &str) -> Option<String> {
-    let rest = engine_url.strip_prefix("http://")?;
-    let authority = rest.split('/').next().filter(|a| !a.is_empty())?;
-    Some(format!("http://{authority}/health"))
-}
-
 pub(crate) struct EngineServer {
     pub(crate) fetcher: Fetcher,
     pub(crate) url: String,
@@ -55,24 +48,5 @@ impl EngineServer {
                 failing = now;
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::health_url;
-
-    #[test]
-    fn the_health_check_is_on_the_metrics_host() {
-        assert_eq!(
-            health_url("http://10.0.0.7:8000/metrics").as_deref(),
-            Some("http://10.0.0.7:8000/health")
-        );
-        assert_eq!(
-            health_url("http://engine:30000").as_deref(),
-            Some("http://engine:30000/health")
-        );
-        assert_eq!(health_url("https://engine/metrics"), None);
-        assert_eq!(health_url("http:///metrics"), None);
     }
 }

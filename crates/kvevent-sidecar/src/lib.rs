@@ -51,6 +51,9 @@ pub use telemetry::Telemetry;
 /// What went wrong starting the pipeline.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
+    /// The settings are invalid (built in code: [`Settings::load`] refuses them first).
+    #[error(transparent)]
+    Config(#[from] ConfigError),
     /// The identity or mapping options are invalid.
     #[error("mapping options")]
     Mapper(#[from] mapper::Error),
@@ -116,11 +119,7 @@ fn identity(s: &Settings) -> Result<mapper::Identity, mapper::Error> {
 
 fn client_config(s: &Settings) -> Result<fwd::ClientConfig, StartError> {
     let tls = credentials::tls_config(s.tls_files())?;
-    let mut address = s.server().unwrap_or_default();
-    if tls.is_some() && !address.starts_with("https://") {
-        let bare = address.trim_start_matches("http://").to_owned();
-        address = format!("https://{bare}");
-    }
+    let address = s.server().unwrap_or_default();
     let mut config = fwd::ClientConfig::new(address);
     config.rpc_timeout = s.rpc_timeout.0;
     config.connect_timeout = s.connect_timeout.0;
@@ -215,10 +214,11 @@ async fn start_feed(
     ))
 }
 
-/// Starts the pipeline on the current tokio runtime. `settings` must be valid
-/// ([`Settings::load`] validates); `ctx` is the ZMQ context (shared with an in-process engine
-/// for `inproc://` endpoints).
+/// Starts the pipeline on the current tokio runtime; `ctx` is the ZMQ context (shared with an
+/// in-process engine for `inproc://` endpoints). `settings` are validated first: settings built
+/// in code are refused with the problems [`Settings::load`] would report.
 pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, StartError> {
+    settings.validate()?;
     let identity = identity(settings)?;
     let options = mapper::Options {
         key_mode: settings.key_mode,
@@ -235,35 +235,28 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         Some(_) => Some(fwd::connect(&client_config(settings)?)?),
         None => None,
     };
-    let sources = if settings.engine_discovery_url.is_empty() {
-        transport::dp_sources(
-            &settings.engine_endpoint,
-            (!settings.replay_endpoint.is_empty()).then_some(settings.replay_endpoint.as_str()),
-            settings.dp_size,
-            settings.topic.as_bytes(),
-            settings.engine_bind,
-        )?
-    } else {
-        discovery::discover_patiently(
-            &settings.engine_discovery_url,
-            settings.scrape_timeout.0,
-            settings.engine_discovery_timeout.0,
-            settings.topic.as_bytes(),
-        )
-        .await?
+    let sources = match settings.engine_discovery_url.get() {
+        None => settings.engine_sources().map_err(ConfigError)?,
+        Some(url) => {
+            discovery::discover_patiently(
+                url,
+                settings.scrape_timeout.0,
+                settings.engine_discovery_timeout.0,
+                settings.topic.as_bytes(),
+            )
+            .await?
+        }
     };
-    let scraper = if client.is_none()
-        || settings.engine_metrics_url.is_empty()
-        || settings.stats_interval.0.is_zero()
-    {
-        None
-    } else {
-        Some(kvevent_scrape::Scraper::new(
-            &settings.engine_metrics_url,
-            settings.scrape_timeout.0,
-            settings.scrape_max_bytes,
-            stats_config(settings),
-        )?)
+    let scraper = match settings.engine_metrics_url.get() {
+        Some(url) if client.is_some() && !settings.stats_interval.0.is_zero() => {
+            Some(kvevent_scrape::Scraper::new(
+                url,
+                settings.scrape_timeout.0,
+                settings.scrape_max_bytes,
+                stats_config(settings),
+            )?)
+        }
+        _ => None,
     };
 
     let fwd_config = fwd::Config {
@@ -394,7 +387,7 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         tokio::spawn(
             discovery::Watcher {
                 lost_for_good: settings.engine_discovery_recheck.0,
-                url: settings.engine_discovery_url.clone(),
+                url: settings.engine_discovery_url.to_string(),
                 timeout: settings.scrape_timeout.0,
                 topic: settings.topic.as_bytes().to_vec(),
                 current: sources.clone(),
@@ -411,7 +404,8 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
     } else {
         &settings.engine_discovery_url
     };
-    let health_url = engine_server::health_url(server_url)
+    let health_url = server_url
+        .health()
         .filter(|_| !settings.engine_health_interval.0.is_zero());
     if let (Some(hub), Some(url)) = (feed_hub, health_url) {
         let timeout = settings

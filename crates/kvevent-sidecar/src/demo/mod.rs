@@ -99,19 +99,18 @@ pub async fn run(batches: u64) -> Result<Summary, Box<dyn std::error::Error + Se
     let ctx = zmq::Context::new();
     let engine = Publisher::start(&ctx, PublisherConfig::loopback(Release::NEWEST_KNOWN))?;
     let settings = Settings {
-        engine_endpoint: engine.endpoint().to_owned(),
-        replay_endpoint: engine.replay_endpoint().unwrap_or_default().to_owned(),
-        server: server.addr().to_string(),
+        engine_endpoint: engine.endpoint().into(),
+        replay_endpoint: engine.replay_endpoint().unwrap_or_default().into(),
+        server: server.addr().to_string().into(),
         replica_id: "demo-replica-0".into(),
         model_id: "meta-llama/Llama-3.1-8B-Instruct".into(),
-        engine_metrics_url: format!("http://{metrics_addr}/metrics"),
+        engine_metrics_url: format!("http://{metrics_addr}/metrics").into(),
         engine_cache_size_bytes: 16 << 30,
         stats_interval: crate::settings::GoDuration::ms(200),
         metrics_address: "127.0.0.1:0".into(),
         window: crate::settings::GoDuration::ms(50),
         ..Settings::default()
     };
-    settings.validate()?;
     println!("the demo's parts, on loopback until it ends (a second or two):");
     println!(
         "  engine (vLLM {}) publishing on {}",

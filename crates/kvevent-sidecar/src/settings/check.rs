@@ -1,11 +1,11 @@
 //! What an option's value must be, on its own: the checks that entries in `options.rs` name
 //! (`check(...)`), each a function of the value, `Err` saying what is wrong in our words.
-//! Constraints between options (a certificate and its key, the ranks' derived endpoints, the
-//! metrics URL while stats are on) are in `Settings::validate`.
+//! Constraints between options (a certificate and its key, the ranks' derived endpoints) are in
+//! `Settings::validate`.
 
 use std::path::PathBuf;
 
-use super::value::{GoDuration, ListenAddress, LoraAdapters};
+use super::value::{Endpoint, GoDuration, HttpUrl, ListenAddress, LoraAdapters, Server};
 
 /// A required option: not empty.
 pub(super) fn required(value: &str) -> Result<(), String> {
@@ -16,16 +16,16 @@ pub(super) fn required(value: &str) -> Result<(), String> {
 }
 
 /// A ZeroMQ endpoint (`tcp://host:port`, `ipc://path`…), named the way the sidecar connects.
-pub(super) fn endpoint(value: &str) -> Result<(), String> {
-    kvevent_zmq::check_endpoint(value)
+pub(super) fn endpoint(value: &Endpoint) -> Result<(), String> {
+    if value.is_empty() {
+        return Err("is required (e.g. tcp://127.0.0.1:5557)".into());
+    }
+    endpoint_or_empty(value)
 }
 
 /// An endpoint, or empty (none).
-pub(super) fn endpoint_or_empty(value: &str) -> Result<(), String> {
-    if value.is_empty() {
-        return Ok(());
-    }
-    endpoint(value)
+pub(super) fn endpoint_or_empty(value: &Endpoint) -> Result<(), String> {
+    value.problem().map_or(Ok(()), |why| Err(why.to_owned()))
 }
 
 /// `lo` to `hi`, both included.
@@ -67,42 +67,13 @@ pub(super) fn positive(value: &GoDuration) -> Result<(), String> {
 
 /// An InferenceCache server: empty (the default, or none with a feed), host:port, or an
 /// http(s):// URI of one.
-pub(super) fn server(value: &str) -> Result<(), String> {
-    let server = value.trim();
-    if server.is_empty() {
-        return Ok(());
-    }
-    let host_port = server
-        .strip_prefix("http://")
-        .or_else(|| server.strip_prefix("https://"))
-        .unwrap_or(server);
-    if host_port.is_empty()
-        || !host_port.contains(':')
-        || host_port.contains('/')
-        || format!("http://{host_port}").parse::<http::Uri>().is_err()
-    {
-        return Err(format!("`{server}` is not host:port or an http(s):// URI"));
-    }
-    Ok(())
+pub(super) fn server(value: &Server) -> Result<(), String> {
+    value.problem().map_or(Ok(()), |why| Err(why.to_owned()))
 }
 
-/// An http:// URL with a host.
-pub(super) fn http_url(value: &str) -> Result<(), String> {
-    let ok = value
-        .parse::<http::Uri>()
-        .is_ok_and(|u| u.scheme_str() == Some("http") && u.host().is_some());
-    if !ok {
-        return Err(format!("`{value}` is not an http:// URL"));
-    }
-    Ok(())
-}
-
-/// The engine's list of its endpoints: an http:// URL, or empty (none).
-pub(super) fn discovery_url(value: &str) -> Result<(), String> {
-    if value.is_empty() {
-        return Ok(());
-    }
-    http_url(value).map_err(|why| format!("{why} (e.g. http://127.0.0.1:8000/kv_event_sources)"))
+/// An http:// URL with a host, or empty (none).
+pub(super) fn http_url(value: &HttpUrl) -> Result<(), String> {
+    value.problem().map_or(Ok(()), |why| Err(why.to_owned()))
 }
 
 /// A listen address: host:port in one of Go's forms, or empty (off).

@@ -9,7 +9,10 @@ use serde::Serialize;
 
 mod value;
 
-pub use value::{GoDuration, ListenAddress, LogFormat, LoraAdapters, Words, parse_duration};
+pub use value::{
+    Endpoint, GoDuration, HttpUrl, ListenAddress, LogFormat, LoraAdapters, Server, Words,
+    parse_duration,
+};
 
 /// Prefix of every environment variable (`KVEVENT_REPLICA_ID`, ...).
 pub const ENV_PREFIX: &str = "KVEVENT_";
@@ -358,52 +361,17 @@ impl Settings {
     /// Checks every option; reports every problem at once.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let mut problems = self.own_problems();
-        let mut bad = |option: &str, message: String| problems.push(Problem::new(option, message));
-        // Between options, from here on.
-        if (2..=256).contains(&self.dp_size) {
-            let mut derived = Vec::new();
-            for (option, value) in [
-                ("engine_endpoint", &self.engine_endpoint),
-                ("replay_endpoint", &self.replay_endpoint),
-            ] {
-                if value.is_empty() {
-                    continue;
-                }
-                for rank in 0..self.dp_size {
-                    match kvevent_zmq::dp_endpoint(value, rank) {
-                        Ok(e) => derived.push((e, rank, option)),
-                        Err(e) => {
-                            bad(option, e.to_string());
-                            break;
-                        }
-                    }
-                }
-            }
-            // Adjacent base ports collide once offset by rank (5557/5558: rank 1's PUB is
-            // rank 0's replay): vLLM deployments space the bases apart.
-            for (i, (endpoint, rank, option)) in derived.iter().enumerate() {
-                if let Some((_, other_rank, other_option)) =
-                    derived[..i].iter().find(|(e, _, _)| e == endpoint)
-                {
-                    bad(
-                        option,
-                        format!(
-                            "rank {rank}'s endpoint {endpoint} is also rank {other_rank}'s {} with --dp-size {}: space the base ports at least {} apart",
-                            other_option.replace('_', "-"),
-                            self.dp_size,
-                            self.dp_size
-                        ),
-                    );
-                }
-            }
-        }
-        // The engine's metrics are read only while stats are reported.
-        if !self.engine_metrics_url.is_empty()
-            && !self.stats_interval.0.is_zero()
-            && let Err(why) = check::http_url(&self.engine_metrics_url)
+        // Between options, from here on. The ranks' endpoints, when the base ones and the
+        // rank count are good on their own (else that is the problem said).
+        if self.engine_discovery_url.is_empty()
+            && (1..=256).contains(&self.dp_size)
+            && self.engine_endpoint.problem().is_none()
+            && self.replay_endpoint.problem().is_none()
+            && let Err(more) = self.engine_sources()
         {
-            bad("engine_metrics_url", why);
+            problems.extend(more);
         }
+        let mut bad = |option: &str, message: String| problems.push(Problem::new(option, message));
         if self.feed_tls_cert_file.is_some() != self.feed_tls_key_file.is_some() {
             bad(
                 "feed_tls_key_file",
@@ -426,23 +394,99 @@ impl Settings {
         }
     }
 
-    /// The InferenceCache server reports go to: `--server`, or when it is empty,
-    /// [`DEFAULT_SERVER`] — unless `--feed-address` is given: then an empty `--server` means
-    /// none, a sidecar that serves routers only.
+    /// The InferenceCache server reports go to, as a URI (`https://` when TLS is on):
+    /// `--server`, or when it is empty, [`DEFAULT_SERVER`] — unless `--feed-address` is given:
+    /// then an empty `--server` means none, a sidecar that serves routers only.
     pub fn server(&self) -> Option<String> {
-        match self.server.trim() {
-            "" if self.feed_address.is_empty() => Some(DEFAULT_SERVER.to_owned()),
-            "" => None,
-            server => Some(server.to_owned()),
-        }
+        let default;
+        let server = if !self.server.is_empty() {
+            &self.server
+        } else if self.feed_address.is_empty() {
+            default = Server::from(DEFAULT_SERVER);
+            &default
+        } else {
+            return None;
+        };
+        Some(server.uri(self.uses_tls()))
     }
 
     /// True when the server is reached over TLS.
     pub fn uses_tls(&self) -> bool {
-        self.server.trim().starts_with("https://")
+        self.server.is_https()
             || self.tls_ca_file.is_some()
             || self.tls_cert_file.is_some()
             || !self.tls_server_name.is_empty()
+    }
+
+    /// Every DP rank's source, its endpoints derived from the base endpoints by vLLM's port
+    /// offset (`--dp-size`; not used with `--engine-discovery-url`, whose listing names them):
+    /// the one place they are made, for `validate` and `start`. Refused, per option, when an
+    /// endpoint cannot be offset or two ranks' endpoints would be the same.
+    pub fn engine_sources(&self) -> Result<Vec<kvevent_zmq::Source>, Vec<Problem>> {
+        let ranks = 0..self.dp_size.max(1);
+        let derive = |option: &'static str, base: &str| {
+            ranks
+                .clone()
+                .map(|rank| kvevent_zmq::dp_endpoint(base, rank))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| Problem::new(option, e.to_string()))
+        };
+        let endpoints = derive(
+            "engine_endpoint",
+            self.engine_endpoint.get().unwrap_or_default(),
+        );
+        let replays = (self.replay_endpoint.get())
+            .map(|base| derive("replay_endpoint", base))
+            .transpose();
+        let (endpoints, replays) = match (endpoints, replays) {
+            (Ok(endpoints), Ok(replays)) => (endpoints, replays),
+            (endpoints, replays) => {
+                return Err(endpoints.err().into_iter().chain(replays.err()).collect());
+            }
+        };
+        let replays: Vec<Option<String>> = match replays {
+            Some(replays) => replays.into_iter().map(Some).collect(),
+            None => vec![None; endpoints.len()],
+        };
+        let sources: Vec<kvevent_zmq::Source> = (endpoints.into_iter().zip(replays).zip(ranks))
+            .map(
+                |((endpoint, replay_endpoint), dp_rank)| kvevent_zmq::Source {
+                    endpoint,
+                    replay_endpoint,
+                    topic: self.topic.as_bytes().to_vec(),
+                    bind: self.engine_bind,
+                    dp_rank,
+                },
+            )
+            .collect();
+        // Adjacent base ports collide once offset by rank (5557/5558: rank 1's PUB is rank 0's
+        // replay): vLLM deployments space the bases apart.
+        let derived: Vec<(&str, u32, &str)> = (sources.iter())
+            .map(|s| (s.endpoint.as_str(), s.dp_rank, "engine_endpoint"))
+            .chain(sources.iter().filter_map(|s| {
+                Some((s.replay_endpoint.as_deref()?, s.dp_rank, "replay_endpoint"))
+            }))
+            .collect();
+        let problems: Vec<Problem> = (derived.iter().enumerate())
+            .filter_map(|(i, (endpoint, rank, option))| {
+                let (_, other_rank, other) = derived[..i].iter().find(|(e, _, _)| e == endpoint)?;
+                let other = other.replace('_', "-");
+                let message = if rank == other_rank {
+                    format!("{endpoint} is also the {other}: the two are two sockets, on two ports")
+                } else {
+                    let n = self.dp_size;
+                    format!(
+                        "rank {rank}'s endpoint {endpoint} is also rank {other_rank}'s {other} with --dp-size {n}: space the base ports at least {n} apart"
+                    )
+                };
+                Some(Problem::new(*option, message))
+            })
+            .collect();
+        if problems.is_empty() {
+            Ok(sources)
+        } else {
+            Err(problems)
+        }
     }
 
     /// The TLS files and name for the server connection, as `credentials` reads them.

@@ -13,20 +13,18 @@ use kvevent_mapper::KeyMode;
 use kvevent_scrape::{CacheTier, Profile};
 
 use super::check;
-use super::value::{self, GoDuration, LogFormat, lenient_string};
+use super::value::{self, Endpoint, GoDuration, HttpUrl, LogFormat, Server, lenient_string};
 use super::{ListenAddress, LoraAdapters};
 
 super::define_options! {
     /// Engine KV-event PUB endpoint.
-    engine_endpoint: String = "tcp://127.0.0.1:5557".into(), "ENDPOINT" check(check::endpoint),
-        #[serde(deserialize_with = "lenient_string")];
+    engine_endpoint: Endpoint = "tcp://127.0.0.1:5557".into(), "ENDPOINT" check(check::endpoint);
     /// The engine's own list of its KV-event endpoints: vLLM 0.31+'s /kv_event_sources (e.g.
     /// http://127.0.0.1:8000/kv_event_sources) or SGLang 0.5.13+'s /server_info (e.g.
     /// http://127.0.0.1:30000/server_info): every DP rank's PUB and replay endpoints are read from
     /// it (replacing --engine-endpoint, --replay-endpoint and --dp-size), and read again when a
     /// rank's connection is lost for good.
-    engine_discovery_url: String = String::new(), "URL" check(check::discovery_url),
-        #[serde(deserialize_with = "lenient_string")];
+    engine_discovery_url: HttpUrl = HttpUrl::default(), "URL" check(check::http_url);
     /// How long to wait at start for the discovery listing to answer.
     engine_discovery_timeout: GoDuration = GoDuration::secs(300), "DURATION" check(check::positive);
     /// With discovery: a rank disconnected with no batch this long is lost for good and the listing
@@ -36,16 +34,14 @@ super::define_options! {
     /// Bind the SUB socket; for engines whose endpoint has no wildcard (they connect).
     engine_bind: bool = false, "BOOL", #[serde(with = "value::switch")];
     /// Engine replay ROUTER endpoint; empty: no replay.
-    replay_endpoint: String = String::new(), "ENDPOINT" check(check::endpoint_or_empty),
-        #[serde(deserialize_with = "lenient_string")];
+    replay_endpoint: Endpoint = Endpoint::default(), "ENDPOINT" check(check::endpoint_or_empty);
     /// Topic prefix to subscribe to.
     topic: String = "kv-events".into(), "", #[serde(deserialize_with = "lenient_string")];
     /// Data-parallel ranks 0..N-1, endpoints by vLLM's port offset from the two base endpoints.
     dp_size: u32 = 1, "N" check(check::within(1, 256)), #[serde(with = "value::number")];
     /// InferenceCache server: host:port, http://… or https://…; empty: 127.0.0.1:9090, or none with
     /// --feed-address (a sidecar serving routers only: no reports, no stats).
-    server: String = String::new(), "ADDRESS" check(check::server),
-        #[serde(deserialize_with = "lenient_string")];
+    server: Server = Server::default(), "ADDRESS" check(check::server);
     /// This replica's id (required).
     replica_id: String = String::new(), "" check(check::required),
         #[serde(deserialize_with = "lenient_string")];
@@ -67,8 +63,8 @@ super::define_options! {
     /// Window over which adds and evictions are collected, netted and sent.
     window: GoDuration = GoDuration::ms(100), "DURATION" check(check::positive);
     /// Engine Prometheus endpoint; empty: no stats.
-    engine_metrics_url: String = "http://127.0.0.1:8000/metrics".into(), "URL",
-        #[serde(deserialize_with = "lenient_string")];
+    engine_metrics_url: HttpUrl = "http://127.0.0.1:8000/metrics".into(), "URL"
+        check(check::http_url);
     /// Interval of stats reports; 0: none.
     stats_interval: GoDuration = GoDuration::secs(10), "DURATION";
     /// Engine KV cache size in bytes, for cache_memory_bytes; 0: unknown.

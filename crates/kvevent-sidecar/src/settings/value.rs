@@ -342,6 +342,61 @@ mod tests {
             assert_eq!(v.word(), *w);
         }
     }
+
+    #[test]
+    fn the_health_check_is_on_the_urls_host() {
+        let health = |url: &str| HttpUrl::from(url).health();
+        assert_eq!(
+            health("http://10.0.0.7:8000/metrics").as_deref(),
+            Some("http://10.0.0.7:8000/health")
+        );
+        assert_eq!(
+            health("http://engine:30000").as_deref(),
+            Some("http://engine:30000/health")
+        );
+        assert_eq!(health("https://engine/metrics"), None);
+        assert_eq!(health("http:///metrics"), None);
+        assert_eq!(health(""), None);
+    }
+
+    #[test]
+    fn urls_endpoints_and_servers_are_read_once_and_refused_in_our_words() {
+        assert_eq!(
+            HttpUrl::parse("127.0.0.1:8000/metrics"),
+            Err(
+                "`127.0.0.1:8000/metrics` is not an http:// URL (http://127.0.0.1:8000/metrics?)"
+                    .into()
+            )
+        );
+        assert!(HttpUrl::parse("").is_ok_and(|u| u.is_empty() && u.get().is_none()));
+        assert_eq!(
+            Endpoint::parse("127.0.0.1:5557"),
+            Err("`127.0.0.1:5557` is not a tcp://, ipc:// or inproc:// endpoint (tcp://127.0.0.1:5557?)".into())
+        );
+        assert_eq!(Endpoint::from(" tcp://a:1 ").get(), Some("tcp://a:1"));
+        assert_eq!(Endpoint::from("").get(), None);
+        let server = |text: &str| Server::parse(text).map(|s| s.uri(false));
+        assert_eq!(server("cache:9090").as_deref(), Ok("http://cache:9090"));
+        assert_eq!(
+            server("http://cache:9090/").as_deref(),
+            Ok("http://cache:9090")
+        );
+        assert_eq!(
+            server("https://cache:9090").as_deref(),
+            Ok("https://cache:9090")
+        );
+        assert_eq!(Server::from("cache:9090").uri(true), "https://cache:9090");
+        for bad in [
+            "cache",
+            "http://cache",
+            "cache:9090/x",
+            ":9090",
+            "not an address",
+        ] {
+            assert!(Server::parse(bad).is_err(), "{bad}");
+        }
+        assert!(Server::parse(" ").is_ok_and(|s| s.is_empty()));
+    }
 }
 
 /// Where we listen: `host:port` with an IP address, or Go's forms `:port` (every address) and
@@ -469,5 +524,271 @@ impl<'de> Deserialize<'de> for LoraAdapters {
             Some(why) => Err(serde::de::Error::custom(why)),
             None => Ok(adapters),
         }
+    }
+}
+
+/// A ZeroMQ endpoint of the engine's: `tcp://host:port`, `ipc://path` or `inproc://name`;
+/// empty: none. Read once, as the option is; the sources are made from what it holds.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Endpoint {
+    text: String,
+    /// Why the text, built in code, is not an endpoint (`Settings::validate` says so).
+    bad: Option<String>,
+}
+
+impl Endpoint {
+    /// Parses `text`, or says why it is not an endpoint (with the form meant, `tcp://…?`).
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let endpoint = Self::from(text);
+        match endpoint.bad {
+            Some(why) => Err(why),
+            None => Ok(endpoint),
+        }
+    }
+
+    /// The endpoint, `None` when empty.
+    pub fn get(&self) -> Option<&str> {
+        (!self.text.is_empty()).then_some(self.text.as_str())
+    }
+
+    /// Empty: none.
+    pub fn is_empty(&self) -> bool {
+        self.text.is_empty()
+    }
+
+    /// Why the text is not an endpoint, when it is not.
+    pub fn problem(&self) -> Option<&str> {
+        self.bad.as_deref()
+    }
+}
+
+/// Reads `text` (trimmed); one that is not an endpoint says why ([`Endpoint::problem`]).
+impl From<&str> for Endpoint {
+    fn from(text: &str) -> Self {
+        let text = text.trim().to_owned();
+        let bad = if text.is_empty() {
+            None
+        } else {
+            kvevent_zmq::check_endpoint(&text).err()
+        };
+        Self { text, bad }
+    }
+}
+
+impl From<String> for Endpoint {
+    fn from(text: String) -> Self {
+        Self::from(text.as_str())
+    }
+}
+
+impl fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+impl Serialize for Endpoint {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.text)
+    }
+}
+
+impl<'de> Deserialize<'de> for Endpoint {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Self::parse(&lenient_string(d)?).map_err(serde::de::Error::custom)
+    }
+}
+
+/// The InferenceCache server: `host:port`, or an `http://` or `https://` URI of one; empty: the
+/// default (none with a feed, `Settings::server`). Read once, as the option is; the forwarder
+/// connects to [`Server::uri`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Server {
+    text: String,
+    /// `https://` was written.
+    https: bool,
+    /// `host:port`; empty when the text is.
+    authority: String,
+    /// Why the text, built in code, is not a server (`Settings::validate` says so).
+    bad: Option<String>,
+}
+
+impl Server {
+    /// Parses `text`, or says why it is not a server.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let server = Self::from(text);
+        match server.bad {
+            Some(why) => Err(why),
+            None => Ok(server),
+        }
+    }
+
+    /// Empty: the default, or none with a feed.
+    pub fn is_empty(&self) -> bool {
+        self.authority.is_empty() && self.bad.is_none()
+    }
+
+    /// `https://` was written.
+    pub fn is_https(&self) -> bool {
+        self.https
+    }
+
+    /// The URI to connect to: `https://` with `tls`, else as written (`http://` for bare
+    /// `host:port`).
+    pub fn uri(&self, tls: bool) -> String {
+        let scheme = if tls || self.https { "https" } else { "http" };
+        format!("{scheme}://{}", self.authority)
+    }
+
+    /// Why the text is not a server, when it is not.
+    pub fn problem(&self) -> Option<&str> {
+        self.bad.as_deref()
+    }
+}
+
+/// Reads `text`; one that is not a server says why ([`Server::problem`]).
+impl From<&str> for Server {
+    fn from(text: &str) -> Self {
+        let written = text.trim();
+        let (https, authority) = match written.strip_prefix("https://") {
+            Some(rest) => (true, rest),
+            None => (false, written.strip_prefix("http://").unwrap_or(written)),
+        };
+        let authority = authority.strip_suffix('/').unwrap_or(authority);
+        let valid = authority.contains(':')
+            && !authority.contains('/')
+            && authority
+                .parse::<http::uri::Authority>()
+                .is_ok_and(|a| a.port_u16().is_some() && !a.host().is_empty());
+        let bad = (!written.is_empty() && !valid)
+            .then(|| format!("`{written}` is not host:port or an http(s):// URI of one"));
+        Self {
+            text: text.to_owned(),
+            https,
+            authority: if bad.is_none() {
+                authority.to_owned()
+            } else {
+                String::new()
+            },
+            bad,
+        }
+    }
+}
+
+impl From<String> for Server {
+    fn from(text: String) -> Self {
+        Self::from(text.as_str())
+    }
+}
+
+impl fmt::Display for Server {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+impl Serialize for Server {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.text)
+    }
+}
+
+impl<'de> Deserialize<'de> for Server {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Self::parse(&lenient_string(d)?).map_err(serde::de::Error::custom)
+    }
+}
+
+/// An `http://` URL of the engine's (its `/metrics`, its list of endpoints); empty: none. Read
+/// once, as the option is; the scraper, discovery and the health check use what it holds.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HttpUrl {
+    text: String,
+    uri: Option<http::Uri>,
+    /// Why the text, built in code, is not an http:// URL (`Settings::validate` says so).
+    bad: Option<String>,
+}
+
+impl HttpUrl {
+    /// Parses `text`, or says why it is not an http:// URL.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let url = Self::from(text);
+        match url.bad {
+            Some(why) => Err(why),
+            None => Ok(url),
+        }
+    }
+
+    /// The URL, `None` when empty.
+    pub fn get(&self) -> Option<&str> {
+        self.uri.is_some().then_some(self.text.as_str())
+    }
+
+    /// Empty: none.
+    pub fn is_empty(&self) -> bool {
+        self.uri.is_none() && self.bad.is_none()
+    }
+
+    /// `http://host:port/health` on the URL's host: the engine's health check (vLLM's and
+    /// SGLang's).
+    pub fn health(&self) -> Option<String> {
+        let authority = self.uri.as_ref()?.authority()?;
+        Some(format!("http://{authority}/health"))
+    }
+
+    /// Why the text is not an http:// URL, when it is not.
+    pub fn problem(&self) -> Option<&str> {
+        self.bad.as_deref()
+    }
+}
+
+/// Reads `text` (trimmed); one that is not an http:// URL with a host says why
+/// ([`HttpUrl::problem`]).
+impl From<&str> for HttpUrl {
+    fn from(text: &str) -> Self {
+        let text = text.trim().to_owned();
+        if text.is_empty() {
+            return Self::default();
+        }
+        match text.parse::<http::Uri>() {
+            Ok(uri) if uri.scheme_str() == Some("http") && uri.host().is_some() => Self {
+                text,
+                uri: Some(uri),
+                bad: None,
+            },
+            _ => Self {
+                bad: Some(if text.contains("://") {
+                    format!("`{text}` is not an http:// URL")
+                } else {
+                    format!("`{text}` is not an http:// URL (http://{text}?)")
+                }),
+                text,
+                uri: None,
+            },
+        }
+    }
+}
+
+impl From<String> for HttpUrl {
+    fn from(text: String) -> Self {
+        Self::from(text.as_str())
+    }
+}
+
+impl fmt::Display for HttpUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+impl Serialize for HttpUrl {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.text)
+    }
+}
+
+impl<'de> Deserialize<'de> for HttpUrl {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Self::parse(&lenient_string(d)?).map_err(serde::de::Error::custom)
     }
 }

@@ -45,7 +45,7 @@ fn precedence_is_defaults_then_file_then_env_then_flags() {
         assert!(s.engine_bind);
         assert_eq!(
             s.server().as_deref(),
-            Some("127.0.0.1:9090"),
+            Some("http://127.0.0.1:9090"),
             "default kept"
         );
         Ok(())
@@ -269,6 +269,145 @@ fn dp_ranks_whose_offset_ports_collide_are_refused() {
         Settings::load(None, flags(&spaced)).expect("spaced apart");
         Ok(())
     });
+}
+
+/// The endpoint options are read once: `start` takes the sources `validate` checked, rank by
+/// rank, from the one function that derives them.
+#[test]
+fn the_ranks_sources_are_derived_once_from_the_endpoint_options() {
+    Jail::expect_with(|_jail| {
+        let s = Settings::load(
+            None,
+            flags(&[
+                ("replica_id", "r"),
+                ("model_id", "m"),
+                ("dp_size", "3"),
+                ("engine_endpoint", " tcp://10.0.0.1:5557 "),
+                ("replay_endpoint", "tcp://10.0.0.1:5657"),
+                ("topic", "t"),
+            ]),
+        )
+        .expect("valid");
+        let sources = s.engine_sources().expect("derived");
+        let got: Vec<(&str, Option<&str>, u32)> = sources
+            .iter()
+            .map(|s| (s.endpoint.as_str(), s.replay_endpoint.as_deref(), s.dp_rank))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("tcp://10.0.0.1:5557", Some("tcp://10.0.0.1:5657"), 0),
+                ("tcp://10.0.0.1:5558", Some("tcp://10.0.0.1:5658"), 1),
+                ("tcp://10.0.0.1:5559", Some("tcp://10.0.0.1:5659"), 2),
+            ]
+        );
+        assert!(sources.iter().all(|s| s.topic == b"t"));
+        // Both options' problems at once, each under its own name.
+        let err = Settings::load(
+            None,
+            flags(&[
+                ("replica_id", "r"),
+                ("model_id", "m"),
+                ("dp_size", "2"),
+                ("engine_endpoint", "ipc:///tmp/kv"),
+                ("replay_endpoint", "tcp://10.0.0.1:65535"),
+            ]),
+        )
+        .expect_err("cannot offset");
+        let text = err.to_string();
+        assert!(
+            text.contains("--engine-endpoint (KVEVENT_ENGINE_ENDPOINT)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("--replay-endpoint (KVEVENT_REPLAY_ENDPOINT)"),
+            "{text}"
+        );
+        assert!(text.contains("above 65535"), "{text}");
+        // One rank: the replay endpoint is another socket, so another port.
+        let err = Settings::load(
+            None,
+            flags(&[
+                ("replica_id", "r"),
+                ("model_id", "m"),
+                ("engine_endpoint", "tcp://10.0.0.1:5557"),
+                ("replay_endpoint", "tcp://10.0.0.1:5557"),
+            ]),
+        )
+        .expect_err("one port for two sockets");
+        assert!(
+            err.to_string().contains(
+                "--replay-endpoint (KVEVENT_REPLAY_ENDPOINT): tcp://10.0.0.1:5557 is also the engine-endpoint"
+            ),
+            "{err}"
+        );
+        Ok(())
+    });
+}
+
+/// `--engine-metrics-url` is read as the option is, whether or not stats are on: with a feed
+/// its host is where the engine's health is asked, so a typo is refused, not ignored.
+#[test]
+fn the_engine_metrics_url_is_refused_when_not_a_url_even_without_stats() {
+    Jail::expect_with(|_jail| {
+        for stats in ["10s", "0"] {
+            let err = Settings::load(
+                None,
+                flags(&[
+                    ("replica_id", "r"),
+                    ("model_id", "m"),
+                    ("stats_interval", stats),
+                    ("engine_metrics_url", "127.0.0.1:8000/metrics"),
+                ]),
+            )
+            .expect_err("not a URL");
+            assert!(
+                err.to_string().contains(
+                    "--engine-metrics-url (KVEVENT_ENGINE_METRICS_URL): `127.0.0.1:8000/metrics` is not an http:// URL (http://127.0.0.1:8000/metrics?)"
+                ),
+                "{err}"
+            );
+        }
+        let s = Settings::load(
+            None,
+            flags(&[
+                ("replica_id", "r"),
+                ("model_id", "m"),
+                ("engine_metrics_url", ""),
+            ]),
+        )
+        .expect("empty: no stats");
+        assert!(s.engine_metrics_url.get().is_none());
+        Ok(())
+    });
+}
+
+/// Settings built in code, not loaded, are validated by `start` itself: the same problems, no
+/// half-started sidecar.
+#[tokio::test]
+async fn start_refuses_settings_built_in_code_with_the_problems_load_would_report() {
+    let settings = Settings {
+        replica_id: "r".into(),
+        model_id: "m".into(),
+        engine_endpoint: "127.0.0.1:5557".into(),
+        server: "nowhere".into(),
+        metrics_address: Default::default(),
+        ..Settings::default()
+    };
+    let err = kvevent_sidecar::start(&settings, &zmq::Context::new())
+        .await
+        .expect_err("invalid");
+    let text = err.to_string();
+    assert!(
+        matches!(err, kvevent_sidecar::StartError::Config(_)),
+        "{err:?}"
+    );
+    for needle in [
+        "--engine-endpoint (KVEVENT_ENGINE_ENDPOINT): `127.0.0.1:5557` is not a tcp://",
+        "--server (KVEVENT_SERVER): `nowhere` is not host:port",
+    ] {
+        assert!(text.contains(needle), "missing {needle:?} in:\n{text}");
+    }
 }
 
 #[test]

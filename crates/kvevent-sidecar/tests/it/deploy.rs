@@ -56,8 +56,11 @@ fn the_example_configuration_loads() {
             std::collections::BTreeMap::<String, String>::new(),
         )
         .map_err(|e| e.to_string())?;
-        assert_eq!(s.replay_endpoint, "tcp://127.0.0.1:5558");
-        assert_eq!(s.server, "https://inference-cache.cache.svc:9090");
+        assert_eq!(s.replay_endpoint.get(), Some("tcp://127.0.0.1:5558"));
+        assert_eq!(
+            s.server.to_string(),
+            "https://inference-cache.cache.svc:9090"
+        );
         assert_eq!(s.replica_id, "vllm-llama-0");
         assert_eq!(s.model_id, "meta-llama/Llama-3.1-8B-Instruct");
         assert_eq!(s.key_mode, kvevent_mapper::KeyMode::Fingerprint);

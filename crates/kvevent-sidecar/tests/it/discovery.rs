@@ -47,14 +47,14 @@ fn serve(listener: tokio::net::TcpListener, body: Arc<Mutex<String>>) {
 
 fn settings(url: String, server: &RecordingServer) -> Settings {
     Settings {
-        engine_discovery_url: url,
+        engine_discovery_url: url.into(),
         // Nothing listens here: the endpoints must come from the listing.
         engine_endpoint: "tcp://127.0.0.1:1".into(),
-        server: server.addr().to_string(),
+        server: server.addr().to_string().into(),
         replica_id: "r1".into(),
         model_id: "m".into(),
         metrics_address: Default::default(),
-        engine_metrics_url: String::new(),
+        engine_metrics_url: Default::default(),
         window: GoDuration::ms(20),
         ..Settings::default()
     }

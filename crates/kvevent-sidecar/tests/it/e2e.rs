@@ -48,7 +48,7 @@ async fn events_and_stats_flow_end_to_end() {
         .await
         .expect("metrics");
     let s = Settings {
-        engine_metrics_url: format!("http://{metrics_addr}/metrics"),
+        engine_metrics_url: format!("http://{metrics_addr}/metrics").into(),
         stats_interval: GoDuration::ms(100),
         max_concurrency_ceiling: 10,
         ..settings(&engine, &server)
@@ -169,7 +169,7 @@ async fn an_engine_metrics_body_past_scrape_max_bytes_fails_the_scrape() {
     for (max, fits) in [(1000, false), (demo::METRICS_FIXTURE.len() + 1, true)] {
         let (server, ctx, engine) = ends().await;
         let s = Settings {
-            engine_metrics_url: format!("http://{metrics_addr}/metrics"),
+            engine_metrics_url: format!("http://{metrics_addr}/metrics").into(),
             stats_interval: GoDuration::ms(50),
             scrape_max_bytes: max,
             ..settings(&engine, &server)
@@ -206,7 +206,7 @@ async fn a_failing_scrape_never_touches_the_event_path() {
     let (server, ctx, engine) = ends().await;
     let closed = HeldPort::new();
     let s = Settings {
-        engine_metrics_url: format!("http://{}/metrics", closed.addr()),
+        engine_metrics_url: format!("http://{}/metrics", closed.addr()).into(),
         stats_interval: GoDuration::ms(50),
         scrape_timeout: GoDuration::ms(200),
         ..settings(&engine, &server)
@@ -284,7 +284,7 @@ async fn shutdown_drains_adds_still_in_their_window() {
         .expect("metrics fixture");
     let s = Settings {
         window: GoDuration::secs(60),
-        engine_metrics_url: format!("http://{metrics_addr}/metrics"),
+        engine_metrics_url: format!("http://{metrics_addr}/metrics").into(),
         stats_interval: GoDuration::ms(50),
         ..settings(&engine, &server)
     };
@@ -509,13 +509,13 @@ async fn a_source_shows_whether_its_socket_reaches_the_engine() {
     // the start, and is looked at once the other has connected and seen its engine go.
     let nothing = HeldPort::new();
     let unreachable = Settings {
-        engine_endpoint: nothing.tcp(),
-        replay_endpoint: String::new(),
-        server: server.addr().to_string(),
+        engine_endpoint: nothing.tcp().into(),
+        replay_endpoint: Default::default(),
+        server: server.addr().to_string().into(),
         replica_id: "r2".into(),
         model_id: "llama".into(),
         metrics_address: Default::default(),
-        engine_metrics_url: String::new(),
+        engine_metrics_url: Default::default(),
         ..Settings::default()
     };
     let never = start(&unreachable, &ctx).await.expect("start");
@@ -610,7 +610,7 @@ async fn an_sglang_engine_is_read_with_engine_sglang_salts_and_eagle_pairs_inclu
 async fn readyz_says_which_source_is_degraded_and_for_how_long() {
     let (server, ctx, engine) = ends().await;
     let s = Settings {
-        replay_endpoint: String::new(),
+        replay_endpoint: Default::default(),
         stats_interval: GoDuration::ms(0),
         ..settings(&engine, &server)
     };
@@ -658,7 +658,7 @@ async fn a_sidecar_restarted_beside_a_connecting_engine_sees_no_false_restart() 
     .expect("engine");
     let s = Settings {
         engine_bind: true,
-        engine_endpoint: endpoint.clone(),
+        engine_endpoint: endpoint.as_str().into(),
         stats_interval: GoDuration::ms(0),
         ..settings(&engine, &server)
     };

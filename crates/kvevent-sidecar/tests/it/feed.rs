@@ -523,7 +523,7 @@ async fn an_engine_whose_server_is_gone_is_not_exact() {
     let port = http.port;
     let s = Settings {
         feed_address: "127.0.0.1:0".into(),
-        engine_metrics_url: format!("http://127.0.0.1:{port}/metrics"),
+        engine_metrics_url: format!("http://127.0.0.1:{port}/metrics").into(),
         engine_health_interval: kvevent_sidecar::settings::GoDuration::ms(100),
         ..crate::loopback(&engine, &server)
     };

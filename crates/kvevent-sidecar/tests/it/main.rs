@@ -22,13 +22,13 @@ use kvevent_test_support::{Publisher, PublisherConfig, RecordingServer};
 /// window, no `/metrics` listener, no scrape.
 pub(crate) fn loopback(engine: &Publisher, server: &RecordingServer) -> Settings {
     Settings {
-        engine_endpoint: engine.endpoint().to_owned(),
-        replay_endpoint: engine.replay_endpoint().unwrap_or_default().to_owned(),
-        server: server.addr().to_string(),
+        engine_endpoint: engine.endpoint().into(),
+        replay_endpoint: engine.replay_endpoint().unwrap_or_default().into(),
+        server: server.addr().to_string().into(),
         replica_id: "r1".into(),
         model_id: "llama".into(),
         metrics_address: Default::default(),
-        engine_metrics_url: String::new(),
+        engine_metrics_url: Default::default(),
         window: GoDuration::ms(20),
         ..Settings::default()
     }

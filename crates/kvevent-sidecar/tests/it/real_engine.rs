@@ -146,13 +146,13 @@ async fn the_sidecar_and_routers_against_a_real_vllm_engine() {
     let server = RecordingServer::start().await;
     let ctx = zmq::Context::new();
     let settings = Settings {
-        engine_endpoint: events.tcp(),
-        replay_endpoint: replay.tcp(),
-        server: server.addr().to_string(),
+        engine_endpoint: events.tcp().into(),
+        replay_endpoint: replay.tcp().into(),
+        server: server.addr().to_string().into(),
         replica_id: "vllm-cpu".into(),
         model_id: "tiny".into(),
         feed_address: "127.0.0.1:0".into(),
-        engine_metrics_url: format!("http://{}/metrics", engine.http),
+        engine_metrics_url: format!("http://{}/metrics", engine.http).into(),
         engine_health_interval: GoDuration::ms(200),
         engine_cache_size_bytes: 1 << 20,
         stats_interval: GoDuration::ms(500),
@@ -467,8 +467,8 @@ async fn the_sidecar_follows_both_ranks_and_a_lora_adapter_of_a_real_engine() {
     let server = RecordingServer::start().await;
     let ctx = zmq::Context::new();
     let settings = Settings {
-        engine_discovery_url: format!("http://{}/kv_event_sources", engine.http),
-        server: server.addr().to_string(),
+        engine_discovery_url: format!("http://{}/kv_event_sources", engine.http).into(),
+        server: server.addr().to_string().into(),
         replica_id: "vllm-cpu-dp".into(),
         model_id: "tiny".into(),
         feed_address: "127.0.0.1:0".into(),

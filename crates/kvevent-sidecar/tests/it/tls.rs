@@ -66,11 +66,11 @@ async fn deliver_one(
 
 fn base(engine: &Publisher, server: &RecordingServer) -> Settings {
     Settings {
-        engine_endpoint: engine.endpoint().to_owned(),
-        server: format!("https://127.0.0.1:{}", server.addr().port()),
+        engine_endpoint: engine.endpoint().into(),
+        server: format!("https://127.0.0.1:{}", server.addr().port()).into(),
         replica_id: "r1".into(),
         model_id: "m".into(),
-        engine_metrics_url: String::new(),
+        engine_metrics_url: Default::default(),
         metrics_address: Default::default(),
         window: GoDuration::ms(10),
         rpc_timeout: GoDuration::ms(800),
