@@ -19,7 +19,9 @@ fuzz_target!(|data: &[u8]| {
         return;
     }
     drop(f);
-    match Settings::load(Some(&path), BTreeMap::<String, String>::new()) {
+    let loaded = Settings::load(Some(&path), BTreeMap::<String, String>::new());
+    let _ = std::fs::remove_file(&path);
+    match loaded {
         Ok(settings) => {
             settings.validate().expect("loaded settings validate");
         }
