@@ -399,6 +399,53 @@ mod tests {
     }
 }
 
+/// For an option's type read once from its text (`From<&str>`, keeping the text and, when the
+/// text is not one, why in `bad`): `parse`, `problem` (what the entry's check says of a value
+/// built in code), `From<String>`, `Display` and serde as the text.
+macro_rules! read_once {
+    ($ty:ident) => {
+        impl $ty {
+            /// Reads `text`, or says why it is not one, in our words.
+            pub fn parse(text: &str) -> Result<Self, String> {
+                let value = Self::from(text);
+                match value.bad {
+                    Some(why) => Err(why),
+                    None => Ok(value),
+                }
+            }
+
+            /// Why the text is not one, when it is not.
+            pub fn problem(&self) -> Option<&str> {
+                self.bad.as_deref()
+            }
+        }
+
+        impl From<String> for $ty {
+            fn from(text: String) -> Self {
+                Self::from(text.as_str())
+            }
+        }
+
+        impl fmt::Display for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.text)
+            }
+        }
+
+        impl Serialize for $ty {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.serialize_str(&self.text)
+            }
+        }
+
+        impl<'de> Deserialize<'de> for $ty {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                Self::parse(&lenient_string(d)?).map_err(serde::de::Error::custom)
+            }
+        }
+    };
+}
+
 /// Where we listen: `host:port` with an IP address, or Go's forms `:port` (every address) and
 /// `localhost:port`; empty: not at all. Read once, as the option is; `start` binds what it holds.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -489,11 +536,6 @@ impl LoraAdapters {
     pub fn map(&self) -> &std::collections::HashMap<i64, std::sync::Arc<str>> {
         &self.map
     }
-
-    /// Why the text is not a map, when it is not.
-    pub fn problem(&self) -> Option<&str> {
-        self.bad.as_deref()
-    }
 }
 
 /// Reads `text`; one that is not a map holds none and says why ([`LoraAdapters::problem`]).
@@ -511,21 +553,7 @@ impl From<&str> for LoraAdapters {
     }
 }
 
-impl Serialize for LoraAdapters {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&self.text)
-    }
-}
-
-impl<'de> Deserialize<'de> for LoraAdapters {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let adapters = Self::from(lenient_string(d)?.as_str());
-        match adapters.bad {
-            Some(why) => Err(serde::de::Error::custom(why)),
-            None => Ok(adapters),
-        }
-    }
-}
+read_once!(LoraAdapters);
 
 /// A ZeroMQ endpoint of the engine's: `tcp://host:port`, `ipc://path` or `inproc://name`;
 /// empty: none. Read once, as the option is; the sources are made from what it holds.
@@ -537,15 +565,6 @@ pub struct Endpoint {
 }
 
 impl Endpoint {
-    /// Parses `text`, or says why it is not an endpoint (with the form meant, `tcp://…?`).
-    pub fn parse(text: &str) -> Result<Self, String> {
-        let endpoint = Self::from(text);
-        match endpoint.bad {
-            Some(why) => Err(why),
-            None => Ok(endpoint),
-        }
-    }
-
     /// The endpoint, `None` when empty.
     pub fn get(&self) -> Option<&str> {
         (!self.text.is_empty()).then_some(self.text.as_str())
@@ -554,11 +573,6 @@ impl Endpoint {
     /// Empty: none.
     pub fn is_empty(&self) -> bool {
         self.text.is_empty()
-    }
-
-    /// Why the text is not an endpoint, when it is not.
-    pub fn problem(&self) -> Option<&str> {
-        self.bad.as_deref()
     }
 }
 
@@ -575,29 +589,7 @@ impl From<&str> for Endpoint {
     }
 }
 
-impl From<String> for Endpoint {
-    fn from(text: String) -> Self {
-        Self::from(text.as_str())
-    }
-}
-
-impl fmt::Display for Endpoint {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.text)
-    }
-}
-
-impl Serialize for Endpoint {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&self.text)
-    }
-}
-
-impl<'de> Deserialize<'de> for Endpoint {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        Self::parse(&lenient_string(d)?).map_err(serde::de::Error::custom)
-    }
-}
+read_once!(Endpoint);
 
 /// The InferenceCache server: `host:port`, or an `http://` or `https://` URI of one; empty: the
 /// default (none with a feed, `Settings::server`). Read once, as the option is; the forwarder
@@ -614,15 +606,6 @@ pub struct Server {
 }
 
 impl Server {
-    /// Parses `text`, or says why it is not a server.
-    pub fn parse(text: &str) -> Result<Self, String> {
-        let server = Self::from(text);
-        match server.bad {
-            Some(why) => Err(why),
-            None => Ok(server),
-        }
-    }
-
     /// Empty: the default, or none with a feed.
     pub fn is_empty(&self) -> bool {
         self.authority.is_empty() && self.bad.is_none()
@@ -638,11 +621,6 @@ impl Server {
     pub fn uri(&self, tls: bool) -> String {
         let scheme = if tls || self.https { "https" } else { "http" };
         format!("{scheme}://{}", self.authority)
-    }
-
-    /// Why the text is not a server, when it is not.
-    pub fn problem(&self) -> Option<&str> {
-        self.bad.as_deref()
     }
 }
 
@@ -675,29 +653,7 @@ impl From<&str> for Server {
     }
 }
 
-impl From<String> for Server {
-    fn from(text: String) -> Self {
-        Self::from(text.as_str())
-    }
-}
-
-impl fmt::Display for Server {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.text)
-    }
-}
-
-impl Serialize for Server {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&self.text)
-    }
-}
-
-impl<'de> Deserialize<'de> for Server {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        Self::parse(&lenient_string(d)?).map_err(serde::de::Error::custom)
-    }
-}
+read_once!(Server);
 
 /// An `http://` URL of the engine's (its `/metrics`, its list of endpoints); empty: none. Read
 /// once, as the option is; the scraper, discovery and the health check use what it holds.
@@ -710,15 +666,6 @@ pub struct HttpUrl {
 }
 
 impl HttpUrl {
-    /// Parses `text`, or says why it is not an http:// URL.
-    pub fn parse(text: &str) -> Result<Self, String> {
-        let url = Self::from(text);
-        match url.bad {
-            Some(why) => Err(why),
-            None => Ok(url),
-        }
-    }
-
     /// The URL, `None` when empty.
     pub fn get(&self) -> Option<&str> {
         self.uri.is_some().then_some(self.text.as_str())
@@ -734,11 +681,6 @@ impl HttpUrl {
     pub fn health(&self) -> Option<String> {
         let authority = self.uri.as_ref()?.authority()?;
         Some(format!("http://{authority}/health"))
-    }
-
-    /// Why the text is not an http:// URL, when it is not.
-    pub fn problem(&self) -> Option<&str> {
-        self.bad.as_deref()
     }
 }
 
@@ -769,26 +711,4 @@ impl From<&str> for HttpUrl {
     }
 }
 
-impl From<String> for HttpUrl {
-    fn from(text: String) -> Self {
-        Self::from(text.as_str())
-    }
-}
-
-impl fmt::Display for HttpUrl {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.text)
-    }
-}
-
-impl Serialize for HttpUrl {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&self.text)
-    }
-}
-
-impl<'de> Deserialize<'de> for HttpUrl {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        Self::parse(&lenient_string(d)?).map_err(serde::de::Error::custom)
-    }
-}
+read_once!(HttpUrl);
