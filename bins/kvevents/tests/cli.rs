@@ -500,6 +500,34 @@ fn an_endpoint_without_its_scheme_names_the_flag_and_the_form_meant() {
     }
 }
 
+/// DP ranks whose derived endpoints collide (adjacent base ports) are refused before a socket
+/// opens, by the rule the sidecar and the Fleet use (`kvevent_zmq::dp_sources`).
+#[test]
+fn record_refuses_dp_ranks_whose_endpoints_collide() {
+    let out = kvevents(
+        &[
+            "record",
+            "--endpoint",
+            "tcp://127.0.0.1:5557",
+            "--replay-endpoint",
+            "tcp://127.0.0.1:5558",
+            "--dp-size",
+            "2",
+            "-o",
+            "/dev/null",
+        ],
+        None,
+    );
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(out.status.code(), Some(0), "{said}");
+    assert!(
+        said.contains(
+            "rank 0's replay endpoint tcp://127.0.0.1:5558 is also rank 1's endpoint with 2 ranks"
+        ),
+        "{said}"
+    );
+}
+
 /// `doctor --engine-url 127.0.0.1:8000` names the flag and the URL meant, not the engine's
 /// metrics or its vLLM version.
 #[test]

@@ -89,6 +89,26 @@ pub enum Error {
         /// Why not.
         why: &'static str,
     },
+    /// Two DP ranks' endpoints derived from the base endpoints are the same (adjacent base
+    /// ports: rank 1's events port is rank 0's replay port).
+    #[error(
+        "{}",
+        options::collision(.endpoint, *.rank, *.replay, *.other_rank, *.other_replay, *.dp_size)
+    )]
+    DpCollision {
+        /// The endpoint both are.
+        endpoint: String,
+        /// The later one's rank, and whether it is a replay endpoint (else an events one).
+        rank: u32,
+        /// The later one is a replay endpoint.
+        replay: bool,
+        /// The earlier one's rank.
+        other_rank: u32,
+        /// The earlier one is a replay endpoint.
+        other_replay: bool,
+        /// The ranks asked for.
+        dp_size: u32,
+    },
     /// A thread could not be started.
     #[error("spawn thread")]
     Spawn(#[source] std::io::Error),

@@ -132,7 +132,22 @@ pub fn dp_endpoint(base: &str, rank: u32) -> Result<String, Error> {
     Ok(format!("{addr}:{port}"))
 }
 
-/// One source per rank `0..dp_size`, endpoints derived from the two base endpoints.
+/// One source per rank `0..dp_size`, endpoints derived from the two base endpoints; refused
+/// when a base cannot be offset ([`Error::DpEndpoint`]) or two derived endpoints are the same
+/// ([`Error::DpCollision`]: adjacent bases, or a replay endpoint that is the events endpoint).
+///
+/// ```
+/// use kvevent_zmq::dp_sources;
+/// let ranks = dp_sources("tcp://e:5557", Some("tcp://e:5657"), 2, b"kv-events", false)?;
+/// assert_eq!(ranks[1].endpoint, "tcp://e:5558");
+/// assert_eq!(ranks[1].replay_endpoint.as_deref(), Some("tcp://e:5658"));
+/// let adjacent = dp_sources("tcp://e:5557", Some("tcp://e:5558"), 2, b"kv-events", false);
+/// assert_eq!(
+///     adjacent.unwrap_err().to_string(),
+///     "rank 0's replay endpoint tcp://e:5558 is also rank 1's endpoint with 2 ranks: space the base ports at least 2 apart"
+/// );
+/// # Ok::<(), kvevent_zmq::Error>(())
+/// ```
 pub fn dp_sources(
     endpoint: &str,
     replay_endpoint: Option<&str>,
@@ -140,7 +155,7 @@ pub fn dp_sources(
     topic: &[u8],
     bind: bool,
 ) -> Result<Vec<Source>, Error> {
-    (0..dp_size.max(1))
+    let sources = (0..dp_size.max(1))
         .map(|rank| {
             Ok(Source {
                 endpoint: dp_endpoint(endpoint, rank)?,
@@ -150,5 +165,56 @@ pub fn dp_sources(
                 dp_rank: rank,
             })
         })
-        .collect()
+        .collect::<Result<Vec<_>, Error>>()?;
+    // Every events endpoint, then every replay endpoint: (endpoint, rank, is a replay one).
+    let derived: Vec<(&str, u32, bool)> = (sources.iter())
+        .map(|s| (s.endpoint.as_str(), s.dp_rank, false))
+        .chain(
+            sources
+                .iter()
+                .filter_map(|s| Some((s.replay_endpoint.as_deref()?, s.dp_rank, true))),
+        )
+        .collect();
+    for (i, &(endpoint, rank, replay)) in derived.iter().enumerate() {
+        if let Some(&(_, other_rank, other_replay)) = derived[..i].iter().find(|d| d.0 == endpoint)
+        {
+            return Err(Error::DpCollision {
+                endpoint: endpoint.to_owned(),
+                rank,
+                replay,
+                other_rank,
+                other_replay,
+                dp_size: dp_size.max(1),
+            });
+        }
+    }
+    Ok(sources)
+}
+
+/// [`Error::DpCollision`]'s message.
+pub(crate) fn collision(
+    endpoint: &str,
+    rank: u32,
+    replay: bool,
+    other_rank: u32,
+    other_replay: bool,
+    dp_size: u32,
+) -> String {
+    let kind = |replay: bool| {
+        if replay {
+            "replay endpoint"
+        } else {
+            "endpoint"
+        }
+    };
+    let (kind, other_kind) = (kind(replay), kind(other_replay));
+    if rank == other_rank {
+        format!(
+            "rank {rank}'s {kind} {endpoint} is also its {other_kind}: they are two sockets, on two ports"
+        )
+    } else {
+        format!(
+            "rank {rank}'s {kind} {endpoint} is also rank {other_rank}'s {other_kind} with {dp_size} ranks: space the base ports at least {dp_size} apart"
+        )
+    }
 }

@@ -419,74 +419,40 @@ impl Settings {
     }
 
     /// Every DP rank's source, its endpoints derived from the base endpoints by vLLM's port
-    /// offset (`--dp-size`; not used with `--engine-discovery-url`, whose listing names them):
-    /// the one place they are made, for `validate` and `start`. Refused, per option, when an
-    /// endpoint cannot be offset or two ranks' endpoints would be the same.
+    /// offset (`kvevent_zmq::dp_sources`, with `--dp-size`; not used with
+    /// `--engine-discovery-url`, whose listing names them): what `validate` checks is what
+    /// `start` subscribes to. Refused, under the option whose endpoint is at fault, when a base
+    /// cannot be offset or two ranks' endpoints would be the same.
     pub fn engine_sources(&self) -> Result<Vec<kvevent_zmq::Source>, Vec<Problem>> {
-        let ranks = 0..self.dp_size.max(1);
-        let derive = |option: &'static str, base: &str| {
-            ranks
-                .clone()
-                .map(|rank| kvevent_zmq::dp_endpoint(base, rank))
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| Problem::new(option, e.to_string()))
+        use kvevent_zmq::Error;
+        let derive = |endpoint: &str, replay: Option<&str>| {
+            let topic = self.topic.as_bytes();
+            kvevent_zmq::dp_sources(endpoint, replay, self.dp_size, topic, self.engine_bind)
         };
-        let endpoints = derive(
-            "engine_endpoint",
-            self.engine_endpoint.get().unwrap_or_default(),
-        );
-        let replays = (self.replay_endpoint.get())
-            .map(|base| derive("replay_endpoint", base))
-            .transpose();
-        let (endpoints, replays) = match (endpoints, replays) {
-            (Ok(endpoints), Ok(replays)) => (endpoints, replays),
-            (endpoints, replays) => {
-                return Err(endpoints.err().into_iter().chain(replays.err()).collect());
-            }
+        let endpoint = self.engine_endpoint.get().unwrap_or_default();
+        let replay = self.replay_endpoint.get();
+        let e = match derive(endpoint, replay) {
+            Ok(sources) => return Ok(sources),
+            Err(e) => e,
         };
-        let replays: Vec<Option<String>> = match replays {
-            Some(replays) => replays.into_iter().map(Some).collect(),
-            None => vec![None; endpoints.len()],
+        let of_replay = match &e {
+            Error::DpEndpoint { endpoint: base, .. } => base != endpoint,
+            Error::DpCollision { replay, .. } => *replay,
+            _ => false,
         };
-        let sources: Vec<kvevent_zmq::Source> = (endpoints.into_iter().zip(replays).zip(ranks))
-            .map(
-                |((endpoint, replay_endpoint), dp_rank)| kvevent_zmq::Source {
-                    endpoint,
-                    replay_endpoint,
-                    topic: self.topic.as_bytes().to_vec(),
-                    bind: self.engine_bind,
-                    dp_rank,
-                },
-            )
-            .collect();
-        // Adjacent base ports collide once offset by rank (5557/5558: rank 1's PUB is rank 0's
-        // replay): vLLM deployments space the bases apart.
-        let derived: Vec<(&str, u32, &str)> = (sources.iter())
-            .map(|s| (s.endpoint.as_str(), s.dp_rank, "engine_endpoint"))
-            .chain(sources.iter().filter_map(|s| {
-                Some((s.replay_endpoint.as_deref()?, s.dp_rank, "replay_endpoint"))
-            }))
-            .collect();
-        let problems: Vec<Problem> = (derived.iter().enumerate())
-            .filter_map(|(i, (endpoint, rank, option))| {
-                let (_, other_rank, other) = derived[..i].iter().find(|(e, _, _)| e == endpoint)?;
-                let other = other.replace('_', "-");
-                let message = if rank == other_rank {
-                    format!("{endpoint} is also the {other}: the two are two sockets, on two ports")
-                } else {
-                    let n = self.dp_size;
-                    format!(
-                        "rank {rank}'s endpoint {endpoint} is also rank {other_rank}'s {other} with --dp-size {n}: space the base ports at least {n} apart"
-                    )
-                };
-                Some(Problem::new(*option, message))
-            })
-            .collect();
-        if problems.is_empty() {
-            Ok(sources)
+        let option = if of_replay {
+            "replay_endpoint"
         } else {
-            Err(problems)
+            "engine_endpoint"
+        };
+        let mut problems = vec![Problem::new(option, e.to_string())];
+        // The engine endpoint's problem came first: the replay endpoint's own, if any, too.
+        if let (false, Some(replay)) = (of_replay, replay)
+            && let Err(e) = derive(replay, None)
+        {
+            problems.push(Problem::new("replay_endpoint", e.to_string()));
         }
+        Err(problems)
     }
 
     /// The TLS files and name for the server connection, as `credentials` reads them.

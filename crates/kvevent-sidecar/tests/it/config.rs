@@ -258,7 +258,7 @@ fn dp_ranks_whose_offset_ports_collide_are_refused() {
         let err = Settings::load(None, flags(&adjacent)).expect_err("collision");
         assert!(
             err.to_string()
-                .contains("rank 0's endpoint tcp://10.0.0.1:5558 is also rank 1's engine-endpoint"),
+                .contains("--replay-endpoint (KVEVENT_REPLAY_ENDPOINT): rank 0's replay endpoint tcp://10.0.0.1:5558 is also rank 1's endpoint with 2 ranks: space the base ports at least 2 apart"),
             "{err}"
         );
         let mut spaced = base.to_vec();
@@ -337,7 +337,7 @@ fn the_ranks_sources_are_derived_once_from_the_endpoint_options() {
         .expect_err("one port for two sockets");
         assert!(
             err.to_string().contains(
-                "--replay-endpoint (KVEVENT_REPLAY_ENDPOINT): tcp://10.0.0.1:5557 is also the engine-endpoint"
+                "--replay-endpoint (KVEVENT_REPLAY_ENDPOINT): rank 0's replay endpoint tcp://10.0.0.1:5557 is also its endpoint: they are two sockets, on two ports"
             ),
             "{err}"
         );
