@@ -647,7 +647,7 @@ pub(crate) fn publish_recording(r: Replay) -> anyhow::Result<()> {
         if let Some(p) = publishers.get(&rec.rank) {
             // An engine restarted here: a new process starts its seqs and its replay buffer
             // over, so a follower's replay never gets the old process's batches mixed in.
-            if rec.reset.as_deref() == Some("restart") {
+            if rec.reset.as_deref() == Some(ResetReason::Restart.as_str()) {
                 p.restart();
             }
             p.publish_payload_at(rec.seq, rec.payload);

@@ -513,6 +513,8 @@ fn record_refuses_dp_ranks_whose_endpoints_collide() {
             "tcp://127.0.0.1:5558",
             "--dp-size",
             "2",
+            "--duration",
+            "1s",
             "-o",
             "/dev/null",
         ],

@@ -65,8 +65,8 @@ impl Vllm {
                 "--served-model-name=tiny",
                 "--skip-tokenizer-init",
                 "--dtype=float32",
-                // No torch.compile warm-up (20 s of a 50 s start here, more with two engines
-                // starting at once): the KV events do not depend on how the model runs.
+                // No torch.compile warm-up (a good part of a start: docs/performance.md): the
+                // KV events do not depend on how the model runs.
                 "--enforce-eager",
                 &format!("--block-size={VLLM_BLOCK}"),
                 &format!("--num-gpu-blocks-override={VLLM_CACHE_BLOCKS}"),

@@ -10,7 +10,8 @@
 //!   and dropped, `docs/decisions/0002-reading-the-engine.md`). Sources are added and removed
 //!   while the others run ([`Transport::add`], [`Transport::remove`]). TCP sources beyond 200
 //!   a context get contexts of their own (a libzmq context holds 1,023 sockets).
-//! - [`dp_endpoint`] applies vLLM's data-parallel port-offset rule.
+//! - [`dp_endpoint`] applies vLLM's data-parallel port-offset rule; [`dp_sources`] makes every
+//!   rank's source with it, refusing ranks whose endpoints collide.
 //! - [`publisher::Publisher`] is the other side: a publisher that behaves as vLLM's does (PUB
 //!   `[topic, seq, payload]`, a bounded ROUTER replay buffer, either reply format, restarts,
 //!   injected gaps), for tests, demos and `kvevents publish`.
@@ -98,7 +99,7 @@ pub enum Error {
     DpCollision {
         /// The endpoint both are.
         endpoint: String,
-        /// The later one's rank, and whether it is a replay endpoint (else an events one).
+        /// The later one's rank (events endpoints come before replay endpoints).
         rank: u32,
         /// The later one is a replay endpoint.
         replay: bool,

@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use super::value::{Endpoint, GoDuration, HttpUrl, ListenAddress, LoraAdapters, Server};
+use super::value::{Endpoint, GoDuration, ListenAddress, Parsed};
 
 /// A required option: not empty.
 pub(super) fn required(value: &str) -> Result<(), String> {
@@ -20,11 +20,11 @@ pub(super) fn endpoint(value: &Endpoint) -> Result<(), String> {
     if value.is_empty() {
         return Err("is required (e.g. tcp://127.0.0.1:5557)".into());
     }
-    endpoint_or_empty(value)
+    parsed(value)
 }
 
-/// An endpoint, or empty (none).
-pub(super) fn endpoint_or_empty(value: &Endpoint) -> Result<(), String> {
+/// A value read from text that is one (an endpoint, a server, a URL, a map; empty is none).
+pub(super) fn parsed(value: &impl Parsed) -> Result<(), String> {
     value.problem().map_or(Ok(()), |why| Err(why.to_owned()))
 }
 
@@ -65,25 +65,9 @@ pub(super) fn positive(value: &GoDuration) -> Result<(), String> {
     Ok(())
 }
 
-/// An InferenceCache server: empty (the default, or none with a feed), host:port, or an
-/// http(s):// URI of one.
-pub(super) fn server(value: &Server) -> Result<(), String> {
-    value.problem().map_or(Ok(()), |why| Err(why.to_owned()))
-}
-
-/// An http:// URL with a host, or empty (none).
-pub(super) fn http_url(value: &HttpUrl) -> Result<(), String> {
-    value.problem().map_or(Ok(()), |why| Err(why.to_owned()))
-}
-
 /// A listen address: host:port in one of Go's forms, or empty (off).
 pub(super) fn listen_address(value: &ListenAddress) -> Result<(), String> {
     ListenAddress::parse(value.as_str()).map(|_| ())
-}
-
-/// A map of LoRA ids to names that parsed.
-pub(super) fn lora_names(value: &LoraAdapters) -> Result<(), String> {
-    value.problem().map_or(Ok(()), |why| Err(why.to_owned()))
 }
 
 /// A file that exists, when one is named.

@@ -10,7 +10,7 @@ use serde::Serialize;
 mod value;
 
 pub use value::{
-    Endpoint, GoDuration, HttpUrl, ListenAddress, LogFormat, LoraAdapters, Server, Words,
+    Endpoint, GoDuration, HttpUrl, ListenAddress, LogFormat, LoraAdapters, Parsed, Server, Words,
     parse_duration,
 };
 

@@ -24,7 +24,7 @@ super::define_options! {
     /// http://127.0.0.1:30000/server_info): every DP rank's PUB and replay endpoints are read from
     /// it (replacing --engine-endpoint, --replay-endpoint and --dp-size), and read again when a
     /// rank's connection is lost for good.
-    engine_discovery_url: HttpUrl = HttpUrl::default(), "URL" check(check::http_url);
+    engine_discovery_url: HttpUrl = HttpUrl::default(), "URL" check(check::parsed);
     /// How long to wait at start for the discovery listing to answer.
     engine_discovery_timeout: GoDuration = GoDuration::secs(300), "DURATION" check(check::positive);
     /// With discovery: a rank disconnected with no batch this long is lost for good and the listing
@@ -34,14 +34,14 @@ super::define_options! {
     /// Bind the SUB socket; for engines whose endpoint has no wildcard (they connect).
     engine_bind: bool = false, "BOOL", #[serde(with = "value::switch")];
     /// Engine replay ROUTER endpoint; empty: no replay.
-    replay_endpoint: Endpoint = Endpoint::default(), "ENDPOINT" check(check::endpoint_or_empty);
+    replay_endpoint: Endpoint = Endpoint::default(), "ENDPOINT" check(check::parsed);
     /// Topic prefix to subscribe to.
     topic: String = "kv-events".into(), "", #[serde(deserialize_with = "lenient_string")];
     /// Data-parallel ranks 0..N-1, endpoints by vLLM's port offset from the two base endpoints.
     dp_size: u32 = 1, "N" check(check::within(1, 256)), #[serde(with = "value::number")];
     /// InferenceCache server: host:port, http://… or https://…; empty: 127.0.0.1:9090, or none with
     /// --feed-address (a sidecar serving routers only: no reports, no stats).
-    server: Server = Server::default(), "ADDRESS" check(check::server);
+    server: Server = Server::default(), "ADDRESS" check(check::parsed);
     /// This replica's id (required).
     replica_id: String = String::new(), "" check(check::required),
         #[serde(deserialize_with = "lenient_string")];
@@ -64,7 +64,7 @@ super::define_options! {
     window: GoDuration = GoDuration::ms(100), "DURATION" check(check::positive);
     /// Engine Prometheus endpoint; empty: no stats.
     engine_metrics_url: HttpUrl = "http://127.0.0.1:8000/metrics".into(), "URL"
-        check(check::http_url);
+        check(check::parsed);
     /// Interval of stats reports; 0: none.
     stats_interval: GoDuration = GoDuration::secs(10), "DURATION";
     /// Engine KV cache size in bytes, for cache_memory_bytes; 0: unknown.
@@ -99,7 +99,7 @@ super::define_options! {
     /// endpoint and the usual causes, and /readyz says so while no source has sent anything.
     engine_silence_grace: GoDuration = GoDuration::secs(60), "DURATION" check(check::positive);
     /// Adapter names for LoRA ids, for engines without lora_name: 1=a,2=b.
-    lora_adapter_names: LoraAdapters = LoraAdapters::default(), "MAP" check(check::lora_names);
+    lora_adapter_names: LoraAdapters = LoraAdapters::default(), "MAP" check(check::parsed);
     /// Our HTTP endpoint for /metrics, /healthz, /readyz; empty: none.
     metrics_address: ListenAddress = "0.0.0.0:9095".into(), "HOST:PORT"
         check(check::listen_address);

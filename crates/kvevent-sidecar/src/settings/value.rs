@@ -1,6 +1,7 @@
-//! How option values are read and written: Go durations, words, numbers, switches and paths,
-//! each from a string (a flag, the environment) or the TOML file's own type, each refused in
-//! our words (`` `5x` is not a duration ``), never serde's.
+//! How option values are read and written: Go durations, words, numbers, switches, paths,
+//! listen addresses, engine endpoints, the server, http:// URLs and LoRA names, each from a
+//! string (a flag, the environment) or the TOML file's own type, each refused in our words
+//! (`` `5x` is not a duration ``), never serde's.
 
 use std::fmt;
 use std::time::Duration;
@@ -399,9 +400,16 @@ mod tests {
     }
 }
 
+/// An option's value read once from its text: built in code from text that is not one, it holds
+/// why (`check::parsed` says so).
+pub trait Parsed {
+    /// Why the text is not one, when it is not.
+    fn problem(&self) -> Option<&str>;
+}
+
 /// For an option's type read once from its text (`From<&str>`, keeping the text and, when the
-/// text is not one, why in `bad`): `parse`, `problem` (what the entry's check says of a value
-/// built in code), `From<String>`, `Display` and serde as the text.
+/// text is not one, why in `bad`): `parse`, [`Parsed`], `From<String>`, `Display` and serde as
+/// the text.
 macro_rules! read_once {
     ($ty:ident) => {
         impl $ty {
@@ -413,9 +421,10 @@ macro_rules! read_once {
                     None => Ok(value),
                 }
             }
+        }
 
-            /// Why the text is not one, when it is not.
-            pub fn problem(&self) -> Option<&str> {
+        impl Parsed for $ty {
+            fn problem(&self) -> Option<&str> {
                 self.bad.as_deref()
             }
         }
@@ -538,7 +547,7 @@ impl LoraAdapters {
     }
 }
 
-/// Reads `text`; one that is not a map holds none and says why ([`LoraAdapters::problem`]).
+/// Reads `text`; one that is not a map holds none and says why ([`Parsed::problem`]).
 impl From<&str> for LoraAdapters {
     fn from(text: &str) -> Self {
         let (map, bad) = match kvevent_mapper::parse_lora_adapters(text) {
@@ -576,7 +585,7 @@ impl Endpoint {
     }
 }
 
-/// Reads `text` (trimmed); one that is not an endpoint says why ([`Endpoint::problem`]).
+/// Reads `text` (trimmed); one that is not an endpoint says why ([`Parsed::problem`]).
 impl From<&str> for Endpoint {
     fn from(text: &str) -> Self {
         let text = text.trim().to_owned();
@@ -624,7 +633,7 @@ impl Server {
     }
 }
 
-/// Reads `text`; one that is not a server says why ([`Server::problem`]).
+/// Reads `text`; one that is not a server says why ([`Parsed::problem`]).
 impl From<&str> for Server {
     fn from(text: &str) -> Self {
         let written = text.trim();
@@ -685,7 +694,7 @@ impl HttpUrl {
 }
 
 /// Reads `text` (trimmed); one that is not an http:// URL with a host says why
-/// ([`HttpUrl::problem`]).
+/// ([`Parsed::problem`]).
 impl From<&str> for HttpUrl {
     fn from(text: &str) -> Self {
         let text = text.trim().to_owned();
