@@ -16,6 +16,7 @@ use std::time::Duration;
 use clap::Parser;
 use kvevent_examples::proxy::Upstream;
 use kvevent_examples::router::{self, Engine, Router, RouterConfig, Sidecar};
+use kvevent_fleet::route::Policy;
 
 /// An example router (a reference, not a product): follows vLLM replicas' KV caches, through
 /// their sidecars' feeds or their engines' KV events, into an in-process prefix index, and
@@ -26,9 +27,9 @@ use kvevent_examples::router::{self, Engine, Router, RouterConfig, Sidecar};
     group(clap::ArgGroup::new("replicas").required(true).multiple(true).args(["sidecars", "engines"])),
     after_help = "\
 POST /v1/completions takes an OpenAI completions request whose prompt is token ids (or text,
-with --tokenizer): it goes to the exact replica holding the longest prefix of it (ties: fewest
-requests in flight, then name; no exact replica: fewest in flight), and comes back as the
-replica sent it (streamed when asked; the usage chunk is asked for). A request whose model is
+with --tokenizer): it goes where --policy says (cost, by default: the replica where the prompt
+tokens it would compute and the requests queued ahead of it cost least; a replica whose state
+is not exact is not credited with what it claims), and comes back as the replica sent it (streamed when asked; the usage chunk is asked for). A request whose model is
 not --model is for that LoRA adapter, as vLLM serves one. A replica that fails it is a 502
 naming it. What the engine reused (usage.prompt_tokens_details.cached_tokens) is recorded
 against what the index predicted: GET /metrics has kvevent_router_predictions_total and
@@ -69,6 +70,18 @@ struct Args {
     /// tokens added) to find their prefix; without it a text prompt is refused with 400.
     #[arg(long, value_name = "FILE")]
     tokenizer: Option<std::path::PathBuf>,
+    /// How requests are routed: cost (prompt tokens to compute against requests queued ahead),
+    /// prefix-only (the exact replica holding most of the prompt), least-loaded or round-robin.
+    #[arg(long, default_value = "cost", value_name = "POLICY")]
+    policy: Policy,
+    /// With --policy cost: microseconds one prompt token not held costs to compute (10⁶ over
+    /// the engine's prefill tokens a second).
+    #[arg(long, value_name = "US")]
+    prefill_us_per_token: Option<f64>,
+    /// With --policy cost: microseconds each request queued ahead adds before a request's
+    /// first token (the mean request's time in the engine over the requests it runs at once).
+    #[arg(long, value_name = "US")]
+    queue_us_per_request: Option<f64>,
 }
 
 /// A number of seconds above 0.
@@ -81,7 +94,29 @@ fn seconds(text: &str) -> Result<f64, String> {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    let policy = match args.policy {
+        Policy::Cost(mut w) => {
+            w.prefill_us_per_token = args.prefill_us_per_token.unwrap_or(w.prefill_us_per_token);
+            w.queue_us_per_request = args.queue_us_per_request.unwrap_or(w.queue_us_per_request);
+            if ![w.prefill_us_per_token, w.queue_us_per_request]
+                .iter()
+                .all(|v| v.is_finite() && *v >= 0.0)
+            {
+                anyhow::bail!(
+                    "--prefill-us-per-token and --queue-us-per-request take microseconds, 0 or more"
+                );
+            }
+            Policy::Cost(w)
+        }
+        other if args.prefill_us_per_token.is_some() || args.queue_us_per_request.is_some() => {
+            anyhow::bail!(
+                "--prefill-us-per-token and --queue-us-per-request weigh --policy cost, not {other}"
+            );
+        }
+        other => other,
+    };
     let config = RouterConfig {
+        policy,
         model: args.model,
         block_size: args.block_size,
         engines: args.engines,

@@ -6,14 +6,14 @@
 //! it streams). The cached tokens its usage reports are recorded against the prediction the
 //! choice acted on ([`kvevent_fleet::Fleet::record`]).
 //!
-//! **The rule.** Among the replicas whose state is exact, the one holding the longest prefix of
-//! the prompt; ties (a new prompt ties at 0) go to the one with the fewest requests in flight
-//! through this router, then by name. With no exact replica, or before any block size is
-//! known, the one with the fewest requests in flight (fail open).
+//! **The rule.** `kvevent_fleet::route`'s, by the policy given (`--policy`): by default the
+//! replica where the request costs least, weighing the prompt tokens it would compute there
+//! (what an exact replica holds is not computed again) against the requests queued ahead of it
+//! (its engine's load as its sidecar read it, plus what this router sent it since); ties by
+//! the prompt's first block. Before any block size is known, by load alone.
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -73,7 +73,9 @@ const OVERHEAD_BUCKETS: [f64; 8] = [
 pub(crate) struct Proxy {
     client: Client<HttpConnector, Full<Bytes>>,
     upstreams: Vec<Upstream>,
-    in_flight: HashMap<String, Arc<AtomicU32>>,
+    /// What this router sent each replica.
+    flights: HashMap<String, Arc<route::Flights>>,
+    rule: route::Rule,
     timeout: Duration,
     /// What the router adds to a request, in seconds.
     overhead: Histogram,
@@ -83,22 +85,6 @@ pub(crate) struct Proxy {
     tokenizer: Option<tokenizers::Tokenizer>,
     /// The base model's name: a request naming another is for that LoRA adapter.
     model: String,
-}
-
-/// Counts a request in flight to a replica while it lasts.
-struct InFlight(Arc<AtomicU32>);
-
-impl InFlight {
-    fn new(counter: &Arc<AtomicU32>) -> Self {
-        counter.fetch_add(1, Relaxed);
-        Self(counter.clone())
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Relaxed);
-    }
 }
 
 fn error(status: u16, message: String) -> hyper::Response<Body> {
@@ -127,16 +113,18 @@ impl Proxy {
         timeout: Duration,
         tokenizer: Option<tokenizers::Tokenizer>,
         model: String,
+        rule: route::Rule,
     ) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(timeout));
         Self {
             client: Client::builder(TokioExecutor::new()).build(connector),
-            in_flight: upstreams
+            flights: upstreams
                 .iter()
                 .map(|u| (u.name.clone(), Arc::default()))
                 .collect(),
+            rule,
             upstreams,
             timeout,
             overhead: Histogram::new(OVERHEAD_BUCKETS),
@@ -144,6 +132,11 @@ impl Proxy {
             tokenizer,
             model,
         }
+    }
+
+    /// The rule it routes by.
+    pub(crate) fn rule(&self) -> &route::Rule {
+        &self.rule
     }
 
     fn note_overhead(&self, d: Duration) {
@@ -175,7 +168,7 @@ impl Proxy {
     }
 
     /// The replica for `prompt` (of `adapter`, "" for the base model), and the prediction the
-    /// choice acts on: `kvevent_fleet::route`'s rule.
+    /// choice acts on: `kvevent_fleet::route`'s rule, by the router's policy.
     fn choose(
         &self,
         fleet: &Fleet,
@@ -197,12 +190,20 @@ impl Proxy {
         let candidates: Vec<route::Candidate<'_>> = self
             .upstreams
             .iter()
-            .map(|u| route::Candidate {
-                name: &u.name,
-                in_flight: self.in_flight.get(&u.name).map_or(0, |n| n.load(Relaxed)),
+            .filter_map(|u| {
+                Some(route::Candidate {
+                    name: &u.name,
+                    flights: self.flights.get(&u.name)?,
+                })
             })
             .collect();
-        let choice = route::choose(scores.as_ref(), &candidates)?;
+        let request = route::Request {
+            prompt_tokens: prompt.len() as u32,
+            affinity: route::affinity(prompt, block.unwrap_or(16) as usize),
+        };
+        let choice = self
+            .rule
+            .choose(scores.as_ref(), &request, &candidates, Instant::now())?;
         let upstream = self.upstreams.iter().find(|u| u.name == choice.replica)?;
         let prediction = Prediction {
             replica: choice.replica.to_owned(),
@@ -285,7 +286,7 @@ impl Proxy {
             Ok(r) => r,
             Err(e) => return error(500, format!("request: {e}")),
         };
-        let in_flight = InFlight::new(&self.in_flight[&upstream.name]);
+        let in_flight = self.flights[&upstream.name].start();
         let before = started.elapsed();
         let failed = |why: String| {
             self.note_response(&upstream.name, 502);

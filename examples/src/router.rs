@@ -110,6 +110,8 @@ pub struct RouterConfig {
     pub upstream_timeout: std::time::Duration,
     /// The engine's `tokenizer.json`, for text prompts (token ids need none).
     pub tokenizer: Option<std::path::PathBuf>,
+    /// How `POST /v1/completions` is routed ([`kvevent_fleet::route::Policy`]).
+    pub policy: kvevent_fleet::route::Policy,
 }
 
 /// Why a request is refused, as its HTTP status says.
@@ -211,6 +213,7 @@ impl Router {
             config.upstream_timeout,
             tokenizer,
             config.model.clone(),
+            kvevent_fleet::route::Rule::new(config.policy),
         );
         let mut registry = prometheus_client::registry::Registry::default();
         registry.register_collector(Box::new(kvevent_fleet::metrics::FleetCollector::new(
@@ -298,7 +301,7 @@ impl Router {
 
     /// Every replica: where it is followed from, its state and why (degraded or stale, and
     /// what was lost), the last error, its engine's ranks, blocks held, age of its newest
-    /// change.
+    /// change, its engine's load (with its age, and whether it is too old to route on).
     pub fn replicas(&self) -> serde_json::Value {
         serde_json::json!({
             "replicas": self.fleet.replicas().iter().map(|r| serde_json::json!({
@@ -320,7 +323,19 @@ impl Router {
                 "blocks": r.blocks,
                 "newest_change_ms": r.newest_change.map(|d| d.as_millis() as u64),
                 "block_size": r.block_size,
-            })).collect::<Vec<_>>()
+                "load": r.load.map(|l| {
+                    let age = l.age(std::time::Instant::now());
+                    serde_json::json!({
+                        "running": l.running,
+                        "waiting": l.waiting,
+                        "kv_usage": l.kv_usage,
+                        "age_ms": age.as_millis() as u64,
+                        "old": age > self.proxy.rule().load_old_after(),
+                        "error": r.load_error,
+                    })
+                }),
+            })).collect::<Vec<_>>(),
+            "policy": self.proxy.rule().policy().as_str(),
         })
     }
 

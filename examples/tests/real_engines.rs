@@ -118,6 +118,7 @@ async fn the_router_routes_between_two_real_engines() {
                 .collect(),
             upstream_timeout: Duration::from_secs(60),
             tokenizer: None,
+            policy: kvevent_fleet::route::Policy::default(),
         })
         .expect("router"),
     );

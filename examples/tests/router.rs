@@ -50,6 +50,7 @@ async fn python_publishers_into_the_router_and_scores_out() {
             upstreams: Vec::new(),
             upstream_timeout: Duration::from_secs(10),
             tokenizer: None,
+            policy: kvevent_fleet::route::Policy::default(),
         })
         .expect("router"),
     );
@@ -413,6 +414,7 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
             ],
             upstream_timeout: Duration::from_secs(5),
             tokenizer: Some(tokenizer.clone()),
+            policy: kvevent_fleet::route::Policy::default(),
         })
         .expect("router"),
     );
@@ -508,6 +510,7 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
             }],
             upstream_timeout: Duration::from_secs(5),
             tokenizer: None,
+            policy: kvevent_fleet::route::Policy::default(),
         })
         .expect("router"),
     );

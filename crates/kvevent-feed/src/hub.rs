@@ -136,6 +136,8 @@ pub struct Hub {
     engine: Mutex<Option<Vec<(RankHealth, std::time::Instant)>>>,
     /// The engine's HTTP server failing its health check: since when, and why.
     server_down: Mutex<Option<(std::time::Instant, String)>>,
+    /// The engine's load: the last read, when it was read, and why reads since fail.
+    load: Mutex<Option<LastLoad>>,
     /// Bumped when the engine's health changes: followers send it at once.
     health: tokio::sync::watch::Sender<u64>,
     metrics: HubMetrics,
@@ -159,6 +161,27 @@ pub struct RankHealth {
     /// Not yet proven the same engine process (or a new one) since its connection was made
     /// again or the sidecar started.
     pub unverified: bool,
+}
+
+/// One engine rank's load, as its `/metrics` said it ([`Hub::set_load`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RankLoad {
+    /// The DP rank.
+    pub rank: u32,
+    /// Requests in its running batch.
+    pub running: u32,
+    /// Requests queued for it.
+    pub waiting: u32,
+    /// KV-cache usage, 0–1, when the engine says it.
+    pub kv_usage: Option<f32>,
+}
+
+#[derive(Debug)]
+struct LastLoad {
+    ranks: Vec<RankLoad>,
+    read: std::time::Instant,
+    /// Why the reads after it fail.
+    error: Option<String>,
 }
 
 /// A new epoch: the wall clock in nanoseconds, so a restarted sidecar never reuses one, and
@@ -246,6 +269,7 @@ impl Hub {
             changed: tokio::sync::watch::channel((epoch, 0)).0,
             engine: Mutex::new(None),
             server_down: Mutex::new(None),
+            load: Mutex::new(None),
             health: tokio::sync::watch::channel(0).0,
             metrics: HubMetrics::default(),
             // A millisecond before now, so no message is stamped 0 (what older sidecars send).
@@ -570,8 +594,39 @@ impl Hub {
         self.health.send_modify(|n| *n = n.wrapping_add(1));
     }
 
-    /// The engine's health as the feed carries it, and the block size (`None` before
-    /// [`Hub::set_engine`] and the first block).
+    /// The engine's load, just read: followers are sent it at once when it differs from the
+    /// last, and with every hello and heartbeat (with its age).
+    pub fn set_load(&self, ranks: &[RankLoad]) {
+        let mut load = self.load.lock().unwrap_or_else(PoisonError::into_inner);
+        let changed = load
+            .as_ref()
+            .is_none_or(|l| l.ranks != ranks || l.error.is_some());
+        *load = Some(LastLoad {
+            ranks: ranks.to_vec(),
+            read: std::time::Instant::now(),
+            error: None,
+        });
+        drop(load);
+        if changed {
+            self.health.send_modify(|n| *n = n.wrapping_add(1));
+        }
+    }
+
+    /// The engine's load could not be read (why, in our words): the last load stays, ageing,
+    /// and followers are told why (at once when the reason changes). Nothing before the first
+    /// good read.
+    pub fn set_load_error(&self, why: String) {
+        let mut load = self.load.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(last) = load.as_mut() else {
+            return;
+        };
+        if last.error.as_deref() != Some(why.as_str()) {
+            last.error = Some(why);
+            drop(load);
+            self.health.send_modify(|n| *n = n.wrapping_add(1));
+        }
+    }
+
     /// The events thread has not turned for `stalled_after` (after its first turn): the
     /// sidecar is behind its engine.
     fn stalled(&self) -> bool {
@@ -580,6 +635,8 @@ impl Hub {
             && self.now_ms().saturating_sub(turned) > self.config.stalled_after.as_millis() as u64
     }
 
+    /// The engine's health as the feed carries it: its ranks, server, load and the block size
+    /// (`None` before any is known).
     pub(crate) fn engine_health(&self) -> Option<pb::EngineHealth> {
         let stalled = self.stalled();
         let block_size = self.block_size();
@@ -589,10 +646,30 @@ impl Hub {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone();
-        if engine.is_none() && block_size == 0 && server.is_none() {
+        let load = self
+            .load
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .map(|l| pb::EngineLoad {
+                ranks: l
+                    .ranks
+                    .iter()
+                    .map(|r| pb::RankLoad {
+                        rank: r.rank,
+                        running: r.running,
+                        waiting: r.waiting,
+                        kv_usage: r.kv_usage,
+                    })
+                    .collect(),
+                age_ms: l.read.elapsed().as_millis() as u64,
+                error: l.error.clone().unwrap_or_default(),
+            });
+        if engine.is_none() && block_size == 0 && server.is_none() && load.is_none() {
             return None;
         }
         Some(pb::EngineHealth {
+            load,
             server_down: server.is_some(),
             server_down_ms: server
                 .as_ref()

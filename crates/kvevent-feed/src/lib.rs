@@ -8,8 +8,8 @@
 //!   `/metrics`, written where they are counted.
 //! - **The sidecar's side** (feature `server`, default). A [`Hub`] holds every prefix the
 //!   replica holds (fingerprint keys, token counts, tiers, adapters, DP ranks), the epoch, a
-//!   bounded ring of encoded changes, and what the sidecar sees of its engine ([`RankHealth`]);
-//!   [`serve`] serves `Follow`. A follower gets a `Hello`, a snapshot (or, resuming from a
+//!   bounded ring of encoded changes, and what the sidecar sees of its engine ([`RankHealth`],
+//!   its load as [`RankLoad`]s); [`serve`] serves `Follow`. A follower gets a `Hello`, a snapshot (or, resuming from a
 //!   position the ring still holds, only what it missed), then live changes and heartbeats,
 //!   each heartbeat (and one sent at once when it changes) with the engine's health. A change
 //!   is encoded once for all followers. A new epoch (an engine restart or clear, a gap not
@@ -30,6 +30,6 @@ pub mod pb {
 }
 
 #[cfg(feature = "server")]
-pub use hub::{Hub, HubConfig, HubMetrics, RankHealth};
+pub use hub::{Hub, HubConfig, HubMetrics, RankHealth, RankLoad};
 #[cfg(feature = "server")]
 pub use server::{ServeError, ServeOptions, TokenSource, serve};

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvevent_feed::pb;
-use kvevent_index::{Degraded, KeyChange, SourceId, Tier};
+use kvevent_index::{Degraded, KeyChange, Load, SourceId, Tier};
 use tonic::transport::Endpoint;
 
 use crate::status::{self, Event, Shared};
@@ -342,6 +342,32 @@ impl FeedFollower {
             now,
         );
         s.on(&self.name, Event::Server(server_down), now);
+        let load = health.load.as_ref().map(|l| {
+            let said: Vec<f32> = l.ranks.iter().filter_map(|r| r.kv_usage).collect();
+            Load {
+                running: l
+                    .ranks
+                    .iter()
+                    .map(|r| r.running)
+                    .fold(0, u32::saturating_add),
+                waiting: l
+                    .ranks
+                    .iter()
+                    .map(|r| r.waiting)
+                    .fold(0, u32::saturating_add),
+                kv_usage: (!said.is_empty()).then(|| said.iter().sum::<f32>() / said.len() as f32),
+                read_at: now
+                    .checked_sub(Duration::from_millis(l.age_ms))
+                    .unwrap_or(now),
+                failing: !l.error.is_empty(),
+            }
+        });
+        let error = health
+            .load
+            .as_ref()
+            .map(|l| l.error.clone())
+            .filter(|e| !e.is_empty());
+        s.set_load(&self.core, &self.name, load, error);
     }
 
     pub(crate) fn take(

@@ -21,9 +21,13 @@
 //! - **Metrics.** With feature `metrics`, `metrics::FleetCollector` exports the replicas'
 //!   states, the index's size and duplication and predicted against realized, for a router's
 //!   `/metrics` (prometheus-client).
-//! - **Routing.** [`route::choose`] is the rule a router applies to an answer (best exact
-//!   replica, ties by requests in flight then name, fail open); [`route::adapter_of`] reads
-//!   the LoRA adapter from a request's `model`.
+//! - **Loads.** A sidecar that reads its engine's `/metrics` sends its load (requests running
+//!   and waiting, KV-cache usage) with its age; each [`Score`] and [`ReplicaStatus`] carries
+//!   the last one ([`Load`]), never refreshed by the fleet: its reader judges its age.
+//! - **Routing.** [`route::Rule`] is the rule a router applies to an answer: by default the
+//!   candidate where a request costs least (prompt tokens to compute there against requests
+//!   queued ahead), or `prefix-only`, `least-loaded`, `round-robin` to compare;
+//!   [`route::adapter_of`] reads the LoRA adapter from a request's `model`.
 //!
 //! ```no_run
 //! use kvevent_fleet::{Fleet, FleetConfig, Query, QueryKeys, ReplicaSource, SidecarFeed};
@@ -62,8 +66,8 @@ mod status;
 
 pub use accounting::{ERROR_BUCKETS, Outcome, Prediction, ReplicaAccounting};
 pub use kvevent_index::{
-    Config as IndexConfig, Degraded, IndexStats, KeyMode, Lost, Query, QueryKeys, ReplicaState,
-    Score, Scores, ScoresIter, Tier,
+    Config as IndexConfig, Degraded, IndexStats, KeyMode, Load, Lost, Query, QueryKeys,
+    ReplicaState, Score, Scores, ScoresIter, Tier,
 };
 pub use tonic::transport::ClientTlsConfig;
 
@@ -242,7 +246,7 @@ pub struct RankStatus {
 }
 
 /// One replica as the fleet knows it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ReplicaStatus {
     /// Its name.
     pub name: String,
@@ -264,6 +268,11 @@ pub struct ReplicaStatus {
     /// Each engine rank, where the source reports ranks (a sidecar's feed from this version
     /// on, or the engine followed directly).
     pub ranks: Vec<RankStatus>,
+    /// What the engine was doing when its sidecar last read its load (all ranks; judge its
+    /// age with [`Load::age`]), if the sidecar reads it.
+    pub load: Option<Load>,
+    /// Why the sidecar's reads of the load fail since then, in its words.
+    pub load_error: Option<String>,
 }
 
 /// A query the fleet cannot answer truthfully.

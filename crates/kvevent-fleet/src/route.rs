@@ -1,86 +1,459 @@
-//! The routing rule a router built on a [`Fleet`](crate::Fleet) applies, as a function: which
-//! replica a request goes to, given the fleet's answer among the candidates and how busy each
-//! is.
+//! The routing rules a router built on a [`Fleet`](crate::Fleet) applies, as a [`Rule`]: which
+//! replica a request goes to, given the fleet's answer among the candidates, each engine's
+//! load and what this router has in flight.
 //!
-//! - **Best exact replica.** Among the candidates whose state is
-//!   [`ReplicaState::Exact`], the one holding the most tokens of the prompt; ties go to the one
-//!   with fewer requests in flight, then to the first name in byte order.
-//! - **Fail open.** With no exact candidate (none matched, none is exact, or the fleet could not
-//!   answer), the least busy candidate (then the first name), with what the fleet said of it: a
-//!   replica the index cannot vouch for is never preferred for what it claims to hold.
+//! - **[`Policy::Cost`]** (the default): for each candidate, what the request would cost
+//!   there, in microseconds of time to first token: the prompt tokens it would compute (the
+//!   prompt less what the candidate holds, counted only when the candidate is
+//!   [`ReplicaState::Exact`]: a replica the index cannot vouch for is never preferred for what
+//!   it claims) times [`Weights::prefill_us_per_token`], plus the requests queued ahead of it
+//!   times [`Weights::queue_us_per_request`]. The cheapest wins. A hot prefix spreads: once its
+//!   holder's queue costs more than computing the prefix elsewhere, the next request goes to
+//!   another engine, which then holds it too.
+//! - **Requests ahead.** The engine's load as last read (running + waiting, [`Load`]), plus
+//!   what this router sent it since that read ([`Flights::sent_since`]); never fewer than this
+//!   router has in flight to it. A load older than [`Rule::load_old_after`] (or none) is not
+//!   used: the requests this router has in flight stand in.
+//! - **Ties** (a prompt nobody holds, in an idle fleet) go to the candidate that the prompt's
+//!   own [`affinity`] (its first block) ranks highest, rendezvous-hashed with the names: a
+//!   new prompt spreads over the fleet, and its next turn goes where its first turn went.
+//!   Never the first name by default.
+//! - **[`Policy::PrefixOnly`]**: the exact candidate holding the most tokens, ties by requests
+//!   in flight then name; with no exact match, the least busy (the rule before loads).
+//! - **[`Policy::LeastLoaded`]** (fewest requests ahead, as above; ties in turn) and
+//!   **[`Policy::RoundRobin`]**: what routers without a cache index do, for comparison.
 //! - **The adapter.** vLLM serves a LoRA adapter under its own name in a request's `model`
 //!   (`--lora-modules NAME=PATH`); its blocks carry that name (`lora_name`). A request naming
 //!   the base model (or nothing) is scored as the base model's, any other name as that
 //!   adapter's ([`adapter_of`]).
+//!
+//! Setting the weights from an engine's speed: `prefill_us_per_token` is 10⁶ over the
+//! engine's prefill throughput (tokens a second of a long prompt alone: a 10,000 tokens/s
+//! engine is 100); `queue_us_per_request` is how much later a request starts for each one
+//! ahead of it: about the mean request's time in the engine (its prefill plus its decode
+//! steps) over the requests the engine runs at once. The defaults are an 8B model on one
+//! datacenter GPU ([`Weights::default`]); `docs/operating.md` says how to measure both.
 
-use kvevent_index::{ReplicaState, Scores};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::time::{Duration, Instant};
+
+use kvevent_index::{Load, ReplicaState, Scores};
+
+/// What a request would cost on a candidate, as [`Policy::Cost`] weighs it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Weights {
+    /// Microseconds one prompt token not held costs to compute. Default 100 (10,000 tokens/s).
+    pub prefill_us_per_token: f64,
+    /// Microseconds each request ahead (running or waiting) adds before this one's first token.
+    /// Default 20,000 (a 2 s mean request, 100 at once).
+    pub queue_us_per_request: f64,
+}
+
+impl Default for Weights {
+    fn default() -> Self {
+        Self {
+            prefill_us_per_token: 100.0,
+            queue_us_per_request: 20_000.0,
+        }
+    }
+}
+
+/// How a [`Rule`] chooses.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Policy {
+    /// The cheapest candidate: prompt tokens to compute against requests ahead.
+    Cost(Weights),
+    /// The exact candidate holding the most tokens (the rule before loads).
+    PrefixOnly,
+    /// The candidate with the fewest requests ahead.
+    LeastLoaded,
+    /// Each candidate in turn.
+    RoundRobin,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Self::Cost(Weights::default())
+    }
+}
+
+impl Policy {
+    /// Every policy's name, as [`Policy::as_str`] writes it and [`str::parse`] reads it.
+    pub const NAMES: [&'static str; 4] = ["cost", "prefix-only", "least-loaded", "round-robin"];
+
+    /// Its name.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Cost(_) => "cost",
+            Self::PrefixOnly => "prefix-only",
+            Self::LeastLoaded => "least-loaded",
+            Self::RoundRobin => "round-robin",
+        }
+    }
+}
+
+impl std::fmt::Display for Policy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A policy name that is none of [`Policy::NAMES`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{0}` is not a routing policy: cost, prefix-only, least-loaded or round-robin")]
+pub struct UnknownPolicy(pub String);
+
+impl std::str::FromStr for Policy {
+    type Err = UnknownPolicy;
+
+    /// A name of [`Policy::NAMES`]; `cost` with the default weights.
+    fn from_str(s: &str) -> Result<Self, UnknownPolicy> {
+        match s {
+            "cost" => Ok(Self::default()),
+            "prefix-only" => Ok(Self::PrefixOnly),
+            "least-loaded" => Ok(Self::LeastLoaded),
+            "round-robin" => Ok(Self::RoundRobin),
+            _ => Err(UnknownPolicy(s.to_owned())),
+        }
+    }
+}
+
+/// How many sends [`Flights`] remembers: more sent since a load was read count as this many.
+const SENT_KEPT: usize = 256;
+
+/// What a router has sent one replica: requests in flight now, and when the last ones were
+/// sent (for [`Flights::sent_since`]). Shared between the tasks that send; lock-free.
+#[derive(Debug)]
+pub struct Flights {
+    in_flight: AtomicU32,
+    /// Nanoseconds after `origin` of the newest sends, a ring; 0: empty.
+    sent: Box<[AtomicU64]>,
+    next: AtomicUsize,
+    origin: Instant,
+}
+
+impl Default for Flights {
+    fn default() -> Self {
+        Self {
+            in_flight: AtomicU32::new(0),
+            sent: (0..SENT_KEPT).map(|_| AtomicU64::new(0)).collect(),
+            next: AtomicUsize::new(0),
+            origin: Instant::now(),
+        }
+    }
+}
+
+impl Flights {
+    /// A request sent now: in flight until the [`Flight`] is dropped.
+    pub fn start(self: &Arc<Self>) -> Flight {
+        let at = (self.origin.elapsed().as_nanos() as u64).max(1);
+        let slot = self.next.fetch_add(1, Relaxed) % SENT_KEPT;
+        self.sent[slot].store(at, Relaxed);
+        self.in_flight.fetch_add(1, Relaxed);
+        Flight(self.clone())
+    }
+
+    /// Requests in flight now.
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight.load(Relaxed)
+    }
+
+    /// Requests sent after `t` (at most the last 256 sends are remembered).
+    pub fn sent_since(&self, t: Instant) -> u32 {
+        let Some(after) = t.checked_duration_since(self.origin) else {
+            return self.sent.iter().filter(|s| s.load(Relaxed) > 0).count() as u32;
+        };
+        let after = after.as_nanos() as u64;
+        let newest = self.next.load(Relaxed);
+        let mut n = 0;
+        // Newest first, until one sent at or before `t`.
+        for i in 1..=SENT_KEPT.min(newest) {
+            let at = self.sent[(newest - i) % SENT_KEPT].load(Relaxed);
+            if at <= after {
+                break;
+            }
+            n += 1;
+        }
+        n
+    }
+}
+
+/// A request in flight ([`Flights::start`]); dropping it ends it.
+#[derive(Debug)]
+pub struct Flight(Arc<Flights>);
+
+impl Drop for Flight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Relaxed);
+    }
+}
 
 /// One replica a request may go to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy)]
 pub struct Candidate<'a> {
     /// Its name, as the fleet follows it.
     pub name: &'a str,
-    /// Requests the router has in flight to it now.
-    pub in_flight: u32,
+    /// What this router has sent it.
+    pub flights: &'a Flights,
+}
+
+/// What the rule knows of a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Request {
+    /// Its prompt's length in tokens.
+    pub prompt_tokens: u32,
+    /// Something of the prompt's own that its next turn shares ([`affinity`]): ties go where
+    /// it ranks highest.
+    pub affinity: u64,
+}
+
+/// The affinity of a prompt of `tokens` for block size `block_size`: a hash of its first
+/// block (all of it when shorter), which every later turn of a conversation, and every prompt
+/// sharing its system prompt, starts with.
+pub fn affinity(tokens: &[u32], block_size: usize) -> u64 {
+    let first = &tokens[..tokens.len().min(block_size.max(1))];
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for t in first {
+        h = mix(h ^ u64::from(*t));
+    }
+    h
+}
+
+/// A 64-bit finalizer (splitmix64's).
+fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// The rendezvous weight of `name` for `affinity`.
+fn rendezvous(affinity: u64, name: &str) -> u64 {
+    let mut h = affinity;
+    for chunk in name.as_bytes().chunks(8) {
+        let mut word = [0u8; 8];
+        word[..chunk.len()].copy_from_slice(chunk);
+        h = mix(h ^ u64::from_le_bytes(word));
+    }
+    h
+}
+
+/// How the load a choice rested on was known.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadSeen {
+    /// Read within [`Rule::load_old_after`].
+    Fresh,
+    /// Read longer ago: not used (the router's own requests in flight stood in).
+    Old,
+    /// Never read (a sidecar without a metrics URL, an older sidecar, an engine followed
+    /// directly).
+    None,
 }
 
 /// Where a request goes, and what the decision rests on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Choice<'a> {
     /// The candidate chosen.
     pub replica: &'a str,
     /// Tokens of the prompt the fleet says it holds (0 when it said nothing of it).
     pub matched_tokens: u32,
-    /// Its state when the choice was made ([`ReplicaState::Exact`] unless it failed open).
+    /// Its state when the choice was made.
     pub state: ReplicaState,
-    /// No candidate was exact with a match: the least busy was taken.
+    /// The choice does not rest on an exact match (none matched, it is not exact, or the
+    /// policy does not look).
     pub failed_open: bool,
+    /// Requests estimated ahead of this one there.
+    pub queued: u32,
+    /// How its load was known.
+    pub load: LoadSeen,
+    /// What [`Policy::Cost`] estimated it costs there, in microseconds (0 for other
+    /// policies).
+    pub cost_us: f64,
 }
 
-/// The candidate a request goes to, by the rule of this module, from the fleet's answer among
-/// `candidates` (`None`: the fleet could not answer, e.g. no block size known yet). `None`
-/// only when there is no candidate.
-///
-/// ```
-/// use kvevent_fleet::route::{Candidate, choose};
-/// let candidates = [Candidate { name: "a", in_flight: 3 }, Candidate { name: "b", in_flight: 1 }];
-/// // Nothing known yet: fail open to the least busy.
-/// let choice = choose(None, &candidates).expect("a candidate");
-/// assert_eq!((choice.replica, choice.failed_open), ("b", true));
-/// ```
-pub fn choose<'a>(scores: Option<&Scores>, candidates: &[Candidate<'a>]) -> Option<Choice<'a>> {
-    fn busy<'x>(c: &Candidate<'x>) -> (u32, &'x str) {
-        (c.in_flight, c.name)
+/// A routing policy and what it keeps between choices (round-robin's turn).
+#[derive(Debug)]
+pub struct Rule {
+    policy: Policy,
+    load_old_after: Duration,
+    turn: AtomicUsize,
+}
+
+impl Default for Rule {
+    fn default() -> Self {
+        Self::new(Policy::default())
     }
-    let best = scores.and_then(|scores| {
-        scores
-            .iter()
-            .filter(|s| s.state.is_exact() && s.matched_tokens > 0)
-            .filter_map(|s| {
-                let c = candidates.iter().find(|c| c.name == s.replica)?;
-                Some((s.matched_tokens, c))
-            })
-            .max_by(|(ta, a), (tb, b)| ta.cmp(tb).then(busy(b).cmp(&busy(a))))
-            .map(|(tokens, c)| Choice {
-                replica: c.name,
-                matched_tokens: tokens,
-                state: ReplicaState::Exact,
-                failed_open: false,
-            })
-    });
-    best.or_else(|| {
-        let c = candidates.iter().min_by_key(|c| busy(c))?;
-        let said = scores.and_then(|s| s.iter().find(|s| s.replica == c.name));
-        Some(Choice {
-            replica: c.name,
-            matched_tokens: said.map_or(0, |s| s.matched_tokens),
-            state: said.map_or(
+}
+
+/// One candidate as a policy weighs it.
+struct Seen<'a> {
+    c: &'a Candidate<'a>,
+    exact_tokens: u32,
+    said_tokens: u32,
+    state: ReplicaState,
+    queued: u32,
+    load: LoadSeen,
+}
+
+impl Rule {
+    /// `policy`, taking loads read within a second.
+    pub fn new(policy: Policy) -> Self {
+        Self {
+            policy,
+            load_old_after: Duration::from_secs(1),
+            turn: AtomicUsize::new(0),
+        }
+    }
+
+    /// Loads read longer ago than `bound` are old: not used. Default 1 s (a sidecar reads
+    /// every 250 ms and its heartbeats carry the age every 200 ms).
+    pub fn with_load_old_after(mut self, bound: Duration) -> Self {
+        self.load_old_after = bound;
+        self
+    }
+
+    /// Its policy.
+    pub fn policy(&self) -> Policy {
+        self.policy
+    }
+
+    /// The bound past which a load is old.
+    pub fn load_old_after(&self) -> Duration {
+        self.load_old_after
+    }
+
+    /// The requests ahead of a new one on `c`, and how its load was known.
+    fn queued(&self, c: &Candidate<'_>, load: Option<Load>, now: Instant) -> (u32, LoadSeen) {
+        let own = c.flights.in_flight();
+        match load {
+            Some(l) if l.age(now) <= self.load_old_after => {
+                let read = l.queued().saturating_add(c.flights.sent_since(l.read_at));
+                (read.max(own), LoadSeen::Fresh)
+            }
+            Some(_) => (own, LoadSeen::Old),
+            None => (own, LoadSeen::None),
+        }
+    }
+
+    /// The candidate a request goes to, by the policy, from the fleet's answer among
+    /// `candidates` (`None`: the fleet could not answer, e.g. no block size known yet), at
+    /// `now`. `None` only when there is no candidate. An answer of `score_among` the same
+    /// names in the same order is read without a search (any answer is read right).
+    ///
+    /// ```
+    /// use kvevent_fleet::route::{Candidate, Flights, Request, Rule};
+    /// let (a, b) = (std::sync::Arc::new(Flights::default()), std::sync::Arc::new(Flights::default()));
+    /// let _busy = [a.start(), a.start()];
+    /// let candidates = [Candidate { name: "a", flights: &a }, Candidate { name: "b", flights: &b }];
+    /// let request = Request { prompt_tokens: 64, affinity: 7 };
+    /// // Nothing known yet: the one with fewer requests ahead.
+    /// let choice = Rule::default().choose(None, &request, &candidates, std::time::Instant::now());
+    /// assert_eq!(choice.map(|c| c.replica), Some("b"));
+    /// ```
+    pub fn choose<'a>(
+        &self,
+        scores: Option<&Scores>,
+        request: &Request,
+        candidates: &'a [Candidate<'a>],
+        now: Instant,
+    ) -> Option<Choice<'a>> {
+        if candidates.is_empty() {
+            return None;
+        }
+        // An answer among these candidates, in this order, is read by position; any other by
+        // name.
+        let seen = |i: usize, c: &'a Candidate<'a>| {
+            let said = scores.and_then(|s| {
+                s.of_candidate(i)
+                    .filter(|s| s.replica == c.name)
+                    .or_else(|| s.iter().find(|s| s.replica == c.name))
+            });
+            let state = said.map_or(
                 ReplicaState::Degraded(kvevent_index::Degraded::Connecting),
                 |s| s.state,
-            ),
-            failed_open: true,
-        })
-    })
+            );
+            let said_tokens = said.map_or(0, |s| s.matched_tokens);
+            let (queued, load) = self.queued(c, said.and_then(|s| s.load), now);
+            Seen {
+                c,
+                exact_tokens: if state.is_exact() { said_tokens } else { 0 },
+                said_tokens,
+                state,
+                queued,
+                load,
+            }
+        };
+        let choice = |s: &Seen<'a>, cost_us: f64, by_match: bool| Choice {
+            replica: s.c.name,
+            matched_tokens: s.said_tokens,
+            state: s.state,
+            failed_open: !(by_match && s.exact_tokens > 0),
+            queued: s.queued,
+            load: s.load,
+            cost_us,
+        };
+        match self.policy {
+            Policy::RoundRobin => {
+                let i = self.turn.fetch_add(1, Relaxed) % candidates.len();
+                Some(choice(&seen(i, &candidates[i]), 0.0, false))
+            }
+            Policy::LeastLoaded => {
+                let all: Vec<Seen<'a>> = candidates
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| seen(i, c))
+                    .collect();
+                let least = all.iter().map(|s| s.queued).min().unwrap_or(0);
+                let tied: Vec<&Seen<'a>> = all.iter().filter(|s| s.queued == least).collect();
+                let i = self.turn.fetch_add(1, Relaxed) % tied.len();
+                Some(choice(tied[i], 0.0, false))
+            }
+            Policy::PrefixOnly => {
+                let all: Vec<Seen<'a>> = candidates
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| seen(i, c))
+                    .collect();
+                let busy = |s: &Seen<'a>| (s.c.flights.in_flight(), s.c.name);
+                let best = all
+                    .iter()
+                    .filter(|s| s.exact_tokens > 0)
+                    .max_by(|a, b| {
+                        a.exact_tokens
+                            .cmp(&b.exact_tokens)
+                            .then(busy(b).cmp(&busy(a)))
+                    })
+                    .or_else(|| all.iter().min_by_key(|s| busy(s)))?;
+                Some(choice(best, 0.0, true))
+            }
+            Policy::Cost(w) => {
+                // The cheapest; on a tie, the prompt's own ranking decides (names are hashed
+                // only then).
+                let mut best: Option<(f64, Option<u64>, Seen<'a>)> = None;
+                for (i, c) in candidates.iter().enumerate() {
+                    let s = seen(i, c);
+                    let compute = request.prompt_tokens.saturating_sub(s.exact_tokens);
+                    let cost = w.prefill_us_per_token * f64::from(compute)
+                        + w.queue_us_per_request * f64::from(s.queued);
+                    match &mut best {
+                        Some((b, _, _)) if cost > *b => {}
+                        Some((b, rank, held)) if cost == *b => {
+                            let held_rank = *rank
+                                .get_or_insert_with(|| rendezvous(request.affinity, held.c.name));
+                            let r = rendezvous(request.affinity, c.name);
+                            if r > held_rank {
+                                best = Some((cost, Some(r), s));
+                            }
+                        }
+                        _ => best = Some((cost, None, s)),
+                    }
+                }
+                let (cost, _, s) = best?;
+                Some(choice(&s, cost, true))
+            }
+        }
+    }
 }
 
 /// The adapter a request is for: `""` (the base model) when its `model` is empty or the base
@@ -101,99 +474,4 @@ pub fn adapter_of<'a>(model: &'a str, base_model: &str) -> &'a str {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use kvevent_index::{Config, Degraded, Index, Query, QueryKeys};
-
-    /// An index where `holders` hold the first `n` blocks of the prompt 0..64 (block size 16),
-    /// with the states given.
-    fn scores(holders: &[(&str, usize, ReplicaState)], asked: &[&str]) -> Scores {
-        let index = Index::new(Config::default());
-        let prompt: Vec<u32> = (0..64).collect();
-        for &(name, blocks, state) in holders {
-            let source = index.add_source(name).expect("a source");
-            let keys = kvevent_fingerprint::chain(&prompt[..blocks * 16], 16, None);
-            let changes: Vec<kvevent_index::KeyChange<'_>> = keys
-                .iter()
-                .enumerate()
-                .map(|(i, b)| kvevent_index::KeyChange::Stored {
-                    key: b.prefix,
-                    tokens: 16 * (i as u32 + 1),
-                    tier: kvevent_index::Tier::T1,
-                    adapter: "",
-                })
-                .collect();
-            index.apply_keys(source, &changes);
-            index.set_replica_state(name, state);
-        }
-        index.score_among(
-            &Query {
-                adapter: "",
-                keys: QueryKeys::Tokens {
-                    ids: &prompt,
-                    block_size: 16,
-                },
-            },
-            asked,
-        )
-    }
-
-    fn c(name: &str, in_flight: u32) -> Candidate<'_> {
-        Candidate { name, in_flight }
-    }
-
-    const EXACT: ReplicaState = ReplicaState::Exact;
-    const DEGRADED: ReplicaState = ReplicaState::Degraded(Degraded::Unverified);
-
-    #[test]
-    fn the_exact_replica_holding_most_wins() {
-        let s = scores(&[("a", 2, EXACT), ("b", 3, EXACT)], &["a", "b"]);
-        let choice = choose(Some(&s), &[c("a", 0), c("b", 9)]).expect("a choice");
-        assert_eq!(choice.replica, "b");
-        assert_eq!(choice.matched_tokens, 48);
-        assert!(!choice.failed_open);
-    }
-
-    #[test]
-    fn ties_go_to_fewer_in_flight_then_the_first_name() {
-        let s = scores(
-            &[("a", 2, EXACT), ("b", 2, EXACT), ("c", 2, EXACT)],
-            &["a", "b", "c"],
-        );
-        let choice = choose(Some(&s), &[c("a", 2), c("b", 1), c("c", 1)]).expect("a choice");
-        assert_eq!(choice.replica, "b");
-        let choice = choose(Some(&s), &[c("c", 0), c("b", 0), c("a", 0)]).expect("a choice");
-        assert_eq!(choice.replica, "a");
-    }
-
-    #[test]
-    fn a_replica_not_exact_is_never_preferred_for_what_it_claims() {
-        let s = scores(&[("a", 4, DEGRADED), ("b", 1, EXACT)], &["a", "b"]);
-        let choice = choose(Some(&s), &[c("a", 0), c("b", 5)]).expect("a choice");
-        assert_eq!((choice.replica, choice.matched_tokens), ("b", 16));
-    }
-
-    #[test]
-    fn with_no_exact_match_it_fails_open_to_the_least_busy() {
-        let s = scores(&[("a", 4, DEGRADED)], &["a", "b"]);
-        let choice = choose(Some(&s), &[c("a", 3), c("b", 1)]).expect("a choice");
-        assert_eq!(choice.replica, "b");
-        assert!(choice.failed_open);
-        // The least busy is the degraded one: taken, with what the fleet said of it.
-        let choice = choose(Some(&s), &[c("a", 0), c("b", 1)]).expect("a choice");
-        assert_eq!((choice.replica, choice.matched_tokens), ("a", 64));
-        assert_eq!(choice.state, DEGRADED);
-        assert!(choice.failed_open);
-        // A candidate the fleet does not know, and no answer at all.
-        let choice = choose(None, &[c("x", 0)]).expect("a choice");
-        assert_eq!(choice.state, ReplicaState::Degraded(Degraded::Connecting));
-        assert_eq!(choose(None, &[]), None);
-    }
-
-    #[test]
-    fn a_candidate_the_answer_names_but_the_router_may_not_use_is_skipped() {
-        let s = scores(&[("a", 4, EXACT), ("b", 1, EXACT)], &["a", "b"]);
-        let choice = choose(Some(&s), &[c("b", 0)]).expect("a choice");
-        assert_eq!(choice.replica, "b");
-    }
-}
+mod tests;

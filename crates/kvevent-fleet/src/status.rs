@@ -11,7 +11,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvevent_index::{Degraded, Lost, ReplicaState, SourceId};
+use kvevent_index::{Degraded, Load, Lost, ReplicaState, SourceId};
 
 use crate::{Core, RankStatus, ReplicaStatus, lock};
 
@@ -55,6 +55,9 @@ pub(crate) struct Status {
     pub(crate) error: Option<String>,
     /// Each rank, and when what the follower saw of it last changed (connected or lost).
     pub(crate) ranks: Vec<(RankStatus, Option<Instant>)>,
+    /// The engine's load as its sidecar last read it, and why reads since fail.
+    pub(crate) load: Option<Load>,
+    pub(crate) load_error: Option<String>,
     /// The state last published to the index.
     published: Option<ReplicaState>,
 }
@@ -141,6 +144,8 @@ impl Status {
             sources: Vec::new(),
             error: None,
             ranks: Vec::new(),
+            load: None,
+            load_error: None,
             published: None,
         }
     }
@@ -302,6 +307,38 @@ impl Status {
                     ..r.clone()
                 })
                 .collect(),
+            load: self.load,
+            load_error: self.load_error.clone(),
+        }
+    }
+
+    /// The engine's load, as its sidecar read it (`None`: it reads none): published to the
+    /// index when it changed or was read again since (not for each heartbeat's new age).
+    pub(crate) fn set_load(
+        &mut self,
+        core: &Core,
+        name: &str,
+        load: Option<Load>,
+        error: Option<String>,
+    ) {
+        self.load_error = error;
+        let same = match (self.load, load) {
+            (None, None) => true,
+            (Some(a), Some(b)) => {
+                (a.running, a.waiting, a.kv_usage, a.failing)
+                    == (b.running, b.waiting, b.kv_usage, b.failing)
+                    && b.read_at.saturating_duration_since(a.read_at) < Duration::from_millis(100)
+                    && a.read_at.saturating_duration_since(b.read_at) < Duration::from_millis(100)
+            }
+            _ => false,
+        };
+        if same {
+            return;
+        }
+        self.load = load;
+        // Under the status's lock, as the state: a removed replica is not brought back.
+        if !self.removed {
+            core.index.set_replica_load(name, load);
         }
     }
 

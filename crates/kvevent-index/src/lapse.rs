@@ -125,11 +125,13 @@ impl Inner {
             Some(id) => {
                 Arc::make_mut(&mut self.replicas)[id as usize] = name.clone();
                 Arc::make_mut(&mut self.states)[id as usize] = ReplicaState::Exact;
+                Arc::make_mut(&mut self.loads)[id as usize] = None;
                 id
             }
             None => {
                 Arc::make_mut(&mut self.replicas).push(name.clone());
                 Arc::make_mut(&mut self.states).push(ReplicaState::Exact);
+                Arc::make_mut(&mut self.loads).push(None);
                 self.replica_slots.push(ReplicaSlot::default());
                 (self.replicas.len() - 1) as u32
             }

@@ -90,7 +90,7 @@ mod tests;
 
 pub use keys::IndexStats;
 pub use score::{Score, Scores, ScoresIter};
-pub use state::{Degraded, Lost, ReplicaState};
+pub use state::{Degraded, Load, Lost, ReplicaState};
 
 use holders::*;
 use keys::*;
@@ -199,6 +199,9 @@ struct Inner {
     /// Each replica's state, by number, as its follower last said (exact until then); answers
     /// share it like the names.
     states: Arc<Vec<ReplicaState>>,
+    /// Each replica's load, by number, as its follower last said (none until then); answers
+    /// share it like the states.
+    loads: Arc<Vec<Option<Load>>>,
     replica_ids: Map<Arc<str>, u32>,
     /// The replicas in use, in name order: answers are sorted stably from it, by numbers,
     /// not names.
@@ -489,6 +492,17 @@ impl Index {
         Arc::make_mut(&mut inner.states)[id as usize] = state;
     }
 
+    /// Says what `replica`'s engine was doing when last read (`None`: nothing known): every
+    /// [`Score`] of it carries this load from now on. Like the state, it makes the replica
+    /// known.
+    pub fn set_replica_load(&self, replica: &str, load: Option<Load>) {
+        let mut guard = self.write();
+        let inner = &mut guard.inner;
+        let id = inner.replica(replica);
+        inner.replica_slots[id as usize].state_set = true;
+        Arc::make_mut(&mut inner.loads)[id as usize] = load;
+    }
+
     /// Stops following every source of `replica` and forgets it: its entries stop counting
     /// at once and are reclaimed incrementally (no scan of the table here), its sources' slots
     /// and its name are free for others.
@@ -500,6 +514,7 @@ impl Index {
         };
         inner.replica_slots[id as usize].state_set = false;
         Arc::make_mut(&mut inner.states)[id as usize] = ReplicaState::Exact;
+        Arc::make_mut(&mut inner.loads)[id as usize] = None;
         let gone: Vec<SourceId> = inner
             .sources
             .iter()

@@ -9,7 +9,7 @@
 use super::*;
 
 /// One replica's match, as `LookupRouteResponse.replica_scores` means it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Score<'a> {
     /// The replica's name.
     pub replica: &'a str,
@@ -22,6 +22,9 @@ pub struct Score<'a> {
     /// How far the replica's entries can be trusted ([`ReplicaState`]): route on
     /// [`ReplicaState::Exact`], fail open otherwise.
     pub state: ReplicaState,
+    /// What its engine was doing when last read, as its follower said ([`Load`]; judge its
+    /// age), if anything.
+    pub load: Option<Load>,
 }
 
 /// The answer to a query: a [`Score`] per replica holding block 0 of the query (with
@@ -32,10 +35,14 @@ pub struct Score<'a> {
 pub struct Scores {
     names: Arc<Vec<Arc<str>>>,
     states: Arc<Vec<ReplicaState>>,
+    loads: Arc<Vec<Option<Load>>>,
     /// ([`rank`], replica), best first.
     entries: Vec<(u64, u32)>,
     /// With [`Index::score_among`]: the positions of the candidates the index does not know.
     unknown: Vec<usize>,
+    /// With [`Index::score_among`]: per candidate asked about, its place in `entries`
+    /// (`u32::MAX`: unknown).
+    by_candidate: Vec<u32>,
 }
 
 impl Scores {
@@ -74,6 +81,13 @@ impl Scores {
         &self.unknown
     }
 
+    /// With [`Index::score_among`]: the score of the `i`-th candidate asked about (`None`:
+    /// unknown, or an answer of [`Index::score`]), without a search.
+    pub fn of_candidate(&self, i: usize) -> Option<Score<'_>> {
+        let slot = *self.by_candidate.get(i)?;
+        self.entries.get(slot as usize).map(|e| self.score(e))
+    }
+
     pub(crate) fn score(&self, &(order, replica): &(u64, u32)) -> Score<'_> {
         let (blocks, tokens, tier) = unrank(order);
         Score {
@@ -82,6 +96,7 @@ impl Scores {
             matched_tokens: tokens,
             tier,
             state: self.states[replica as usize],
+            load: self.loads[replica as usize],
         }
     }
 }
@@ -141,6 +156,8 @@ pub(crate) struct Scratch {
     pub(crate) codes: Vec<(u64, usize)>,
     /// Per replica, whether it is among the candidates asked about.
     pub(crate) asked: Vec<bool>,
+    /// Per replica, its place in the answer (`u32::MAX`: not in it).
+    pub(crate) slot_of: Vec<u32>,
 }
 
 /// A source's match while a query is matched, as a small number, the better the larger: a
@@ -373,19 +390,27 @@ impl Inner {
             ranks,
             codes,
             asked,
+            slot_of,
             ..
         } = scratch;
         let mut unknown = Vec::new();
+        // Per candidate, its replica (u32::MAX: unknown), then its place in the answer.
+        let mut by_candidate = Vec::new();
         if let Some(candidates) = candidates {
             asked.clear();
             asked.resize(self.replicas.len(), false);
+            by_candidate.reserve_exact(candidates.len());
             for (i, name) in candidates.iter().enumerate() {
                 match self.replica_ids.get(*name) {
                     Some(&id) => {
                         asked[id as usize] = true;
                         best[id as usize] = best[id as usize].max(code(0, 0));
+                        by_candidate.push(id);
                     }
-                    None => unknown.push(i),
+                    None => {
+                        unknown.push(i);
+                        by_candidate.push(u32::MAX);
+                    }
                 }
             }
             for (b, &asked) in best.iter_mut().zip(asked.iter()) {
@@ -442,11 +467,23 @@ impl Inner {
             }
             next += 1;
         }
+        if !by_candidate.is_empty() {
+            slot_of.clear();
+            slot_of.resize(self.replicas.len(), u32::MAX);
+            for (k, &(_, replica)) in entries.iter().enumerate() {
+                slot_of[replica as usize] = k as u32;
+            }
+            for c in &mut by_candidate {
+                *c = slot_of.get(*c as usize).copied().unwrap_or(u32::MAX);
+            }
+        }
         Scores {
             names: self.replicas.clone(),
             states: self.states.clone(),
+            loads: self.loads.clone(),
             entries,
             unknown,
+            by_candidate,
         }
     }
 }

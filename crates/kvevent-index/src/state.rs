@@ -1,5 +1,5 @@
 //! The fleet's state vocabulary, what every answer carries: [`ReplicaState`] (exact, degraded,
-//! stale) and its reasons, [`Degraded`] and [`Lost`].
+//! stale) and its reasons, [`Degraded`] and [`Lost`]; and beside it the replica's [`Load`].
 //!
 //! Invariant: [`ReplicaState::is_exact`] is the one trust signal; the index never makes a state
 //! up, it carries what a replica's follower said ([`Index::set_replica_state`](crate::Index::set_replica_state)).
@@ -119,5 +119,36 @@ impl ReplicaState {
                 lost: Lost::Server, ..
             } => Some("server_down"),
         }
+    }
+}
+
+/// What a replica's engine was doing when it was last read (its `/metrics`, through its
+/// sidecar): what a router weighs against what the replica holds. Whoever follows the replica
+/// says ([`Index::set_replica_load`](crate::Index::set_replica_load)); it is a reading with its
+/// time, never refreshed by the index: a reader judges its age.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Load {
+    /// Requests in the engine's running batches (all DP ranks).
+    pub running: u32,
+    /// Requests queued (all DP ranks).
+    pub waiting: u32,
+    /// KV-cache usage, 0–1 (the mean over DP ranks), when the engine says it.
+    pub kv_usage: Option<f32>,
+    /// When the engine was read, on the follower's clock.
+    pub read_at: std::time::Instant,
+    /// The reads after this one fail (the engine's `/metrics` slow, failing, or saying
+    /// nonsense): it will only age.
+    pub failing: bool,
+}
+
+impl Load {
+    /// Requests in the engine when it was read, running or waiting.
+    pub fn queued(&self) -> u32 {
+        self.running.saturating_add(self.waiting)
+    }
+
+    /// How long ago it was read, at `now`.
+    pub fn age(&self, now: std::time::Instant) -> std::time::Duration {
+        now.saturating_duration_since(self.read_at)
     }
 }

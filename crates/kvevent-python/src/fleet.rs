@@ -177,6 +177,10 @@ pub(crate) struct PyReplicaStatus {
     error: Option<String>,
     /// Each engine rank, where its source reports them.
     ranks: Vec<PyRankStatus>,
+    /// What its engine was doing when its sidecar last read it (judge its `age`), or None.
+    load: Option<crate::router::PyLoad>,
+    /// Why the sidecar's reads of the load fail since then, or None.
+    load_error: Option<String>,
 }
 
 impl From<fleet::ReplicaStatus> for PyReplicaStatus {
@@ -191,6 +195,8 @@ impl From<fleet::ReplicaStatus> for PyReplicaStatus {
             block_size: r.block_size,
             batches: r.batches,
             error: r.error,
+            load: r.load.as_ref().map(crate::router::PyLoad::of),
+            load_error: r.load_error,
             ranks: r
                 .ranks
                 .into_iter()
@@ -280,6 +286,7 @@ pub(crate) struct PyScore {
     matched_tokens: u32,
     tier: &'static str,
     state: ReplicaState,
+    load: Option<kvevent_fleet::Load>,
 }
 
 impl PyScore {
@@ -293,12 +300,18 @@ impl PyScore {
                 fleet::Tier::T2 => "T2",
             },
             state: s.state,
+            load: s.load,
         }
     }
 }
 
 #[pymethods]
 impl PyScore {
+    /// What its engine was doing when its sidecar last read it (judge its `age`), or None.
+    #[getter]
+    fn load(&self) -> Option<crate::router::PyLoad> {
+        self.load.as_ref().map(crate::router::PyLoad::of)
+    }
     /// The replica's name.
     #[getter]
     fn replica(&self) -> &str {
@@ -384,10 +397,15 @@ impl PyScores {
         PyList::new(py, items)?.try_iter().map(Bound::into_any)
     }
 
-    /// The best score, or None when no replica holds block 0.
+    /// The exact replica holding the most of the prompt (ties: the answer's order), or None
+    /// when no exact replica holds any of it: a replica not exact, or a match of 0 tokens, is
+    /// never the best. Routing weighs load too: `Router.choose`.
     #[getter]
     fn best(&self) -> Option<PyScore> {
-        self.scores.first().map(|s| PyScore::of(&s))
+        self.scores
+            .iter()
+            .find(|s| s.state.is_exact() && s.matched_tokens > 0)
+            .map(|s| PyScore::of(&s))
     }
 
     /// With `score_among`: the candidates the fleet does not follow, in the order asked.
@@ -551,6 +569,13 @@ impl Drop for PyFleet {
         if let Some(runtime) = lock(&self.runtime).take() {
             runtime.shutdown_background();
         }
+    }
+}
+
+impl PyFleet {
+    /// The fleet itself (for the router).
+    pub(crate) fn fleet(&self) -> &fleet::Fleet {
+        &self.shared.fleet
     }
 }
 
@@ -803,7 +828,16 @@ impl PyFleet {
             .ok_or_else(|| {
                 BlockSizeUnknown::new_err("no replica said its block size yet: pass block_size")
             })?;
-        let prediction = if let Ok(score) = chosen.cast::<PyScore>() {
+        let prediction = if let Ok(choice) = chosen.cast::<crate::router::PyChoice>() {
+            let (replica, predicted_tokens, state) = choice.get().prediction();
+            Prediction {
+                replica: replica.to_owned(),
+                predicted_tokens,
+                prompt_tokens,
+                block_size,
+                state,
+            }
+        } else if let Ok(score) = chosen.cast::<PyScore>() {
             let s = score.get();
             Prediction {
                 replica: s.replica.clone(),
@@ -814,7 +848,9 @@ impl PyFleet {
             }
         } else {
             let name: String = chosen.extract().map_err(|_| {
-                PyValueError::new_err("chosen: a Score, or the name of the replica chosen")
+                PyValueError::new_err(
+                    "chosen: a Choice, a Score, or the name of the replica chosen",
+                )
             })?;
             let state = self
                 .shared
@@ -1128,6 +1164,10 @@ pub(crate) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRankStatus>()?;
     m.add_class::<PyIndexStats>()?;
     m.add_class::<PyAccounting>()?;
+    m.add_class::<crate::router::PyRouter>()?;
+    m.add_class::<crate::router::PyChoice>()?;
+    m.add_class::<crate::router::PyFlight>()?;
+    m.add_class::<crate::router::PyLoad>()?;
     m.add_class::<Waiting>()?;
     m.add("NotReady", m.py().get_type::<NotReady>())?;
     m.add("BlockSizeUnknown", m.py().get_type::<BlockSizeUnknown>())?;

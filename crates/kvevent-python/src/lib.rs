@@ -20,6 +20,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 use serde_json::Value;
 
 mod fleet;
+mod router;
 
 pyo3::create_exception!(
     _kvevent,

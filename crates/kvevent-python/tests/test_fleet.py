@@ -294,3 +294,47 @@ def test_an_engine_followed_directly_beside_a_sidecar(processes, subscriber_bin)
         direct.kill()
         wait_until("e not exact", lambda: not fleet.replica("e").exact)
         assert fleet.replica("e").reason in ("connecting", "source_lost")
+
+
+def test_router_chooses_by_the_rust_rule_and_best_names_no_miss(processes, three_sidecars):
+    engines, sidecars = three_sidecars
+    with kvevent.Fleet() as fleet:
+        follow(fleet, sidecars)
+        fleet.ready_blocking(30)
+        miss = list(range(5000, 5040))
+        # A miss among candidates answers 0-token scores: none of them is the best.
+        among = fleet.score_among(["a", "b", "c"], miss)
+        assert [s.matched_tokens for s in among] == [0, 0, 0]
+        assert among.best is None
+        assert fleet.score_among(["a", "b", "c"], PROMPT).best.replica in ("a", "b")
+
+        router = kvevent.Router(fleet)
+        assert router.policy == "cost"
+        choice = router.choose(["a", "b", "c"], PROMPT)
+        assert choice.replica in ("a", "b") and choice.matched_tokens == 32, choice
+        assert (choice.exact, choice.failed_open, choice.load) == (True, False, "none")
+        other = {"a": "b", "b": "a"}[choice.replica]
+        # A request in flight there is queued ahead of the next one: the other holder is
+        # cheaper; once it ends, the first is chosen again.
+        with router.start(choice):
+            assert router.in_flight(choice.replica) == 1
+            assert router.choose(["a", "b", "c"], PROMPT).replica == other
+        assert router.in_flight(choice.replica) == 0
+        assert fleet.record(choice, len(PROMPT), 32) == "exact"
+        # Prompts nobody holds spread by their first block, never all to the first name.
+        firsts = {router.choose(["a", "b", "c"], list(range(i * 100, i * 100 + 40))).replica
+                  for i in range(100, 130)}
+        assert len(firsts) >= 2, firsts
+        # Token ids as bytes choose the same.
+        assert router.choose(["a", "b", "c"], array.array("I", PROMPT).tobytes()).replica == choice.replica
+
+        rr = kvevent.Router(fleet, "round-robin")
+        assert [rr.choose(["a", "b", "c"], PROMPT).replica for _ in range(4)] == ["a", "b", "c", "a"]
+        assert kvevent.Router(fleet, "prefix-only").choose(["c", "a"], PROMPT).replica == "a"
+        assert router.choose([], PROMPT) is None
+        with pytest.raises(ValueError, match="not a routing policy"):
+            kvevent.Router(fleet, "fastest")
+        with pytest.raises(ValueError, match="weigh the cost policy"):
+            kvevent.Router(fleet, "round-robin", queue_us_per_request=1.0)
+        # The sidecars read no load (their stand-in engines serve no /metrics).
+        assert all(r.load is None and r.load_error is None for r in fleet.replicas())

@@ -62,3 +62,19 @@ def threads(fleet: kvevent.Fleet) -> None:
 
 if __name__ == "__main__":
     asyncio.run(follow({}))
+
+
+def route(fleet: kvevent.Fleet, token_ids: List[int]) -> Optional[str]:
+    router = kvevent.Router(fleet, "cost", prefill_us_per_token=100.0, queue_us_per_request=20_000.0)
+    choice: Optional[kvevent.Choice] = router.choose(["a", "b"], token_ids, adapter="")
+    if choice is None:
+        return None
+    with router.start(choice):
+        queued: int = choice.queued
+        print(choice.replica, choice.load, choice.cost_us, queued, router.in_flight(choice.replica))
+    fleet.record(choice, len(token_ids), 16)
+    for r in fleet.replicas():
+        load: Optional[kvevent.Load] = r.load
+        if load is not None and load.age < 1.0:
+            print(load.running, load.waiting, load.kv_usage, r.load_error)
+    return choice.replica

@@ -9,6 +9,8 @@
 //!   between scrapes, offload-tier counters as running totals, pressure. NaN and ±Inf samples
 //!   are skipped and counted. A series the engine lacks is reported as 0 ("unknown") and named
 //!   in [`Stats::absent`]; only an exposition with none of the profile's series fails.
+//! - [`read_load`]: an engine's load for routers (requests running and waiting, KV-cache
+//!   usage, per DP rank), refused whole when a series is missing or a value is not sane.
 //! - [`Fetcher`]: one HTTP GET (hyper), bounded in time and body size, gzip handled.
 //! - [`Scraper`]: the three together, keeping the previous scrape for deltas.
 //!
@@ -37,12 +39,14 @@
 //! ```
 
 mod fetch;
+mod load;
 pub mod stats;
 pub mod text;
 
 use std::time::Duration;
 
 pub use fetch::{FetchError, Fetcher};
+pub use load::{Load, LoadError, RankLoad, read_load};
 pub use stats::{CacheTier, Profile, Reading, Stats, StatsConfig, StatsError};
 
 /// Why a scrape produced no stats.

@@ -43,14 +43,14 @@ impl Profile {
         }
     }
 
-    fn running(self) -> &'static str {
+    pub(crate) fn running(self) -> &'static str {
         match self {
             Self::Sglang => "sglang:num_running_reqs",
             _ => "vllm:num_requests_running",
         }
     }
 
-    fn waiting(self) -> &'static str {
+    pub(crate) fn waiting(self) -> &'static str {
         match self {
             Self::Sglang => "sglang:num_queue_reqs",
             _ => "vllm:num_requests_waiting",
@@ -132,7 +132,7 @@ pub enum StatsError {
     },
 }
 
-struct Select<'a> {
+pub(crate) struct Select<'a> {
     e: &'a Exposition,
     model: Option<&'a str>,
     /// SGLang: a series without `priority` (or with `priority=""`) is the total, the others
@@ -141,20 +141,36 @@ struct Select<'a> {
     non_finite: std::cell::Cell<u64>,
 }
 
-impl Select<'_> {
-    /// Finite values of `name` kept by the model filter, one per series (DP engine).
-    fn values(&self, name: &str) -> Vec<f64> {
+impl<'a> Select<'a> {
+    /// The series of `e` that `profile` reads, kept by `model`'s filter.
+    pub(crate) fn new(e: &'a Exposition, profile: Profile, model: Option<&'a str>) -> Self {
+        Select {
+            e,
+            model,
+            totals_only: profile == Profile::Sglang,
+            non_finite: std::cell::Cell::new(0),
+        }
+    }
+
+    /// The samples of `name` kept by the model filter (SGLang's totals only), one per series
+    /// (DP engine), whatever their value.
+    pub(crate) fn samples(&self, name: &str) -> Vec<&'a crate::text::Sample> {
         let kept: Vec<&crate::text::Sample> = self
             .e
             .series(name)
             .filter(|s| self.model.is_none_or(|m| s.label("model_name") == Some(m)))
             .collect();
         let total = |s: &&crate::text::Sample| s.label("priority").is_none_or(str::is_empty);
-        let kept: Vec<&crate::text::Sample> = if self.totals_only && kept.iter().any(total) {
+        if self.totals_only && kept.iter().any(total) {
             kept.into_iter().filter(total).collect()
         } else {
             kept
-        };
+        }
+    }
+
+    /// Finite values of `name` kept by the model filter, one per series (DP engine).
+    fn values(&self, name: &str) -> Vec<f64> {
+        let kept = self.samples(name);
         let mut out = Vec::with_capacity(kept.len());
         for s in kept {
             if s.value.is_finite() {
@@ -190,12 +206,7 @@ pub fn read(e: &Exposition, config: &StatsConfig) -> Result<Reading, StatsError>
         Some(p) => p,
         None => Profile::detect(e).ok_or(StatsError::UnknownEngine)?,
     };
-    let select = Select {
-        e,
-        model: config.model_name.as_deref(),
-        totals_only: profile == Profile::Sglang,
-        non_finite: std::cell::Cell::new(0),
-    };
+    let select = Select::new(e, profile, config.model_name.as_deref());
     let mut reading = Reading {
         profile: Some(profile),
         running: select.sum(profile.running()),

@@ -24,6 +24,7 @@
 pub mod credentials;
 pub mod demo;
 pub mod discovery;
+mod engine_load;
 mod engine_server;
 mod events;
 mod http_server;
@@ -407,6 +408,26 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
     let health_url = server_url
         .health()
         .filter(|_| !settings.engine_health_interval.0.is_zero());
+    // With a feed, the engine's load is read for routers from its metrics.
+    if let (Some(hub), Some(url)) = (&feed_hub, settings.engine_metrics_url.get())
+        && !settings.engine_load_interval.0.is_zero()
+    {
+        let interval = settings.engine_load_interval.0;
+        let timeout = interval
+            .max(Duration::from_secs(1))
+            .min(settings.scrape_timeout.0);
+        tokio::spawn(
+            engine_load::EngineLoad {
+                fetcher: kvevent_scrape::Fetcher::new(url, timeout, settings.scrape_max_bytes)?,
+                url: url.to_owned(),
+                config: stats_config(settings),
+                interval,
+                hub: hub.clone(),
+                telemetry: telemetry.clone(),
+            }
+            .run(stop_rx.clone()),
+        );
+    }
     if let (Some(hub), Some(url)) = (feed_hub, health_url) {
         let timeout = settings
             .engine_health_interval

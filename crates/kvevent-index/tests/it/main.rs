@@ -770,6 +770,38 @@ fn candidates_are_answered_each_known_matching_or_not_and_states_are_carried() {
         ]
     );
     assert_eq!(answer.unknown(), [0]);
+    // Each candidate's score by its place in the question, with no search; loads carried.
+    let by_place: Vec<Option<(&str, u32)>> = (0..6)
+        .map(|i| {
+            answer
+                .of_candidate(i)
+                .map(|s| (s.replica, s.matched_blocks))
+        })
+        .collect();
+    assert_eq!(
+        by_place,
+        [
+            None,
+            Some(("c", 0)),
+            Some(("b", 0)),
+            Some(("a", 2)),
+            Some(("a", 2)),
+            None
+        ]
+    );
+    assert!(index.score(&query).of_candidate(0).is_none());
+    let read_at = std::time::Instant::now();
+    let load = kvevent_index::Load {
+        running: 3,
+        waiting: 1,
+        kv_usage: Some(0.5),
+        read_at,
+        failing: false,
+    };
+    index.set_replica_load("b", Some(load));
+    let loaded = index.score_among(&query, &["a", "b"]);
+    assert_eq!(loaded.of_candidate(1).and_then(|s| s.load), Some(load));
+    assert_eq!(loaded.of_candidate(0).and_then(|s| s.load), None);
     // An adapter nobody stored: the candidates are still answered.
     let other = index.score_among(
         &Query {

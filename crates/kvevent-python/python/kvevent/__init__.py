@@ -5,6 +5,10 @@
   how far to trust each answer (route on ``exact``); ``await ready()`` / ``ready_blocking()``,
   ``changes()`` for ``async for`` and ``for``; ``record`` / ``accounting`` for predicted against
   realized.
+- ``Router(fleet, policy="cost")``: the routing rule (the Rust crate's): ``choose`` where a
+  request goes, weighing what each replica holds against its engine's load (``Load``) and what
+  this router has in flight (``start`` a ``Flight``); ``prefix-only``, ``least-loaded`` and
+  ``round-robin`` to compare.
 - ``fingerprint_keys(token_ids, block_size, parent=None)``: the prefix keys a gateway computes
   (XXH3-64 fingerprint chain), the keys a sidecar's feed carries.
 - ``decode(payload, engine="vllm")``: one ZMQ payload of any vLLM (0.9.0 on) or SGLang (0.4.6
@@ -23,8 +27,11 @@ from ._kvevent import (
     Accounting,
     BlockSizeUnknown,
     Change,
+    Choice,
     DecodeError,
+    Flight,
     IndexStats,
+    Load,
     NotFollowed,
     NotReady,
     RankStatus,
@@ -32,6 +39,7 @@ from ._kvevent import (
     Recording,
     RecordingError,
     ReplicaStatus,
+    Router,
     Score,
     Scores,
     __version__,
@@ -45,10 +53,13 @@ __all__ = [
     "Accounting",
     "BlockSizeUnknown",
     "Change",
+    "Choice",
     "Changes",
     "DecodeError",
+    "Flight",
     "Fleet",
     "IndexStats",
+    "Load",
     "NotFollowed",
     "NotReady",
     "RankStatus",
@@ -56,6 +67,7 @@ __all__ = [
     "Recording",
     "RecordingError",
     "ReplicaStatus",
+    "Router",
     "Score",
     "Scores",
     "__version__",

@@ -1,7 +1,7 @@
 """Type stubs of the native module (see the package's docstring)."""
 
 from os import PathLike
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Sequence, Tuple, Union
 
 __version__: str
 
@@ -122,6 +122,12 @@ class ReplicaStatus:
         """The last error or refusal, in the library's words."""
     @property
     def ranks(self) -> List[RankStatus]: ...
+    @property
+    def load(self) -> Optional[Load]:
+        """What its engine was doing when its sidecar last read it (judge its ``age``)."""
+    @property
+    def load_error(self) -> Optional[str]:
+        """Why the sidecar's reads of the load fail since then."""
 
 class IndexStats:
     """The index's counters."""
@@ -168,6 +174,9 @@ class Score:
     def reason(self) -> Optional[str]: ...
     @property
     def exact(self) -> bool: ...
+    @property
+    def load(self) -> Optional[Load]:
+        """What its engine was doing when its sidecar last read it (judge its ``age``)."""
 
 class Scores:
     """The answer to a query, best first."""
@@ -177,7 +186,9 @@ class Scores:
     def __getitem__(self, i: int) -> Score: ...
     def __iter__(self) -> Iterator[Score]: ...
     @property
-    def best(self) -> Optional[Score]: ...
+    def best(self) -> Optional[Score]:
+        """The exact replica holding the most of the prompt; None when no exact replica holds
+        any of it. Routing weighs load too: ``Router.choose``."""
     @property
     def not_followed(self) -> List[str]:
         """With ``score_among``: the candidates the fleet does not follow."""
@@ -219,6 +230,79 @@ class _Changes:
     @property
     def closed(self) -> bool: ...
     def then(self, callback: Callable[[Optional[BaseException]], None]) -> _Waiting: ...
+
+class Load:
+    """What an engine was doing when its sidecar last read it."""
+
+    @property
+    def running(self) -> int: ...
+    @property
+    def waiting(self) -> int: ...
+    @property
+    def kv_usage(self) -> Optional[float]:
+        """KV-cache usage, 0-1, when the engine says it."""
+    @property
+    def age(self) -> float:
+        """Seconds since it was read, when this object was made."""
+    @property
+    def failing(self) -> bool:
+        """The sidecar's reads since this one fail: it only ages."""
+
+class Choice:
+    """Where a request goes, and what the decision rests on."""
+
+    @property
+    def replica(self) -> str: ...
+    @property
+    def matched_tokens(self) -> int: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def queued(self) -> int:
+        """Requests estimated queued ahead of this one there."""
+    @property
+    def failed_open(self) -> bool: ...
+    @property
+    def load(self) -> Literal["fresh", "old", "none"]: ...
+    @property
+    def cost_us(self) -> float: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def reason(self) -> Optional[str]: ...
+    @property
+    def exact(self) -> bool: ...
+
+class Flight:
+    """A request in flight, from ``Router.start`` until ``end()`` or its ``with`` block ends."""
+
+    def end(self) -> None: ...
+    def __enter__(self) -> Flight: ...
+    def __exit__(self, *exc: object) -> bool: ...
+
+class Router:
+    """The routing rule over a fleet (kvevent_fleet::route's): ``choose``, then ``start``."""
+
+    def __init__(
+        self,
+        fleet: _Fleet,
+        policy: Literal["cost", "prefix-only", "least-loaded", "round-robin"] = "cost",
+        *,
+        prefill_us_per_token: Optional[float] = None,
+        queue_us_per_request: Optional[float] = None,
+        load_old_after: float = 1.0,
+    ) -> None: ...
+    @property
+    def policy(self) -> str: ...
+    def choose(
+        self,
+        candidates: Sequence[str],
+        tokens: Union[Sequence[int], bytes, bytearray],
+        *,
+        adapter: str = "",
+    ) -> Optional[Choice]: ...
+    def start(self, replica: Union[Choice, str]) -> Flight: ...
+    def in_flight(self, replica: str) -> int: ...
 
 class _Fleet:
     def __init__(
@@ -286,7 +370,7 @@ class _Fleet:
         """``score`` among ``candidates`` only; those not followed are in ``not_followed``."""
     def record(
         self,
-        chosen: Union[Score, str],
+        chosen: Union[Choice, Score, str],
         prompt_tokens: int,
         cached_tokens: int,
         *,

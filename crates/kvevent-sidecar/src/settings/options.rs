@@ -110,6 +110,10 @@ super::define_options! {
     /// of --engine-metrics-url, at /health) is asked whether it answers; routers then know a
     /// replica whose server is gone while its cache is known. 0: never.
     engine_health_interval: GoDuration = GoDuration::secs(1), "DURATION";
+    /// With a feed: how often the engine's load (requests running and waiting, KV-cache usage, from
+    /// --engine-metrics-url) is read; routers are sent it as it changes, with its age. One read at a
+    /// time, each within this interval's deadline (at least 1 s), never in the way of events. 0: never.
+    engine_load_interval: GoDuration = GoDuration::ms(250), "DURATION";
     /// Bytes of changes kept for feed followers to resume from.
     feed_ring_bytes: usize = 64 << 20, "BYTES" check(check::at_least_one),
         #[serde(with = "value::number")];

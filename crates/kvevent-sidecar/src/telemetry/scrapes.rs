@@ -1,5 +1,5 @@
-//! Engine `/metrics` scrapes and the stats reports made from them. Counted by the stats
-//! reporter.
+//! Engine `/metrics` scrapes and the stats reports made from them, counted by the stats
+//! reporter; the reads of the engine's load for the feed, counted by their task.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -23,6 +23,8 @@ pub struct Scrapes {
     pub outcomes: Mutex<BTreeMap<&'static str, u64>>,
     /// Stats reports by outcome (`ok`, `rejected`, `rpc_error`).
     pub stats_reports: Mutex<BTreeMap<&'static str, u64>>,
+    /// Reads of the engine's load for the feed, by outcome (`ok` or the error kind).
+    pub load_reads: Mutex<BTreeMap<&'static str, u64>>,
     /// Scrapes that lacked a series the stats use (reported as 0), by series.
     pub absent: Mutex<BTreeMap<&'static str, u64>>,
     /// Samples skipped because they were NaN or ±Inf.
@@ -36,6 +38,7 @@ impl Default for Scrapes {
         Self {
             outcomes: Mutex::default(),
             stats_reports: Mutex::default(),
+            load_reads: Mutex::default(),
             absent: Mutex::default(),
             non_finite: AtomicU64::new(0),
             seconds: fwd::Histogram::new(SCRAPE_SECONDS),
@@ -47,6 +50,11 @@ impl Scrapes {
     /// Counts one scrape outcome.
     pub fn scrape(&self, outcome: &'static str) {
         *lock(&self.outcomes).entry(outcome).or_default() += 1;
+    }
+
+    /// Counts one read of the engine's load.
+    pub fn load_read(&self, outcome: &'static str) {
+        *lock(&self.load_reads).entry(outcome).or_default() += 1;
     }
 
     /// Counts one stats report outcome.
@@ -100,6 +108,16 @@ impl Collector for ScrapesCollector {
             &[],
             s.non_finite.load(Relaxed),
         )?;
+        {
+            let mut f = encode::counter(
+                &mut enc,
+                "kvevent_engine_load_reads_total",
+                "Reads of the engine's load (requests running and waiting, KV usage) for the router feed, by outcome.",
+            )?;
+            for (outcome, v) in lock(&s.load_reads).iter() {
+                encode::count(&mut f, &[("outcome", outcome)], *v)?;
+            }
+        }
         let mut f = encode::counter(
             &mut enc,
             "kvevent_stats_reports_total",
