@@ -179,11 +179,36 @@ impl Vllm {
 
     /// [`Vllm::complete`] as `model`: the served model, or a LoRA adapter's name.
     pub async fn complete_as(&self, model: &str, prompt: &[u32]) -> u32 {
+        let v = self
+            .completion(serde_json::json!({
+                "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+            }))
+            .await;
+        cached_tokens(&v)
+    }
+
+    /// A completion of `prompt` that generates `max_tokens` tokens (greedy, end of sequence
+    /// ignored): the cached tokens its usage reports, and the token ids it generated.
+    pub async fn generate(&self, prompt: &[u32], max_tokens: u32) -> (u32, Vec<u32>) {
+        let v = self
+            .completion(serde_json::json!({
+                "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": true, "return_token_ids": true,
+            }))
+            .await;
+        let ids = v["choices"][0]["token_ids"]
+            .as_array()
+            .unwrap_or_else(|| panic!("no token ids: {v}"))
+            .iter()
+            .map(|t| t.as_u64().unwrap_or_else(|| panic!("a token id: {t}")) as u32)
+            .collect();
+        (cached_tokens(&v), ids)
+    }
+
+    /// One `POST /v1/completions` of `body`: the response's JSON.
+    async fn completion(&self, body: serde_json::Value) -> serde_json::Value {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let body = serde_json::json!({
-            "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
-        })
-        .to_string();
+        let body = body.to_string();
         let exchange = async {
             let mut stream = tokio::net::TcpStream::connect(self.http)
                 .await
@@ -204,12 +229,7 @@ impl Vllm {
             .split_once("\r\n\r\n")
             .map(|(_, b)| b)
             .unwrap_or_default();
-        let v: serde_json::Value =
-            serde_json::from_str(json).unwrap_or_else(|e| panic!("{e}: {text}"));
-        let cached = &v["usage"]["prompt_tokens_details"]["cached_tokens"];
-        cached
-            .as_u64()
-            .unwrap_or_else(|| panic!("no cached tokens: {v}")) as u32
+        serde_json::from_str(json).unwrap_or_else(|e| panic!("{e}: {text}"))
     }
 
     /// The sum of the samples of `name` on the engine's `/metrics`.
@@ -260,4 +280,12 @@ async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
         .map(|(_, b)| b.to_owned())
         .unwrap_or_default();
     (status, body)
+}
+
+/// The cached tokens a completion's usage reports.
+fn cached_tokens(v: &serde_json::Value) -> u32 {
+    let cached = &v["usage"]["prompt_tokens_details"]["cached_tokens"];
+    cached
+        .as_u64()
+        .unwrap_or_else(|| panic!("no cached tokens: {v}")) as u32
 }
