@@ -221,3 +221,4 @@ impl Cli {
         }
     }
 }
+pub mod sim_host;

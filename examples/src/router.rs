@@ -19,7 +19,7 @@ use kvevent_fleet::{
     SidecarFeed, Tier,
 };
 
-/// One `--engine NAME=tcp://host:port[,replay=tcp://host:port][,dp=N]`.
+/// One `--engine NAME=tcp://host:port[,replay=tcp://host:port][,dp=N][,engine=sglang][,http=http://host:port]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Engine {
     /// The replica's name in the scores.
@@ -32,6 +32,8 @@ pub struct Engine {
     pub dp: u32,
     /// Whose KV-event wire it speaks (`,engine=sglang`; vLLM's by default).
     pub engine: kvevent_wire::Engine,
+    /// Its HTTP server (`,http=http://host:port`): its health asked, its load read.
+    pub http: Option<String>,
 }
 
 impl std::str::FromStr for Engine {
@@ -52,6 +54,7 @@ impl std::str::FromStr for Engine {
             replay: None,
             dp: 1,
             engine: kvevent_wire::Engine::Vllm,
+            http: None,
         };
         for part in parts {
             match part.split_once('=') {
@@ -60,7 +63,10 @@ impl std::str::FromStr for Engine {
                 Some(("engine", e)) => {
                     engine.engine = e.parse().context("engine= takes vllm or sglang")?;
                 }
-                _ => bail!("`{part}` in `{s}`: expected replay=..., dp=N or engine=vllm|sglang"),
+                Some(("http", h)) => engine.http = Some(h.to_owned()),
+                _ => bail!(
+                    "`{part}` in `{s}`: expected replay=..., dp=N, engine=vllm|sglang or http=http://HOST:PORT"
+                ),
             }
         }
         Ok(engine)
@@ -177,7 +183,7 @@ impl Router {
                     dp: e.dp,
                     topic: Vec::new(),
                     engine: e.engine,
-                    http: None,
+                    http: e.http.clone(),
                 }),
             )?;
         }

@@ -205,8 +205,13 @@ fn engine_flags_parse() {
             replay: Some("tcp://10.0.0.1:5558".into()),
             dp: 2,
             engine: kvevent_wire::Engine::Vllm,
+            http: None,
         }
     );
+    let e: Engine = "a=tcp://10.0.0.1:5557,http=http://10.0.0.1:8000"
+        .parse()
+        .expect("engine with its server");
+    assert_eq!(e.http.as_deref(), Some("http://10.0.0.1:8000"));
     let e: Engine = "b=tcp://10.0.0.2:5557,engine=sglang"
         .parse()
         .expect("sglang");

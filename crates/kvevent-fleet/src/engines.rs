@@ -408,11 +408,17 @@ struct Seen {
     views: Vec<(bool, bool)>,
 }
 
-/// An engine's HTTP server, asked at `/health` every second ([`EngineSockets::http`]).
+/// An engine's HTTP server, asked at `/health` every second, and its load read from its
+/// `/metrics` every [`LOAD_EVERY`] ([`EngineSockets::http`]).
 pub(crate) struct Server {
     fetcher: kvevent_scrape::Fetcher,
     url: String,
+    metrics: kvevent_scrape::Fetcher,
+    metrics_url: String,
 }
+
+/// How often an engine followed directly has its load read (a sidecar's default).
+const LOAD_EVERY: Duration = Duration::from_millis(250);
 
 /// The engine's HTTP server at `url` (`http://HOST:PORT`), checked.
 pub(crate) fn server(name: &str, url: &str) -> Result<Server, FleetError> {
@@ -428,29 +434,72 @@ pub(crate) fn server(name: &str, url: &str) -> Result<Server, FleetError> {
     let health = format!("{base}/health");
     let fetcher = kvevent_scrape::Fetcher::new(&health, Duration::from_secs(1), 64 << 10)
         .map_err(|_| invalid())?;
+    let metrics_url = format!("{base}/metrics");
+    let metrics = kvevent_scrape::Fetcher::new(&metrics_url, Duration::from_secs(1), 8 << 20)
+        .map_err(|_| invalid())?;
     Ok(Server {
         fetcher,
         url: health,
+        metrics,
+        metrics_url,
     })
 }
 
 impl Server {
     /// Asks every second for as long as the replica is followed, telling its status what it
-    /// answers.
+    /// answers; reads its load meanwhile.
     pub(crate) async fn run(self, core: Arc<Core>, name: String, status: Shared) {
-        let mut ticker = tokio::time::interval(Duration::from_secs(1));
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-        loop {
-            ticker.tick().await;
-            let down = match self.fetcher.fetch().await {
-                Ok(_) => None,
-                Err(e) => Some((
-                    Instant::now(),
-                    crate::with_causes(format!("{}: {e}", self.url), &e),
-                )),
-            };
-            lock(&status).on(&name, Event::Server(down), Instant::now());
-            status::publish(&core, &name, &status);
-        }
+        let health = async {
+            let mut ticker = tokio::time::interval(Duration::from_secs(1));
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+            loop {
+                ticker.tick().await;
+                let down = match self.fetcher.fetch().await {
+                    Ok(_) => None,
+                    Err(e) => Some((
+                        Instant::now(),
+                        crate::with_causes(format!("{}: {e}", self.url), &e),
+                    )),
+                };
+                lock(&status).on(&name, Event::Server(down), Instant::now());
+                status::publish(&core, &name, &status);
+            }
+        };
+        let load = async {
+            let mut ticker = tokio::time::interval(LOAD_EVERY);
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+            loop {
+                ticker.tick().await;
+                let read = self.read_load().await;
+                let mut s = lock(&status);
+                match read {
+                    Ok(load) => s.set_load(&core, &name, Some(load), None),
+                    // The last load stays, ageing, and says it is failing.
+                    Err(why) => {
+                        let last = s.load.map(|l| kvevent_index::Load { failing: true, ..l });
+                        s.set_load(&core, &name, last, Some(why));
+                    }
+                }
+            }
+        };
+        tokio::join!(health, load);
+    }
+
+    /// One read of the engine's load from its `/metrics`.
+    async fn read_load(&self) -> Result<kvevent_index::Load, String> {
+        let why = |e: &(dyn std::error::Error + 'static)| {
+            crate::with_causes(format!("{}: {e}", self.metrics_url), e)
+        };
+        let body = self.metrics.fetch().await.map_err(|e| why(&e))?;
+        let exposition = kvevent_scrape::text::parse(&body).map_err(|e| why(&e))?;
+        let load =
+            kvevent_scrape::read_load(&exposition, &Default::default()).map_err(|e| why(&e))?;
+        Ok(kvevent_index::Load {
+            running: load.running(),
+            waiting: load.waiting(),
+            kv_usage: load.kv_usage(),
+            read_at: Instant::now(),
+            failing: false,
+        })
     }
 }

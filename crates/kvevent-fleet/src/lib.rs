@@ -212,8 +212,9 @@ pub struct EngineSockets {
     /// Whose KV-event wire it speaks: vLLM's (the default) or SGLang's.
     pub engine: kvevent_wire::Engine,
     /// The engine's HTTP server, `http://HOST:PORT`, asked at `/health` every second: while it
-    /// does not answer, the replica is not exact (`server_down`, then stale). `None`: its
-    /// cache is trusted whether or not it serves.
+    /// does not answer, the replica is not exact (`server_down`, then stale); its load is read
+    /// from its `/metrics` every 250 ms (as a sidecar's feed would bring it). `None`: its cache
+    /// is trusted whether or not it serves, and no load is known.
     pub http: Option<String>,
 }
 

@@ -220,6 +220,21 @@ impl Engine {
         (self.queries, self.hits)
     }
 
+    /// The prompt tokens a request for `prompt` would find cached now (full blocks from
+    /// token 0, at most `prompt - 1` tokens), without changing anything: what an oracle that
+    /// sees every engine knows.
+    pub fn cached_prefix(&self, prompt: &[u32]) -> u32 {
+        let bs = self.config.block_size;
+        let max_blocks = prompt.len().saturating_sub(1) / bs;
+        let mut hashes = Vec::with_capacity(max_blocks);
+        kvevent_fingerprint::prefixes_into(&prompt[..max_blocks * bs], bs, None, &mut hashes);
+        let hit = hashes
+            .iter()
+            .take_while(|h| self.pool.lookup(**h).is_some())
+            .count();
+        (hit * bs) as u32
+    }
+
     /// Nothing to do.
     pub fn is_idle(&self) -> bool {
         self.waiting.is_empty() && self.running.is_empty()

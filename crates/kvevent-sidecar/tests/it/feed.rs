@@ -688,19 +688,35 @@ async fn the_engine_s_load_reaches_routers_and_a_bad_metrics_endpoint_only_ages_
             .first()
             .and_then(|r| r.load.map(|l| (l, r.load_error.clone())))
     };
+    // A router following the engine directly, given its HTTP server, reads the load itself.
+    let direct = Fleet::new(FleetConfig::default()).expect("fleet");
+    direct
+        .ensure_replica(
+            "a",
+            ReplicaSource::Engine(EngineSockets {
+                replay: engine.replay_endpoint().map(str::to_owned),
+                http: Some(format!("http://127.0.0.1:{}", metrics.port)),
+                ..EngineSockets::new(engine.endpoint())
+            }),
+        )
+        .expect("engine");
     tokio::task::block_in_place(|| {
         wait_until("the first load", || {
-            load(&fleet).is_some_and(|(l, e)| {
-                (l.running, l.waiting, l.kv_usage, e) == (3, 2, Some(0.5), None)
+            [&fleet, &direct].iter().all(|f| {
+                load(f).is_some_and(|(l, e)| {
+                    (l.running, l.waiting, l.kv_usage, e) == (3, 2, Some(0.5), None)
+                })
             })
         });
     });
     metrics.set(&vllm_metrics("7", 0, 0.75));
     tokio::task::block_in_place(|| {
-        assert!(engine.wait_for_subscribers(1, WAIT));
+        assert!(engine.wait_for_subscribers(2, WAIT));
         engine.publish(&stored(1)).expect("publish");
         wait_until("the new load, and the prefix", || {
-            load(&fleet).is_some_and(|(l, _)| l.running == 7 && l.age(Instant::now()) < WAIT)
+            [&fleet, &direct]
+                .iter()
+                .all(|f| load(f).is_some_and(|(l, _)| l.running == 7))
                 && blocks_matched(&fleet, "a", 1) == 2
         });
     });
@@ -736,14 +752,16 @@ async fn the_engine_s_load_reaches_routers_and_a_bad_metrics_endpoint_only_ages_
     metrics.set(&vllm_metrics("NaN", 0, 0.75));
     tokio::task::block_in_place(|| {
         wait_until("the nonsense said", || {
-            load(&fleet).is_some_and(|(l, e)| {
-                l.failing
-                    && l.running == 7
-                    && e.is_some_and(|e| {
-                        e.contains("/metrics")
-                            && e.contains("vllm:num_requests_running")
-                            && e.contains("not a load")
-                    })
+            [&fleet, &direct].iter().all(|f| {
+                load(f).is_some_and(|(l, e)| {
+                    l.failing
+                        && l.running == 7
+                        && e.is_some_and(|e| {
+                            e.contains("/metrics")
+                                && e.contains("vllm:num_requests_running")
+                                && e.contains("not a load")
+                        })
+                })
             })
         });
         wait_until("the load old", || {

@@ -1,0 +1,360 @@
+//! Simulated engines behind vLLM's interfaces, many in one process: each a [`kvevent_sim::Engine`]
+//! stepped on the caller's tokio runtime (its steps slept, divided by a speed-up), its KV
+//! events published on vLLM 0.33's wire with replay (`kvevent_zmq::publisher::Publisher`), and
+//! an HTTP server with vLLM's `POST /v1/completions` (token-id prompts; streamed with a usage
+//! chunk whose `prompt_tokens_details.cached_tokens` is the engine's, or whole), `GET /metrics`
+//! (vLLM's names: requests running and waiting, KV-cache usage, prefix-cache queries and hits)
+//! and `GET /health`.
+//!
+//! The benchmark reads each engine's state in process too ([`SimEngine::cached_prefix`], the
+//! arrival-time oracle).
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, StreamBody, combinators::BoxBody};
+use hyper::body::Frame;
+use kvevent_sim::{Config, Engine, Event, Progress, Request};
+use kvevent_wire as wire;
+use kvevent_zmq::publisher::{Publisher, PublisherConfig};
+use tokio::sync::{Notify, mpsc};
+
+type Body = BoxBody<Bytes, Infallible>;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+struct State {
+    engine: Engine,
+    /// Each request's listener: its progress as the steps make it.
+    waiters: HashMap<u64, mpsc::UnboundedSender<Progress>>,
+    next_id: u64,
+}
+
+/// One simulated engine, running until dropped.
+pub struct SimEngine {
+    /// Its name.
+    pub name: String,
+    /// Its OpenAI-compatible server.
+    pub http: SocketAddr,
+    /// Its KV-event PUB endpoint.
+    pub events: String,
+    /// Its replay endpoint.
+    pub replay: String,
+    state: Arc<Mutex<State>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for SimEngine {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+impl SimEngine {
+    /// Starts an engine of `config` on loopback, stepping `speed` times faster than its time
+    /// model says.
+    pub async fn start(
+        ctx: &zmq::Context,
+        name: &str,
+        config: Config,
+        speed: f64,
+    ) -> anyhow::Result<Self> {
+        let block_size = config.block_size as u32;
+        let publisher = Publisher::start(
+            ctx,
+            PublisherConfig {
+                replay_endpoint: Some("tcp://127.0.0.1:*".into()),
+                ..PublisherConfig::loopback(wire::Release::new(0, 33, 0))
+            },
+        )?;
+        let events = publisher.endpoint().to_owned();
+        let replay = publisher.replay_endpoint().unwrap_or_default().to_owned();
+        let state = Arc::new(Mutex::new(State {
+            engine: Engine::new(config),
+            waiters: HashMap::new(),
+            next_id: 0,
+        }));
+        let work = Arc::new(Notify::new());
+        let stepper = tokio::spawn(run(
+            state.clone(),
+            work.clone(),
+            publisher,
+            block_size,
+            speed,
+        ));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let http = listener.local_addr()?;
+        let server = tokio::spawn(serve(listener, state.clone(), work, name.to_owned()));
+        Ok(Self {
+            name: name.to_owned(),
+            http,
+            events,
+            replay,
+            state,
+            tasks: vec![stepper, server],
+        })
+    }
+
+    /// The prompt tokens `prompt` would find cached here now.
+    pub fn cached_prefix(&self, prompt: &[u32]) -> u32 {
+        lock(&self.state).engine.cached_prefix(prompt)
+    }
+
+    /// Prompt tokens looked up and found in its prefix cache so far.
+    pub fn prefix_cache(&self) -> (u64, u64) {
+        lock(&self.state).engine.prefix_cache()
+    }
+}
+
+/// Steps the engine while it has work, each step slept for its duration (sped up), then its
+/// events published and its progress handed to the requests' listeners.
+async fn run(
+    state: Arc<Mutex<State>>,
+    work: Arc<Notify>,
+    publisher: Publisher,
+    block_size: u32,
+    speed: f64,
+) {
+    let publisher = Arc::new(publisher);
+    loop {
+        let step = lock(&state).engine.step();
+        let Some(step) = step else {
+            work.notified().await;
+            continue;
+        };
+        tokio::time::sleep(Duration::from_secs_f64(step.duration_us / 1e6 / speed)).await;
+        if !step.events.is_empty() {
+            let batch = wire::EventBatch {
+                ts: std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0.0, |d| d.as_secs_f64()),
+                events: step
+                    .events
+                    .iter()
+                    .map(|e| match e {
+                        Event::Stored {
+                            hashes,
+                            parent,
+                            tokens,
+                        } => wire::Event::BlockStored(wire::BlockStored {
+                            block_hashes: hashes
+                                .iter()
+                                .map(|h| wire::BlockHash::Int(wire::Int::U64(*h)))
+                                .collect(),
+                            parent_block_hash: parent
+                                .map(|p| wire::BlockHash::Int(wire::Int::U64(p))),
+                            token_ids: tokens.clone().into(),
+                            block_size,
+                            medium: Some(wire::Medium::from("GPU")),
+                            ..Default::default()
+                        }),
+                        Event::Removed { hash } => wire::Event::BlockRemoved(wire::BlockRemoved {
+                            block_hashes: vec![wire::BlockHash::Int(wire::Int::U64(*hash))],
+                            medium: Some(wire::Medium::from("GPU")),
+                            ..Default::default()
+                        }),
+                    })
+                    .collect(),
+                data_parallel_rank: None,
+                unknown_events: 0,
+            };
+            let publisher = publisher.clone();
+            // The publisher's call waits on its thread: not on a runtime worker.
+            let _ = tokio::task::spawn_blocking(move || publisher.publish(&batch)).await;
+        }
+        let mut s = lock(&state);
+        for p in step.progress {
+            let id = match p {
+                Progress::FirstToken { id, .. }
+                | Progress::Token { id, .. }
+                | Progress::Finished { id } => id,
+            };
+            if let Some(w) = s.waiters.get(&id) {
+                let _ = w.send(p);
+            }
+            if matches!(p, Progress::Finished { .. }) {
+                s.waiters.remove(&id);
+            }
+        }
+    }
+}
+
+async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<Mutex<State>>,
+    work: Arc<Notify>,
+    name: String,
+) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let (state, work, name) = (state.clone(), work.clone(), name.clone());
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req| {
+                handle(req, state.clone(), work.clone(), name.clone())
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}
+
+fn full(status: u16, body: String) -> hyper::Response<Body> {
+    let mut r = hyper::Response::new(Full::new(Bytes::from(body)).boxed());
+    *r.status_mut() = hyper::StatusCode::from_u16(status).unwrap_or(hyper::StatusCode::OK);
+    r
+}
+
+fn usage(prompt: usize, completion: u32, cached: u32) -> serde_json::Value {
+    serde_json::json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt as u32 + completion,
+        "prompt_tokens_details": { "cached_tokens": cached },
+    })
+}
+
+async fn handle(
+    req: hyper::Request<hyper::body::Incoming>,
+    state: Arc<Mutex<State>>,
+    work: Arc<Notify>,
+    name: String,
+) -> Result<hyper::Response<Body>, Infallible> {
+    match (req.method().as_str(), req.uri().path()) {
+        ("GET", "/health") => Ok(full(200, String::new())),
+        ("GET", "/metrics") => {
+            let s = lock(&state);
+            let e = &s.engine;
+            let (queries, hits) = e.prefix_cache();
+            let labels = format!("engine=\"0\",model_name=\"sim\",replica=\"{name}\"");
+            Ok(full(
+                200,
+                format!(
+                    "vllm:num_requests_running{{{labels}}} {}\n\
+                     vllm:num_requests_waiting{{{labels}}} {}\n\
+                     vllm:kv_cache_usage_perc{{{labels}}} {}\n\
+                     vllm:prefix_cache_queries_total{{{labels}}} {queries}\n\
+                     vllm:prefix_cache_hits_total{{{labels}}} {hits}\n",
+                    e.running(),
+                    e.waiting(),
+                    e.kv_usage()
+                ),
+            ))
+        }
+        ("POST", "/v1/completions") => {
+            let body = match req.into_body().collect().await {
+                Ok(b) => b.to_bytes(),
+                Err(e) => return Ok(full(400, format!("{{\"error\":\"{e}\"}}"))),
+            };
+            let v: serde_json::Value = match serde_json::from_slice(&body) {
+                Ok(v) => v,
+                Err(e) => return Ok(full(400, format!("{{\"error\":\"not JSON: {e}\"}}"))),
+            };
+            let Some(prompt) = v["prompt"].as_array().and_then(|a| {
+                a.iter()
+                    .map(|t| t.as_u64().map(|t| t as u32))
+                    .collect::<Option<Vec<u32>>>()
+            }) else {
+                return Ok(full(400, "{\"error\":\"prompt: token ids\"}".to_owned()));
+            };
+            let max_tokens = v["max_tokens"].as_u64().unwrap_or(16).max(1) as u32;
+            let stream = v["stream"].as_bool().unwrap_or(false);
+            let (tx, mut rx) = mpsc::unbounded_channel();
+            {
+                let mut s = lock(&state);
+                let id = s.next_id;
+                s.next_id += 1;
+                s.waiters.insert(id, tx);
+                s.engine.add(Request {
+                    id,
+                    prompt: prompt.clone(),
+                    max_tokens,
+                    output: Vec::new(),
+                });
+            }
+            work.notify_one();
+            let n = prompt.len();
+            if !stream {
+                let (mut cached, mut out) = (0, Vec::new());
+                while let Some(p) = rx.recv().await {
+                    match p {
+                        Progress::FirstToken { cached_tokens, .. } => cached = cached_tokens,
+                        Progress::Token { token, .. } => out.push(token),
+                        Progress::Finished { .. } => break,
+                    }
+                }
+                let body = serde_json::json!({
+                    "object": "text_completion", "model": "sim",
+                    "choices": [{"index": 0, "text": "", "token_ids": out, "finish_reason": "length"}],
+                    "usage": usage(n, out.len() as u32, cached),
+                });
+                return Ok(full(200, body.to_string()));
+            }
+            let with_usage = v["stream_options"]["include_usage"]
+                .as_bool()
+                .unwrap_or(false);
+            let frames = futures_util::stream::unfold(
+                (rx, 0u32, 0u32, false),
+                move |(mut rx, mut cached, mut made, done)| async move {
+                    if done {
+                        return None;
+                    }
+                    loop {
+                        let text = match rx.recv().await {
+                            Some(Progress::FirstToken { cached_tokens, .. }) => {
+                                cached = cached_tokens;
+                                continue;
+                            }
+                            Some(Progress::Token { token, .. }) => {
+                                made += 1;
+                                format!(
+                                    "data: {}\n\n",
+                                    serde_json::json!({"object": "text_completion", "model": "sim",
+                                        "choices": [{"index": 0, "text": "", "token_ids": [token]}]})
+                                )
+                            }
+                            Some(Progress::Finished { .. }) | None => {
+                                let mut t = String::new();
+                                if with_usage {
+                                    t += &format!(
+                                        "data: {}\n\n",
+                                        serde_json::json!({"object": "text_completion",
+                                            "model": "sim", "choices": [],
+                                            "usage": usage(n, made, cached)})
+                                    );
+                                }
+                                t += "data: [DONE]\n\n";
+                                return Some((
+                                    Ok::<_, Infallible>(Frame::data(Bytes::from(t))),
+                                    (rx, cached, made, true),
+                                ));
+                            }
+                        };
+                        return Some((
+                            Ok(Frame::data(Bytes::from(text))),
+                            (rx, cached, made, false),
+                        ));
+                    }
+                },
+            );
+            let mut r = hyper::Response::new(StreamBody::new(frames).boxed());
+            r.headers_mut().insert(
+                hyper::header::CONTENT_TYPE,
+                hyper::header::HeaderValue::from_static("text/event-stream"),
+            );
+            Ok(r)
+        }
+        _ => Ok(full(404, String::new())),
+    }
+}
