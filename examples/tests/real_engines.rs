@@ -1,7 +1,8 @@
 //! The example router between two real vLLM engines on CPU (feature `real-engine`, run by
 //! `bash .ci/real-engine/run`): token-id prompts go to the engine that holds them, a LoRA
-//! adapter's request to the engine holding the prompt for that adapter, and `/metrics` shows
-//! each prediction against what the engine reused.
+//! adapter's request to the engine holding the prompt for that adapter, `/metrics` shows each
+//! prediction against what the engine reused, and on a shared-prefix workload the routing rule
+//! reuses more than round-robin, by vLLM's own counters.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -168,7 +169,8 @@ async fn the_router_routes_between_two_real_engines() {
         v["usage"]["prompt_tokens_details"]["cached_tokens"], 96,
         "{v}"
     );
-    // p1 is new: both tie at 0, and it goes to e1 (neither busy; by name). Then again to e1.
+    // p1 is new: both tie at 0 (neither busy), and it goes where its first block ranks it
+    // (never the first name by default); then again to that engine, which reuses 96.
     let (status, v) = complete(addr, "tiny", &p1).await;
     assert_eq!(
         (
@@ -178,7 +180,20 @@ async fn the_router_routes_between_two_real_engines() {
         (200, &serde_json::json!(0)),
         "{v}"
     );
-    settle("", p1.clone(), "e1").await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let p1_on = loop {
+        if let Some((on, tokens)) = known("", &p1)
+            && tokens == 4 * VLLM_BLOCK
+        {
+            break on;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "nobody holds p1: {:?}",
+            known("", &p1)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     let (status, v) = complete(addr, "tiny", &p1).await;
     assert_eq!(
         (
@@ -205,14 +220,111 @@ async fn the_router_routes_between_two_real_engines() {
         "the adapter's request did not reach its holder: {v}"
     );
     let metrics = router.metrics();
-    for needle in [
-        "kvevent_router_predictions_total{replica=\"e1\",outcome=\"exact\"} 2",
-        "kvevent_router_predictions_total{replica=\"e2\",outcome=\"exact\"} 2",
-        "kvevent_router_responses_total{replica=\"e1\",code=\"200\"} 2",
-        "kvevent_router_responses_total{replica=\"e2\",code=\"200\"} 2",
-    ] {
-        assert!(metrics.contains(needle), "no {needle} in\n{metrics}");
+    // e2: p2 and p3; p1 twice where it went.
+    let served = |name: &str| 1 + u32::from(name == "e2") + 2 * u32::from(*name == *p1_on);
+    for name in names {
+        let n = served(name);
+        for needle in [
+            format!("kvevent_router_predictions_total{{replica=\"{name}\",outcome=\"exact\"}} {n}"),
+            format!("kvevent_router_responses_total{{replica=\"{name}\",code=\"200\"}} {n}"),
+        ] {
+            assert!(metrics.contains(&needle), "no {needle} in\n{metrics}");
+        }
     }
+    // The rule against round-robin on a shared-prefix workload, by vLLM's own counters: six
+    // system prompts of three blocks, four requests each with a user turn of its own, one after
+    // another; round-robin sends a prompt's requests to both engines (each computes it once),
+    // the rule to the engine that holds it.
+    let hit_rate = |policy: &'static str, seed: u32| {
+        let engines = &engines;
+        let ports = &ports;
+        async move {
+            let router = Arc::new(
+                Router::start(RouterConfig {
+                    model: "tiny".into(),
+                    block_size: None,
+                    engines: ports
+                        .iter()
+                        .zip(names)
+                        .map(|([_, events, replay], name)| {
+                            format!("{name}={},replay={}", events.tcp(), replay.tcp())
+                                .parse::<Engine>()
+                                .expect("engine")
+                        })
+                        .collect(),
+                    sidecars: Vec::new(),
+                    upstreams: engines
+                        .iter()
+                        .zip(names)
+                        .map(|(e, name)| Upstream {
+                            name: name.into(),
+                            url: format!("http://{}", e.http),
+                        })
+                        .collect(),
+                    upstream_timeout: Duration::from_secs(60),
+                    tokenizer: None,
+                    policy: policy.parse().expect("a policy"),
+                })
+                .expect("router"),
+            );
+            let (addr, _server) = router::bind("127.0.0.1:0", router.clone())
+                .await
+                .expect("bind");
+            router
+                .fleet()
+                .ready(Duration::from_secs(60))
+                .await
+                .expect("both exact");
+            let counters = || async {
+                let mut sum = (0.0, 0.0);
+                for e in engines.iter() {
+                    sum.0 += e.metric("vllm:prefix_cache_hits_total").await;
+                    sum.1 += e.metric("vllm:prefix_cache_queries_total").await;
+                }
+                sum
+            };
+            let before = counters().await;
+            // Seeds apart (mod 1000) start apart: no prompt shares a first block with another.
+            for request in 0..24u32 {
+                let system = seed + request % 6;
+                let mut ids: Vec<u32> = prompt(system)[..3 * VLLM_BLOCK as usize].to_vec();
+                ids.extend(prompt(seed + 6 + request).into_iter().take(40));
+                // Each request's blocks reach the router before the next (as a router under
+                // load would see its earlier requests' effects).
+                let (status, v) = complete(addr, "tiny", &ids).await;
+                assert_eq!(status, 200, "{v}");
+                let deadline = Instant::now() + Duration::from_secs(30);
+                while router
+                    .fleet()
+                    .score(&kvevent_fleet::Query {
+                        adapter: "",
+                        keys: kvevent_fleet::QueryKeys::Tokens {
+                            ids: &ids,
+                            block_size: VLLM_BLOCK as usize,
+                        },
+                    })
+                    .ok()
+                    .and_then(|s| s.first().map(|s| s.matched_tokens))
+                    != Some(4 * VLLM_BLOCK)
+                {
+                    assert!(
+                        Instant::now() < deadline,
+                        "the router never knew request {request}"
+                    );
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+            let after = counters().await;
+            (after.0 - before.0) / (after.1 - before.1)
+        }
+    };
+    let round_robin = hit_rate("round-robin", 10).await;
+    let cost = hit_rate("cost", 50).await;
+    eprintln!("hit rate on the real engines: cost {cost:.3}, round-robin {round_robin:.3}");
+    assert!(
+        cost > round_robin,
+        "the rule's hit rate {cost:.3} is not above round-robin's {round_robin:.3}"
+    );
     for e in &mut engines {
         e.stop();
     }

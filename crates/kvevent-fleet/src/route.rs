@@ -161,11 +161,15 @@ impl Flights {
 
     /// Requests sent after `t` (at most the last 256 sends are remembered).
     pub fn sent_since(&self, t: Instant) -> u32 {
+        let newest = self.next.load(Relaxed);
+        if newest == 0 {
+            return 0;
+        }
+        // Before these flights began, every send remembered is after it.
         let Some(after) = t.checked_duration_since(self.origin) else {
-            return self.sent.iter().filter(|s| s.load(Relaxed) > 0).count() as u32;
+            return newest.min(SENT_KEPT) as u32;
         };
         let after = after.as_nanos() as u64;
-        let newest = self.next.load(Relaxed);
         let mut n = 0;
         // Newest first, until one sent at or before `t`.
         for i in 1..=SENT_KEPT.min(newest) {
@@ -323,11 +327,16 @@ impl Rule {
         self.load_old_after
     }
 
-    /// The requests ahead of a new one on `c`, and how its load was known.
-    fn queued(&self, c: &Candidate<'_>, load: Option<Load>, now: Instant) -> (u32, LoadSeen) {
+    /// The requests ahead of a new one on `c`, and how its load was known: fresh when read at
+    /// or after `fresh_since`.
+    fn queued(
+        c: &Candidate<'_>,
+        load: Option<&Load>,
+        fresh_since: Option<Instant>,
+    ) -> (u32, LoadSeen) {
         let own = c.flights.in_flight();
         match load {
-            Some(l) if l.age(now) <= self.load_old_after => {
+            Some(l) if fresh_since.is_none_or(|t| l.read_at >= t) => {
                 let read = l.queued().saturating_add(c.flights.sent_since(l.read_at));
                 (read.max(own), LoadSeen::Fresh)
             }
@@ -361,20 +370,24 @@ impl Rule {
         if candidates.is_empty() {
             return None;
         }
+        let fresh_since = now.checked_sub(self.load_old_after);
         // An answer among these candidates, in this order, is read by position; any other by
         // name.
-        let seen = |i: usize, c: &'a Candidate<'a>| {
-            let said = scores.and_then(|s| {
+        let said = |i: usize, c: &Candidate<'_>| {
+            scores.and_then(|s| {
                 s.of_candidate(i)
                     .filter(|s| s.replica == c.name)
                     .or_else(|| s.iter().find(|s| s.replica == c.name))
-            });
+            })
+        };
+        let seen = |i: usize, c: &'a Candidate<'a>| {
+            let said = said(i, c);
             let state = said.map_or(
                 ReplicaState::Degraded(kvevent_index::Degraded::Connecting),
                 |s| s.state,
             );
             let said_tokens = said.map_or(0, |s| s.matched_tokens);
-            let (queued, load) = self.queued(c, said.and_then(|s| s.load), now);
+            let (queued, load) = Self::queued(c, said.and_then(|s| s.load), fresh_since);
             Seen {
                 c,
                 exact_tokens: if state.is_exact() { said_tokens } else { 0 },
@@ -399,58 +412,90 @@ impl Rule {
                 Some(choice(&seen(i, &candidates[i]), 0.0, false))
             }
             Policy::LeastLoaded => {
-                let all: Vec<Seen<'a>> = candidates
+                // The fewest ahead; ties in turn. Two passes, nothing kept but counts.
+                let ahead = |i: usize, c: &Candidate<'_>| {
+                    Self::queued(c, said(i, c).and_then(|s| s.load), fresh_since).0
+                };
+                let (mut least, mut tied) = (u32::MAX, 0usize);
+                for (i, c) in candidates.iter().enumerate() {
+                    let q = ahead(i, c);
+                    if q < least {
+                        (least, tied) = (q, 1);
+                    } else if q == least {
+                        tied += 1;
+                    }
+                }
+                let mut pick = self.turn.fetch_add(1, Relaxed) % tied.max(1);
+                let i = candidates
                     .iter()
                     .enumerate()
-                    .map(|(i, c)| seen(i, c))
-                    .collect();
-                let least = all.iter().map(|s| s.queued).min().unwrap_or(0);
-                let tied: Vec<&Seen<'a>> = all.iter().filter(|s| s.queued == least).collect();
-                let i = self.turn.fetch_add(1, Relaxed) % tied.len();
-                Some(choice(tied[i], 0.0, false))
+                    .position(|(i, c)| {
+                        if ahead(i, c) != least {
+                            return false;
+                        }
+                        if pick == 0 {
+                            return true;
+                        }
+                        pick -= 1;
+                        false
+                    })
+                    .unwrap_or(0);
+                Some(choice(&seen(i, &candidates[i]), 0.0, false))
             }
             Policy::PrefixOnly => {
-                let all: Vec<Seen<'a>> = candidates
-                    .iter()
-                    .enumerate()
-                    .map(|(i, c)| seen(i, c))
-                    .collect();
-                let busy = |s: &Seen<'a>| (s.c.flights.in_flight(), s.c.name);
-                let best = all
-                    .iter()
-                    .filter(|s| s.exact_tokens > 0)
-                    .max_by(|a, b| {
-                        a.exact_tokens
-                            .cmp(&b.exact_tokens)
-                            .then(busy(b).cmp(&busy(a)))
-                    })
-                    .or_else(|| all.iter().min_by_key(|s| busy(s)))?;
-                Some(choice(best, 0.0, true))
+                // The exact holder of most, ties by fewer in flight then name; else the least
+                // busy.
+                let busy = |c: &Candidate<'a>| (c.flights.in_flight(), c.name);
+                let mut best: Option<(u32, usize)> = None;
+                let mut idlest = 0;
+                for (i, c) in candidates.iter().enumerate() {
+                    if busy(c) < busy(&candidates[idlest]) {
+                        idlest = i;
+                    }
+                    let exact = said(i, c)
+                        .filter(|s| s.state.is_exact())
+                        .map_or(0, |s| s.matched_tokens);
+                    let better = match best {
+                        _ if exact == 0 => false,
+                        None => true,
+                        Some((t, b)) => exact > t || (exact == t && busy(c) < busy(&candidates[b])),
+                    };
+                    if better {
+                        best = Some((exact, i));
+                    }
+                }
+                let i = best.map_or(idlest, |(_, i)| i);
+                Some(choice(&seen(i, &candidates[i]), 0.0, true))
             }
             Policy::Cost(w) => {
                 // The cheapest; on a tie, the prompt's own ranking decides (names are hashed
-                // only then).
-                let mut best: Option<(f64, Option<u64>, Seen<'a>)> = None;
+                // only then). Only the winner's view is kept.
+                let mut best: Option<(f64, Option<u64>, usize)> = None;
                 for (i, c) in candidates.iter().enumerate() {
-                    let s = seen(i, c);
-                    let compute = request.prompt_tokens.saturating_sub(s.exact_tokens);
+                    let said = said(i, c);
+                    let exact = said
+                        .filter(|s| s.state.is_exact())
+                        .map_or(0, |s| s.matched_tokens);
+                    let (queued, _) = Self::queued(c, said.and_then(|s| s.load), fresh_since);
+                    let compute = request.prompt_tokens.saturating_sub(exact);
                     let cost = w.prefill_us_per_token * f64::from(compute)
-                        + w.queue_us_per_request * f64::from(s.queued);
+                        + w.queue_us_per_request * f64::from(queued);
                     match &mut best {
                         Some((b, _, _)) if cost > *b => {}
                         Some((b, rank, held)) if cost == *b => {
-                            let held_rank = *rank
-                                .get_or_insert_with(|| rendezvous(request.affinity, held.c.name));
+                            let held_rank = *rank.get_or_insert_with(|| {
+                                rendezvous(request.affinity, candidates[*held].name)
+                            });
                             let r = rendezvous(request.affinity, c.name);
                             if r > held_rank {
-                                best = Some((cost, Some(r), s));
+                                best = Some((cost, Some(r), i));
                             }
                         }
-                        _ => best = Some((cost, None, s)),
+                        _ => best = Some((cost, None, i)),
                     }
                 }
-                let (cost, _, s) = best?;
-                Some(choice(&s, cost, true))
+                let (cost, _, i) = best?;
+                Some(choice(&seen(i, &candidates[i]), cost, true))
             }
         }
     }

@@ -24,7 +24,7 @@ pub struct Score<'a> {
     pub state: ReplicaState,
     /// What its engine was doing when last read, as its follower said ([`Load`]; judge its
     /// age), if anything.
-    pub load: Option<Load>,
+    pub load: Option<&'a Load>,
 }
 
 /// The answer to a query: a [`Score`] per replica holding block 0 of the query (with
@@ -96,7 +96,7 @@ impl Scores {
             matched_tokens: tokens,
             tier,
             state: self.states[replica as usize],
-            load: self.loads[replica as usize],
+            load: self.loads[replica as usize].as_ref(),
         }
     }
 }

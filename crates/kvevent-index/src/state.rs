@@ -90,8 +90,9 @@ pub enum ReplicaState {
 
 impl ReplicaState {
     /// In sync with its source: the only state to route on.
+    #[inline]
     pub fn is_exact(self) -> bool {
-        self == Self::Exact
+        matches!(self, Self::Exact)
     }
 
     /// `exact`, `degraded` or `stale`.

@@ -300,7 +300,7 @@ impl PyScore {
                 fleet::Tier::T2 => "T2",
             },
             state: s.state,
-            load: s.load,
+            load: s.load.copied(),
         }
     }
 }

@@ -64,8 +64,8 @@ pub struct Request {
     pub prompt: Vec<u32>,
     /// Tokens to generate.
     pub max_tokens: u32,
-    /// The tokens it generates, in order (repeated if shorter than `max_tokens`; empty: each
-    /// one made from the request's id and position).
+    /// The tokens it generates, in order (repeated if shorter than `max_tokens`; empty:
+    /// [`generated_tokens`] of its prompt).
     pub output: Vec<u32>,
 }
 
@@ -118,11 +118,14 @@ struct Live {
     /// Prompt tokens found cached when first scheduled.
     cached_tokens: Option<u32>,
     generated: u32,
+    /// What its generated tokens are made from ([`generated_tokens`]).
+    seed: u64,
 }
 
 impl Live {
     fn new(req: Request) -> Self {
         Self {
+            seed: kvevent_fingerprint::content(&req.prompt),
             tokens: req.prompt.clone(),
             req,
             hashes: Vec::new(),
@@ -149,17 +152,28 @@ impl Live {
     }
 
     fn next_token(&self) -> u32 {
-        let i = self.generated as usize;
+        let i = self.generated;
         match self.req.output.len() {
-            0 => {
-                let mut x = self.req.id.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i as u64);
-                x ^= x >> 29;
-                x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
-                (x >> 40) as u32 % 30_000 + 100
-            }
-            n => self.req.output[i % n],
+            0 => token_of(self.seed, i),
+            n => self.req.output[i as usize % n],
         }
     }
+}
+
+/// The first `n` tokens a simulated engine generates for `prompt` when the request gives none:
+/// a function of the prompt only, so that a workload knows a turn's answer before it is sent
+/// (the next turn of a conversation starts with it).
+pub fn generated_tokens(prompt: &[u32], n: u32) -> Vec<u32> {
+    let seed = kvevent_fingerprint::content(prompt);
+    (0..n).map(|i| token_of(seed, i)).collect()
+}
+
+fn token_of(seed: u64, i: u32) -> u32 {
+    let mut x = seed ^ u64::from(i).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    x ^= x >> 29;
+    x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x ^= x >> 32;
+    (x % 30_000) as u32 + 100
 }
 
 /// A simulated engine.

@@ -34,5 +34,5 @@
 mod engine;
 mod pool;
 
-pub use engine::{Config, Engine, Progress, Request, Step, TimeModel};
+pub use engine::{Config, Engine, Progress, Request, Step, TimeModel, generated_tokens};
 pub use pool::Event;

@@ -800,7 +800,7 @@ fn candidates_are_answered_each_known_matching_or_not_and_states_are_carried() {
     };
     index.set_replica_load("b", Some(load));
     let loaded = index.score_among(&query, &["a", "b"]);
-    assert_eq!(loaded.of_candidate(1).and_then(|s| s.load), Some(load));
+    assert_eq!(loaded.of_candidate(1).and_then(|s| s.load), Some(&load));
     assert_eq!(loaded.of_candidate(0).and_then(|s| s.load), None);
     // An adapter nobody stored: the candidates are still answered.
     let other = index.score_among(

@@ -1,0 +1,587 @@
+//! Routing on our events against what users run today (#56): a workload sent through the example
+//! router (the real binary, `--policy P`) to simulated engines (`kvevent-sim`, behind vLLM's HTTP
+//! API, `/metrics` and KV-event wire, all in this process); the router's `Fleet` follows each
+//! engine's KV events itself (`--engine NAME=tcp://…,replay=…,http=…`: the engine's sockets, its
+//! load from its `/metrics`) and decides. Policies are run alternated, each on fresh engines.
+//!
+//! Workloads (`--workload`):
+//! - `shared`: `--prompts` system prompts of 1–4 k tokens under Zipf popularity (s = 1), each
+//!   request one of them and a unique user turn of 100–400 tokens; Poisson arrivals.
+//! - `multiturn`: conversations whose every turn is the whole conversation so far (the
+//!   engine's answers included) and a new user turn; a turn comes a think time after the last.
+//! - `hot`: one 2 k-token prefix in every request, at more than one engine can serve.
+//! - `mooncake`: the public Mooncake conversation trace (kvcache-ai/Mooncake,
+//!   `FAST25-release/traces/conversation_trace.jsonl`, Apache-2.0; `benches/data`), each
+//!   512-token block's `hash_id` made into token ids, its timestamps replayed `--time-scale`
+//!   times faster.
+//!
+//! Printed per run: the prefix-cache hit rate from the engines' own counters and the
+//! arrival-time oracle's (the most any engine held of each prompt when it arrived), TTFT p50 /
+//! p99, end-to-end p50, throughput, each engine's share of requests, the router's CPU, and the
+//! share of its predictions the engines' `cached_tokens` confirmed exactly. Times are the
+//! simulated engines' (wall time × `--speed`).
+//!
+//! `cargo build --release -p kvevent-examples --example router &&
+//!  cargo run --release -p kvevent-benches --bin route-bench -- [FLAGS]`
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use kvevent_benches::sim_host::SimEngine;
+use kvevent_sim::{Config, TimeModel};
+
+const USAGE: &str =
+    "usage: route-bench [--engines N] [--policies cost,prefix-only,least-loaded,round-robin]
+  [--workload shared|multiturn|hot|mooncake] [--requests N] [--rate R] [--speed S] [--rounds K]
+  [--prompts P] [--blocks B] [--block-size T] [--time-scale X] [--max-tokens M] [--seed S]
+  [--router PATH]
+A workload through the example router to simulated engines, per policy, alternated.";
+
+#[derive(Clone)]
+struct Args {
+    engines: usize,
+    policies: Vec<String>,
+    workload: String,
+    requests: usize,
+    rate: f64,
+    speed: f64,
+    rounds: usize,
+    prompts: usize,
+    blocks: usize,
+    block_size: usize,
+    time_scale: f64,
+    max_tokens: u32,
+    seed: u64,
+    router: std::path::PathBuf,
+}
+
+/// One request of the workload.
+struct Planned {
+    /// When it is sent, in simulated seconds from the start.
+    at_s: f64,
+    prompt: Vec<u32>,
+    max_tokens: u32,
+}
+
+/// A small deterministic generator (xorshift).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next() % (hi - lo)
+    }
+    /// An exponential wait of mean `mean`.
+    fn exp(&mut self, mean: f64) -> f64 {
+        -mean * (1.0 - self.unit()).ln()
+    }
+}
+
+fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// `n` token ids of their own for `stream`.
+fn tokens(stream: u64, n: usize) -> impl Iterator<Item = u32> {
+    (0..n as u64).map(move |i| (mix(stream.wrapping_mul(1_000_003) ^ i) % 32_000) as u32 + 10)
+}
+
+fn shared(a: &Args) -> Vec<Planned> {
+    let mut rng = Rng(a.seed | 1);
+    let systems: Vec<Vec<u32>> = (0..a.prompts)
+        .map(|p| tokens(1 << 40 | p as u64, rng.range(1024, 4097) as usize).collect())
+        .collect();
+    // Zipf (s = 1) over the system prompts.
+    let weights: Vec<f64> = (1..=a.prompts).map(|r| 1.0 / r as f64).collect();
+    let total: f64 = weights.iter().sum();
+    let mut at = 0.0;
+    (0..a.requests)
+        .map(|i| {
+            at += rng.exp(1.0 / a.rate);
+            let mut pick = rng.unit() * total;
+            let system = weights
+                .iter()
+                .position(|w| {
+                    pick -= w;
+                    pick <= 0.0
+                })
+                .unwrap_or(0);
+            let mut prompt = systems[system].clone();
+            prompt.extend(tokens(2 << 40 | i as u64, rng.range(100, 401) as usize));
+            Planned {
+                at_s: at,
+                prompt,
+                max_tokens: a.max_tokens,
+            }
+        })
+        .collect()
+}
+
+fn hot(a: &Args) -> Vec<Planned> {
+    let mut rng = Rng(a.seed | 1);
+    let prefix: Vec<u32> = tokens(3 << 40, 2048).collect();
+    let mut at = 0.0;
+    (0..a.requests)
+        .map(|i| {
+            at += rng.exp(1.0 / a.rate);
+            let mut prompt = prefix.clone();
+            prompt.extend(tokens(4 << 40 | i as u64, rng.range(50, 201) as usize));
+            Planned {
+                at_s: at,
+                prompt,
+                max_tokens: a.max_tokens,
+            }
+        })
+        .collect()
+}
+
+fn multiturn(a: &Args) -> Vec<Planned> {
+    let mut rng = Rng(a.seed | 1);
+    // Conversations start at the rate given over their turns; each turn a think time after
+    // the last one's answer could have come (a few seconds).
+    let turns = 6;
+    let conversations = a.requests.div_ceil(turns);
+    let mut out = Vec::new();
+    let mut start = 0.0;
+    for c in 0..conversations {
+        start += rng.exp(turns as f64 / a.rate);
+        let mut at = start;
+        let mut context: Vec<u32> = tokens(5 << 40 | c as u64, 400).collect();
+        for t in 0..turns {
+            context.extend(tokens(
+                6 << 40 | (c * 64 + t) as u64,
+                rng.range(50, 301) as usize,
+            ));
+            let answer = kvevent_sim::generated_tokens(&context, a.max_tokens);
+            out.push(Planned {
+                at_s: at,
+                prompt: context.clone(),
+                max_tokens: a.max_tokens,
+            });
+            context.extend(answer);
+            at += 5.0 + rng.exp(10.0);
+        }
+    }
+    out.sort_by(|x, y| x.at_s.total_cmp(&y.at_s));
+    out.truncate(a.requests);
+    out
+}
+
+fn mooncake(a: &Args) -> anyhow::Result<Vec<Planned>> {
+    use std::io::BufRead as _;
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("data/mooncake-conversation-trace.jsonl.gz");
+    let file = std::fs::File::open(&path).with_context(|| path.display().to_string())?;
+    let lines = std::io::BufReader::new(flate2::read::GzDecoder::new(file)).lines();
+    let mut out = Vec::new();
+    for line in lines.take(a.requests) {
+        let v: serde_json::Value = serde_json::from_str(&line?)?;
+        let len = v["input_length"].as_u64().context("input_length")? as usize;
+        let mut prompt = Vec::with_capacity(len);
+        for h in v["hash_ids"].as_array().context("hash_ids")? {
+            let h = h.as_u64().context("a hash id")?;
+            let n = (len - prompt.len()).min(512);
+            prompt.extend(tokens(7 << 40 | h, n));
+        }
+        out.push(Planned {
+            at_s: v["timestamp"].as_f64().context("timestamp")? / 1000.0 / a.time_scale,
+            prompt,
+            max_tokens: (v["output_length"].as_u64().unwrap_or(1) as u32).clamp(1, a.max_tokens),
+        });
+    }
+    Ok(out)
+}
+
+/// What one request saw.
+struct Outcome {
+    ttft_s: f64,
+    e2e_s: f64,
+    prompt: u32,
+    oracle: u32,
+    output: u32,
+}
+
+type Client = hyper_util::client::legacy::Client<
+    hyper_util::client::legacy::connect::HttpConnector,
+    Full<Bytes>,
+>;
+
+/// Sends one request through the router, streamed; reads the first token's time and the
+/// end's (the router records the usage's cached tokens against its prediction).
+async fn send(
+    client: &Client,
+    router: &str,
+    planned: &Planned,
+    speed: f64,
+) -> anyhow::Result<Outcome> {
+    let body = serde_json::json!({
+        "model": "sim", "prompt": planned.prompt, "max_tokens": planned.max_tokens,
+        "stream": true,
+    })
+    .to_string();
+    let started = Instant::now();
+    let request = hyper::Request::post(format!("http://{router}/v1/completions"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body)))?;
+    let response = client.request(request).await?;
+    anyhow::ensure!(response.status().is_success(), "{}", response.status());
+    let mut body = response.into_body();
+    let (mut first, mut output) = (None, 0);
+    let mut buffer = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame?.into_data() else {
+            continue;
+        };
+        buffer.extend_from_slice(&data);
+        while let Some(end) = buffer.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = buffer.drain(..end + 2).collect();
+            let Some(json) = event.strip_prefix(b"data: ") else {
+                continue;
+            };
+            let Ok(v) = serde_json::from_slice::<serde_json::Value>(json) else {
+                continue;
+            };
+            if v["choices"][0]["token_ids"].is_array() {
+                output += 1;
+                first.get_or_insert_with(|| started.elapsed());
+            }
+        }
+    }
+    let e2e = started.elapsed();
+    Ok(Outcome {
+        ttft_s: first.unwrap_or(e2e).as_secs_f64() * speed,
+        e2e_s: e2e.as_secs_f64() * speed,
+        prompt: planned.prompt.len() as u32,
+        oracle: 0,
+        output,
+    })
+}
+
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(((v.len() as f64 - 1.0) * p).round() as usize)
+        .copied()
+        .unwrap_or(0.0)
+}
+
+/// The example router, started as its binary, following `engines`; killed when dropped.
+struct RouterProcess {
+    guard: kvevent_benches::http::Guard,
+    addr: String,
+}
+
+fn start_router(a: &Args, engines: &[SimEngine], policy: &str) -> anyhow::Result<RouterProcess> {
+    use std::io::BufRead as _;
+    let mut cmd = std::process::Command::new(&a.router);
+    cmd.args([
+        "--listen",
+        "127.0.0.1:0",
+        "--model",
+        "sim",
+        "--policy",
+        policy,
+    ]);
+    for e in engines {
+        cmd.arg("--engine").arg(format!(
+            "{}={},replay={},http=http://{}",
+            e.name, e.events, e.replay, e.http
+        ));
+        cmd.arg("--upstream")
+            .arg(format!("{}=http://{}", e.name, e.http));
+    }
+    let mut child = cmd
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .with_context(|| {
+            format!(
+                "{}: build it first (cargo build --release -p kvevent-examples --example router)",
+                a.router.display()
+            )
+        })?;
+    let stderr = child.stderr.take().context("stderr")?;
+    let mut lines = std::io::BufReader::new(stderr).lines();
+    let guard = kvevent_benches::http::Guard(child);
+    let addr = loop {
+        let line = lines.next().context("the router exited")??;
+        if let Some(rest) = line.split("scoring on http://").nth(1) {
+            break rest.split('/').next().unwrap_or_default().to_owned();
+        }
+    };
+    // The rest of its log is not read; keep the pipe drained.
+    std::thread::spawn(move || for _ in lines {});
+    Ok(RouterProcess { guard, addr })
+}
+
+struct Report {
+    policy: String,
+    hit_rate: f64,
+    oracle: f64,
+    ttft: (f64, f64),
+    e2e_p50: f64,
+    rps: f64,
+    tokens_per_s: f64,
+    shares: Vec<f64>,
+    router_cpu_s: f64,
+    exact_share: f64,
+    failed: usize,
+}
+
+async fn run(a: &Args, policy: &str, workload: &Arc<Vec<Planned>>) -> anyhow::Result<Report> {
+    let ctx = zmq::Context::new();
+    let config = Config {
+        block_size: a.block_size,
+        num_blocks: a.blocks,
+        max_num_seqs: 256,
+        max_num_batched_tokens: 8192,
+        time: TimeModel::GPU_8B,
+    };
+    let mut engines = Vec::new();
+    for i in 0..a.engines {
+        engines.push(SimEngine::start(&ctx, &format!("e{i:03}"), config.clone(), a.speed).await?);
+    }
+    let router = start_router(a, &engines, policy)?;
+    let pid = router.guard.0.id();
+    // Ready: every engine followed and exact.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let addr = router.addr.clone();
+        let replicas = tokio::task::spawn_blocking(move || {
+            kvevent_benches::http::get(&addr, "/replicas").unwrap_or_default()
+        })
+        .await?;
+        let v: serde_json::Value = serde_json::from_str(&replicas).unwrap_or_default();
+        let exact = v["replicas"]
+            .as_array()
+            .map_or(0, |r| r.iter().filter(|r| r["state"] == "exact").count());
+        if exact == a.engines {
+            break;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the router's replicas are not exact within 60 s: {replicas}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let cpu_before = kvevent_benches::procfs::cpu_seconds(&format!("/proc/{pid}/stat"));
+    let client: Client =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .build_http();
+    let engines = Arc::new(engines);
+    let started = Instant::now();
+    let mut tasks = Vec::with_capacity(workload.len());
+    for i in 0..workload.len() {
+        let (client, router, engines, workload) = (
+            client.clone(),
+            router.addr.clone(),
+            engines.clone(),
+            workload.clone(),
+        );
+        let speed = a.speed;
+        tasks.push(tokio::spawn(async move {
+            let planned = &workload[i];
+            tokio::time::sleep_until(
+                tokio::time::Instant::from_std(started)
+                    + Duration::from_secs_f64(planned.at_s / speed),
+            )
+            .await;
+            let oracle = engines
+                .iter()
+                .map(|e| e.cached_prefix(&planned.prompt))
+                .max()
+                .unwrap_or(0);
+            let mut outcome = send(&client, &router, planned, speed).await?;
+            outcome.oracle = oracle;
+            anyhow::Ok(outcome)
+        }));
+    }
+    let mut outcomes = Vec::new();
+    let mut failed = 0;
+    for t in tasks {
+        match t.await? {
+            Ok(o) => outcomes.push(o),
+            Err(_) => failed += 1,
+        }
+    }
+    let wall = started.elapsed().as_secs_f64();
+    let cpu = kvevent_benches::procfs::cpu_seconds(&format!("/proc/{pid}/stat")) - cpu_before;
+    let addr = router.addr.clone();
+    let metrics = tokio::task::spawn_blocking(move || {
+        kvevent_benches::http::get(&addr, "/metrics").unwrap_or_default()
+    })
+    .await?;
+    drop(router);
+    let (queries, hits) = engines.iter().fold((0, 0), |(q, h), e| {
+        let (eq, eh) = e.prefix_cache();
+        (q + eq, h + eh)
+    });
+    let prompt_tokens: u64 = outcomes.iter().map(|o| u64::from(o.prompt)).sum();
+    let oracle: u64 = outcomes.iter().map(|o| u64::from(o.oracle)).sum();
+    let served: Vec<f64> = engines
+        .iter()
+        .map(|e| {
+            metrics
+                .lines()
+                .filter(|l| {
+                    l.starts_with("kvevent_router_responses_total")
+                        && l.contains(&format!("replica=\"{}\"", e.name))
+                })
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum()
+        })
+        .collect();
+    let total: f64 = served.iter().sum::<f64>().max(1.0);
+    let predictions = kvevent_benches::http::sum(&metrics, "kvevent_router_predictions_total");
+    let exact: f64 = metrics
+        .lines()
+        .filter(|l| {
+            l.starts_with("kvevent_router_predictions_total") && l.contains("outcome=\"exact\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    let mut ttft: Vec<f64> = outcomes.iter().map(|o| o.ttft_s).collect();
+    let mut e2e: Vec<f64> = outcomes.iter().map(|o| o.e2e_s).collect();
+    let sim_s = wall * a.speed;
+    Ok(Report {
+        policy: policy.to_owned(),
+        hit_rate: hits as f64 / (queries as f64).max(1.0),
+        oracle: oracle as f64 / (prompt_tokens as f64).max(1.0),
+        ttft: (percentile(&mut ttft, 0.5), percentile(&mut ttft, 0.99)),
+        e2e_p50: percentile(&mut e2e, 0.5),
+        rps: outcomes.len() as f64 / sim_s,
+        tokens_per_s: outcomes.iter().map(|o| f64::from(o.output)).sum::<f64>() / sim_s,
+        shares: served.iter().map(|s| s / total).collect(),
+        router_cpu_s: cpu,
+        exact_share: exact / predictions.max(1.0),
+        failed,
+    })
+}
+
+fn print(r: &Report) {
+    let max_share = r.shares.iter().copied().fold(0.0, f64::max);
+    let shares = if r.shares.len() <= 8 {
+        r.shares
+            .iter()
+            .map(|s| format!("{:.0}", s * 100.0))
+            .collect::<Vec<_>>()
+            .join("/")
+    } else {
+        format!("max {:.1}", max_share * 100.0)
+    };
+    println!(
+        "{:<13} hit {:>5.1} % (oracle {:>5.1} %)  TTFT p50 {:>7.3} s p99 {:>7.3} s  e2e p50 {:>7.2} s  {:>5.2} req/s {:>7.0} tok/s  share % {shares}  router CPU {:.2} s  exact {:>5.1} %{}",
+        r.policy,
+        r.hit_rate * 100.0,
+        r.oracle * 100.0,
+        r.ttft.0,
+        r.ttft.1,
+        r.e2e_p50,
+        r.rps,
+        r.tokens_per_s,
+        r.router_cpu_s,
+        r.exact_share * 100.0,
+        if r.failed > 0 {
+            format!("  {} FAILED", r.failed)
+        } else {
+            String::new()
+        }
+    );
+}
+
+fn main() -> anyhow::Result<()> {
+    let mut cli = kvevent_benches::Cli::new(USAGE);
+    let mut a = Args {
+        engines: 8,
+        policies: kvevent_fleet::route::Policy::NAMES
+            .iter()
+            .map(|s| (*s).to_owned())
+            .collect(),
+        workload: "shared".into(),
+        requests: 400,
+        rate: 8.0,
+        speed: 4.0,
+        rounds: 1,
+        prompts: 32,
+        blocks: 8192,
+        block_size: 16,
+        time_scale: 1.0,
+        max_tokens: 64,
+        seed: 7,
+        router: std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../target/release/examples/router"),
+    };
+    while let Some(flag) = cli.arg() {
+        match flag.as_str() {
+            "--engines" => a.engines = cli.value(&flag)?,
+            "--policies" => {
+                let v: String = cli.value(&flag)?;
+                a.policies = v.split(',').map(str::to_owned).collect();
+                for p in &a.policies {
+                    p.parse::<kvevent_fleet::route::Policy>()
+                        .map_err(|e| cli.error(&e.to_string()))?;
+                }
+            }
+            "--workload" => a.workload = cli.value(&flag)?,
+            "--requests" => a.requests = cli.value(&flag)?,
+            "--rate" => a.rate = cli.value(&flag)?,
+            "--speed" => a.speed = cli.value(&flag)?,
+            "--rounds" => a.rounds = cli.value(&flag)?,
+            "--prompts" => a.prompts = cli.value(&flag)?,
+            "--blocks" => a.blocks = cli.value(&flag)?,
+            "--block-size" => a.block_size = cli.value(&flag)?,
+            "--time-scale" => a.time_scale = cli.value(&flag)?,
+            "--max-tokens" => a.max_tokens = cli.value(&flag)?,
+            "--seed" => a.seed = cli.value(&flag)?,
+            "--router" => a.router = cli.value(&flag)?,
+            other => return Err(cli.error(&format!("unknown flag `{other}`"))),
+        }
+    }
+    cli.done()?;
+    let workload = Arc::new(match a.workload.as_str() {
+        "shared" => shared(&a),
+        "hot" => hot(&a),
+        "multiturn" => multiturn(&a),
+        "mooncake" => mooncake(&a)?,
+        other => anyhow::bail!("`{other}` is not a workload: shared, multiturn, hot or mooncake"),
+    });
+    let prompt_tokens: usize = workload.iter().map(|p| p.prompt.len()).sum();
+    println!(
+        "{} engines ({} blocks of {} tokens each, GPU 8B time model, {}x speed), workload {}: {} requests, {:.0} prompt tokens on average, over {:.0} s",
+        a.engines,
+        a.blocks,
+        a.block_size,
+        a.speed,
+        a.workload,
+        workload.len(),
+        prompt_tokens as f64 / workload.len().max(1) as f64,
+        workload.last().map_or(0.0, |p| p.at_s),
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    for round in 0..a.rounds {
+        for policy in &a.policies {
+            let report = rt.block_on(run(&a, policy, &workload))?;
+            if a.rounds > 1 {
+                print!("round {}  ", round + 1);
+            }
+            print(&report);
+        }
+    }
+    Ok(())
+}
