@@ -124,13 +124,18 @@ async fn run(
     speed: f64,
 ) {
     let publisher = Arc::new(publisher);
+    // The engine's own clock, in wall time: each step ends its duration after the last one
+    // ended (or after it started, from idle), so the timer's rounding never adds up.
+    let mut clock = tokio::time::Instant::now();
     loop {
         let step = lock(&state).engine.step();
         let Some(step) = step else {
             work.notified().await;
             continue;
         };
-        tokio::time::sleep(Duration::from_secs_f64(step.duration_us / 1e6 / speed)).await;
+        clock = clock.max(tokio::time::Instant::now())
+            + Duration::from_secs_f64(step.duration_us / 1e6 / speed);
+        tokio::time::sleep_until(clock).await;
         if !step.events.is_empty() {
             let batch = wire::EventBatch {
                 ts: std::time::SystemTime::now()

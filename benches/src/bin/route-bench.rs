@@ -5,11 +5,14 @@
 //! load from its `/metrics`) and decides. Policies are run alternated, each on fresh engines.
 //!
 //! Workloads (`--workload`):
-//! - `shared`: `--prompts` system prompts of 1–4 k tokens under Zipf popularity (s = 1), each
-//!   request one of them and a unique user turn of 100–400 tokens; Poisson arrivals.
+//! - `shared`: `--prompts` (64) system prompts of 1–4 k tokens under Zipf popularity (`--zipf`,
+//!   s = 1), each request one of them and a unique user turn of 100–400 tokens; Poisson
+//!   arrivals. The default cache (`--blocks`, 1,536 of 16 tokens) holds about an eighth of the
+//!   system prompts: more than one engine holds, less than the fleet of 8 does.
 //! - `multiturn`: conversations whose every turn is the whole conversation so far (the
 //!   engine's answers included) and a new user turn; a turn comes a think time after the last.
-//! - `hot`: one 2 k-token prefix in every request, at more than one engine can serve.
+//! - `hot`: one 2 k-token prefix in every request: served once alone (one engine holds it),
+//!   then at more than one engine can serve (`--rate`).
 //! - `mooncake`: the public Mooncake conversation trace (kvcache-ai/Mooncake,
 //!   `FAST25-release/traces/conversation_trace.jsonl`, Apache-2.0; `benches/data`), each
 //!   512-token block's `hash_id` made into token ids, its timestamps replayed `--time-scale`
@@ -19,7 +22,8 @@
 //! arrival-time oracle's (the most any engine held of each prompt when it arrived), TTFT p50 /
 //! p99, end-to-end p50, throughput, each engine's share of requests, the router's CPU, and the
 //! share of its predictions the engines' `cached_tokens` confirmed exactly. Times are the
-//! simulated engines' (wall time × `--speed`).
+//! simulated engines' (wall time × `--speed`, 1 by default: faster, and the router's and HTTP's
+//! own latency is multiplied too).
 //!
 //! `cargo build --release -p kvevent-examples --example router &&
 //!  cargo run --release -p kvevent-benches --bin route-bench -- [FLAGS]`
@@ -36,8 +40,8 @@ use kvevent_sim::{Config, TimeModel};
 const USAGE: &str =
     "usage: route-bench [--engines N] [--policies cost,prefix-only,least-loaded,round-robin]
   [--workload shared|multiturn|hot|mooncake] [--requests N] [--rate R] [--speed S] [--rounds K]
-  [--prompts P] [--blocks B] [--block-size T] [--time-scale X] [--max-tokens M] [--seed S]
-  [--router PATH]
+  [--prompts P] [--zipf S] [--blocks B] [--block-size T] [--time-scale X] [--max-tokens M] [--seed S]
+  [--router PATH] [--prefill-us-per-token US] [--queue-us-per-request US]
 A workload through the example router to simulated engines, per policy, alternated.";
 
 #[derive(Clone)]
@@ -50,12 +54,16 @@ struct Args {
     speed: f64,
     rounds: usize,
     prompts: usize,
+    zipf: f64,
     blocks: usize,
     block_size: usize,
     time_scale: f64,
     max_tokens: u32,
     seed: u64,
     router: std::path::PathBuf,
+    /// The cost policy's weights (`None`: from the time model and the workload).
+    prefill_us: Option<f64>,
+    queue_us: Option<f64>,
 }
 
 /// One request of the workload.
@@ -105,8 +113,10 @@ fn shared(a: &Args) -> Vec<Planned> {
     let systems: Vec<Vec<u32>> = (0..a.prompts)
         .map(|p| tokens(1 << 40 | p as u64, rng.range(1024, 4097) as usize).collect())
         .collect();
-    // Zipf (s = 1) over the system prompts.
-    let weights: Vec<f64> = (1..=a.prompts).map(|r| 1.0 / r as f64).collect();
+    // Zipf over the system prompts.
+    let weights: Vec<f64> = (1..=a.prompts)
+        .map(|r| 1.0 / (r as f64).powf(a.zipf))
+        .collect();
     let total: f64 = weights.iter().sum();
     let mut at = 0.0;
     (0..a.requests)
@@ -134,14 +144,15 @@ fn shared(a: &Args) -> Vec<Planned> {
 fn hot(a: &Args) -> Vec<Planned> {
     let mut rng = Rng(a.seed | 1);
     let prefix: Vec<u32> = tokens(3 << 40, 2048).collect();
+    // The prefix is served once alone (one engine holds it), then every request shares it.
     let mut at = 0.0;
     (0..a.requests)
         .map(|i| {
-            at += rng.exp(1.0 / a.rate);
+            at += if i == 1 { 1.0 } else { rng.exp(1.0 / a.rate) };
             let mut prompt = prefix.clone();
             prompt.extend(tokens(4 << 40 | i as u64, rng.range(50, 201) as usize));
             Planned {
-                at_s: at,
+                at_s: if i == 0 { 0.0 } else { at },
                 prompt,
                 max_tokens: a.max_tokens,
             }
@@ -284,7 +295,12 @@ struct RouterProcess {
     addr: String,
 }
 
-fn start_router(a: &Args, engines: &[SimEngine], policy: &str) -> anyhow::Result<RouterProcess> {
+fn start_router(
+    a: &Args,
+    engines: &[SimEngine],
+    policy: &str,
+    weights: (f64, f64),
+) -> anyhow::Result<RouterProcess> {
     use std::io::BufRead as _;
     let mut cmd = std::process::Command::new(&a.router);
     cmd.args([
@@ -295,6 +311,12 @@ fn start_router(a: &Args, engines: &[SimEngine], policy: &str) -> anyhow::Result
         "--policy",
         policy,
     ]);
+    if policy == "cost" {
+        cmd.arg("--prefill-us-per-token")
+            .arg(weights.0.to_string())
+            .arg("--queue-us-per-request")
+            .arg(weights.1.to_string());
+    }
     for e in engines {
         cmd.arg("--engine").arg(format!(
             "{}={},replay={},http=http://{}",
@@ -341,7 +363,12 @@ struct Report {
     failed: usize,
 }
 
-async fn run(a: &Args, policy: &str, workload: &Arc<Vec<Planned>>) -> anyhow::Result<Report> {
+async fn run(
+    a: &Args,
+    policy: &str,
+    workload: &Arc<Vec<Planned>>,
+    weights: (f64, f64),
+) -> anyhow::Result<Report> {
     let ctx = zmq::Context::new();
     let config = Config {
         block_size: a.block_size,
@@ -354,7 +381,7 @@ async fn run(a: &Args, policy: &str, workload: &Arc<Vec<Planned>>) -> anyhow::Re
     for i in 0..a.engines {
         engines.push(SimEngine::start(&ctx, &format!("e{i:03}"), config.clone(), a.speed).await?);
     }
-    let router = start_router(a, &engines, policy)?;
+    let router = start_router(a, &engines, policy, weights)?;
     let pid = router.guard.0.id();
     // Ready: every engine followed and exact.
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -441,7 +468,7 @@ async fn run(a: &Args, policy: &str, workload: &Arc<Vec<Planned>>) -> anyhow::Re
                         && l.contains(&format!("replica=\"{}\"", e.name))
                 })
                 .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum()
+                .fold(0.0, |a, b| a + b)
         })
         .collect();
     let total: f64 = served.iter().sum::<f64>().max(1.0);
@@ -513,16 +540,19 @@ fn main() -> anyhow::Result<()> {
         workload: "shared".into(),
         requests: 400,
         rate: 8.0,
-        speed: 4.0,
+        speed: 1.0,
         rounds: 1,
-        prompts: 32,
-        blocks: 8192,
+        prompts: 64,
+        zipf: 1.0,
+        blocks: 1536,
         block_size: 16,
         time_scale: 1.0,
         max_tokens: 64,
         seed: 7,
         router: std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../target/release/examples/router"),
+        prefill_us: None,
+        queue_us: None,
     };
     while let Some(flag) = cli.arg() {
         match flag.as_str() {
@@ -541,12 +571,15 @@ fn main() -> anyhow::Result<()> {
             "--speed" => a.speed = cli.value(&flag)?,
             "--rounds" => a.rounds = cli.value(&flag)?,
             "--prompts" => a.prompts = cli.value(&flag)?,
+            "--zipf" => a.zipf = cli.value(&flag)?,
             "--blocks" => a.blocks = cli.value(&flag)?,
             "--block-size" => a.block_size = cli.value(&flag)?,
             "--time-scale" => a.time_scale = cli.value(&flag)?,
             "--max-tokens" => a.max_tokens = cli.value(&flag)?,
             "--seed" => a.seed = cli.value(&flag)?,
             "--router" => a.router = cli.value(&flag)?,
+            "--prefill-us-per-token" => a.prefill_us = Some(cli.value(&flag)?),
+            "--queue-us-per-request" => a.queue_us = Some(cli.value(&flag)?),
             other => return Err(cli.error(&format!("unknown flag `{other}`"))),
         }
     }
@@ -570,13 +603,23 @@ fn main() -> anyhow::Result<()> {
         prompt_tokens as f64 / workload.len().max(1) as f64,
         workload.last().map_or(0.0, |p| p.at_s),
     );
+    // The cost policy's weights: the router's defaults unless given.
+    let defaults = kvevent_fleet::route::Weights::default();
+    let weights = (
+        a.prefill_us.unwrap_or(defaults.prefill_us_per_token),
+        a.queue_us.unwrap_or(defaults.queue_us_per_request),
+    );
+    println!(
+        "cost weights: --prefill-us-per-token {:.0} --queue-us-per-request {:.0}",
+        weights.0, weights.1
+    );
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
     for round in 0..a.rounds {
         for policy in &a.policies {
-            let report = rt.block_on(run(&a, policy, &workload))?;
+            let report = rt.block_on(run(&a, policy, &workload, weights))?;
             if a.rounds > 1 {
                 print!("round {}  ", round + 1);
             }
