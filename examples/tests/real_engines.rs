@@ -95,34 +95,33 @@ async fn the_router_routes_between_two_real_engines() {
         e.up().await;
     }
     let names = ["e1", "e2"];
-    let router = Arc::new(
-        Router::start(RouterConfig {
-            model: "tiny".into(),
-            block_size: None,
-            engines: ports
-                .iter()
-                .zip(names)
-                .map(|([_, events, replay], name)| {
-                    format!("{name}={},replay={}", events.tcp(), replay.tcp())
-                        .parse::<Engine>()
-                        .expect("engine")
-                })
-                .collect(),
-            sidecars: Vec::new(),
-            upstreams: engines
-                .iter()
-                .zip(names)
-                .map(|(e, name)| Upstream {
-                    name: name.into(),
-                    url: format!("http://{}", e.http),
-                })
-                .collect(),
-            upstream_timeout: Duration::from_secs(60),
-            tokenizer: None,
-            policy: kvevent_fleet::route::Policy::default(),
-        })
-        .expect("router"),
-    );
+    // A router following both engines (their sockets) and sending them requests, by `policy`.
+    let router_by = |policy: kvevent_fleet::route::Policy| RouterConfig {
+        model: "tiny".into(),
+        block_size: None,
+        engines: ports
+            .iter()
+            .zip(names)
+            .map(|([_, events, replay], name)| {
+                format!("{name}={},replay={}", events.tcp(), replay.tcp())
+                    .parse::<Engine>()
+                    .expect("engine")
+            })
+            .collect(),
+        sidecars: Vec::new(),
+        upstreams: engines
+            .iter()
+            .zip(names)
+            .map(|(e, name)| Upstream {
+                name: name.into(),
+                url: format!("http://{}", e.http),
+            })
+            .collect(),
+        upstream_timeout: Duration::from_secs(60),
+        tokenizer: None,
+        policy,
+    };
+    let router = Arc::new(Router::start(router_by(Default::default())).expect("router"));
     let (addr, _server) = router::bind("127.0.0.1:0", router.clone())
         .await
         .expect("bind");
@@ -247,35 +246,10 @@ async fn the_router_routes_between_two_real_engines() {
     // the rule to the engine that holds it.
     let hit_rate = |policy: &'static str, seed: u32| {
         let engines = &engines;
-        let ports = &ports;
+        let router_by = &router_by;
         async move {
             let router = Arc::new(
-                Router::start(RouterConfig {
-                    model: "tiny".into(),
-                    block_size: None,
-                    engines: ports
-                        .iter()
-                        .zip(names)
-                        .map(|([_, events, replay], name)| {
-                            format!("{name}={},replay={}", events.tcp(), replay.tcp())
-                                .parse::<Engine>()
-                                .expect("engine")
-                        })
-                        .collect(),
-                    sidecars: Vec::new(),
-                    upstreams: engines
-                        .iter()
-                        .zip(names)
-                        .map(|(e, name)| Upstream {
-                            name: name.into(),
-                            url: format!("http://{}", e.http),
-                        })
-                        .collect(),
-                    upstream_timeout: Duration::from_secs(60),
-                    tokenizer: None,
-                    policy: policy.parse().expect("a policy"),
-                })
-                .expect("router"),
+                Router::start(router_by(policy.parse().expect("a policy"))).expect("router"),
             );
             let (addr, _server) = router::bind("127.0.0.1:0", router.clone())
                 .await
