@@ -121,15 +121,20 @@ async fn the_router_routes_between_two_real_engines() {
         tokenizer: None,
         policy,
     };
-    let router = Arc::new(Router::start(router_by(Default::default())).expect("router"));
-    let (addr, _server) = router::bind("127.0.0.1:0", router.clone())
-        .await
-        .expect("bind");
-    router
-        .fleet()
-        .ready(Duration::from_secs(60))
-        .await
-        .expect("both exact");
+    // Started, serving, and both engines exact.
+    let serve = async |policy| {
+        let router = Arc::new(Router::start(router_by(policy)).expect("router"));
+        let (addr, server) = router::bind("127.0.0.1:0", router.clone())
+            .await
+            .expect("bind");
+        router
+            .fleet()
+            .ready(Duration::from_secs(60))
+            .await
+            .expect("both exact");
+        (router, addr, server)
+    };
+    let (router, addr, _server) = serve(Default::default()).await;
     // e2 served p2 before (straight to it); p1 is new to both.
     let (p1, p2) = (prompt(1), prompt(2));
     assert_eq!(engines[1].complete(&p2).await, 0);
@@ -246,19 +251,9 @@ async fn the_router_routes_between_two_real_engines() {
     // the rule to the engine that holds it.
     let hit_rate = |policy: &'static str, seed: u32| {
         let engines = &engines;
-        let router_by = &router_by;
+        let serve = &serve;
         async move {
-            let router = Arc::new(
-                Router::start(router_by(policy.parse().expect("a policy"))).expect("router"),
-            );
-            let (addr, _server) = router::bind("127.0.0.1:0", router.clone())
-                .await
-                .expect("bind");
-            router
-                .fleet()
-                .ready(Duration::from_secs(60))
-                .await
-                .expect("both exact");
+            let (router, addr, _server) = serve(policy.parse().expect("a policy")).await;
             let counters = || async {
                 let mut sum = (0.0, 0.0);
                 for e in engines.iter() {

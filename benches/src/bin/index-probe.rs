@@ -25,24 +25,11 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
+use kvevent_benches::random::Rng;
 use kvevent_index::{Config, Index, Query, QueryKeys};
 use kvevent_wire as wire;
 
 const BLOCK: usize = 16;
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
 
 /// One replica's engine: conversations, an LRU of blocks, engine hashes.
 struct Replica {

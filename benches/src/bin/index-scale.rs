@@ -21,6 +21,7 @@
 
 use std::time::{Duration, Instant};
 
+use kvevent_benches::random::mix;
 use kvevent_index::{Config, Index, KeyChange, Query, QueryKeys, SourceId, Tier};
 
 const USAGE: &str =
@@ -29,14 +30,6 @@ const SYSTEM: u32 = 4;
 const PROMPT: u32 = 8;
 const BLOCK: u32 = 16;
 const BATCH: usize = 512;
-
-/// A 64-bit mixer (splitmix64's): the workload's keys, as random as fingerprints.
-fn mix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
-}
 
 struct Workload {
     replicas: u32,

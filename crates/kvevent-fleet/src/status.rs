@@ -312,8 +312,9 @@ impl Status {
         }
     }
 
-    /// The engine's load, as its sidecar read it (`None`: it reads none): published to the
-    /// index when it changed or was read again since (not for each heartbeat's new age).
+    /// The engine's load, as its sidecar (or the fleet) read it (`None`: none is read), and why
+    /// reads since fail: published to the index when it changed or was read again since (not
+    /// for each heartbeat's new age); a new reason is logged.
     pub(crate) fn set_load(
         &mut self,
         core: &Core,
@@ -321,6 +322,17 @@ impl Status {
         load: Option<Load>,
         error: Option<String>,
     ) {
+        // Said when the reason changes, not on every failing read.
+        if error != self.load_error && !self.removed {
+            match &error {
+                Some(why) => {
+                    tracing::warn!(replica = %name, source = %self.address, error = %why, "the replica's load cannot be read: its last load ages and is not routed on once old")
+                }
+                None => {
+                    tracing::info!(replica = %name, source = %self.address, "the replica's load is read again")
+                }
+            }
+        }
         self.load_error = error;
         let same = match (self.load, load) {
             (None, None) => true,

@@ -1,6 +1,7 @@
 //! `kvevent._kvevent`, the native module of the `kvevent` Python package (the package's
-//! `python/kvevent` re-exports it, with its type stubs): fingerprint keys from token ids, the
-//! decoder of every vLLM and SGLang release's payloads to Python objects (the normalized form of
+//! `python/kvevent` re-exports it, with its type stubs): the `Fleet` (`fleet`) and the routing
+//! rule over it (`router`), fingerprint keys from token ids, the decoder of every vLLM and
+//! SGLang release's payloads to Python objects (the normalized form of
 //! `testdata/vectors/README.md`), and a reader of `kvevents record` files.
 //!
 //! Invariants: the GIL is released while Rust hashes or decodes; every failure is a Python

@@ -5,6 +5,8 @@
 //!                      (std thread "kvevent-events", one Mapper per source)   (tokio task)
 //! engine /metrics ───▶ kvevent-scrape::Scraper ─▶ stats-only CacheStateUpdate ─▶ server
 //!                      (tokio task, own cadence, own failure domain)
+//! engine /metrics ───▶ kvevent-scrape::read_load ─▶ the feed's Hub (its load, with a feed)
+//!                      (tokio task, every --engine-load-interval, one read at a time)
 //! ```
 //!
 //! [`start`] builds everything from validated [`Settings`] (sockets open only after the

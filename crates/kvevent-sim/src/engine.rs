@@ -30,9 +30,9 @@ pub struct TimeModel {
 }
 
 impl TimeModel {
-    /// Published figures for an 8B model on one H100 (vLLM, bf16): prefill about 20,000
-    /// tokens/s alone (50 µs a token), a decode step of about 15 ms at a batch of 64 (about
-    /// 7 ms fixed, 0.12 ms a sequence).
+    /// Round figures of the order of an 8B model on one datacenter GPU: prefill 20,000
+    /// tokens/s alone (50 µs a token), a decode step of 7 ms plus 0.12 ms a sequence. Assumed,
+    /// not calibrated against an engine.
     pub const GPU_8B: Self = Self {
         step_us: 7_000.0,
         prefill_us_per_token: 50.0,
@@ -316,7 +316,7 @@ impl Engine {
         }
         let bs = self.config.block_size;
         let mut budget = self.config.max_num_batched_tokens;
-        // (index in the batch, tokens scheduled)
+        // Each request in the step, with the tokens scheduled for it.
         let mut batch: Vec<(Live, usize)> = Vec::new();
         let mut preempted = false;
         let mut running = std::mem::take(&mut self.running);

@@ -477,49 +477,13 @@ async fn a_restarted_engine_is_never_exact_with_the_old_process_blocks() {
     running.shutdown(Duration::from_secs(2)).await;
 }
 
-/// Answers every HTTP request with 200 until dropped (the engine's API server, for its health
-/// check).
-struct HealthServer {
-    port: u16,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl HealthServer {
-    async fn start(port: u16) -> Self {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
-            .await
-            .expect("bind");
-        let port = listener.local_addr().expect("address").port();
-        let task = tokio::spawn(async move {
-            // Its connections go with it (dropping the set aborts them).
-            let mut connections = tokio::task::JoinSet::new();
-            while let Ok((mut stream, _)) = listener.accept().await {
-                connections.spawn(async move {
-                    let mut buf = [0u8; 1024];
-                    while let Ok(n) = stream.read(&mut buf).await {
-                        if n == 0 {
-                            return;
-                        }
-                        let ok = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n";
-                        if stream.write_all(ok).await.is_err() {
-                            return;
-                        }
-                    }
-                });
-            }
-        });
-        Self { port, task }
-    }
-}
-
 /// The engine's API server goes while its event sockets live (vLLM's engine core outlives it):
 /// a router following the sidecar, and one following the engine given its HTTP server, do not
 /// call the replica exact, and say why; it is exact again once the server answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_whose_server_is_gone_is_not_exact() {
     let (server, ctx, engine) = crate::ends().await;
-    let http = HealthServer::start(0).await;
+    let http = MetricsServer::start_on(0, "").await;
     let port = http.port;
     let s = Settings {
         feed_address: "127.0.0.1:0".into(),
@@ -587,7 +551,7 @@ async fn an_engine_whose_server_is_gone_is_not_exact() {
         // Its cache is still known; it only serves nothing.
         assert_eq!(blocks_matched(f, "a", 1), 2);
     }
-    let _back = HealthServer::start(port).await;
+    let _back = MetricsServer::start_on(port, "").await;
     tokio::task::block_in_place(|| {
         wait_until("exact again", || {
             [&fleet, &direct]
@@ -598,7 +562,8 @@ async fn an_engine_whose_server_is_gone_is_not_exact() {
     running.shutdown(Duration::from_secs(2)).await;
 }
 
-/// An engine's `/metrics` whose body the test sets; `stall` makes it never answer.
+/// An engine's HTTP server: every path answers 200 with the body the test sets (its `/health`
+/// and its `/metrics`); `stall` makes it never answer.
 struct MetricsServer {
     port: u16,
     body: std::sync::Arc<std::sync::Mutex<String>>,
@@ -608,9 +573,14 @@ struct MetricsServer {
 
 impl MetricsServer {
     async fn start(body: &str) -> Self {
+        Self::start_on(0, body).await
+    }
+
+    /// On `port` (0: one the kernel picks), as again after it was stopped.
+    async fn start_on(port: u16, body: &str) -> Self {
         use std::sync::atomic::Ordering::Relaxed;
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
             .await
             .expect("bind");
         let port = listener.local_addr().expect("address").port();
@@ -618,6 +588,7 @@ impl MetricsServer {
         let stall = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (b, s) = (shared.clone(), stall.clone());
         let task = tokio::spawn(async move {
+            // Its connections go with it (dropping the set aborts them).
             let mut connections = tokio::task::JoinSet::new();
             while let Ok((mut stream, _)) = listener.accept().await {
                 let (b, s) = (b.clone(), s.clone());
