@@ -1,8 +1,8 @@
-//! The example router between two real vLLM engines on CPU (feature `real-engine`, run by
+//! The example router between three real vLLM engines on CPU (feature `real-engine`, run by
 //! `bash .ci/real-engine/run`): token-id prompts go to the engine that holds them, a LoRA
 //! adapter's request to the engine holding the prompt for that adapter, `/metrics` shows each
 //! prediction against what the engine reused, and on a shared-prefix workload the routing rule
-//! reuses more than round-robin, by vLLM's own counters.
+//! reuses at least twice what round-robin does, by vLLM's own counters.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -52,7 +52,7 @@ fn prompt(seed: u32) -> Vec<u32> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_router_routes_between_two_real_engines() {
+async fn the_router_routes_between_three_real_engines() {
     let venv = vllm_venv();
     let logs = std::env::temp_dir().join(format!("kvevent-real-engines-{}", std::process::id()));
     std::fs::create_dir_all(&logs).expect("log dir");
@@ -69,7 +69,7 @@ async fn the_router_routes_between_two_real_engines() {
         .expect("make the LoRA adapter");
     assert!(made.success(), "make_lora.py failed");
     let lora_module = format!("--lora-modules=tiny-lora={}", lora.display());
-    let ports: Vec<[HeldPort; 3]> = (0..2)
+    let ports: Vec<[HeldPort; 3]> = (0..3)
         .map(|_| [HeldPort::new(), HeldPort::new(), HeldPort::new()])
         .collect();
     let mut engines: Vec<Vllm> = ports
@@ -94,8 +94,8 @@ async fn the_router_routes_between_two_real_engines() {
     for e in &mut engines {
         e.up().await;
     }
-    let names = ["e1", "e2"];
-    // A router following both engines (their sockets) and sending them requests, by `policy`.
+    let names = ["e1", "e2", "e3"];
+    // A router following every engine (their sockets) and sending them requests, by `policy`.
     let router_by = |policy: kvevent_fleet::route::Policy| RouterConfig {
         model: "tiny".into(),
         block_size: None,
@@ -121,7 +121,7 @@ async fn the_router_routes_between_two_real_engines() {
         tokenizer: None,
         policy,
     };
-    // Started, serving, and both engines exact.
+    // Started, serving, and every engine exact.
     let serve = async |policy| {
         let router = Arc::new(Router::start(router_by(policy)).expect("router"));
         let (addr, server) = router::bind("127.0.0.1:0", router.clone())
@@ -131,7 +131,7 @@ async fn the_router_routes_between_two_real_engines() {
             .fleet()
             .ready(Duration::from_secs(60))
             .await
-            .expect("both exact");
+            .expect("every engine exact");
         (router, addr, server)
     };
     let (router, addr, _server) = serve(Default::default()).await;
@@ -173,7 +173,7 @@ async fn the_router_routes_between_two_real_engines() {
         v["usage"]["prompt_tokens_details"]["cached_tokens"], 96,
         "{v}"
     );
-    // p1 is new: both tie at 0 (neither busy), and it goes where its first block ranks it
+    // p1 is new: all tie at 0 (none busy), and it goes where its first block ranks it
     // (never the first name by default); then again to that engine, which reuses 96.
     let (status, v) = complete(addr, "tiny", &p1).await;
     assert_eq!(
@@ -245,35 +245,47 @@ async fn the_router_routes_between_two_real_engines() {
             assert!(metrics.contains(&needle), "no {needle} in\n{metrics}");
         }
     }
-    // The rule against round-robin on a shared-prefix workload, by vLLM's own counters: six
-    // system prompts of three blocks, four requests each with a user turn of its own, one after
-    // another; round-robin sends a prompt's requests to both engines (each computes it once),
-    // the rule to the engine that holds it.
+    // The rule against round-robin on a shared-prefix workload: 96 requests one after another
+    // over 32 system prompts of four blocks (twice what one engine's cache holds, two thirds of
+    // the fleet's), each with a user turn of its own, the prompts in a seeded random order
+    // (the same for both policies; their tokens differ). Round-robin sends every prompt to
+    // every engine, which computes it once and then evicts it; the rule keeps each prompt on
+    // one engine, which keeps it. vLLM's own counters say how much each reused.
+    let order: Vec<u32> = {
+        let mut x = 0x2545_f491_4f6c_dd1d_u64;
+        (0..96)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x % 32) as u32
+            })
+            .collect()
+    };
     let hit_rate = |policy: &'static str, seed: u32| {
-        let engines = &engines;
-        let serve = &serve;
+        let (engines, order, serve) = (&engines, &order, &serve);
         async move {
             let (router, addr, _server) = serve(policy.parse().expect("a policy")).await;
+            // Each engine's (prefix-cache hits, queries) in tokens.
             let counters = || async {
-                let mut sum = (0.0, 0.0);
+                let mut all = Vec::new();
                 for e in engines.iter() {
-                    sum.0 += e.metric("vllm:prefix_cache_hits_total").await;
-                    sum.1 += e.metric("vllm:prefix_cache_queries_total").await;
+                    all.push((
+                        e.metric("vllm:prefix_cache_hits_total").await,
+                        e.metric("vllm:prefix_cache_queries_total").await,
+                    ));
                 }
-                sum
+                all
             };
             let before = counters().await;
             // Seeds apart (mod 1000) start apart: no prompt shares a first block with another.
-            // A system prompt's four requests come one after another (round-robin sends them
-            // to both engines in turn).
-            for request in 0..24u32 {
-                let system = seed + request / 4;
-                let mut ids: Vec<u32> = prompt(system)[..3 * VLLM_BLOCK as usize].to_vec();
-                ids.extend(prompt(seed + 6 + request).into_iter().take(40));
-                // Each request's blocks reach the router before the next (as a router under
-                // load would see its earlier requests' effects).
+            for (request, &system) in (0u32..).zip(order) {
+                let mut ids: Vec<u32> = prompt(seed + system);
+                ids.extend(prompt(seed + 100 + request).into_iter().take(40));
                 let (status, v) = complete(addr, "tiny", &ids).await;
                 assert_eq!(status, 200, "{v}");
+                // Each request's blocks reach the router before the next (as a router under
+                // load would see its earlier requests' effects).
                 let deadline = Instant::now() + Duration::from_secs(30);
                 while router
                     .fleet()
@@ -286,7 +298,7 @@ async fn the_router_routes_between_two_real_engines() {
                     })
                     .ok()
                     .and_then(|s| s.first().map(|s| s.matched_tokens))
-                    != Some(4 * VLLM_BLOCK)
+                    != Some(5 * VLLM_BLOCK)
                 {
                     assert!(
                         Instant::now() < deadline,
@@ -296,15 +308,29 @@ async fn the_router_routes_between_two_real_engines() {
                 }
             }
             let after = counters().await;
-            (after.0 - before.0) / (after.1 - before.1)
+            let delta: Vec<(f64, f64)> = after
+                .iter()
+                .zip(&before)
+                .map(|(a, b)| (a.0 - b.0, a.1 - b.1))
+                .collect();
+            let (hits, queries) = delta.iter().fold((0.0, 0.0), |s, d| (s.0 + d.0, s.1 + d.1));
+            let shares: Vec<String> = delta
+                .iter()
+                .map(|d| format!("{:.0} %", 100.0 * d.1 / queries))
+                .collect();
+            eprintln!(
+                "{policy}: hit rate {:.3} ({hits} of {queries} prompt tokens), requests by engine {}",
+                hits / queries,
+                shares.join(" / ")
+            );
+            hits / queries
         }
     };
     let round_robin = hit_rate("round-robin", 10).await;
-    let cost = hit_rate("cost", 50).await;
-    eprintln!("hit rate on the real engines: cost {cost:.3}, round-robin {round_robin:.3}");
+    let cost = hit_rate("cost", 500).await;
     assert!(
-        cost > round_robin,
-        "the rule's hit rate {cost:.3} is not above round-robin's {round_robin:.3}"
+        cost >= 2.0 * round_robin,
+        "the rule's hit rate {cost:.3} is not twice round-robin's {round_robin:.3}"
     );
     for e in &mut engines {
         e.stop();

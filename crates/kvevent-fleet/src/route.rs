@@ -11,8 +11,9 @@
 //!   holder's queue costs more than computing the prefix elsewhere, the next request goes to
 //!   another engine, which then holds it too.
 //! - **Requests ahead.** The engine's load as last read (running + waiting, [`Load`]), plus
-//!   what this router sent it since that read ([`Flights::sent_since`]); never fewer than this
-//!   router has in flight to it. A load older than [`Rule::load_old_after`] (or none) is not
+//!   what this router sent it since that read ([`Flights::sent_since`]), less what of this
+//!   router's ended since ([`Flights::ended_since`]: each was in the load or sent since);
+//!   never fewer than this router has in flight to it. A load older than [`Rule::load_old_after`] (or none) is not
 //!   used: the requests this router has in flight stand in.
 //! - **Ties** (a prompt nobody holds, in an idle fleet) go to the candidate that the prompt's
 //!   own [`affinity`] (its first block) ranks highest, rendezvous-hashed with the names: a
@@ -119,26 +120,66 @@ impl std::str::FromStr for Policy {
     }
 }
 
-/// How many sends [`Flights`] remembers: more sent since a load was read count as this many.
-const SENT_KEPT: usize = 256;
+/// How many sends (and ends) [`Flights`] remembers: more since a load was read count as this
+/// many.
+const KEPT: usize = 256;
 
 /// What a router has sent one replica: requests in flight now, and when the last ones were
-/// sent (for [`Flights::sent_since`]). Shared between the tasks that send; lock-free.
+/// sent and ended (for [`Flights::sent_since`], [`Flights::ended_since`]). Shared between the
+/// tasks that send; lock-free.
 #[derive(Debug)]
 pub struct Flights {
     in_flight: AtomicU32,
-    /// Nanoseconds after `origin` of the newest sends, a ring; 0: empty.
-    sent: Box<[AtomicU64]>,
-    next: AtomicUsize,
+    sent: Times,
+    ended: Times,
     origin: Instant,
+}
+
+/// The newest instants something happened, a ring of nanoseconds after `Flights::origin`
+/// (0: empty).
+#[derive(Debug)]
+struct Times {
+    at: Box<[AtomicU64]>,
+    next: AtomicUsize,
+}
+
+impl Times {
+    fn new() -> Self {
+        Self {
+            at: (0..KEPT).map(|_| AtomicU64::new(0)).collect(),
+            next: AtomicUsize::new(0),
+        }
+    }
+
+    fn push(&self, at: u64) {
+        let slot = self.next.fetch_add(1, Relaxed) % KEPT;
+        self.at[slot].store(at.max(1), Relaxed);
+    }
+
+    /// How many are after `after` (None: all remembered are).
+    fn since(&self, after: Option<u64>) -> u32 {
+        let newest = self.next.load(Relaxed);
+        let Some(after) = after else {
+            return newest.min(KEPT) as u32;
+        };
+        let mut n = 0;
+        // Newest first, until one at or before `after`.
+        for i in 1..=KEPT.min(newest) {
+            if self.at[(newest - i) % KEPT].load(Relaxed) <= after {
+                break;
+            }
+            n += 1;
+        }
+        n
+    }
 }
 
 impl Default for Flights {
     fn default() -> Self {
         Self {
             in_flight: AtomicU32::new(0),
-            sent: (0..SENT_KEPT).map(|_| AtomicU64::new(0)).collect(),
-            next: AtomicUsize::new(0),
+            sent: Times::new(),
+            ended: Times::new(),
             origin: Instant::now(),
         }
     }
@@ -147,9 +188,7 @@ impl Default for Flights {
 impl Flights {
     /// A request sent now: in flight until the [`Flight`] is dropped.
     pub fn start(self: &Arc<Self>) -> Flight {
-        let at = (self.origin.elapsed().as_nanos() as u64).max(1);
-        let slot = self.next.fetch_add(1, Relaxed) % SENT_KEPT;
-        self.sent[slot].store(at, Relaxed);
+        self.sent.push(self.nanos());
         self.in_flight.fetch_add(1, Relaxed);
         Flight(self.clone())
     }
@@ -161,25 +200,22 @@ impl Flights {
 
     /// Requests sent after `t` (at most the last 256 sends are remembered).
     pub fn sent_since(&self, t: Instant) -> u32 {
-        let newest = self.next.load(Relaxed);
-        if newest == 0 {
-            return 0;
-        }
-        // Before these flights began, every send remembered is after it.
-        let Some(after) = t.checked_duration_since(self.origin) else {
-            return newest.min(SENT_KEPT) as u32;
-        };
-        let after = after.as_nanos() as u64;
-        let mut n = 0;
-        // Newest first, until one sent at or before `t`.
-        for i in 1..=SENT_KEPT.min(newest) {
-            let at = self.sent[(newest - i) % SENT_KEPT].load(Relaxed);
-            if at <= after {
-                break;
-            }
-            n += 1;
-        }
-        n
+        self.sent.since(self.after(t))
+    }
+
+    /// Requests that ended after `t` (at most the last 256 are remembered).
+    pub fn ended_since(&self, t: Instant) -> u32 {
+        self.ended.since(self.after(t))
+    }
+
+    fn nanos(&self) -> u64 {
+        self.origin.elapsed().as_nanos() as u64
+    }
+
+    /// `t` in nanoseconds after the origin; None before it (everything remembered is after).
+    fn after(&self, t: Instant) -> Option<u64> {
+        t.checked_duration_since(self.origin)
+            .map(|d| d.as_nanos() as u64)
     }
 }
 
@@ -189,6 +225,7 @@ pub struct Flight(Arc<Flights>);
 
 impl Drop for Flight {
     fn drop(&mut self) {
+        self.0.ended.push(self.0.nanos());
         self.0.in_flight.fetch_sub(1, Relaxed);
     }
 }
@@ -337,7 +374,8 @@ impl Rule {
         let own = c.flights.in_flight();
         match load {
             Some(l) if fresh_since.is_none_or(|t| l.read_at >= t) => {
-                let read = l.queued().saturating_add(c.flights.sent_since(l.read_at));
+                let read = (l.queued().saturating_add(c.flights.sent_since(l.read_at)))
+                    .saturating_sub(c.flights.ended_since(l.read_at));
                 (read.max(own), LoadSeen::Fresh)
             }
             Some(_) => (own, LoadSeen::Old),

@@ -139,15 +139,42 @@ fn what_this_router_sent_since_the_load_was_read_counts_as_queued() {
     }
     assert_eq!(to_a, 7, "sent to the holder before spreading");
     assert_eq!(f[0].sent_since(read), 7);
-    // Requests that ended still count as sent since the read, until the next read.
+    assert_eq!(f[0].ended_since(read), 0);
+    // Requests that ended since the read no longer count: the holder is free again.
     held.clear();
-    assert_eq!(f[0].in_flight(), 0);
+    assert_eq!((f[0].in_flight(), f[0].ended_since(read)), (0, 7));
     assert_eq!(
         rule.choose(Some(&s), &PROMPT, &c, Instant::now())
             .expect("a choice")
             .replica,
-        "b"
+        "a"
     );
+}
+
+#[test]
+fn this_routers_requests_that_ended_since_the_load_was_read_no_longer_count() {
+    let f = flights(2);
+    let c = candidates(&["a", "b"], &f);
+    let rule = Rule::new(Policy::Cost(W));
+    // Seven of this router's requests were running on the holder when its load was read.
+    let held: Vec<_> = (0..7).map(|_| f[0].start()).collect();
+    let read = Instant::now();
+    let s = scores(
+        &[
+            ("a", 4, EXACT, load(7, read)),
+            ("b", 0, EXACT, load(0, read)),
+        ],
+        &["a", "b"],
+    );
+    let choose = || {
+        rule.choose(Some(&s), &PROMPT, &c, Instant::now())
+            .expect("a choice")
+    };
+    assert_eq!((choose().replica, choose().queued), ("b", 0));
+    // They end before the next read: the holder is free, whatever the load last said.
+    drop(held);
+    let choice = choose();
+    assert_eq!((choice.replica, choice.queued), ("a", 0));
 }
 
 #[test]
