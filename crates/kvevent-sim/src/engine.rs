@@ -38,6 +38,14 @@ impl TimeModel {
         prefill_us_per_token: 50.0,
         decode_us_per_seq: 120.0,
     };
+
+    /// vLLM 0.32 on CPU serving the tiny Llama of `.ci/real-engine` (two cores), as
+    /// `kvevent-benches`' `sim-calibrate` measured it (`docs/performance.md`).
+    pub const VLLM_CPU_TINY: Self = Self {
+        step_us: 1_630.0,
+        prefill_us_per_token: 14.5,
+        decode_us_per_seq: 56.0,
+    };
 }
 
 /// What a simulated engine is.

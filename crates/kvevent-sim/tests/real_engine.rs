@@ -6,6 +6,8 @@
 //! prompt of whole blocks repeated (its last block computed again: stored twice), a shared
 //! system prompt, a multi-turn conversation whose decoded blocks the next turn finds, and more
 //! prompts than the cache holds (LRU evictions, the uncached partial blocks reused first).
+//! Then eight requests at once into the full cache: the same cached tokens and the same blocks
+//! stored and evicted (in an order that depends on how they arrive).
 //!
 //! Built with feature `real-engine`; `bash .ci/real-engine/run` runs it (it needs
 //! `KVEVENT_VLLM_VENV`).
@@ -190,7 +192,81 @@ async fn real_engine_and_simulator_make_the_same_events_and_cached_tokens() {
         seqs.windows(2).all(|w| w[1] == w[0] + 1),
         "no batch lost: {seqs:?}"
     );
+    // Then a burst: eight requests at once (four sharing a new system prompt of three blocks,
+    // four of their own), into a full cache. However they arrive, vLLM registers a request's
+    // full blocks when it schedules it, so one scheduled later (or later in the same step)
+    // finds them: the same cached tokens, the same blocks stored and evicted, in some order.
+    let burst: Vec<Vec<u32>> = (0..8u32)
+        .map(|i| {
+            let mut p = if i < 4 {
+                prompt(300, 96)
+            } else {
+                prompt(310 + i, 64)
+            };
+            p.extend(prompt(320 + i, 40));
+            p
+        })
+        .collect();
+    let answers = futures_util::future::join_all(burst.iter().map(|p| engine.generate(p, 1))).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before_burst = canon.items.len();
+    while let Ok(frames) = sub.recv_multipart(zmq::DONTWAIT) {
+        canon.take(&kvevent_wire::decode(&frames[2]).expect("a batch"));
+    }
     engine.stop();
+    let mut real_burst: Vec<u32> = answers.iter().map(|(cached, _)| *cached).collect();
+    let mut real_burst_items: Vec<Item> = canon.items[before_burst..].to_vec();
+    canon.items.truncate(before_burst);
+    let sim_before_burst = sim_items.len();
+    for ((id, ids), (_, output)) in (100u64..).zip(&burst).zip(&answers) {
+        simulated.add(Request {
+            id,
+            prompt: ids.clone(),
+            max_tokens: 1,
+            output: output.clone(),
+        });
+    }
+    let mut sim_burst = Vec::new();
+    while let Some(step) = simulated.step() {
+        for p in &step.progress {
+            if let Progress::FirstToken { cached_tokens, .. } = p {
+                sim_burst.push(*cached_tokens);
+            }
+        }
+        for e in step.events {
+            match e {
+                Event::Stored { hashes, .. } => {
+                    sim_items.extend(hashes.into_iter().map(Item::Stored));
+                }
+                Event::Removed { hash } => sim_items.push(Item::Removed(hash)),
+            }
+        }
+    }
+    let mut sim_burst_items = sim_items.split_off(sim_before_burst);
+    real_burst.sort_unstable();
+    sim_burst.sort_unstable();
+    assert_eq!(
+        real_burst,
+        [0, 0, 0, 0, 0, 96, 96, 96],
+        "the burst's cached tokens"
+    );
+    assert_eq!(sim_burst, real_burst, "the burst's cached tokens");
+    let key = |i: &Item| match i {
+        Item::Stored(k) => (0, *k),
+        Item::Removed(k) => (1, *k),
+    };
+    real_burst_items.sort_unstable_by_key(key);
+    sim_burst_items.sort_unstable_by_key(key);
+    assert!(
+        real_burst_items
+            .iter()
+            .any(|i| matches!(i, Item::Removed(_))),
+        "the burst evicted"
+    );
+    assert_eq!(
+        sim_burst_items, real_burst_items,
+        "the burst's blocks stored and evicted"
+    );
 
     assert_eq!(sim_cached, real_cached, "cached tokens, request by request");
     // What the workload is meant to show, on the engine itself.

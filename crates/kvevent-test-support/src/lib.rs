@@ -37,7 +37,7 @@ pub use server::{
     Behaviour, EngineSide, Received, RecordingServer, accepted, distinct_prefixes, serve_on_thread,
 };
 #[cfg(feature = "engine")]
-pub use vllm::{VLLM_BLOCK, VLLM_CACHE_BLOCKS, Vllm, vllm_venv};
+pub use vllm::{Timed, VLLM_BLOCK, VLLM_CACHE_BLOCKS, Vllm, vllm_venv};
 pub use wait::{eventually, eventually_blocking, when};
 
 /// The repository's `testdata/` (vectors, metrics fixtures, golden fingerprints; see its

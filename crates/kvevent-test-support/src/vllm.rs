@@ -205,6 +205,58 @@ impl Vllm {
         (cached_tokens(&v), ids)
     }
 
+    /// A streamed completion of `prompt` generating `max_tokens` tokens (greedy, end of
+    /// sequence ignored), timed as a router sees it: the cached tokens its usage reports, the
+    /// time to its first token and to its last.
+    pub async fn timed(&self, prompt: &[u32], max_tokens: u32) -> Timed {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let body = serde_json::json!({
+            "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true},
+        })
+        .to_string();
+        let exchange = async {
+            let started = Instant::now();
+            let mut stream = tokio::net::TcpStream::connect(self.http)
+                .await
+                .expect("connect");
+            let request = format!(
+                "POST /v1/completions HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            stream.write_all(request.as_bytes()).await.expect("write");
+            let (mut text, mut buf) = (Vec::new(), [0u8; 4096]);
+            let (mut first, mut last) = (None, None);
+            loop {
+                let n = stream.read(&mut buf).await.expect("read");
+                if n == 0 {
+                    break;
+                }
+                text.extend_from_slice(&buf[..n]);
+                // A chunk with text in it is a token (the usage chunk has none).
+                if buf[..n].windows(8).any(|w| w == b"\"text\":\"") {
+                    first.get_or_insert_with(|| started.elapsed());
+                    last = Some(started.elapsed());
+                }
+            }
+            (String::from_utf8_lossy(&text).into_owned(), first, last)
+        };
+        let (text, first, last) = tokio::time::timeout(WAIT, exchange)
+            .await
+            .expect("a completion in time");
+        let usage = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter_map(|j| serde_json::from_str::<serde_json::Value>(j).ok())
+            .find(|v| v["usage"].is_object())
+            .unwrap_or_else(|| panic!("no usage chunk: {text}"));
+        Timed {
+            cached_tokens: cached_tokens(&usage),
+            first_token: first.unwrap_or_else(|| panic!("no token: {text}")),
+            last_token: last.unwrap_or_default(),
+        }
+    }
+
     /// One `POST /v1/completions` of `body`: the response's JSON.
     async fn completion(&self, body: serde_json::Value) -> serde_json::Value {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -252,6 +304,17 @@ impl Drop for Vllm {
                 .status();
         }
     }
+}
+
+/// A streamed completion's timing ([`Vllm::timed`]), from when the request was sent.
+#[derive(Debug, Clone, Copy)]
+pub struct Timed {
+    /// Prompt tokens it found cached.
+    pub cached_tokens: u32,
+    /// When its first token came.
+    pub first_token: Duration,
+    /// When its last token came.
+    pub last_token: Duration,
 }
 
 /// `GET path` over HTTP/1.0: status and body.
