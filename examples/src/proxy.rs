@@ -174,7 +174,7 @@ impl Proxy {
         fleet: &Fleet,
         prompt: &[u32],
         adapter: &str,
-    ) -> Option<(&Upstream, Prediction)> {
+    ) -> Option<(&Upstream, Prediction, u32)> {
         let block = fleet.block_size();
         let names: Vec<&str> = self.upstreams.iter().map(|u| u.name.as_str()).collect();
         let scores = block.and_then(|b| {
@@ -212,7 +212,7 @@ impl Proxy {
             block_size: block.unwrap_or(0),
             state: choice.state,
         };
-        Some((upstream, prediction))
+        Some((upstream, prediction, choice.compute_tokens))
     }
 
     /// Routes one `POST /v1/completions`.
@@ -263,7 +263,8 @@ impl Proxy {
         };
         // A LoRA adapter is asked for by its name in `model`, as vLLM serves it.
         let adapter = route::adapter_of(v["model"].as_str().unwrap_or_default(), &self.model);
-        let Some((upstream, prediction)) = self.choose(fleet, &prompt, adapter) else {
+        let Some((upstream, prediction, compute_tokens)) = self.choose(fleet, &prompt, adapter)
+        else {
             return error(
                 503,
                 "no replica to route to: give --upstream NAME=http://HOST:PORT".into(),
@@ -286,7 +287,7 @@ impl Proxy {
             Ok(r) => r,
             Err(e) => return error(500, format!("request: {e}")),
         };
-        let in_flight = self.flights[&upstream.name].start();
+        let mut in_flight = self.flights[&upstream.name].start_prefill(compute_tokens);
         let before = started.elapsed();
         let failed = |why: String| {
             self.note_response(&upstream.name, 502);
@@ -353,6 +354,7 @@ impl Proxy {
                     }
                 };
                 if let Some(data) = frame.data_ref() {
+                    in_flight.first_token();
                     for b in data.iter() {
                         if *b == b'\n' {
                             if let Some(json) = line.strip_prefix(b"data: ")

@@ -6,8 +6,10 @@
 //!   there, in microseconds of time to first token: the prompt tokens it would compute (the
 //!   prompt less what the candidate holds, counted only when the candidate is
 //!   [`ReplicaState::Exact`]: a replica the index cannot vouch for is never preferred for what
-//!   it claims) times [`Weights::prefill_us_per_token`], plus the requests queued ahead of it
-//!   times [`Weights::queue_us_per_request`]. The cheapest wins. A hot prefix spreads: once its
+//!   it claims) plus the prompt tokens this router's requests there still compute (sent with
+//!   [`Flights::start_prefill`], until their first token), times
+//!   [`Weights::prefill_us_per_token`], plus the requests queued ahead of it times
+//!   [`Weights::queue_us_per_request`]. The cheapest wins. A hot prefix spreads: once its
 //!   holder's queue costs more than computing the prefix elsewhere, the next request goes to
 //!   another engine, which then holds it too.
 //! - **Requests ahead.** The engine's load as last read (running + waiting, [`Load`]), plus
@@ -130,6 +132,9 @@ const KEPT: usize = 256;
 #[derive(Debug)]
 pub struct Flights {
     in_flight: AtomicU32,
+    /// Prompt tokens of requests in flight that have not had their first token yet, less
+    /// what each was expected to find cached.
+    prefilling: AtomicU64,
     sent: Times,
     ended: Times,
     origin: Instant,
@@ -178,6 +183,7 @@ impl Default for Flights {
     fn default() -> Self {
         Self {
             in_flight: AtomicU32::new(0),
+            prefilling: AtomicU64::new(0),
             sent: Times::new(),
             ended: Times::new(),
             origin: Instant::now(),
@@ -188,9 +194,25 @@ impl Default for Flights {
 impl Flights {
     /// A request sent now: in flight until the [`Flight`] is dropped.
     pub fn start(self: &Arc<Self>) -> Flight {
+        self.start_prefill(0)
+    }
+
+    /// A request sent now that has `tokens` prompt tokens to compute (its prompt less what the
+    /// replica was expected to hold: [`Choice::compute_tokens`]) until its first token
+    /// ([`Flight::first_token`]); in flight until the [`Flight`] is dropped.
+    pub fn start_prefill(self: &Arc<Self>, tokens: u32) -> Flight {
         self.sent.push(self.nanos());
         self.in_flight.fetch_add(1, Relaxed);
-        Flight(self.clone())
+        self.prefilling.fetch_add(u64::from(tokens), Relaxed);
+        Flight {
+            flights: self.clone(),
+            prefill: tokens,
+        }
+    }
+
+    /// Prompt tokens this router's requests in flight still have to compute.
+    pub fn prefilling(&self) -> u64 {
+        self.prefilling.load(Relaxed)
     }
 
     /// Requests in flight now.
@@ -221,12 +243,24 @@ impl Flights {
 
 /// A request in flight ([`Flights::start`]); dropping it ends it.
 #[derive(Debug)]
-pub struct Flight(Arc<Flights>);
+pub struct Flight {
+    flights: Arc<Flights>,
+    prefill: u32,
+}
+
+impl Flight {
+    /// Its first token came: its prompt is computed.
+    pub fn first_token(&mut self) {
+        let t = std::mem::take(&mut self.prefill);
+        self.flights.prefilling.fetch_sub(u64::from(t), Relaxed);
+    }
+}
 
 impl Drop for Flight {
     fn drop(&mut self) {
-        self.0.ended.push(self.0.nanos());
-        self.0.in_flight.fetch_sub(1, Relaxed);
+        self.first_token();
+        self.flights.ended.push(self.flights.nanos());
+        self.flights.in_flight.fetch_sub(1, Relaxed);
     }
 }
 
@@ -304,6 +338,9 @@ pub struct Choice<'a> {
     /// The choice does not rest on an exact match (none matched, it is not exact, or the
     /// policy does not look).
     pub failed_open: bool,
+    /// Prompt tokens it will compute there: the prompt less what the replica holds exactly
+    /// (for [`Flights::start_prefill`]).
+    pub compute_tokens: u32,
     /// Requests estimated ahead of this one there.
     pub queued: u32,
     /// How its load was known.
@@ -440,6 +477,7 @@ impl Rule {
             matched_tokens: s.said_tokens,
             state: s.state,
             failed_open: !(by_match && s.exact_tokens > 0),
+            compute_tokens: request.prompt_tokens.saturating_sub(s.exact_tokens),
             queued: s.queued,
             load: s.load,
             cost_us,
@@ -516,7 +554,8 @@ impl Rule {
                         .map_or(0, |s| s.matched_tokens);
                     let (queued, _) = Self::queued(c, said.and_then(|s| s.load), fresh_since);
                     let compute = request.prompt_tokens.saturating_sub(exact);
-                    let cost = w.prefill_us_per_token * f64::from(compute)
+                    let cost = w.prefill_us_per_token
+                        * (f64::from(compute) + c.flights.prefilling() as f64)
                         + w.queue_us_per_request * f64::from(queued);
                     match &mut best {
                         Some((b, _, _)) if cost > *b => {}

@@ -75,6 +75,7 @@ pub(crate) struct PyChoice {
     replica: String,
     matched_tokens: u32,
     prompt_tokens: u32,
+    compute_tokens: u32,
     queued: u32,
     failed_open: bool,
     load: &'static str,
@@ -105,6 +106,13 @@ impl PyChoice {
     #[getter]
     fn prompt_tokens(&self) -> u32 {
         self.prompt_tokens
+    }
+    /// Prompt tokens it will compute there: the prompt less what the replica holds exactly.
+    /// Until its first token (`Flight.first_token()`), they count ahead of the next request
+    /// there.
+    #[getter]
+    fn compute_tokens(&self) -> u32 {
+        self.compute_tokens
     }
     /// Requests estimated queued ahead of this one there.
     #[getter]
@@ -164,6 +172,14 @@ pub(crate) struct PyFlight {
 
 #[pymethods]
 impl PyFlight {
+    /// Its first token came: its prompt is computed (streamed responses; an answer whole
+    /// marks it when it ends).
+    fn first_token(&self) {
+        if let Some(f) = lock(&self.flight).as_mut() {
+            f.first_token();
+        }
+    }
+
     /// The request is over (answered, failed or abandoned). Ending it again does nothing.
     fn end(&self) {
         lock(&self.flight).take();
@@ -295,6 +311,7 @@ impl PyRouter {
                     replica: c.replica.to_owned(),
                     matched_tokens: c.matched_tokens,
                     prompt_tokens: request.prompt_tokens,
+                    compute_tokens: c.compute_tokens,
                     queued: c.queued,
                     failed_open: c.failed_open,
                     load: match c.load {
@@ -313,14 +330,17 @@ impl PyRouter {
     /// Flight ends (`with router.start(choice): ...`, or `flight.end()`). The cost and
     /// least-loaded policies count it ahead of the next request there.
     fn start(&self, replica: &Bound<'_, PyAny>) -> PyResult<PyFlight> {
-        let name = match replica.cast::<PyChoice>() {
-            Ok(c) => c.get().replica.clone(),
-            Err(_) => replica.extract::<String>().map_err(|_| {
-                PyValueError::new_err("start: a Choice, or the name of the replica sent to")
-            })?,
+        let (name, compute) = match replica.cast::<PyChoice>() {
+            Ok(c) => (c.get().replica.clone(), c.get().compute_tokens),
+            Err(_) => (
+                replica.extract::<String>().map_err(|_| {
+                    PyValueError::new_err("start: a Choice, or the name of the replica sent to")
+                })?,
+                0,
+            ),
         };
         Ok(PyFlight {
-            flight: Mutex::new(Some(self.flights(&name).start())),
+            flight: Mutex::new(Some(self.flights(&name).start_prefill(compute))),
         })
     }
 

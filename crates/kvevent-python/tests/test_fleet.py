@@ -321,6 +321,15 @@ def test_router_chooses_by_the_rust_rule_and_best_names_no_miss(processes, three
             assert router.choose(["a", "b", "c"], PROMPT).replica == other
         assert router.in_flight(choice.replica) == 0
         assert fleet.record(choice, len(PROMPT), 32) == "exact"
+        # What a request will compute there counts ahead of the next one until its first token.
+        assert choice.compute_tokens == len(PROMPT) - 32
+        new = list(range(7000, 7040))
+        first = router.choose(["a", "b", "c"], new)
+        assert (first.compute_tokens, first.failed_open) == (40, True)
+        with router.start(first) as flight:
+            flight.first_token()
+            flight.first_token()                  # once is enough
+        assert router.in_flight(first.replica) == 0
         # Prompts nobody holds spread by their first block, never all to the first name.
         firsts = {router.choose(["a", "b", "c"], list(range(i * 100, i * 100 + 40))).replica
                   for i in range(100, 130)}

@@ -69,9 +69,11 @@ def route(fleet: kvevent.Fleet, token_ids: List[int]) -> Optional[str]:
     choice: Optional[kvevent.Choice] = router.choose(["a", "b"], token_ids, adapter="")
     if choice is None:
         return None
-    with router.start(choice):
+    with router.start(choice) as flight:
+        flight.first_token()
+        compute: int = choice.compute_tokens
         queued: int = choice.queued
-        print(choice.replica, choice.load, choice.cost_us, queued, router.in_flight(choice.replica))
+        print(choice.replica, choice.load, choice.cost_us, compute, queued, router.in_flight(choice.replica))
     fleet.record(choice, len(token_ids), 16)
     for r in fleet.replicas():
         load: Optional[kvevent.Load] = r.load

@@ -346,3 +346,43 @@ fn sends_are_counted_since_an_instant() {
     drop(held);
     assert_eq!(f.in_flight(), 1);
 }
+
+#[test]
+fn prompt_tokens_in_flight_count_ahead_until_their_first_token() {
+    let now = Instant::now();
+    let f = flights(2);
+    let c = candidates(&["a", "b"], &f);
+    let rule = Rule::new(Policy::Cost(W));
+    // a holds the prompt (6.4 ms saved), b nothing; neither has anything queued.
+    let s = scores(
+        &[("a", 4, EXACT, load(0, now)), ("b", 0, EXACT, load(0, now))],
+        &["a", "b"],
+    );
+    let choice = rule.choose(Some(&s), &PROMPT, &c, now).expect("a choice");
+    assert_eq!((choice.replica, choice.compute_tokens), ("a", 0));
+    // b's compute: the whole prompt.
+    let on_b = rule
+        .choose(Some(&s), &PROMPT, &c[1..], now)
+        .expect("a choice");
+    assert_eq!(on_b.compute_tokens, 64);
+    // A long prompt being computed on a (10,000 tokens: 1 s) outweighs the prefix...
+    let mut long = f[0].start_prefill(10_000);
+    assert_eq!(f[0].prefilling(), 10_000);
+    let choice = rule.choose(Some(&s), &PROMPT, &c, now).expect("a choice");
+    assert_eq!(choice.replica, "b");
+    assert!(
+        (choice.cost_us - 6_400.0).abs() < 1e-6,
+        "{}",
+        choice.cost_us
+    );
+    // ...until its first token: then it is one request ahead (1 ms < 6.4 ms).
+    long.first_token();
+    assert_eq!(f[0].prefilling(), 0);
+    let choice = rule.choose(Some(&s), &PROMPT, &c, now).expect("a choice");
+    assert_eq!((choice.replica, choice.queued), ("a", 1));
+    // Ending a request whose first token never came ends its prefill too.
+    let short = f[0].start_prefill(500);
+    assert_eq!(f[0].prefilling(), 500);
+    drop((short, long));
+    assert_eq!((f[0].prefilling(), f[0].in_flight()), (0, 0));
+}

@@ -258,6 +258,9 @@ class Choice:
     @property
     def prompt_tokens(self) -> int: ...
     @property
+    def compute_tokens(self) -> int:
+        """Prompt tokens it will compute there (the prompt less what the replica holds exactly)."""
+    @property
     def queued(self) -> int:
         """Requests estimated queued ahead of this one there."""
     @property
@@ -276,6 +279,8 @@ class Choice:
 class Flight:
     """A request in flight, from ``Router.start`` until ``end()`` or its ``with`` block ends."""
 
+    def first_token(self) -> None:
+        """Its first token came: its prompt no longer counts ahead of the next request."""
     def end(self) -> None: ...
     def __enter__(self) -> Flight: ...
     def __exit__(self, *exc: object) -> bool: ...
