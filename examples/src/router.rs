@@ -299,7 +299,7 @@ impl Router {
                 "tier": match s.tier { Tier::T1 => "T1", Tier::T2 => "T2" },
                 "state": s.state.as_str(),
                 "reason": s.state.reason(),
-                "fresh": s.state == ReplicaState::Exact,
+                "exact": s.state == ReplicaState::Exact,
             })).collect::<Vec<_>>(),
             "not_followed": not_followed,
         }))

@@ -72,11 +72,11 @@ async fn python_publishers_into_the_router_and_scores_out() {
                     || (status == 503 && v["error"] == "no replica said its block size yet"),
                 "{status} {v}"
             );
-            // Both, and each replica's state set from its socket (exact: fresh).
+            // Both, and each replica's state set from its socket: exact.
             when(v, |v| {
                 v["scores"]
                     .as_array()
-                    .is_some_and(|s| s.len() == 2 && s.iter().all(|s| s["fresh"] == true))
+                    .is_some_and(|s| s.len() == 2 && s.iter().all(|s| s["exact"] == true))
             })
         },
     )
@@ -85,7 +85,7 @@ async fn python_publishers_into_the_router_and_scores_out() {
         assert_eq!(s["matched_blocks"], 2, "{s}");
         assert_eq!(s["matched_tokens"], 32, "{s}");
         assert_eq!(s["tier"], "T1");
-        assert_eq!(s["fresh"], true);
+        assert_eq!(s["exact"], true);
     }
     let names: Vec<&str> = scores["scores"]
         .as_array()

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::collections::BTreeMap;
 
 use clap::{Parser, Subcommand};
-use kvevent_sidecar as pipeline;
+use kvevent_sidecar as sidecar;
 
 /// `--version`: the version, the commit it was built from, the vLLM releases it decodes.
 const LONG_VERSION: &str = concat!(
@@ -52,7 +52,7 @@ pub(crate) struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub(crate) enum Command {
-    /// Run a self-contained demo: an in-process engine, the real pipeline over loopback
+    /// Run a self-contained demo: an in-process engine, the real sidecar over loopback
     /// sockets, a recording InferenceCache server and a served /metrics fixture.
     Demo {
         /// Engine steps to publish.
@@ -62,16 +62,16 @@ pub(crate) enum Command {
 }
 
 /// The command line: `--config`, `demo`, and a flag for every option of
-/// [`pipeline::settings::OPTIONS`] (its help, with the default `Settings::default()` has and
+/// [`sidecar::settings::OPTIONS`] (its help, with the default `Settings::default()` has and
 /// its environment variable). Values stay text here: the settings read them, every layer alike.
 pub(crate) fn command() -> clap::Command {
     use clap::CommandFactory;
-    let defaults: BTreeMap<String, String> = pipeline::settings::defaults().into_iter().collect();
+    let defaults: BTreeMap<String, String> = sidecar::settings::defaults().into_iter().collect();
     let mut command = Args::command();
-    for option in pipeline::settings::OPTIONS {
+    for option in sidecar::settings::OPTIONS {
         let env = format!(
             "{}{}",
-            pipeline::settings::ENV_PREFIX,
+            sidecar::settings::ENV_PREFIX,
             option.name.to_uppercase()
         );
         let default = defaults.get(option.name).map(String::as_str);
@@ -108,7 +108,7 @@ pub(crate) fn parse(args: impl IntoIterator<Item = String>) -> Result<Cli, clap:
     use clap::FromArgMatches;
     let matches = command().try_get_matches_from(go_style(args))?;
     let Args { command, config } = Args::from_arg_matches(&matches)?;
-    let options = pipeline::settings::OPTIONS
+    let options = sidecar::settings::OPTIONS
         .iter()
         .filter_map(|o| Some((o.name, matches.get_one::<String>(o.name)?.clone())))
         .collect();

@@ -1,5 +1,5 @@
 //! `kvevent-subscriber`: the sidecar. Parses all configuration before any socket opens (every
-//! problem at once, exit 64), starts the pipeline, drains on SIGTERM/SIGINT (a second signal
+//! problem at once, exit 64), starts the sidecar, drains on SIGTERM/SIGINT (a second signal
 //! exits at once), and maps the outcome to an exit code.
 
 mod cli;
@@ -7,18 +7,18 @@ mod cli;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use kvevent_sidecar::{self as pipeline, Settings};
+use kvevent_sidecar::{self as sidecar, Settings};
 
 /// Bad configuration (EX_USAGE).
 const EXIT_CONFIG: u8 = 64;
-/// The pipeline could not start (EX_UNAVAILABLE).
+/// The sidecar could not start (EX_UNAVAILABLE).
 const EXIT_START: u8 = 69;
 /// The discovered engine endpoints changed: drained, start again (EX_TEMPFAIL).
 const EXIT_TEMPFAIL: u8 = 75;
 /// A second signal: stop now.
 const EXIT_INTERRUPTED: i32 = 130;
 
-fn init_tracing(format: pipeline::settings::LogFormat, level: &str) {
+fn init_tracing(format: sidecar::settings::LogFormat, level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_new(level)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     // Colours only for a person at a terminal, never into a log file or collector.
@@ -27,8 +27,8 @@ fn init_tracing(format: pipeline::settings::LogFormat, level: &str) {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     match format {
-        pipeline::settings::LogFormat::Json => builder.json().init(),
-        pipeline::settings::LogFormat::Text => builder.init(),
+        sidecar::settings::LogFormat::Json => builder.json().init(),
+        sidecar::settings::LogFormat::Text => builder.init(),
     }
 }
 
@@ -54,13 +54,13 @@ fn main() -> ExitCode {
         }
     };
     if let Some(cli::Command::Demo { batches }) = cli.command {
-        init_tracing(pipeline::settings::LogFormat::Text, "warn");
+        init_tracing(sidecar::settings::LogFormat::Text, "warn");
         // The demo also runs the engine stand-in, which blocks: it needs worker threads.
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build();
-        return match rt.map(|rt| rt.block_on(pipeline::demo::run(batches))) {
+        return match rt.map(|rt| rt.block_on(sidecar::demo::run(batches))) {
             Ok(Ok(_)) => ExitCode::SUCCESS,
             Ok(Err(e)) => {
                 eprintln!("demo failed: {e}");
@@ -95,7 +95,7 @@ fn main() -> ExitCode {
 
 async fn run(settings: Settings) -> ExitCode {
     let ctx = zmq::Context::new();
-    let mut running = match pipeline::start(&settings, &ctx).await {
+    let mut running = match sidecar::start(&settings, &ctx).await {
         Ok(r) => r,
         Err(e) => {
             let mut chain = e.to_string();

@@ -199,7 +199,7 @@ async fn end_to_end_with_go_style_flags_and_a_sigterm_drain_that_loses_nothing()
 }
 
 #[test]
-fn the_demo_runs_the_real_pipeline_and_exits_0() {
+fn the_demo_runs_the_real_sidecar_and_exits_0() {
     let out = run(&["demo", "--batches", "60"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -221,7 +221,7 @@ fn the_demo_runs_the_real_pipeline_and_exits_0() {
 
 #[test]
 fn a_start_failure_exits_69_with_a_plain_text_log_line() {
-    // The metrics port is taken: the pipeline cannot start.
+    // The metrics port is taken: the sidecar cannot start.
     let busy = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let port = busy.local_addr().expect("addr").port();
     let out = run(&[
@@ -483,7 +483,7 @@ async fn a_feed_only_sidecar_runs_clean_beside_an_engine_and_serves_a_router() {
     );
     let stderr = Stderr::of(&mut child);
     let metrics = metrics_port(&stderr);
-    let log = stderr.wait_for(&["serving the router feed", "pipeline started"]);
+    let log = stderr.wait_for(&["serving the router feed", "sidecar started"]);
     assert!(log.contains("none (a feed-only sidecar)"), "{log}");
     let line = log
         .lines()

@@ -32,7 +32,7 @@ impl Sidecar {
                 "--model-id=llama",
                 "--key-mode=engine",
                 "--stats-interval=0",
-                // The pipeline's info lines name the port /metrics took.
+                // The sidecar's info lines name the port /metrics took.
                 "--log-level=warn,kvevent_sidecar=info",
                 "--metrics-address=127.0.0.1:0",
             ])

@@ -191,33 +191,41 @@ pub(crate) fn run(args: &DoctorArgs) -> anyhow::Result<bool> {
                 &format!("replay {label}"),
                 "no replay endpoint: gaps and restarts cannot be repaired (set replay_endpoint in --kv-events-config)",
             ),
-            Some(replay) => match replay_round_trip(&ctx, replay, args.timeout) {
-                Ok((n, newest, with_topic, elapsed)) => {
-                    let format = if with_topic { "with topic frame: vLLM ≥ 0.26" } else { "without topic frame: before 0.26" };
-                    r.ok(
-                        &format!("replay {label}"),
-                        format!("{n} buffered batch(es) in {elapsed:?} ({format})"),
-                    );
-                    seen = newest;
-                }
-                Err(e) => r.fail(&format!("replay {label}"), format!("{e:#}")),
+            // Labelled by its own endpoint; nothing listening fails at once, not after a wait.
+            Some(replay) => match listens(replay, args.timeout) {
+                Some(Err(e)) => r.fail(
+                    &format!("replay {replay}"),
+                    format!("nothing listens there ({e}): is it the replay_endpoint of --kv-events-config?"),
+                ),
+                _ => match replay_round_trip(&ctx, replay, args.timeout) {
+                    Ok((n, newest, with_topic, elapsed)) => {
+                        let format = if with_topic { "with topic frame: vLLM ≥ 0.26" } else { "without topic frame: before 0.26" };
+                        r.ok(
+                            &format!("replay {replay}"),
+                            format!("{n} buffered batch(es) in {elapsed:?} ({format})"),
+                        );
+                        seen = newest;
+                    }
+                    Err(e) => r.fail(&format!("replay {replay}"), format!("{e:#}")),
+                },
             },
+        }
+        if !listening {
+            // No batch can come from where nothing listens: no wait for one.
+            r.fail(&format!("live {label}"), "skipped: nothing listens there");
+            continue;
         }
         match live_batch(&ctx, source, args.timeout) {
             Ok(Some(payload)) => {
                 r.ok(&format!("live {label}"), "a batch arrived");
                 seen = Some(payload);
             }
-            Ok(None) if listening => r.warn(
+            Ok(None) => r.warn(
                 &format!("live {label}"),
                 format!(
                     "the socket is up but no batch came within {:?}: an idle engine publishes nothing (send a request)",
                     args.timeout
                 ),
-            ),
-            Ok(None) => r.fail(
-                &format!("live {label}"),
-                format!("no batch within {:?}: nothing listens there", args.timeout),
             ),
             Err(e) => r.fail(&format!("live {label}"), format!("{e:#}")),
         }

@@ -375,6 +375,18 @@ fn read_input(path: &PathBuf) -> io::Result<Vec<u8>> {
     }
 }
 
+/// What to say of a payload that does not decode but reads as JSON text: decode takes the
+/// msgpack bytes an engine sends, and `encode` makes them from a batch's JSON.
+fn json_hint(payload: &[u8]) -> &'static str {
+    let text = payload.trim_ascii_start();
+    if std::str::from_utf8(text).is_ok() && matches!(text.first(), Some(b'{' | b'[')) {
+        " (this is JSON text: decode reads the msgpack payload an engine sends; \
+         `kvevents encode --release R FILE` makes one from a batch's JSON)"
+    } else {
+        ""
+    }
+}
+
 fn decode(engine: wire::Engine, files: &[PathBuf]) -> ExitCode {
     let stdout = io::stdout();
     let mut out = io::BufWriter::new(stdout.lock());
@@ -420,7 +432,12 @@ fn decode(engine: wire::Engine, files: &[PathBuf]) -> ExitCode {
                 }
             }
             Err(e) => {
-                eprintln!("kvevents: {name}: byte {}: {}", e.offset(), e.kind());
+                eprintln!(
+                    "kvevents: {name}: byte {}: {}{}",
+                    e.offset(),
+                    e.kind(),
+                    json_hint(&payload)
+                );
                 failed = true;
             }
         }

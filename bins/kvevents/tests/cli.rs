@@ -93,6 +93,22 @@ fn a_bad_file_is_reported_and_the_rest_still_decode() {
 }
 
 #[test]
+fn a_json_file_given_to_decode_is_told_what_decode_reads() {
+    let json = shared().join("vectors/vllm-0.9.0/basic.json");
+    let out = kvevents(&["decode", json.to_str().expect("p")], None);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("basic.json: byte 0:"), "{stderr}");
+    assert!(
+        stderr.contains("this is JSON text") && stderr.contains("kvevents encode"),
+        "{stderr}"
+    );
+    // Bytes that are not JSON get no such hint.
+    let out = kvevents(&["decode", "-"], Some(&[0xc1, 0x00]));
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("JSON"));
+}
+
+#[test]
 fn encode_reproduces_the_release_bytes() {
     for release in ["0.9.0", "0.14.0", "0.24.0", "0.33.0"] {
         let dir = shared().join(format!("vectors/vllm-{release}"));
@@ -398,6 +414,31 @@ fn doctor_tells_nothing_listening_from_an_idle_engine() {
     assert_eq!(code, Some(1), "{text}");
     let socket_line = format!("FAIL  socket {}: nothing listens there", nothing.tcp());
     assert!(text.contains(&socket_line), "{text}");
+    // Nor at its replay endpoint: that line names the replay endpoint, and neither check
+    // waits out its timeout for what cannot come.
+    let no_replay = HeldPort::new();
+    let started = std::time::Instant::now();
+    let out = kvevents(
+        &[
+            "doctor",
+            "--endpoint",
+            &nothing.tcp(),
+            "--replay-endpoint",
+            &no_replay.tcp(),
+            "--timeout",
+            "20s",
+        ],
+        None,
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(20),
+        "{:?}: {text}",
+        started.elapsed()
+    );
+    let replay_line = format!("FAIL  replay {}: nothing listens there", no_replay.tcp());
+    assert!(text.contains(&replay_line), "{text}");
+    assert!(text.contains("skipped: nothing listens there"), "{text}");
     // An engine that is up but publishes nothing: a warning, not a failure.
     let ctx = zmq::Context::new();
     let idle = Publisher::start(

@@ -73,18 +73,18 @@
 mod client;
 #[cfg(feature = "metrics")]
 pub mod collector;
+mod counters;
 mod handle;
-mod metrics;
 mod pending;
 mod task;
 #[cfg(test)]
 mod tests;
 
 pub use client::{Client, ClientConfig, Credentials, Retry, classify, connect};
+pub use counters::{DropReason, Histogram, Histograms, Metrics};
 pub use handle::{
     Closed, Config, DrainReport, Forwarder, Handle, MAX_ENTRIES_PER_UPDATE, Submit, spawn,
 };
-pub use metrics::{DropReason, Histogram, Histograms, Metrics};
 pub use task::INITIAL_IN_FLIGHT;
 
 use kvevent_proto as pb;

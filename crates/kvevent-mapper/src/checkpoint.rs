@@ -13,7 +13,7 @@
 //! ```
 //!
 //! 26 bytes a block for an 8-byte hash. The bytes carry no checksum: the file that holds them
-//! does (the pipeline's state file). Counters are not saved: they restart with the process, as
+//! does (the sidecar's state file). Counters are not saved: they restart with the process, as
 //! Prometheus counters do.
 
 use crate::blocks::Tracked;

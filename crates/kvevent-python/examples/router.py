@@ -42,7 +42,7 @@ class Score(BaseHTTPRequestHandler):
                 status, body = 200, {
                     "scores": [{"replica": s.replica, "matched_tokens": s.matched_tokens,
                                 "matched_blocks": s.matched_blocks, "tier": s.tier,
-                                "state": s.state, "reason": s.reason, "fresh": s.exact}
+                                "state": s.state, "reason": s.reason, "exact": s.exact}
                                for s in scores],
                     "not_followed": scores.not_followed}
         except kvevent.NotReady as e:  # no replica said its block size yet: route on nothing

@@ -35,7 +35,7 @@ def subscriber_bin():
     return _binary(
         "KVEVENT_SUBSCRIBER",
         TARGET / "debug" / "kvevent-subscriber",
-        ["-p", "kvevent-sidecar", "--bin", "kvevent-subscriber"],
+        ["-p", "kvevent-subscriber", "--bin", "kvevent-subscriber"],
     )
 
 

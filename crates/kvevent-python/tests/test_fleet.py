@@ -68,7 +68,7 @@ def as_router_json(scores):
             "tier": s.tier,
             "state": s.state,
             "reason": s.reason,
-            "fresh": s.exact,
+            "exact": s.exact,
         }
         for s in scores
     ]

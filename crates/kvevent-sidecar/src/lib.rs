@@ -1,4 +1,4 @@
-//! The subscriber pipeline, composed from the kvevent crates.
+//! The sidecar, composed from the kvevent crates.
 //!
 //! ```text
 //! engine PUB/ROUTER ─▶ kvevent-source::Subscriber ─▶ kvevent-mapper ─▶ kvevent-forwarder ─▶ server
@@ -11,7 +11,7 @@
 //!
 //! [`start`] builds everything from validated [`Settings`] (sockets open only after the
 //! configuration is whole), [`Running::shutdown`] stops intake and drains within a deadline.
-//! Routers can embed the whole pipeline in-process; the `kvevent-subscriber` binary is a thin
+//! Routers can embed the whole sidecar in-process; the `kvevent-subscriber` binary is a thin
 //! shell around it. [`demo`] runs it against an in-process engine, server and metrics endpoint.
 //!
 //! With `--state-file`, [`state_file`] saves each source's mapper and last batch periodically
@@ -31,10 +31,10 @@ mod engine_server;
 mod events;
 mod http_server;
 pub mod settings;
+mod startup_warnings;
 pub mod state_file;
 mod stats_reporter;
 pub mod telemetry;
-mod watch;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -51,7 +51,7 @@ pub use settings::{ConfigError, Settings};
 pub use stats_reporter::CLIENT_VERSION;
 pub use telemetry::Telemetry;
 
-/// What went wrong starting the pipeline.
+/// What went wrong starting the sidecar.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
     /// The settings are invalid (built in code: [`Settings::load`] refuses them first).
@@ -89,7 +89,7 @@ pub enum StartError {
     Feed(#[from] kvevent_feed::ServeError),
 }
 
-/// The running pipeline.
+/// The running sidecar.
 pub struct Running {
     stop_events: Arc<AtomicBool>,
     events: Option<std::thread::JoinHandle<()>>,
@@ -217,7 +217,7 @@ async fn start_feed(
     ))
 }
 
-/// Starts the pipeline on the current tokio runtime; `ctx` is the ZMQ context (shared with an
+/// Starts the sidecar on the current tokio runtime; `ctx` is the ZMQ context (shared with an
 /// in-process engine for `inproc://` endpoints). `settings` are validated first: settings built
 /// in code are refused with the problems [`Settings::load`] would report.
 pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, StartError> {
@@ -447,7 +447,7 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         );
     }
     let watch = tokio::spawn(
-        watch::Watch {
+        startup_warnings::Watch {
             client: client.clone(),
             telemetry: telemetry.clone(),
             engine_binds: settings.engine_bind,
@@ -473,7 +473,7 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
         replica = %settings.replica_id,
         model = %settings.model_id,
         key_mode = key_mode,
-        "pipeline started"
+        "sidecar started"
     );
     Ok(Running {
         stop_events,

@@ -63,10 +63,10 @@
 
 #[cfg(feature = "metrics")]
 pub mod collector;
-mod metrics;
+mod counters;
 mod state;
 mod subscriber;
 
-pub use metrics::{DECODE_FAILURE_KINDS, EventCounts, SourceMetrics};
+pub use counters::{DECODE_FAILURE_KINDS, EventCounts, SourceMetrics};
 pub use state::{ReplayEnd, ResetReason, Resume, SourceState, StateConfig, Step, payload_digest};
 pub use subscriber::{Batch, Config, Subscriber, Update, View};

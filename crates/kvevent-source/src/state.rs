@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
-use crate::metrics::SourceMetrics;
+use crate::counters::SourceMetrics;
 
 /// Why a source's state was declared stale.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -1,5 +1,5 @@
 //! A self-contained demo: an in-process engine speaking vLLM's wire (PUB + replay, a
-//! scripted workload), the real pipeline over loopback sockets, a recording InferenceCache
+//! scripted workload), the real sidecar over loopback sockets, a recording InferenceCache
 //! server, and a served `/metrics` fixture. [`run`] prints what flowed.
 
 mod server;
@@ -124,7 +124,7 @@ pub async fn run(batches: u64) -> Result<Summary, Box<dyn std::error::Error + Se
         println!("  the sidecar's /metrics, /healthz, /readyz on http://{addr}");
     }
     if !tokio::task::block_in_place(|| engine.wait_for_subscribers(1, Duration::from_secs(10))) {
-        return Err("the pipeline did not subscribe within 10 s".into());
+        return Err("the sidecar did not subscribe within 10 s".into());
     }
     // Part of the workload is lost on the way (a gap the replay repairs).
     for step in 0..batches {

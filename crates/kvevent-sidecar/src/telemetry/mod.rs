@@ -1,7 +1,7 @@
 //! What `/metrics` shows, assembled from the areas that keep it. Each area ([`sources`],
 //! [`state_file`], [`mappers`], [`delivery`], [`scrapes`], [`feed`], and the build) owns its
 //! counters and writes them itself, names, help and labels included, as a prometheus-client
-//! collector; this module holds the areas for the pipeline and `/readyz`, and registers their
+//! collector; this module holds the areas for the sidecar and `/readyz`, and registers their
 //! collectors once, in the order `/metrics` shows them.
 
 mod build;

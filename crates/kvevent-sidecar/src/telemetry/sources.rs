@@ -20,7 +20,7 @@ pub struct Sources {
     pub metrics: Vec<Arc<SourceMetrics>>,
     /// Per source: Unix ms of its last batch (0: none yet).
     pub last_batch_unix_ms: Vec<AtomicU64>,
-    /// Unix ms the pipeline started.
+    /// Unix ms the sidecar started.
     pub started_unix_ms: u64,
 }
 

@@ -1,4 +1,4 @@
-//! Engine → pipeline → server over loopback sockets, with stats and our HTTP endpoint.
+//! Engine → sidecar → server over loopback sockets, with stats and our HTTP endpoint.
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
@@ -505,7 +505,7 @@ async fn a_silent_engine_makes_readyz_say_why_until_it_sends() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_source_shows_whether_its_socket_reaches_the_engine() {
     let (server, ctx, engine) = ends().await;
-    // A port nobody listens on never connects: a pipeline on one runs beside the other from
+    // A port nobody listens on never connects: a sidecar on one runs beside the other from
     // the start, and is looked at once the other has connected and seen its engine go.
     let nothing = HeldPort::new();
     let unreachable = Settings {

@@ -1,4 +1,4 @@
-//! The router feed end to end: an engine stand-in, the sidecar's pipeline serving its feed, and
+//! The router feed end to end: an engine stand-in, the sidecar serving its feed, and
 //! a `Fleet` following it beside a router following the engine directly.
 
 use std::time::{Duration, Instant};

@@ -1,4 +1,4 @@
-//! The composed pipeline: configuration, end to end over loopback, stats, TLS, tokens.
+//! The composed sidecar: configuration, end to end over loopback, stats, TLS, tokens.
 
 mod config;
 mod deploy;
@@ -18,7 +18,7 @@ use kvevent_sidecar::Settings;
 use kvevent_sidecar::settings::GoDuration;
 use kvevent_test_support::{Publisher, PublisherConfig, RecordingServer};
 
-/// The pipeline between `engine` and `server` on loopback: replica `r1` of `llama`, a 20 ms
+/// The sidecar between `engine` and `server` on loopback: replica `r1` of `llama`, a 20 ms
 /// window, no `/metrics` listener, no scrape.
 pub(crate) fn loopback(engine: &Publisher, server: &RecordingServer) -> Settings {
     Settings {
