@@ -98,13 +98,7 @@ async fn run(settings: Settings) -> ExitCode {
     let mut running = match sidecar::start(&settings, &ctx).await {
         Ok(r) => r,
         Err(e) => {
-            let mut chain = e.to_string();
-            let mut source = std::error::Error::source(&e);
-            while let Some(s) = source {
-                chain.push_str(&format!(": {s}"));
-                source = s.source();
-            }
-            tracing::error!(error = %chain, "cannot start");
+            tracing::error!(error = %sidecar::error_chain(&e), "cannot start");
             return ExitCode::from(EXIT_START);
         }
     };

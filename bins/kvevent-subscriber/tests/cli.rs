@@ -311,16 +311,18 @@ fn metrics_port(stderr: &Stderr) -> u16 {
 fn with_nothing_listening_at_either_end_both_addresses_are_named_within_seconds() {
     // Nothing listens on these ports: a wrong --engine-endpoint and --server, or vLLM and the
     // server not started yet.
-    let (nothing, nothing_either) = (HeldPort::new(), HeldPort::new());
+    let (nothing, nothing_either, no_metrics) = (HeldPort::new(), HeldPort::new(), HeldPort::new());
     let endpoint = nothing.tcp();
     let server = nothing_either.addr().to_string();
+    let metrics_url = format!("http://{}/metrics", no_metrics.addr());
     let mut child = Command::new(BIN)
         .args([
             &format!("--engine-endpoint={endpoint}"),
             &format!("--server={server}"),
             "--replica-id=r",
             "--model-id=m",
-            "--stats-interval=0",
+            "--stats-interval=1s",
+            &format!("--engine-metrics-url={metrics_url}"),
             "--metrics-address=127.0.0.1:0",
             "--engine-silence-grace=200ms",
         ])
@@ -335,6 +337,7 @@ fn with_nothing_listening_at_either_end_both_addresses_are_named_within_seconds(
         "no connection to the engine's KV-event socket",
         "the InferenceCache server cannot be reached",
         "no KV events from this engine source yet",
+        "engine metrics scrape failed",
     ]);
     let took = started.elapsed();
     // `/readyz` names both.
@@ -353,6 +356,14 @@ fn with_nothing_listening_at_either_end_both_addresses_are_named_within_seconds(
     assert!(took < Duration::from_secs(15), "took {took:?}");
     assert!(err.contains(&endpoint), "names the endpoint: {err}");
     assert!(err.contains(&server), "names the server: {err}");
+    let scrape = err
+        .lines()
+        .find(|l| l.contains("engine metrics scrape failed"))
+        .expect("the scrape warning");
+    assert!(
+        scrape.contains(&metrics_url),
+        "names the metrics URL: {scrape}"
+    );
     assert_eq!(
         err.matches("no KV events from this engine source yet")
             .count(),

@@ -60,6 +60,11 @@ pub struct Fetcher {
 }
 
 impl Fetcher {
+    /// The URL it fetches.
+    pub fn uri(&self) -> &http::Uri {
+        &self.uri
+    }
+
     /// A fetcher for `url` (plain `http://`; engines serve metrics on the pod network).
     pub fn new(url: &str, timeout: Duration, max_body: usize) -> Result<Self, FetchError> {
         let uri: http::Uri = url

@@ -83,6 +83,11 @@ pub struct Scraper {
 }
 
 impl Scraper {
+    /// The URL it scrapes.
+    pub fn url(&self) -> &http::Uri {
+        self.fetcher.uri()
+    }
+
     /// A scraper of `url`. Bodies over `max_body` bytes are refused.
     pub fn new(
         url: &str,

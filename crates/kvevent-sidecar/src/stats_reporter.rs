@@ -53,7 +53,7 @@ impl StatsReporter {
                     stats
                 }
                 Err(e) => {
-                    tracing::warn!(error = %error_chain(&e), "engine metrics scrape failed; skipping this tick");
+                    tracing::warn!(url = %self.scraper.url(), error = %error_chain(&e), "engine metrics scrape failed; skipping this tick");
                     self.telemetry.scrapes.scrape(e.kind());
                     continue;
                 }
