@@ -707,6 +707,98 @@ fn stats_put_replayed_history_at_its_engine_time() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The hand-made fleet above, recorded replay-first by recorders that started late (a at 3 s,
+/// b at 1 s: what came before was replayed), from engines whose clock is 60 s ahead of the
+/// recorders' (another machine): every figure is the hand count's, as on one clock.
+#[test]
+fn stats_on_engines_with_a_clock_of_their_own_give_the_hand_counts() {
+    let dir = scratch("stats-skew");
+    let t0_ms = 1_764_000_000_000u64;
+    let skew_ms = 60_000;
+    let stored = |hashes: &[u64], parent: Option<u64>, tokens: std::ops::Range<u32>| {
+        batches::stored(hashes, parent, tokens, 16)
+    };
+    let removed = batches::removed;
+    // (real ms after t0, event); the recorder started at `started_ms` after t0.
+    let write = |name: &str, started_ms: u64, batches: Vec<(u64, wire::Event<'static>)>| {
+        let path = dir.join(format!("{name}.kvrec"));
+        let mut w =
+            Writer::new(Vec::new(), &Header::new("vllm", t0_ms + started_ms)).expect("header");
+        for (seq, (at_ms, event)) in batches.into_iter().enumerate() {
+            // The engine stamps its own clock.
+            let ts = (t0_ms + at_ms + skew_ms) as f64 / 1000.0;
+            let replay = at_ms < started_ms;
+            w.write(&Record {
+                rank: 0,
+                seq: seq as u64,
+                // History arrives in a burst at the start; live batches 2 ms after they happen.
+                at_us: if replay {
+                    seq as u64 * 100
+                } else {
+                    (at_ms - started_ms + 2) * 1000
+                },
+                topic: b"kv-events".to_vec(),
+                replay,
+                reset: None,
+                payload: wire::encode(
+                    &batches::batch(ts, vec![event]),
+                    wire::Release::NEWEST_KNOWN,
+                )
+                .expect("encode"),
+            })
+            .expect("write");
+        }
+        std::fs::write(&path, w.finish().expect("finish")).expect("write");
+        path
+    };
+    let a = write(
+        "a",
+        3_000,
+        vec![
+            (0, stored(&[1, 2], None, 0..32)),
+            (1_000, stored(&[7], None, 100..116)),
+            (2_000, removed(&[2])),
+            (4_000, stored(&[2], Some(1), 16..32)),
+            (5_000, removed(&[7])),
+        ],
+    );
+    let b = write(
+        "b",
+        1_000,
+        vec![
+            (500, stored(&[11, 12], None, 0..32)),
+            (3_000, wire::Event::AllBlocksCleared(Default::default())),
+        ],
+    );
+    let out = kvevents()
+        .args(["stats", "--json"])
+        .arg(&a)
+        .arg(&b)
+        .output()
+        .expect("stats");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let close = |got: &serde_json::Value, want: f64| {
+        let got = got.as_f64().unwrap_or(f64::NAN);
+        assert!((got - want).abs() < 1e-3, "{got} against {want}: {v}");
+    };
+    let ra = &v["replicas"][0];
+    close(&ra["duration_s"], 5.0);
+    close(&ra["resident_mean"], 12.0 / 5.0);
+    close(&ra["restore_share"], 0.25);
+    close(&ra["restore_gap_p50_s"], 2.0);
+    assert_eq!(ra["replayed_at_arrival"], 0);
+    let f = &v["fleet"];
+    close(&f["duplication_peak"], 0.5);
+    close(&f["duplication_mean"], 0.9 / 5.0);
+    assert_eq!(f["shared_pairs"], serde_json::json!([["a", "b", 2]]), "{v}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// An empty batch whose `ts` is `i`: its bytes differ from every other `i`'s.
 fn empty_payload(i: u32) -> Vec<u8> {
     wire::encode(

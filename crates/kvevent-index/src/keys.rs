@@ -97,7 +97,16 @@ pub(crate) enum Op {
     Evict { key: KeyId },
 }
 
-pub(crate) fn key_of(prefix_hash: &[u8]) -> u64 {
+/// A prefix's key (the mapper's bytes: a fingerprint, or an engine's hash) as the index keeps
+/// it: its first 8 bytes, big-endian; a shorter one left-aligned (zeros after it). Offline
+/// tools fold keys with it to count as a router's index does.
+///
+/// ```
+/// use kvevent_index::fold_key;
+/// assert_eq!(fold_key(&[1, 2, 3, 4, 5, 6, 7, 8, 9]), 0x0102_0304_0506_0708);
+/// assert_eq!(fold_key(&[1, 2]), 0x0102_0000_0000_0000);
+/// ```
+pub fn fold_key(prefix_hash: &[u8]) -> u64 {
     if let Some(first) = prefix_hash.first_chunk::<8>() {
         return u64::from_be_bytes(*first);
     }
@@ -134,7 +143,7 @@ impl Apply<'_> {
 
 impl mapper::Sink for Apply<'_> {
     fn prefix(&mut self, key: &[u8], tokens: u32, tier: Tier, adapter: &Arc<str>, _new: bool) {
-        let key = KeyId::new(key_of(key), self.adapter(adapter));
+        let key = KeyId::new(fold_key(key), self.adapter(adapter));
         let tier = u8::from(tier != Tier::T1);
         self.inner.prefetch_key(&key);
         self.inner
@@ -145,7 +154,7 @@ impl mapper::Sink for Apply<'_> {
     fn end_update(&mut self, _ts: i64) {}
 
     fn evicted(&mut self, key: &[u8], adapter: &Arc<str>, _ts: i64) {
-        let key = KeyId::new(key_of(key), self.adapter(adapter));
+        let key = KeyId::new(fold_key(key), self.adapter(adapter));
         self.inner.prefetch_key(&key);
         self.inner.pending.push((self.source, Op::Evict { key }));
     }

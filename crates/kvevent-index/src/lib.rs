@@ -88,7 +88,7 @@ mod state;
 #[cfg(test)]
 mod tests;
 
-pub use keys::IndexStats;
+pub use keys::{IndexStats, fold_key};
 pub use score::{Score, Scores, ScoresIter};
 pub use state::{Degraded, Load, Lost, ReplicaState};
 

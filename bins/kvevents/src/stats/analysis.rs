@@ -4,9 +4,12 @@
 //! Invariants: a source is one engine rank (each its own cache), as in the router's index: a
 //! clear or an eviction on one rank leaves the others' blocks alone, and the fleet's
 //! duplication is `1 − distinct prefixes ÷ (prefix, source) pairs`, the index's
-//! (`kvevent_index::IndexStats::duplication`). Replayed batches count at the engine's own
-//! time (the batch's `ts`), not when the recorder asked for them; a batch whose `ts` is not a
-//! wall clock counts at its arrival, and the figures say how many did.
+//! (`kvevent_index::IndexStats::duplication`). Everything is placed on the recorder's clock:
+//! live batches at arrival, replayed ones at the engine's own time (the batch's `ts`) moved by
+//! the difference of the two clocks the live batches show, so an engine on another machine
+//! with a clock of its own changes nothing; within a rank, seq order wins over any clock. A
+//! replayed batch whose `ts` is not a wall clock counts at its arrival, and the figures say how
+//! many did. Keys fold to 64 bits as the index folds them ([`kvevent_index::fold_key`]).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -55,10 +58,7 @@ impl Collect<'_> {
     fn key(&mut self, key: &[u8], adapter: &Arc<str>) -> Key {
         let n = self.adapters.len() as u32;
         let a = *self.adapters.entry(adapter.clone()).or_insert(n);
-        let mut b = [0u8; 8];
-        let k = &key[..key.len().min(8)];
-        b[8 - k.len()..].copy_from_slice(k);
-        (u64::from_be_bytes(b), a)
+        (kvevent_index::fold_key(key), a)
     }
 
     fn push(&mut self, change: Change, key: Key) {
@@ -158,6 +158,51 @@ fn wall_clock_us(ts: f64) -> Option<u64> {
     (1e9..1e10).contains(&ts).then_some((ts * 1e6) as u64)
 }
 
+/// Where a recorded batch's changes begin in the replica's list, and what says when it
+/// happened.
+struct Placed {
+    rank: u32,
+    replay: bool,
+    /// Its `ts`, when it is a wall clock (the engine's).
+    engine_us: Option<u64>,
+    /// When it reached the recorder (the recorder's clock).
+    arrival: u64,
+    first_event: usize,
+}
+
+/// Puts each batch's changes on the recorder's clock: a live batch at its arrival; a replayed
+/// one at its `ts` moved onto the recorder's clock by the rank's offset (the least of arrival
+/// less `ts` over its live batches: the clocks' difference plus the shortest delivery; none
+/// live: the clocks taken as one), at its arrival when its `ts` is not a wall clock. Within a
+/// rank, seq order (the file's) wins over any clock: no batch is placed before the one before.
+fn place(placed: &[Placed], events: &mut [Event]) {
+    let mut offsets: HashMap<u32, i64> = HashMap::new();
+    for p in placed.iter().filter(|p| !p.replay) {
+        if let Some(ts) = p.engine_us {
+            let d = p.arrival as i64 - ts as i64;
+            offsets
+                .entry(p.rank)
+                .and_modify(|o| *o = (*o).min(d))
+                .or_insert(d);
+        }
+    }
+    let mut last: HashMap<u32, u64> = HashMap::new();
+    for (i, p) in placed.iter().enumerate() {
+        let at = match (p.replay, p.engine_us) {
+            (true, Some(ts)) => {
+                (ts as i64 + offsets.get(&p.rank).copied().unwrap_or(0)).max(0) as u64
+            }
+            _ => p.arrival,
+        };
+        let at = last.get(&p.rank).map_or(at, |&l| at.max(l));
+        last.insert(p.rank, at);
+        let end = placed.get(i + 1).map_or(events.len(), |n| n.first_event);
+        for e in &mut events[p.first_event..end] {
+            e.at_us = at;
+        }
+    }
+}
+
 /// One recording, read and mapped: the replica's figures and its changes for the fleet.
 pub(crate) fn replica(
     path: &Path,
@@ -181,6 +226,7 @@ pub(crate) fn replica(
     let mut depths = Vec::new();
     let (mut batches, mut stored, mut removed, mut cleared) = (0u64, 0u64, 0u64, 0u64);
     let mut replayed_at_arrival = 0u64;
+    let mut placed = Vec::new();
     let mut block_size = 0u32;
     while let Some(r) = crate::record::next_whole(&mut reader, path, skip_damaged)? {
         let batch =
@@ -195,14 +241,20 @@ pub(crate) fn replica(
                 )
             })?;
         batches += 1;
-        let at_us = match (r.replay, wall_clock_us(batch.ts)) {
-            (true, Some(at)) => at,
-            (true, None) => {
-                replayed_at_arrival += 1;
-                base_us + r.at_us
-            }
-            (false, _) => base_us + r.at_us,
-        };
+        let arrival = base_us + r.at_us;
+        let engine_us = wall_clock_us(batch.ts);
+        if r.replay && engine_us.is_none() {
+            replayed_at_arrival += 1;
+        }
+        placed.push(Placed {
+            rank: r.rank,
+            replay: r.replay,
+            engine_us,
+            arrival,
+            first_event: events.len(),
+        });
+        // Set once every batch is read (`place`): the recorder's clock is known then.
+        let at_us = arrival;
         for e in &batch.events {
             match e {
                 wire::Event::BlockStored(s) => {
@@ -249,7 +301,7 @@ pub(crate) fn replica(
             path.display()
         );
     }
-    // Replayed history at its own time: before what came live.
+    place(&placed, &mut events);
     events.sort_by_key(|e| e.at_us);
     let ranks: Vec<u32> = mappers.keys().copied().collect();
     let figures = Figures::of(&events, base_us);
