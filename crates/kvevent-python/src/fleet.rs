@@ -17,8 +17,10 @@ use kvevent_fleet::{
 };
 use pyo3::exceptions::{PyException, PyKeyError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList};
+use pyo3::types::{PyDict, PyList};
 use tokio::sync::watch;
+
+use crate::convert::{self, duration, token_ids};
 
 pyo3::create_exception!(
     _kvevent,
@@ -46,69 +48,6 @@ pyo3::create_exception!(
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// `seconds` as a duration, or a ValueError naming `what`.
-fn duration(what: &str, seconds: f64) -> PyResult<Duration> {
-    Duration::try_from_secs_f64(seconds).map_err(|_| {
-        PyValueError::new_err(format!(
-            "{what} must be a finite number of seconds ≥ 0, not {seconds}"
-        ))
-    })
-}
-
-/// Token ids from a list (the fast path), any sequence of ints, or bytes / bytearray of
-/// native-endian u32 (`array.array("I", ids).tobytes()`, `numpy.asarray(ids, "u4").tobytes()`).
-pub(crate) fn token_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-    if let Ok(b) = obj.cast::<PyBytes>() {
-        return words(b.as_bytes(), "token_ids", u32::from_ne_bytes);
-    }
-    if let Ok(b) = obj.cast::<PyByteArray>() {
-        return words(&b.to_vec(), "token_ids", u32::from_ne_bytes);
-    }
-    if let Ok(list) = obj.cast::<PyList>() {
-        let mut out = Vec::with_capacity(list.len());
-        for (i, item) in list.iter().enumerate() {
-            out.push(item.extract::<u32>().map_err(|e| {
-                PyValueError::new_err(format!("token_ids[{i}]: not a token id (0..2**32): {e}"))
-            })?);
-        }
-        return Ok(out);
-    }
-    obj.extract::<Vec<u32>>().map_err(|e| {
-        PyValueError::new_err(format!(
-            "token_ids: a list of ints, or bytes of native-endian u32: {e}"
-        ))
-    })
-}
-
-/// Prefix keys: a list of ints, or bytes / bytearray of native-endian u64.
-fn keys(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
-    if let Ok(b) = obj.cast::<PyBytes>() {
-        return words(b.as_bytes(), "keys", u64::from_ne_bytes);
-    }
-    if let Ok(b) = obj.cast::<PyByteArray>() {
-        return words(&b.to_vec(), "keys", u64::from_ne_bytes);
-    }
-    obj.extract::<Vec<u64>>().map_err(|e| {
-        PyValueError::new_err(format!(
-            "keys: a list of ints (0..2**64), or bytes of native-endian u64: {e}"
-        ))
-    })
-}
-
-/// `raw` as words of `N` bytes (`of` inlined: the loop vectorizes).
-fn words<const N: usize, T>(raw: &[u8], what: &str, of: impl Fn([u8; N]) -> T) -> PyResult<Vec<T>> {
-    if !raw.len().is_multiple_of(N) {
-        return Err(PyValueError::new_err(format!(
-            "{what}: {} bytes is not a whole number of {N}-byte words",
-            raw.len()
-        )));
-    }
-    Ok(raw
-        .chunks_exact(N)
-        .map(|c| of(c.try_into().unwrap_or([0; N])))
-        .collect())
 }
 
 /// One engine rank as its follower last saw it.
@@ -1008,16 +947,27 @@ impl PyFleet {
         let fleet = &self.shared.fleet;
         let owned = match (tokens, keys) {
             (Some(t), None) => {
-                let block_size = match block_size {
-                    Some(0) => return Err(PyValueError::new_err("block_size must be at least 1")),
-                    Some(b) => b,
-                    None => fleet.block_size().ok_or_else(|| {
-                        BlockSizeUnknown::new_err(ScoreError::BlockSizeUnknown.to_string())
-                    })? as usize,
-                };
-                Owned::Tokens(token_ids(t)?, block_size)
+                let ids = token_ids(t)?;
+                match (block_size, fleet.block_size()) {
+                    (Some(0), _) => {
+                        return Err(PyValueError::new_err("block_size must be at least 1"));
+                    }
+                    // Given, and no replica said one yet: the caller's word chains the keys.
+                    (Some(b), None) => {
+                        let mut keys = Vec::with_capacity(ids.len() / b);
+                        kvevent_fingerprint::prefixes_into(&ids, b, None, &mut keys);
+                        Owned::Keys(keys)
+                    }
+                    (Some(b), Some(_)) => Owned::Tokens(ids, b),
+                    (None, Some(b)) => Owned::Tokens(ids, b as usize),
+                    (None, None) => {
+                        return Err(BlockSizeUnknown::new_err(
+                            ScoreError::BlockSizeUnknown.to_string(),
+                        ));
+                    }
+                }
             }
-            (None, Some(k)) => Owned::Keys(self::keys(k)?),
+            (None, Some(k)) => Owned::Keys(convert::keys(k)?),
             _ => {
                 return Err(PyValueError::new_err(
                     "give the query's tokens or its keys (one of them)",
@@ -1108,16 +1058,22 @@ impl PyChanges {
         })
     }
 
-    /// Waits for the next change with the GIL released; None once the fleet is closed.
+    /// Waits for the next change with the GIL released; None once the fleet is closed, or once
+    /// the interpreter's main thread has ended (a thread left iterating does not keep the
+    /// interpreter from exiting).
     fn next_blocking(&self, py: Python<'_>) -> PyResult<Option<PyChange>> {
+        let main = py.import("threading")?.call_method0("main_thread")?;
         loop {
             if let Some(change) = self.poll() {
                 return Ok(Some(change));
             }
-            if *self.shared.closed.borrow() {
+            if *self.shared.closed.borrow() || !main.call_method0("is_alive")?.is_truthy()? {
                 return Ok(None);
             }
-            self.shared.wait(py, self.changed())?;
+            let changed = self.changed();
+            self.shared.wait(py, async move {
+                let _ = tokio::time::timeout(Duration::from_millis(250), changed).await;
+            })?;
         }
     }
 

@@ -20,6 +20,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 use serde_json::Value;
 
+mod convert;
 mod fleet;
 mod router;
 
@@ -52,7 +53,7 @@ fn fingerprint_keys(
     if block_size == 0 {
         return Err(PyValueError::new_err("block_size must be at least 1"));
     }
-    let token_ids = fleet::token_ids(token_ids)?;
+    let token_ids = convert::token_ids(token_ids)?;
     Ok(py.detach(|| {
         let mut keys = Vec::with_capacity(token_ids.len() / block_size);
         kvevent_fingerprint::prefixes_into(&token_ids, block_size, parent, &mut keys);

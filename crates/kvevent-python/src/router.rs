@@ -14,7 +14,8 @@ use kvevent_fleet::{Query, QueryKeys, ReplicaState};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::fleet::{PyFleet, token_ids};
+use crate::convert::token_ids;
+use crate::fleet::PyFleet;
 
 /// What an engine was doing when its sidecar last read it.
 #[pyclass(

@@ -4,6 +4,8 @@ Fleet) following the same sidecars for the same queries."""
 
 import array
 import asyncio
+import subprocess
+import sys
 import threading
 import time
 
@@ -195,6 +197,8 @@ def test_errors_are_typed_and_in_our_words(processes, three_sidecars):
     with kvevent.Fleet() as fleet:
         with pytest.raises(kvevent.BlockSizeUnknown, match="no replica said its block size yet"):
             fleet.score(PROMPT)
+        # The caller's block size stands where no replica said one: nothing is held yet.
+        assert list(fleet.score(PROMPT, block_size=16)) == []
         for url in ["10.0.0.1:7070", "tcp://127.0.0.1:5557", "http://"]:
             with pytest.raises(ValueError, match="is not http://HOST:PORT or https://HOST:PORT"):
                 fleet.follow("x", url)
@@ -347,3 +351,15 @@ def test_router_chooses_by_the_rust_rule_and_best_names_no_miss(processes, three
             kvevent.Router(fleet, "round-robin", queue_us_per_request=1.0)
         # The sidecars read no load (their stand-in engines serve no /metrics).
         assert all(r.load is None and r.load_error is None for r in fleet.replicas())
+
+
+def test_a_thread_left_iterating_changes_does_not_keep_the_interpreter_alive():
+    # No close(): the main thread ends with a (non-daemon) thread still in `for change in ...`.
+    script = (
+        "import threading, kvevent\n"
+        "fleet = kvevent.Fleet()\n"
+        "threading.Thread(target=lambda: [c for c in fleet.changes()]).start()\n"
+        "print('started', flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert (done.returncode, done.stdout) == (0, "started\n"), done.stderr

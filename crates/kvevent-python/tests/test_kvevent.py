@@ -2,6 +2,7 @@
 release's vectors against their JSON, recordings written here from the format's spec and read
 back, and errors in the library's words."""
 
+import array
 import json
 import pathlib
 import struct
@@ -29,6 +30,41 @@ def test_fingerprint_keys_are_the_golden_ones():
 def test_fingerprint_keys_refuse_a_block_size_of_zero():
     with pytest.raises(ValueError, match="block_size must be at least 1"):
         kvevent.fingerprint_keys([1, 2, 3], 0)
+
+
+def test_token_ids_as_any_buffer_of_integers_give_the_same_keys():
+    ids = list(range(1000, 1064))
+    want = kvevent.fingerprint_keys(ids, 16)
+    for given in [
+        array.array("I", ids),
+        array.array("q", ids),
+        array.array("H", ids),
+        memoryview(array.array("I", ids)),
+        memoryview(array.array("I", ids).tobytes()),  # bytes: native-endian u32
+        array.array("I", ids).tobytes(),
+        tuple(ids),
+    ]:
+        assert kvevent.fingerprint_keys(given, 16) == want, type(given)
+    try:
+        import numpy
+    except ImportError:
+        pass
+    else:
+        for dtype in ["u4", "i8", "u8", "i4"]:
+            assert kvevent.fingerprint_keys(numpy.asarray(ids, dtype), 16) == want, dtype
+
+
+def test_bad_token_ids_are_refused_by_position():
+    with pytest.raises(ValueError, match=r"token_ids\[1\]: True is a bool, not an id"):
+        kvevent.fingerprint_keys([1, True, 3], 16)
+    with pytest.raises(ValueError, match=r"token_ids\[0\]: -1 is not an id"):
+        kvevent.fingerprint_keys(array.array("q", [-1, 2]), 16)
+    with pytest.raises(ValueError, match=r"token_ids\[1\]: 4294967296 is not an id"):
+        kvevent.fingerprint_keys(array.array("Q", [1, 2**32]), 16)
+    with pytest.raises(ValueError, match='not of format "d"'):
+        kvevent.fingerprint_keys(array.array("d", [1.0]), 16)
+    with pytest.raises(ValueError, match="not float"):
+        kvevent.fingerprint_keys(1.5, 16)
 
 
 def vectors():

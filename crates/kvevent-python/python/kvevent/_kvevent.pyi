@@ -1,7 +1,10 @@
 """Type stubs of the native module (see the package's docstring)."""
 
 from os import PathLike
-from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Sequence, Tuple, TypeVar, Union, final
+
+from ._types import Keys, Reason, State, TokenIds
+
 
 __version__: str
 
@@ -11,19 +14,13 @@ class DecodeError(ValueError):
 class RecordingError(ValueError):
     """A file that is not a recording, or a damaged one: the file and what was wrong where."""
 
-TokenIds = Union[Sequence[int], bytes, bytearray]
-"""Token ids: a list (or other sequence) of ints, or bytes of native-endian u32
-(``array.array("I", ids).tobytes()``, ``numpy.asarray(ids, "u4").tobytes()``: the fastest)."""
-
-Keys = Union[Sequence[int], bytes, bytearray]
-"""Prefix keys, block 0 first: a list of ints, or bytes of native-endian u64."""
-
 def fingerprint_keys(token_ids: TokenIds, block_size: int, parent: Optional[int] = None) -> List[int]:
     """The prefix keys of ``token_ids``, one per full block of ``block_size`` tokens."""
 
 def decode(payload: bytes, engine: str = "vllm") -> Dict[str, Any]:
     """The batch in ``payload`` as a dict: ``ts``, ``data_parallel_rank``, ``events``."""
 
+@final
 class Record:
     """One batch as it arrived, from a recording."""
 
@@ -46,10 +43,11 @@ class Record:
     def decode(self) -> Dict[str, Any]:
         """The payload decoded, as ``decode`` gives it."""
 
+@final
 class Recording:
     """A ``kvevents record`` file, read one record at a time."""
 
-    def __init__(self, path: Union[str, "PathLike[str]"]) -> None: ...
+    def __new__(cls, path: Union[str, "PathLike[str]"]) -> "Recording": ...
     @property
     def engine(self) -> str: ...
     @property
@@ -79,6 +77,7 @@ class BlockSizeUnknown(NotReady):
 class NotFollowed(KeyError):
     """A replica the fleet does not follow."""
 
+@final
 class RankStatus:
     """One engine rank as its follower last saw it."""
 
@@ -92,6 +91,7 @@ class RankStatus:
     @property
     def degraded(self) -> bool: ...
 
+@final
 class ReplicaStatus:
     """One replica as the fleet knows it."""
 
@@ -101,10 +101,10 @@ class ReplicaStatus:
     def source(self) -> str:
         """The sidecar's URL."""
     @property
-    def state(self) -> str:
+    def state(self) -> State:
         """``exact``, ``degraded`` or ``stale``."""
     @property
-    def reason(self) -> Optional[str]:
+    def reason(self) -> Optional[Reason]:
         """Why it is not exact (``connecting``, ``engine_lost``, ``source_lost``, ...)."""
     @property
     def exact(self) -> bool: ...
@@ -129,6 +129,7 @@ class ReplicaStatus:
     def load_error(self) -> Optional[str]:
         """Why the sidecar's reads of the load fail since then."""
 
+@final
 class IndexStats:
     """The index's counters."""
 
@@ -155,6 +156,7 @@ class IndexStats:
     @property
     def duplication(self) -> float: ...
 
+@final
 class Score:
     """One replica's match."""
 
@@ -168,22 +170,23 @@ class Score:
     def tier(self) -> str:
         """``T1`` (GPU) or ``T2`` (an offload tier)."""
     @property
-    def state(self) -> str:
+    def state(self) -> State:
         """``exact``, ``degraded`` or ``stale``: route on exact, fail open otherwise."""
     @property
-    def reason(self) -> Optional[str]: ...
+    def reason(self) -> Optional[Reason]: ...
     @property
     def exact(self) -> bool: ...
     @property
     def load(self) -> Optional[Load]:
         """What its engine was doing when its sidecar last read it (judge its ``age``)."""
 
+@final
 class Scores:
     """The answer to a query, best first."""
 
     def __len__(self) -> int: ...
     def __bool__(self) -> bool: ...
-    def __getitem__(self, i: int) -> Score: ...
+    def __getitem__(self, i: int, /) -> Score: ...
     def __iter__(self) -> Iterator[Score]: ...
     @property
     def best(self) -> Optional[Score]:
@@ -193,6 +196,7 @@ class Scores:
     def not_followed(self) -> List[str]:
         """With ``score_among``: the candidates the fleet does not follow."""
 
+@final
 class Accounting:
     """One replica's predictions so far."""
 
@@ -211,6 +215,7 @@ class Accounting:
     @property
     def error_sum(self) -> int: ...
 
+@final
 class Change:
     """Every replica now, those changed (or added) since the previous change, those removed."""
 
@@ -221,9 +226,11 @@ class Change:
     @property
     def removed(self) -> List[str]: ...
 
+@final
 class _Waiting:
     def cancel(self) -> None: ...
 
+@final
 class _Changes:
     def poll(self) -> Optional[Change]: ...
     def next_blocking(self) -> Optional[Change]: ...
@@ -231,6 +238,7 @@ class _Changes:
     def closed(self) -> bool: ...
     def then(self, callback: Callable[[Optional[BaseException]], None]) -> _Waiting: ...
 
+@final
 class Load:
     """What an engine was doing when its sidecar last read it."""
 
@@ -248,6 +256,7 @@ class Load:
     def failing(self) -> bool:
         """The sidecar's reads since this one fail: it only ages."""
 
+@final
 class Choice:
     """Where a request goes, and what the decision rests on."""
 
@@ -270,12 +279,13 @@ class Choice:
     @property
     def cost_us(self) -> float: ...
     @property
-    def state(self) -> str: ...
+    def state(self) -> State: ...
     @property
-    def reason(self) -> Optional[str]: ...
+    def reason(self) -> Optional[Reason]: ...
     @property
     def exact(self) -> bool: ...
 
+@final
 class Flight:
     """A request in flight, from ``Router.start`` until ``end()`` or its ``with`` block ends."""
 
@@ -285,33 +295,36 @@ class Flight:
     def __enter__(self) -> Flight: ...
     def __exit__(self, *exc: object) -> bool: ...
 
+@final
 class Router:
     """The routing rule over a fleet (kvevent_fleet::route's): ``choose``, then ``start``."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         fleet: _Fleet,
         policy: Literal["cost", "prefix-only", "least-loaded", "round-robin"] = "cost",
         *,
         prefill_us_per_token: Optional[float] = None,
         queue_us_per_request: Optional[float] = None,
         load_old_after: float = 1.0,
-    ) -> None: ...
+    ) -> "Router": ...
     @property
     def policy(self) -> str: ...
     def choose(
         self,
         candidates: Sequence[str],
-        tokens: Union[Sequence[int], bytes, bytearray],
+        tokens: TokenIds,
         *,
         adapter: str = "",
     ) -> Optional[Choice]: ...
     def start(self, replica: Union[Choice, str]) -> Flight: ...
     def in_flight(self, replica: str) -> int: ...
 
+_F = TypeVar("_F", bound="_Fleet")
+
 class _Fleet:
-    def __init__(
-        self,
+    def __new__(
+        cls: "type[_F]",
         *,
         byte_budget: int = ...,
         dead_after: float = 3.0,
@@ -321,7 +334,7 @@ class _Fleet:
         reconnect_initial: float = 0.1,
         reconnect_max: float = 2.0,
         max_message_bytes: int = ...,
-    ) -> None: ...
+    ) -> _F: ...
     def follow(
         self,
         name: str,
