@@ -393,6 +393,9 @@ impl Thread {
                 }
                 lock(&seen.status).sources = ids;
             }
+            // This thread's word holds two of its longest waits: answers read later, with the
+            // thread stopped or starved, are not exact.
+            index.renew_lease(&seen.name, Some(now + 2 * IDLE_WAIT));
             status::publish(&self.core, &seen.name, &seen.status);
         }
     }

@@ -225,6 +225,7 @@ impl FeedFollower {
         // five, and the stream is given up and followed again. The two are counted from when
         // the last message was made, not when it came: what came late is that much older.
         let mut heard = tokio::time::Instant::now();
+        let mut renewed: Option<tokio::time::Instant> = None;
         let opened = Instant::now();
         let mut lag = Lag::default();
         let mut behind = Duration::ZERO;
@@ -263,6 +264,16 @@ impl FeedFollower {
             if let Err(e) = self.take(message, &mut loading, &mut silent_after) {
                 break Err(e);
             }
+            // The word holds two heartbeats from now (as the Hello said, or a fifth of
+            // `dead_after` before it), renewed at most twice a heartbeat: answers read later
+            // than that, with this task not running to hear more, are not exact.
+            let heartbeat = silent_after / 5;
+            if renewed.is_none_or(|t| heard >= t + heartbeat / 2) {
+                renewed = Some(heard);
+                self.core
+                    .index
+                    .renew_lease(&self.name, Some(heard.into_std() + 2 * heartbeat));
+            }
             if let Some(late) = lag.behind(sent_ms, opened.elapsed().as_millis() as u64) {
                 behind = late;
                 let lagging = late > lag_after;
@@ -283,6 +294,8 @@ impl FeedFollower {
         if let Some(l) = loading.take() {
             self.core.index.remove_source(l.source);
         }
+        // Its state says what was lost from now on; the next stream renews a lease.
+        self.core.index.renew_lease(&self.name, None);
         let now = Instant::now();
         lock(&self.status).on(
             &self.name,

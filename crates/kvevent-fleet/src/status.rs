@@ -287,7 +287,13 @@ impl Status {
         ReplicaStatus {
             name: name.to_owned(),
             source: self.address.clone(),
-            state: self.state(core.config.dead_after, now),
+            state: match self.state(core.config.dead_after, now) {
+                // Its follower's word ran out (the follower is not running to say more).
+                s if s.is_exact() && core.index.lease_expired(name) => {
+                    ReplicaState::Degraded(Degraded::LeaseExpired)
+                }
+                s => s,
+            },
             blocks,
             newest_change: self.newest.map(|t| now.saturating_duration_since(t)),
             block_size: (self.block_size > 0).then_some(self.block_size),

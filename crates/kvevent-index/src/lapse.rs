@@ -126,6 +126,7 @@ impl Inner {
                 Arc::make_mut(&mut self.replicas)[id as usize] = name.clone();
                 Arc::make_mut(&mut self.states)[id as usize] = ReplicaState::Exact;
                 Arc::make_mut(&mut self.loads)[id as usize] = None;
+                self.leases.set(id, None);
                 id
             }
             None => {
@@ -133,6 +134,9 @@ impl Inner {
                 Arc::make_mut(&mut self.states).push(ReplicaState::Exact);
                 Arc::make_mut(&mut self.loads).push(None);
                 self.replica_slots.push(ReplicaSlot::default());
+                if self.leases.len() < self.replicas.len() {
+                    self.leases = Arc::new(self.leases.grown(2 * self.replicas.len()));
+                }
                 (self.replicas.len() - 1) as u32
             }
         };

@@ -73,6 +73,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, PoisonError, RwLock};
+use std::time::Instant;
 
 use kvevent_mapper::{self as mapper, Identity, Mapper};
 use kvevent_table::Entry as TableEntry;
@@ -83,6 +84,7 @@ pub use mapper::KeyMode;
 mod holders;
 mod keys;
 mod lapse;
+mod lease;
 mod score;
 mod state;
 #[cfg(test)]
@@ -95,6 +97,7 @@ pub use state::{Degraded, Load, Lost, ReplicaState};
 use holders::*;
 use keys::*;
 use lapse::*;
+use lease::Leases;
 
 type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
@@ -202,6 +205,9 @@ struct Inner {
     /// Each replica's load, by number, as its follower last said (none until then); answers
     /// share it like the states.
     loads: Arc<Vec<Option<Load>>>,
+    /// Each replica's lease, by number (none until its follower renews one); answers share
+    /// the table and judge it when made.
+    leases: Arc<Leases>,
     replica_ids: Map<Arc<str>, u32>,
     /// The replicas in use, in name order: answers are sorted stably from it, by numbers,
     /// not names.
@@ -492,6 +498,31 @@ impl Index {
         Arc::make_mut(&mut inner.states)[id as usize] = state;
     }
 
+    /// Says how long what `replica`'s follower said holds: until `until` (`None`: for as long
+    /// as it says, the default). An answer made later says its state is
+    /// [`Degraded::LeaseExpired`] where the follower said `Exact`. A follower renews it each
+    /// time it hears from the replica (no write lock: an atomic store), so that a follower that
+    /// stops running cannot leave `exact` answers behind it. Does nothing for a replica the
+    /// index does not know.
+    pub fn renew_lease(&self, replica: &str, until: Option<Instant>) {
+        let guard = self.read();
+        if let Some(&id) = guard.inner.replica_ids.get(replica) {
+            guard.inner.leases.set(id, until);
+        }
+    }
+
+    /// True when `replica`'s follower's lease has run out ([`Index::renew_lease`]): what it
+    /// said is not to be taken as exact now.
+    pub fn lease_expired(&self, replica: &str) -> bool {
+        let guard = self.read();
+        let leases = &guard.inner.leases;
+        guard
+            .inner
+            .replica_ids
+            .get(replica)
+            .is_some_and(|&id| leases.expired(id, leases.now()))
+    }
+
     /// Says what `replica`'s engine was doing when last read (`None`: nothing known): every
     /// [`Score`] of it carries this load from now on. Like the state, it makes the replica
     /// known.
@@ -515,6 +546,7 @@ impl Index {
         inner.replica_slots[id as usize].state_set = false;
         Arc::make_mut(&mut inner.states)[id as usize] = ReplicaState::Exact;
         Arc::make_mut(&mut inner.loads)[id as usize] = None;
+        inner.leases.set(id, None);
         let gone: Vec<SourceId> = inner
             .sources
             .iter()

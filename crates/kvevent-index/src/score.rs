@@ -36,6 +36,8 @@ pub struct Scores {
     names: Arc<Vec<Arc<str>>>,
     states: Arc<Vec<ReplicaState>>,
     loads: Arc<Vec<Option<Load>>>,
+    /// The replicas in it whose follower's lease had run out when it was made (mostly none).
+    expired: Vec<u32>,
     /// ([`rank`], replica), best first.
     entries: Vec<(u64, u32)>,
     /// With [`Index::score_among`]: the positions of the candidates the index does not know.
@@ -95,7 +97,12 @@ impl Scores {
             matched_blocks: blocks,
             matched_tokens: tokens,
             tier,
-            state: self.states[replica as usize],
+            state: match self.states[replica as usize] {
+                s if s.is_exact() && self.expired.contains(&replica) => {
+                    ReplicaState::Degraded(Degraded::LeaseExpired)
+                }
+                s => s,
+            },
             load: self.loads[replica as usize].as_ref(),
         }
     }
@@ -481,6 +488,14 @@ impl Inner {
             names: self.replicas.clone(),
             states: self.states.clone(),
             loads: self.loads.clone(),
+            expired: {
+                let now = self.leases.now();
+                entries
+                    .iter()
+                    .map(|&(_, r)| r)
+                    .filter(|&r| self.leases.expired(r, now))
+                    .collect()
+            },
             entries,
             unknown,
             by_candidate,

@@ -2,7 +2,8 @@
 //! stale) and its reasons, [`Degraded`] and [`Lost`]; and beside it the replica's [`Load`].
 //!
 //! Invariant: [`ReplicaState::is_exact`] is the one trust signal; the index never makes a state
-//! up, it carries what a replica's follower said ([`Index::set_replica_state`](crate::Index::set_replica_state)).
+//! up, it carries what a replica's follower said ([`Index::set_replica_state`](crate::Index::set_replica_state)),
+//! for as long as the follower's lease says its word holds.
 
 /// Why a replica's known state may be incomplete.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,6 +30,10 @@ pub enum Degraded {
     /// Its engine's HTTP server does not answer its health check (for less than
     /// `dead_after`): its cache may be known, but it serves nothing.
     ServerDown,
+    /// Its follower's word ran out: the follower has not renewed its lease in time
+    /// ([`Index::renew_lease`](crate::Index::renew_lease)), as when the task or thread that
+    /// follows it is starved or stopped. What it said last may be out of date.
+    LeaseExpired,
 }
 
 impl Degraded {
@@ -43,6 +48,7 @@ impl Degraded {
             Self::Silent => "silent",
             Self::Lagging => "lagging",
             Self::ServerDown => "server_down",
+            Self::LeaseExpired => "lease_expired",
         }
     }
 }

@@ -379,3 +379,56 @@ fn a_snapshot_given_up_takes_its_room_with_it() {
         "the last announcement only"
     );
 }
+
+#[test]
+fn an_answer_made_past_a_followers_lease_is_not_exact() {
+    let index = Index::new(engine_keys());
+    let a = index.add_source("a").expect("a source");
+    index.apply(a, &stored(7));
+    for i in 0..40 {
+        // Replicas added later grow the lease table: a's lease is kept.
+        index.set_replica_state(&format!("r{i}"), ReplicaState::Exact);
+    }
+    let state = |index: &Index| {
+        let answer = index.score(&Query {
+            adapter: "",
+            keys: QueryKeys::Keys(&[7]),
+        });
+        answer.first().map(|s| s.state)
+    };
+    // No lease: as its follower said.
+    assert_eq!(state(&index), Some(ReplicaState::Exact));
+    let now = std::time::Instant::now();
+    index.renew_lease("a", Some(now + std::time::Duration::from_secs(60)));
+    index.set_replica_state("r39", ReplicaState::Exact);
+    assert_eq!(state(&index), Some(ReplicaState::Exact));
+    // Run out: every answer made from now on says so, until it is renewed.
+    index.renew_lease("a", Some(now));
+    let held = index.score(&Query {
+        adapter: "",
+        keys: QueryKeys::Keys(&[7]),
+    });
+    assert_eq!(
+        state(&index),
+        Some(ReplicaState::Degraded(Degraded::LeaseExpired))
+    );
+    index.renew_lease("a", Some(now + std::time::Duration::from_secs(60)));
+    assert_eq!(state(&index), Some(ReplicaState::Exact));
+    // An answer judged its leases when it was made.
+    assert_eq!(
+        held.first().map(|s| s.state),
+        Some(ReplicaState::Degraded(Degraded::LeaseExpired))
+    );
+    // A state other than exact is as said; a lease cleared holds for good.
+    index.renew_lease("a", Some(now));
+    index.set_replica_state("a", ReplicaState::Degraded(Degraded::Silent));
+    assert_eq!(
+        state(&index),
+        Some(ReplicaState::Degraded(Degraded::Silent))
+    );
+    index.set_replica_state("a", ReplicaState::Exact);
+    index.renew_lease("a", None);
+    assert_eq!(state(&index), Some(ReplicaState::Exact));
+    // A name the index does not know: nothing.
+    index.renew_lease("nobody", Some(now));
+}

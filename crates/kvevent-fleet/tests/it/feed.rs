@@ -677,3 +677,72 @@ async fn a_feed_that_cannot_be_reached_says_where_and_why() {
         "an address that does not answer may be an outage: degraded, then stale"
     );
 }
+
+/// The lease on `exact`: a Fleet whose runtime is starved (a task blocking its only thread:
+/// the follower cannot run, nothing marks the replica silent) answers, from another thread,
+/// `lease_expired` two heartbeats after it last heard from the sidecar, never `exact`; the
+/// sidecar and its feed keep running meanwhile. Once the runtime runs again, `exact`.
+#[test]
+fn a_starved_follower_never_answers_exact_past_its_lease() {
+    let sidecar_rt = runtime();
+    let hub = Hub::new(HubConfig {
+        heartbeat: Duration::from_millis(100),
+        ..HubConfig::new("replica-a", "model-m")
+    });
+    let mut m = mapper();
+    publish(&hub, &mut m, &stored(1, 3));
+    let served = sidecar_rt.block_on(serve_on(&hub, "127.0.0.1:0"));
+    // The fleet on a runtime of one thread of its own, driven by a thread of its own.
+    let fleet_rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let handle = fleet_rt.handle().clone();
+    let fleet = {
+        let _in = fleet_rt.enter();
+        Fleet::new(FleetConfig::default()).expect("fleet")
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let driver = std::thread::spawn(move || {
+        fleet_rt.block_on(async {
+            let _ = stopped.await;
+        });
+    });
+    let feed = SidecarFeed {
+        replica: "replica-a".into(),
+        model: "model-m".into(),
+        ..SidecarFeed::new(served.url.clone())
+    };
+    {
+        let _in = handle.enter();
+        fleet
+            .ensure_replica("a", ReplicaSource::Sidecar(feed))
+            .expect("ensure");
+    }
+    wait_until("exact", || {
+        state_of(&fleet, "a") == Some(ReplicaState::Exact)
+    });
+    assert_eq!(matched(&fleet, 1, 3), Some((3, ReplicaState::Exact)));
+    // Starve it: the runtime's one thread blocked for 2 s.
+    handle.spawn(async { std::thread::sleep(Duration::from_secs(2)) });
+    let starved_at = Instant::now();
+    std::thread::sleep(Duration::from_millis(600));
+    let expired = ReplicaState::Degraded(Degraded::LeaseExpired);
+    // Two heartbeats (200 ms) and more since it last heard: every answer says so.
+    let mut answers = 0;
+    while starved_at.elapsed() < Duration::from_millis(1_700) {
+        assert_eq!(matched(&fleet, 1, 3), Some((3, expired)));
+        assert_eq!(state_of(&fleet, "a"), Some(expired));
+        answers += 1;
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(answers > 10, "{answers} answers while starved");
+    // It runs again: it hears the sidecar, and its word holds again.
+    wait_until("exact again", || {
+        matched(&fleet, 1, 3) == Some((3, ReplicaState::Exact))
+    });
+    let _ = stop.send(());
+    driver.join().expect("the driver");
+    drop(fleet);
+    sidecar_rt.block_on(served.stop());
+}

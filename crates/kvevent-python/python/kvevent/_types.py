@@ -18,6 +18,7 @@ Reason = Union[
     Literal["lagging"],
     Literal["server_down"],
     Literal["source_lost"],
+    Literal["lease_expired"],
 ]
 """Why a replica is not exact."""
 
