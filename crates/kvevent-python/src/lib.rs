@@ -23,6 +23,7 @@ use serde_json::Value;
 mod convert;
 mod fleet;
 mod router;
+mod values;
 
 pyo3::create_exception!(
     _kvevent,
