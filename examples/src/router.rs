@@ -19,57 +19,31 @@ use kvevent_fleet::{
     SidecarFeed, Tier,
 };
 
-/// One `--engine NAME=tcp://host:port[,replay=tcp://host:port][,dp=N][,engine=sglang][,http=http://host:port]`.
+/// One `--engine NAME=SOCKETS`: a replica followed through its engine's sockets, SOCKETS in
+/// [`EngineSockets`]' text form (`tcp://host:port[,replay=tcp://host:port][,dp=N][,topic=T]
+/// [,engine=sglang][,http=http://host:port]`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Engine {
     /// The replica's name in the scores.
     pub name: String,
-    /// Its PUB endpoint (rank 0's).
-    pub endpoint: String,
-    /// Its replay endpoint (rank 0's), if any.
-    pub replay: Option<String>,
-    /// Its DP ranks (ports offset by rank, vLLM's rule).
-    pub dp: u32,
-    /// Whose KV-event wire it speaks (`,engine=sglang`; vLLM's by default).
-    pub engine: kvevent_wire::Engine,
-    /// Its HTTP server (`,http=http://host:port`): its health asked, its load read.
-    pub http: Option<String>,
+    /// Its engine's sockets.
+    pub sockets: EngineSockets,
 }
 
 impl std::str::FromStr for Engine {
     type Err = anyhow::Error;
 
     fn from_str(s: &str) -> anyhow::Result<Self> {
-        let (name, rest) = s
+        let (name, sockets) = s
             .split_once('=')
-            .context("an engine is NAME=tcp://host:port[,replay=tcp://host:port][,dp=N]")?;
-        let mut parts = rest.split(',');
-        let endpoint = parts.next().unwrap_or_default().to_owned();
-        if name.is_empty() || endpoint.is_empty() {
-            bail!("`{s}`: an engine is NAME=tcp://host:port[,replay=...][,dp=N]");
-        }
-        let mut engine = Engine {
+            .filter(|(name, _)| !name.is_empty())
+            .with_context(|| format!("`{s}`: an engine is NAME=tcp://host:port[,replay=...]"))?;
+        Ok(Engine {
             name: name.to_owned(),
-            endpoint,
-            replay: None,
-            dp: 1,
-            engine: kvevent_wire::Engine::Vllm,
-            http: None,
-        };
-        for part in parts {
-            match part.split_once('=') {
-                Some(("replay", r)) => engine.replay = Some(r.to_owned()),
-                Some(("dp", n)) => engine.dp = n.parse().context("dp=N takes a number")?,
-                Some(("engine", e)) => {
-                    engine.engine = e.parse().context("engine= takes vllm or sglang")?;
-                }
-                Some(("http", h)) => engine.http = Some(h.to_owned()),
-                _ => bail!(
-                    "`{part}` in `{s}`: expected replay=..., dp=N, engine=vllm|sglang or http=http://HOST:PORT"
-                ),
-            }
-        }
-        Ok(engine)
+            sockets: sockets
+                .parse()
+                .map_err(|e: String| anyhow::anyhow!("`{s}`: {e}"))?,
+        })
     }
 }
 
@@ -175,17 +149,7 @@ impl Router {
     pub fn start(config: RouterConfig) -> anyhow::Result<Self> {
         let fleet = Arc::new(Fleet::new(FleetConfig::default())?);
         for e in &config.engines {
-            fleet.ensure_replica(
-                &e.name,
-                ReplicaSource::Engine(EngineSockets {
-                    endpoint: e.endpoint.clone(),
-                    replay: e.replay.clone(),
-                    dp: e.dp,
-                    topic: Vec::new(),
-                    engine: e.engine,
-                    http: e.http.clone(),
-                }),
-            )?;
+            fleet.ensure_replica(&e.name, ReplicaSource::Engine(e.sockets.clone()))?;
         }
         for s in &config.sidecars {
             fleet.ensure_replica(

@@ -201,24 +201,31 @@ fn engine_flags_parse() {
         e,
         Engine {
             name: "a".into(),
-            endpoint: "tcp://10.0.0.1:5557".into(),
-            replay: Some("tcp://10.0.0.1:5558".into()),
-            dp: 2,
-            engine: kvevent_wire::Engine::Vllm,
-            http: None,
+            sockets: kvevent_fleet::EngineSockets {
+                replay: Some("tcp://10.0.0.1:5558".into()),
+                dp: 2,
+                ..kvevent_fleet::EngineSockets::new("tcp://10.0.0.1:5557")
+            },
         }
     );
     let e: Engine = "a=tcp://10.0.0.1:5557,http=http://10.0.0.1:8000"
         .parse()
         .expect("engine with its server");
-    assert_eq!(e.http.as_deref(), Some("http://10.0.0.1:8000"));
+    assert_eq!(e.sockets.http.as_deref(), Some("http://10.0.0.1:8000"));
     let e: Engine = "b=tcp://10.0.0.2:5557,engine=sglang"
         .parse()
         .expect("sglang");
-    assert_eq!(e.engine, kvevent_wire::Engine::Sglang);
-    assert!("b=tcp://x:1,engine=trt".parse::<Engine>().is_err());
-    assert!("tcp://x:1".parse::<Engine>().is_err());
-    assert!("a=tcp://x:1,speed=9".parse::<Engine>().is_err());
+    assert_eq!(e.sockets.engine, kvevent_wire::Engine::Sglang);
+    for bad in [
+        "b=tcp://x:1,engine=trt",
+        "tcp://x:1",
+        "a=tcp://x:1,speed=9",
+        "a=tcp://x",
+        "=tcp://x:1",
+    ] {
+        let e = bad.parse::<Engine>().expect_err(bad);
+        assert!(e.to_string().contains(bad), "names what it was given: {e}");
+    }
 }
 
 /// A replica's OpenAI-compatible server, faked: answers `/v1/completions` with `cached`

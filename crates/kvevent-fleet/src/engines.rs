@@ -19,7 +19,7 @@ pub(crate) fn sources(
     e: &EngineSockets,
 ) -> Result<Vec<kvevent_zmq::Source>, FleetError> {
     for endpoint in std::iter::once(&e.endpoint).chain(&e.replay) {
-        if !connectable(endpoint) {
+        if kvevent_zmq::check_endpoint(endpoint).is_err() {
             return Err(FleetError::Endpoint {
                 replica: name.to_owned(),
                 endpoint: endpoint.clone(),
@@ -32,18 +32,6 @@ pub(crate) fn sources(
             source,
         },
     )
-}
-
-/// `tcp://HOST:PORT`, `ipc://PATH` or `inproc://NAME`.
-fn connectable(endpoint: &str) -> bool {
-    if let Some(rest) = endpoint.strip_prefix("tcp://") {
-        return rest
-            .rsplit_once(':')
-            .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
-    }
-    ["ipc://", "inproc://"]
-        .iter()
-        .any(|p| endpoint.strip_prefix(p).is_some_and(|r| !r.is_empty()))
 }
 
 enum Command {

@@ -233,6 +233,85 @@ impl EngineSockets {
     }
 }
 
+/// The text form of [`EngineSockets`], the one every tool takes after `NAME=`:
+/// `tcp://HOST:PORT[,replay=tcp://HOST:PORT][,dp=N][,topic=T][,engine=vllm|sglang][,http=http://HOST:PORT]`
+/// (an endpoint by [`kvevent_zmq::check_endpoint`]'s rule). [`Display`](std::fmt::Display)
+/// writes what parses back to the same value, defaults left out.
+///
+/// ```
+/// use kvevent_fleet::EngineSockets;
+/// let e: EngineSockets = "tcp://10.0.0.7:5557,replay=tcp://10.0.0.7:5558,dp=2,http=http://10.0.0.7:8000"
+///     .parse()?;
+/// assert_eq!((e.dp, e.replay.as_deref()), (2, Some("tcp://10.0.0.7:5558")));
+/// assert_eq!(e.to_string().parse::<EngineSockets>()?, e);
+/// assert!("10.0.0.7:5557".parse::<EngineSockets>().unwrap_err().contains("tcp://10.0.0.7:5557?"));
+/// # Ok::<(), String>(())
+/// ```
+#[cfg(feature = "engines")]
+impl std::str::FromStr for EngineSockets {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        const FORM: &str = "tcp://HOST:PORT[,replay=tcp://HOST:PORT][,dp=N][,topic=T][,engine=vllm|sglang][,http=http://HOST:PORT]";
+        let mut parts = s.split(',');
+        let endpoint = parts.next().unwrap_or_default();
+        kvevent_zmq::check_endpoint(endpoint).map_err(|e| format!("{e}: an engine is {FORM}"))?;
+        let mut e = EngineSockets::new(endpoint);
+        for part in parts {
+            match part.split_once('=') {
+                Some(("replay", r)) => {
+                    kvevent_zmq::check_endpoint(r).map_err(|e| format!("replay={r}: {e}"))?;
+                    e.replay = Some(r.to_owned());
+                }
+                Some(("dp", n)) => {
+                    e.dp = n
+                        .parse()
+                        .ok()
+                        .filter(|n| *n >= 1)
+                        .ok_or_else(|| format!("dp={n}: a number of ranks, at least 1"))?;
+                }
+                Some(("topic", t)) => e.topic = t.as_bytes().to_vec(),
+                Some(("engine", w)) => {
+                    e.engine = w
+                        .parse()
+                        .map_err(|_| format!("engine={w}: vllm or sglang"))?;
+                }
+                Some(("http", h)) => {
+                    if !(h.starts_with("http://") || h.starts_with("https://")) {
+                        return Err(format!("http={h}: an http://HOST:PORT URL"));
+                    }
+                    e.http = Some(h.to_owned());
+                }
+                _ => return Err(format!("`{part}` in `{s}`: an engine is {FORM}")),
+            }
+        }
+        Ok(e)
+    }
+}
+
+#[cfg(feature = "engines")]
+impl std::fmt::Display for EngineSockets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.endpoint)?;
+        if let Some(r) = &self.replay {
+            write!(f, ",replay={r}")?;
+        }
+        if self.dp != 1 {
+            write!(f, ",dp={}", self.dp)?;
+        }
+        if !self.topic.is_empty() {
+            write!(f, ",topic={}", String::from_utf8_lossy(&self.topic))?;
+        }
+        if self.engine != kvevent_wire::Engine::Vllm {
+            write!(f, ",engine={}", self.engine.as_str())?;
+        }
+        if let Some(h) = &self.http {
+            write!(f, ",http={h}")?;
+        }
+        Ok(())
+    }
+}
+
 /// One engine rank as its follower (the sidecar, or the fleet's engine thread) last saw it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RankStatus {
@@ -737,6 +816,47 @@ impl Drop for Fleet {
         #[cfg(feature = "engines")]
         if let Some(engines) = lock(&self.engines).take() {
             engines.stop();
+        }
+    }
+}
+
+#[cfg(all(test, feature = "engines"))]
+mod engine_text {
+    use super::EngineSockets;
+
+    #[test]
+    fn every_field_round_trips_and_a_bad_one_is_named() {
+        let full = EngineSockets {
+            endpoint: "tcp://10.0.0.7:5557".into(),
+            replay: Some("tcp://10.0.0.7:5558".into()),
+            dp: 4,
+            topic: b"kv-events".to_vec(),
+            engine: kvevent_wire::Engine::Sglang,
+            http: Some("http://10.0.0.7:8000".into()),
+        };
+        for e in [
+            full.clone(),
+            EngineSockets::new("ipc:///tmp/kv"),
+            EngineSockets::new("inproc://kv"),
+        ] {
+            let text = e.to_string();
+            assert_eq!(text.parse::<EngineSockets>(), Ok(e), "{text}");
+        }
+        assert_eq!(
+            full.to_string(),
+            "tcp://10.0.0.7:5557,replay=tcp://10.0.0.7:5558,dp=4,topic=kv-events,engine=sglang,http=http://10.0.0.7:8000"
+        );
+        for (bad, says) in [
+            ("10.0.0.7:5557", "tcp://10.0.0.7:5557?"),
+            ("tcp://10.0.0.7", "tcp://HOST:PORT"),
+            ("tcp://h:1,replay=h:2", "replay=h:2"),
+            ("tcp://h:1,dp=0", "dp=0"),
+            ("tcp://h:1,engine=tgi", "engine=tgi"),
+            ("tcp://h:1,http=h:8000", "http=h:8000"),
+            ("tcp://h:1,port=2", "`port=2`"),
+        ] {
+            let e = bad.parse::<EngineSockets>().expect_err(bad);
+            assert!(e.contains(says), "{bad}: {e}");
         }
     }
 }

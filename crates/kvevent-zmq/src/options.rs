@@ -69,23 +69,38 @@ pub(crate) fn ms(d: Duration) -> i32 {
     i32::try_from(d.as_millis()).unwrap_or(i32::MAX)
 }
 
-/// Whether `endpoint` is one ZeroMQ can open (`tcp://`, `ipc://`, `inproc://`); if not, what
-/// is wrong, with the form it likely meant.
+/// Whether `endpoint` is one ZeroMQ can open (`tcp://HOST:PORT`, `ipc://PATH`,
+/// `inproc://NAME`): the workspace's one endpoint rule. If not, what is wrong, with the form it
+/// likely meant.
 ///
 /// ```
 /// use kvevent_zmq::check_endpoint;
 /// assert!(check_endpoint("tcp://127.0.0.1:5557").is_ok());
+/// assert!(check_endpoint("tcp://*:5557").is_ok());
+/// assert!(check_endpoint("tcp://127.0.0.1").is_err());
+/// assert!(check_endpoint("ipc://").is_err());
 /// assert_eq!(
 ///     check_endpoint("127.0.0.1:5557").unwrap_err(),
 ///     "`127.0.0.1:5557` is not a tcp://, ipc:// or inproc:// endpoint (tcp://127.0.0.1:5557?)"
 /// );
 /// ```
 pub fn check_endpoint(endpoint: &str) -> Result<(), String> {
-    if ["tcp://", "ipc://", "inproc://"]
-        .iter()
-        .any(|p| endpoint.starts_with(p))
-    {
-        return Ok(());
+    if let Some(rest) = endpoint.strip_prefix("tcp://") {
+        return match rest.rsplit_once(':') {
+            Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => Ok(()),
+            _ => Err(format!(
+                "`{endpoint}` is not tcp://HOST:PORT (a host, or * to bind, and a port)"
+            )),
+        };
+    }
+    for scheme in ["ipc://", "inproc://"] {
+        if let Some(rest) = endpoint.strip_prefix(scheme) {
+            return if rest.is_empty() {
+                Err(format!("`{endpoint}` names no path"))
+            } else {
+                Ok(())
+            };
+        }
     }
     let meant = match endpoint.split_once("://") {
         Some((_, rest)) => format!("tcp://{rest}"),
