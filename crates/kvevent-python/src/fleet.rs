@@ -264,42 +264,42 @@ impl PyFleet {
     }
 
     /// Follows replica `name` through its engine's own sockets (a wheel built with the
-    /// `engines` feature): `endpoint` is rank 0's PUB (`tcp://HOST:PORT`), `replay` its replay
-    /// endpoint, `dp` the data-parallel ranks (ports offset by rank), `topic` the topic
-    /// subscribed to, `engine` `vllm` or `sglang`, `http` the engine's HTTP server
-    /// (`http://HOST:PORT`, asked at /health: while it does not answer, the replica is not
-    /// exact). It knows what the replay buffer still holds, not every resident block: follow
-    /// a sidecar's feed for that.
-    #[pyo3(signature = (name, endpoint, *, replay=None, dp=1, topic="", engine="vllm", http=None))]
+    /// `engines` feature): `engine_sockets` is rank 0's PUB (`tcp://HOST:PORT`), or the whole
+    /// text form every kvevent tool takes (`tcp://HOST:PORT,replay=tcp://HOST:PORT,dp=N,
+    /// topic=T,engine=sglang,http=http://HOST:PORT`); the keywords set (over it) `replay` its
+    /// replay endpoint, `dp` the data-parallel ranks (ports offset by rank), `topic` the topic
+    /// subscribed to, `engine` `vllm` or `sglang`, `http` the engine's HTTP server (asked at
+    /// /health: while it does not answer, the replica is not exact). It knows what the replay
+    /// buffer still holds, not every resident block: follow a sidecar's feed for that.
+    #[pyo3(signature = (name, engine_sockets, *, replay=None, dp=None, topic=None, engine=None, http=None))]
     #[allow(clippy::too_many_arguments, unused_variables)]
     fn follow_engine(
         &self,
         name: &str,
-        endpoint: &str,
+        engine_sockets: &str,
         replay: Option<String>,
-        dp: u32,
-        topic: &str,
-        engine: &str,
+        dp: Option<u32>,
+        topic: Option<String>,
+        engine: Option<String>,
         http: Option<String>,
     ) -> PyResult<()> {
         self.open()?;
         #[cfg(feature = "engines")]
         {
-            let engine: kvevent_wire::Engine =
-                engine.parse().map_err(|e: kvevent_wire::Error| {
-                    PyValueError::new_err(format!("`{engine}`: {e}"))
-                })?;
-            if dp == 0 {
-                return Err(PyValueError::new_err("dp must be at least 1"));
+            let mut text = engine_sockets.to_owned();
+            for (key, value) in [
+                ("replay", replay),
+                ("dp", dp.map(|d| d.to_string())),
+                ("topic", topic),
+                ("engine", engine),
+                ("http", http),
+            ] {
+                if let Some(v) = value {
+                    text.push_str(&format!(",{key}={v}"));
+                }
             }
-            let sockets = fleet::EngineSockets {
-                endpoint: endpoint.to_owned(),
-                replay,
-                dp,
-                topic: topic.as_bytes().to_vec(),
-                engine,
-                http,
-            };
+            // The text form's one parser; a key given twice, the later (the keyword) wins.
+            let sockets: fleet::EngineSockets = text.parse().map_err(PyValueError::new_err)?;
             let _runtime = self.shared.handle.enter();
             self.shared
                 .fleet

@@ -286,7 +286,8 @@ def test_an_engine_followed_directly_beside_a_sidecar(processes, subscriber_bin)
     with kvevent.Fleet() as fleet:
         with pytest.raises(ValueError, match="tcp://HOST:PORT"):
             fleet.follow_engine("e", "127.0.0.1:1")
-        fleet.follow_engine("e", direct.endpoint, replay=direct.replay_endpoint)
+        # The text form every kvevent tool takes; the keywords say the same.
+        fleet.follow_engine("e", f"{direct.endpoint},replay={direct.replay_endpoint}")
         fleet.follow("s", sidecar.url)
         fleet.ready_blocking(30)
         wait_until("both hold the prompt", lambda: len(fleet.score(PROMPT)) == 2)

@@ -350,12 +350,12 @@ class _Fleet:
     def follow_engine(
         self,
         name: str,
-        endpoint: str,
+        engine_sockets: str,
         *,
         replay: Optional[str] = None,
-        dp: int = 1,
-        topic: str = "",
-        engine: str = "vllm",
+        dp: Optional[int] = None,
+        topic: Optional[str] = None,
+        engine: Optional[Literal["vllm", "sglang"]] = None,
         http: Optional[str] = None,
     ) -> None:
         """Follows replica ``name`` through its engine's sockets (a wheel built with the
