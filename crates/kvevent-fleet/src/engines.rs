@@ -308,10 +308,12 @@ impl Thread {
         for (i, slot) in self.ranks.iter_mut().enumerate() {
             let Some(r) = slot else { continue };
             let m = &metrics[i];
+            // The source state machine's one reading of the rank.
+            let health = m.health();
             let (connected, degraded, unverified) = (
-                m.connected.load(Relaxed),
-                m.degraded.load(Relaxed),
-                m.unverified.load(Relaxed),
+                health.is_connected(),
+                health == kvevent_source::RankHealth::Degraded,
+                health == kvevent_source::RankHealth::Unverified,
             );
             if connected != r.connected {
                 r.connected = connected;

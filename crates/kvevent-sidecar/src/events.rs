@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use kvevent_forwarder as fwd;
 use kvevent_mapper::Mapper;
 use kvevent_proto as pb;
-use kvevent_source::{ResetReason, Subscriber, View};
+use kvevent_source::{RankHealth, ResetReason, Subscriber, View};
 
 use crate::state_file;
 use crate::telemetry::Telemetry;
@@ -55,11 +55,13 @@ impl Feed {
         self.health.clear();
         self.health
             .extend(subscriber.metrics().iter().enumerate().map(|(source, m)| {
+                // The source state machine's one reading, on the feed's three flags.
+                let health = m.health();
                 kvevent_feed::RankHealth {
                     rank: self.ranks.get(source).copied().unwrap_or(0),
-                    connected: m.connected.load(Relaxed),
-                    degraded: m.degraded.load(Relaxed),
-                    unverified: m.unverified.load(Relaxed),
+                    connected: health.is_connected(),
+                    degraded: health == RankHealth::Degraded,
+                    unverified: health == RankHealth::Unverified,
                 }
             }));
         self.hub.set_engine(&self.health);
@@ -123,7 +125,7 @@ impl Saver {
                     label: source.label(),
                     last_seq: applied.map(|a| a.0),
                     digest: applied.map_or(0, |a| a.1),
-                    degraded: metrics.degraded.load(Relaxed),
+                    degraded: metrics.degraded(),
                     blocks: mapper.tracked_blocks() as u64,
                 },
             )

@@ -54,7 +54,7 @@ fn untrusted(telemetry: &Telemetry) -> String {
         let Some(for_) = m.untrusted_for() else {
             continue;
         };
-        let why = if m.unverified.load(Relaxed) {
+        let why = if m.unverified() {
             "unverified: the engine's connection was made again (or the sidecar started) and it is not yet proven the same process"
         } else {
             "degraded: batches were lost that the engine could not replay; what is held may be incomplete until the engine clears its cache"
@@ -85,7 +85,7 @@ fn route(path: &str, telemetry: &Telemetry, readiness: Readiness) -> hyper::Resp
                 .labels
                 .iter()
                 .zip(&telemetry.sources.metrics)
-                .filter(|(_, m)| !m.connected.load(Relaxed))
+                .filter(|(_, m)| !m.health().is_connected())
                 .map(|(label, _)| label.as_str())
                 .collect();
             if !subscribed {

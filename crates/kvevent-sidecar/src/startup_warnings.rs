@@ -80,7 +80,7 @@ impl Watch {
     fn look_at_engines(&self, said: &mut [Said], now: Instant) {
         let t = &self.telemetry;
         for ((label, metrics), said) in t.sources.labels.iter().zip(&t.sources.metrics).zip(said) {
-            if metrics.connected.load(Relaxed) {
+            if metrics.health().is_connected() {
                 if said.over() {
                     tracing::info!(source = %label, "engine socket connected");
                 }

@@ -186,14 +186,14 @@ pub fn encode(
         "kvevent_source_degraded",
         false,
         "1 while the source's state is known to be incomplete.",
-        &|m| u64::from(m.degraded.load(Relaxed)),
+        &|m| u64::from(m.degraded()),
     )?;
     per_source(
         enc,
         "kvevent_source_connected",
         false,
         "1 while the source's socket has a connection to the engine (not proof it publishes: see kvevent_source_last_batch_age_seconds).",
-        &|m| u64::from(m.connected.load(Relaxed)),
+        &|m| u64::from(m.connected()),
     )?;
     per_source(
         enc,

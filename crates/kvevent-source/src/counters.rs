@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 
-use crate::ResetReason;
+use crate::{RankHealth, ResetReason};
 
 /// Decode failure kinds, as exported.
 pub const DECODE_FAILURE_KINDS: [&str; 6] = [
@@ -14,8 +14,8 @@ pub const DECODE_FAILURE_KINDS: [&str; 6] = [
     "other",
 ];
 
-/// What happened on one source. All counters are monotonic; `last_seq` and `degraded` are
-/// gauges.
+/// What happened on one source: counters (monotonic; `last_seq` a gauge), and the rank's
+/// health as its state machine said it last, read through [`SourceMetrics::health`].
 #[derive(Debug, Default)]
 pub struct SourceMetrics {
     /// Batches delivered (live and replayed).
@@ -58,19 +58,44 @@ pub struct SourceMetrics {
     pub decode_failures: [AtomicU64; 6],
     /// The last seq delivered.
     pub last_seq: AtomicU64,
-    /// The state is known to be incomplete (a gap or truncation not yet healed by a clear).
-    pub degraded: AtomicBool,
-    /// The SUB socket has a connection to the engine.
-    pub connected: AtomicBool,
-    /// Not yet proven the same engine process (or a new one) since a disconnect or the start
-    /// ([`SourceState::trusted`](crate::SourceState::trusted)).
-    pub unverified: AtomicBool,
+    /// The rank's health as its state machine said it last ([`SourceMetrics::health`]): only
+    /// the source's thread writes it.
+    degraded: AtomicBool,
+    connected: AtomicBool,
+    unverified: AtomicBool,
     /// When the source last became degraded or unverified, in milliseconds since the Unix
     /// epoch; 0 while it is neither.
-    pub untrusted_since_ms: AtomicU64,
+    untrusted_since_ms: AtomicU64,
 }
 
 impl SourceMetrics {
+    /// The rank's health, as its source state machine (and its socket) said it last: the one
+    /// reading of it for every consumer.
+    pub fn health(&self) -> RankHealth {
+        RankHealth::of(self.connected(), self.degraded(), self.unverified())
+    }
+
+    /// The SUB socket has a connection to the engine.
+    pub fn connected(&self) -> bool {
+        self.connected.load(Relaxed)
+    }
+
+    /// The state is known to be incomplete (a gap or truncation not yet healed by a clear),
+    /// connected or not.
+    pub fn degraded(&self) -> bool {
+        self.degraded.load(Relaxed)
+    }
+
+    /// Not yet proven the same engine process (or a new one) since a disconnect or the start,
+    /// connected or not.
+    pub fn unverified(&self) -> bool {
+        self.unverified.load(Relaxed)
+    }
+
+    pub(crate) fn set_connected(&self, connected: bool) {
+        self.connected.store(connected, Relaxed);
+    }
+
     pub(crate) fn set_degraded(&self, degraded: bool) {
         self.degraded.store(degraded, Relaxed);
         self.note_trust();
@@ -92,12 +117,6 @@ impl SourceMetrics {
         } else if !untrusted && since != 0 {
             self.untrusted_since_ms.store(0, Relaxed);
         }
-    }
-
-    /// Whether the source's state can be vouched for (connected aside): neither degraded nor
-    /// unverified.
-    pub fn trusted(&self) -> bool {
-        !self.degraded.load(Relaxed) && !self.unverified.load(Relaxed)
     }
 
     /// How long the source has been degraded or unverified, if it is.

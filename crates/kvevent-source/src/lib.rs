@@ -64,9 +64,11 @@
 #[cfg(feature = "metrics")]
 pub mod collector;
 mod counters;
+mod health;
 mod state;
 mod subscriber;
 
 pub use counters::{DECODE_FAILURE_KINDS, EventCounts, SourceMetrics};
+pub use health::RankHealth;
 pub use state::{ReplayEnd, ResetReason, Resume, SourceState, StateConfig, Step, payload_digest};
 pub use subscriber::{Batch, Config, Subscriber, Update, View};

@@ -234,7 +234,7 @@ impl SourceState {
     /// started, and not yet proven the same process or a new one). A consumer calls a source
     /// exact only while this holds and the source is connected.
     pub fn trusted(&self) -> bool {
-        !self.unverified && !self.metrics.degraded.load(Relaxed)
+        !self.unverified && !self.metrics.degraded()
     }
 
     /// Publishes `unverified` to the metrics (and when trouble began).
@@ -465,7 +465,7 @@ impl SourceState {
         }
         if self.unverified && (self.connected || self.last.is_none()) {
             self.verify(now, out);
-        } else if self.repair && self.last.is_some() && self.metrics.degraded.load(Relaxed) {
+        } else if self.repair && self.last.is_some() && self.metrics.degraded() {
             self.repair = false;
             tracing::info!(source = %self.config.label, "degraded: asking the engine for its whole buffer to repair the state");
             self.start_replay(0, false, out);

@@ -457,11 +457,11 @@ impl Subscriber {
                 }
             },
             transport::Delivery::Disconnected => {
-                metrics.connected.store(false, Relaxed);
+                metrics.set_connected(false);
                 state.on_disconnected();
             }
             transport::Delivery::Connected => {
-                metrics.connected.store(true, Relaxed);
+                metrics.set_connected(true);
                 state.on_connected(now, &mut self.steps);
             }
             transport::Delivery::ReplayDone(outcome) => {

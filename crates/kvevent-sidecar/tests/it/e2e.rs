@@ -523,11 +523,8 @@ async fn a_source_shows_whether_its_socket_reaches_the_engine() {
         .await
         .expect("start");
     wait_subscribed(&engine).await;
-    let connected = |r: &kvevent_sidecar::Running| {
-        r.telemetry().sources.metrics[0]
-            .connected
-            .load(std::sync::atomic::Ordering::Relaxed)
-    };
+    let connected =
+        |r: &kvevent_sidecar::Running| r.telemetry().sources.metrics[0].health().is_connected();
     eventually("connected", WAIT, || async {
         when(connected(&running), |c| *c)
     })

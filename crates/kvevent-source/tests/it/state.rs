@@ -67,7 +67,7 @@ fn a_fresh_engine_flows_and_duplicates_are_dropped() {
     assert_eq!(live(&mut s, 1, now), ["D1"]);
     assert!(live(&mut s, 1, now).is_empty());
     assert_eq!(m.duplicates.load(Relaxed), 1);
-    assert!(!m.degraded.load(Relaxed));
+    assert!(!m.degraded());
 }
 
 #[test]
@@ -85,7 +85,7 @@ fn a_late_join_bootstraps_from_replay_and_dedups_the_held_live_batches() {
     );
     assert_eq!(live(&mut s, 5, now), ["D5"]);
     assert_eq!(m.duplicates.load(Relaxed), 2);
-    assert!(!m.degraded.load(Relaxed), "whole: replayed from 0");
+    assert!(!m.degraded(), "whole: replayed from 0");
 }
 
 #[test]
@@ -112,11 +112,11 @@ fn a_truncated_replay_resets_the_source_and_degrades_it() {
     assert_eq!(replayed(&mut s, 8), ["R:truncated_replay", "D8"]);
     assert_eq!(replayed(&mut s, 9), ["D9"]);
     assert_eq!(done(&mut s, ReplayEnd::Complete, now), ["D10"]);
-    assert!(m.degraded.load(Relaxed));
+    assert!(m.degraded());
     assert_eq!(m.replays_truncated.load(Relaxed), 1);
     // An engine clear makes the state whole again.
     s.mark_whole();
-    assert!(!m.degraded.load(Relaxed));
+    assert!(!m.degraded());
 }
 
 #[test]
@@ -124,7 +124,7 @@ fn without_replay_a_gap_resets() {
     let (mut s, m) = state(false);
     let now = Instant::now();
     assert_eq!(live(&mut s, 5, now), ["R:startup", "D5"]);
-    assert!(m.degraded.load(Relaxed), "joined late with no replay");
+    assert!(m.degraded(), "joined late with no replay");
     assert_eq!(live(&mut s, 7, now), ["R:gap", "D7"]);
     assert_eq!(m.replays_unavailable.load(Relaxed), 1);
 }
@@ -245,7 +245,7 @@ fn a_new_process_after_a_check_that_timed_out_is_a_restart_not_a_duplicate() {
     assert_eq!(live_with(&mut s, 1, b"new 1".to_vec(), t0), ["D1"]);
     assert!(s.trusted(), "whole: the new process from its seq 0");
     assert_eq!(m.restarts.load(Relaxed), 1);
-    assert!(!m.degraded.load(Relaxed));
+    assert!(!m.degraded());
 }
 
 #[test]
@@ -255,7 +255,7 @@ fn a_degraded_source_asks_for_the_whole_buffer_again_once_the_backoff_is_over() 
     live(&mut s, 0, t0);
     assert_eq!(live(&mut s, 3, t0), ["P1"]);
     assert_eq!(done(&mut s, ReplayEnd::TimedOut, t0), ["R:gap", "D3"]);
-    assert!(m.degraded.load(Relaxed) && !s.trusted());
+    assert!(m.degraded() && !s.trusted());
     assert!(tick(&mut s, t0 + Duration::from_millis(900)).is_empty());
     // The engine's buffer still begins at seq 0: rebuilt whole from it.
     assert_eq!(tick(&mut s, t0 + Duration::from_millis(1100)), ["P0"]);
@@ -277,7 +277,7 @@ fn a_degraded_source_asks_for_the_whole_buffer_again_once_the_backoff_is_over() 
         "ignored: the buffer begins at 2"
     );
     assert!(done(&mut s, ReplayEnd::Complete, t0).is_empty());
-    assert!(m.degraded.load(Relaxed));
+    assert!(m.degraded());
     assert!(tick(&mut s, t0 + Duration::from_secs(100)).is_empty());
 }
 
@@ -367,7 +367,7 @@ fn a_gap_across_a_reconnect_rebuilds_instead_of_patching() {
     }
     assert!(done(&mut s, ReplayEnd::Complete, now).is_empty());
     assert_eq!(m.disconnects.load(Relaxed), 2);
-    assert!(!m.degraded.load(Relaxed), "rebuilt from seq 0");
+    assert!(!m.degraded(), "rebuilt from seq 0");
     // Without a disconnect, the same gap is patched by a replay from last + 1.
     assert_eq!(live(&mut s, 10, now), ["P8"]);
 }
@@ -392,7 +392,7 @@ fn a_reconnect_asks_the_engine_for_our_last_batch_and_continues_when_it_is_the_s
         "the batch held meanwhile"
     );
     assert_eq!(m.restarts.load(Relaxed), 0);
-    assert!(!m.degraded.load(Relaxed));
+    assert!(!m.degraded());
 }
 
 #[test]
@@ -412,7 +412,7 @@ fn a_reconnect_to_a_new_process_whose_seqs_continue_ours_resets_and_rebuilds() {
     assert_eq!(replayed(&mut s, 1), ["D1"]);
     assert_eq!(done(&mut s, ReplayEnd::Complete, now), ["D2"]);
     assert_eq!(m.restarts.load(Relaxed), 1);
-    assert!(!m.degraded.load(Relaxed), "rebuilt from seq 0");
+    assert!(!m.degraded(), "rebuilt from seq 0");
 }
 
 #[test]
@@ -424,10 +424,10 @@ fn a_reconnect_with_no_replay_resets_in_a_sidecar_and_degrades_in_a_router() {
     router.on_disconnected();
     assert!(connected(&mut router, now).is_empty());
     assert!(
-        !router.trusted() && m.unverified.load(Relaxed),
+        !router.trusted() && m.unverified(),
         "nothing can confirm the same process yet"
     );
-    assert!(!m.degraded.load(Relaxed), "nothing is known to be lost");
+    assert!(!m.degraded(), "nothing is known to be lost");
     assert_eq!(live(&mut router, 1, now), ["D1"]);
     assert!(router.trusted(), "seq last + 1: the same process goes on");
 
@@ -443,10 +443,7 @@ fn a_reconnect_with_no_replay_resets_in_a_sidecar_and_degrades_in_a_router() {
     sidecar.on_disconnected();
     assert_eq!(connected(&mut sidecar, now), ["R:reconnect"]);
     assert_eq!(live(&mut sidecar, 1, now), ["D1"]);
-    assert!(
-        metrics.degraded.load(Relaxed),
-        "seq 1 without seq 0: not whole"
-    );
+    assert!(metrics.degraded(), "seq 1 without seq 0: not whole");
 }
 
 #[test]
@@ -509,7 +506,7 @@ fn a_resume_whose_last_batch_the_engine_still_holds_continues_without_a_reset() 
     assert_eq!(m.resumes_verified.load(Relaxed), 1);
     assert_eq!(m.resumes_refused.load(Relaxed), 0);
     assert_eq!(m.resets.iter().map(|r| r.load(Relaxed)).sum::<u64>(), 0);
-    assert!(!m.degraded.load(Relaxed));
+    assert!(!m.degraded());
     assert_eq!(live(&mut s, 9, now), ["D9"]);
 }
 
@@ -546,7 +543,7 @@ fn a_resume_on_a_new_engine_process_resets_and_rebuilds_from_zero() {
     assert_eq!(done(&mut s, ReplayEnd::Complete, now), ["D7"]);
     assert_eq!(m.resumes_refused.load(Relaxed), 1);
     assert_eq!(m.resets(ResetReason::StaleCheckpoint), 1);
-    assert!(!m.degraded.load(Relaxed));
+    assert!(!m.degraded());
 
     // Fewer batches than our seq: nothing comes back at all.
     let (mut s, m) = state(true);
@@ -568,7 +565,7 @@ fn a_resume_older_than_the_engine_buffer_resets() {
     assert_eq!(done(&mut s, ReplayEnd::Complete, now), ["P0"]);
     assert_eq!(replayed(&mut s, 9), ["D9"]);
     assert_eq!(done(&mut s, ReplayEnd::Complete, now), Vec::<String>::new());
-    assert!(m.degraded.load(Relaxed), "the rebuild began after seq 0");
+    assert!(m.degraded(), "the rebuild began after seq 0");
 }
 
 #[test]
