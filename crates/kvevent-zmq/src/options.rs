@@ -77,6 +77,7 @@ pub(crate) fn ms(d: Duration) -> i32 {
 /// use kvevent_zmq::check_endpoint;
 /// assert!(check_endpoint("tcp://127.0.0.1:5557").is_ok());
 /// assert!(check_endpoint("tcp://*:5557").is_ok());
+/// assert!(check_endpoint("tcp://127.0.0.1:*").is_ok());
 /// assert!(check_endpoint("tcp://127.0.0.1").is_err());
 /// assert!(check_endpoint("ipc://").is_err());
 /// assert_eq!(
@@ -87,9 +88,14 @@ pub(crate) fn ms(d: Duration) -> i32 {
 pub fn check_endpoint(endpoint: &str) -> Result<(), String> {
     if let Some(rest) = endpoint.strip_prefix("tcp://") {
         return match rest.rsplit_once(':') {
-            Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => Ok(()),
+            // A port, or (to bind) ZeroMQ's any-free-port `*` or `*[FIRST-LAST]`.
+            Some((host, port))
+                if !host.is_empty() && (port.parse::<u16>().is_ok() || port.starts_with('*')) =>
+            {
+                Ok(())
+            }
             _ => Err(format!(
-                "`{endpoint}` is not tcp://HOST:PORT (a host, or * to bind, and a port)"
+                "`{endpoint}` is not tcp://HOST:PORT (a host, or * to bind, and a port, or * for any)"
             )),
         };
     }
