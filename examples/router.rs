@@ -55,9 +55,9 @@ struct Args {
     #[arg(long = "sidecar", value_name = "SPEC")]
     sidecars: Vec<Sidecar>,
     /// A replica followed through its engine: NAME=tcp://HOST:PORT, with ,replay=tcp://HOST:PORT
-    /// for its replay endpoint, ,dp=N for N data-parallel ranks, ,engine=sglang for an SGLang
-    /// engine and ,http=http://HOST:PORT for its server (health asked, load read from /metrics);
-    /// it knows what the replay buffer holds.
+    /// for its replay endpoint, ,dp=N for N data-parallel ranks, ,topic=T for one topic only,
+    /// ,engine=sglang for an SGLang engine and ,http=http://HOST:PORT for its server (health
+    /// asked, load read from /metrics); it knows what the replay buffer holds.
     #[arg(long = "engine", value_name = "SPEC")]
     engines: Vec<Engine>,
     /// Where a replica serves completions: NAME=http://HOST:PORT (its vLLM server); POST
