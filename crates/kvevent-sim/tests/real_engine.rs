@@ -76,6 +76,23 @@ impl Canon {
     }
 }
 
+/// Steps `engine` until it is idle: each request's cached tokens, each block event as an item.
+fn run_until_idle(engine: &mut Engine, cached: &mut Vec<u32>, items: &mut Vec<Item>) {
+    while let Some(step) = engine.step() {
+        for p in &step.progress {
+            if let Progress::FirstToken { cached_tokens, .. } = p {
+                cached.push(*cached_tokens);
+            }
+        }
+        for e in step.events {
+            match e {
+                Event::Stored { hashes, .. } => items.extend(hashes.into_iter().map(Item::Stored)),
+                Event::Removed { hash } => items.push(Item::Removed(hash)),
+            }
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_engine_and_simulator_make_the_same_events_and_cached_tokens() {
     let venv = vllm_venv();
@@ -136,21 +153,7 @@ async fn real_engine_and_simulator_make_the_same_events_and_cached_tokens() {
             max_tokens,
             output: output.clone(),
         });
-        while let Some(step) = simulated.step() {
-            for p in &step.progress {
-                if let Progress::FirstToken { cached_tokens, .. } = p {
-                    sim_cached.push(*cached_tokens);
-                }
-            }
-            for e in step.events {
-                match e {
-                    Event::Stored { hashes, .. } => {
-                        sim_items.extend(hashes.into_iter().map(Item::Stored));
-                    }
-                    Event::Removed { hash } => sim_items.push(Item::Removed(hash)),
-                }
-            }
-        }
+        run_until_idle(&mut simulated, &mut sim_cached, &mut sim_items);
         if i == 4 {
             // The conversation's next turn: what it said, and a new user turn.
             let mut next = ids.clone();
@@ -227,21 +230,7 @@ async fn real_engine_and_simulator_make_the_same_events_and_cached_tokens() {
         });
     }
     let mut sim_burst = Vec::new();
-    while let Some(step) = simulated.step() {
-        for p in &step.progress {
-            if let Progress::FirstToken { cached_tokens, .. } = p {
-                sim_burst.push(*cached_tokens);
-            }
-        }
-        for e in step.events {
-            match e {
-                Event::Stored { hashes, .. } => {
-                    sim_items.extend(hashes.into_iter().map(Item::Stored));
-                }
-                Event::Removed { hash } => sim_items.push(Item::Removed(hash)),
-            }
-        }
-    }
+    run_until_idle(&mut simulated, &mut sim_burst, &mut sim_items);
     let sim_burst_items = sim_items.split_off(sim_before_burst);
     real_burst.sort_unstable();
     sim_burst.sort_unstable();

@@ -209,7 +209,7 @@ impl Vllm {
     /// sequence ignored), timed as a router sees it: the cached tokens its usage reports, the
     /// time to its first token and to its last.
     pub async fn timed(&self, prompt: &[u32], max_tokens: u32) -> Timed {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        use tokio::io::AsyncReadExt;
         let body = serde_json::json!({
             "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true},
@@ -217,14 +217,7 @@ impl Vllm {
         .to_string();
         let exchange = async {
             let started = Instant::now();
-            let mut stream = tokio::net::TcpStream::connect(self.http)
-                .await
-                .expect("connect");
-            let request = format!(
-                "POST /v1/completions HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-                body.len()
-            );
-            stream.write_all(request.as_bytes()).await.expect("write");
+            let mut stream = self.post_completion(&body).await;
             let (mut text, mut buf) = (Vec::new(), [0u8; 4096]);
             let (mut first, mut last) = (None, None);
             loop {
@@ -257,19 +250,27 @@ impl Vllm {
         }
     }
 
+    /// A connection with `POST /v1/completions` of `body` (JSON) sent on it (HTTP/1.0: the
+    /// engine closes it after the answer).
+    async fn post_completion(&self, body: &str) -> tokio::net::TcpStream {
+        use tokio::io::AsyncWriteExt;
+        let mut stream = tokio::net::TcpStream::connect(self.http)
+            .await
+            .expect("connect");
+        let request = format!(
+            "POST /v1/completions HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        stream.write_all(request.as_bytes()).await.expect("write");
+        stream
+    }
+
     /// One `POST /v1/completions` of `body`: the response's JSON.
     async fn completion(&self, body: serde_json::Value) -> serde_json::Value {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        use tokio::io::AsyncReadExt;
         let body = body.to_string();
         let exchange = async {
-            let mut stream = tokio::net::TcpStream::connect(self.http)
-                .await
-                .expect("connect");
-            let request = format!(
-                "POST /v1/completions HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-                body.len()
-            );
-            stream.write_all(request.as_bytes()).await.expect("write");
+            let mut stream = self.post_completion(&body).await;
             let mut text = String::new();
             stream.read_to_string(&mut text).await.expect("read");
             text
