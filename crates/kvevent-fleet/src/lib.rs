@@ -13,9 +13,13 @@
 //!   engine's socket lost is `Degraded` at once and `Stale` after `dead_after`; a sidecar whose
 //!   engine is lost says so in its feed, and the replica goes the same way with
 //!   [`Lost::Engine`]. Lost for `drop_after`, its entries stop counting. [`Fleet::changes`]
-//!   is told of every change; [`Fleet::ready`] waits for the replicas to be exact.
+//!   is told of every change; [`Fleet::ready`] waits for the replicas to be exact. A
+//!   follower's word holds for a lease it renews as it hears from its source (two heartbeats;
+//!   an engine's thread, 2 s): answered past it, an exact replica is
+//!   [`Degraded::LeaseExpired`], so a follower that stops running leaves no `exact` behind.
 //! - **Answers.** [`Fleet::score`] and [`Fleet::score_among`] are answered under the index's
-//!   one read lock, names shared, the answer's list the only allocation. A candidate the fleet
+//!   one read lock, names shared, the answer's list the only allocation (and the list of
+//!   replicas past their lease, when there are some). A candidate the fleet
 //!   does not follow is named in [`Scores::unknown`]; a token query before any replica said
 //!   its block size is [`ScoreError::BlockSizeUnknown`].
 //! - **Metrics.** With feature `metrics`, `metrics::FleetCollector` exports the replicas'
