@@ -154,13 +154,8 @@ pub struct Hub {
 pub struct RankHealth {
     /// The DP rank.
     pub rank: u32,
-    /// Its events socket has a connection to the engine.
-    pub connected: bool,
-    /// Replaying, or a gap not repaired.
-    pub degraded: bool,
-    /// Not yet proven the same engine process (or a new one) since its connection was made
-    /// again or the sidecar started.
-    pub unverified: bool,
+    /// Its health, as its source state machine says it.
+    pub health: kvevent_source::RankHealth,
 }
 
 /// One engine rank's load, as its `/metrics` said it ([`Hub::set_load`]).
@@ -559,7 +554,9 @@ impl Hub {
                     // The instant its connection last changed stays while it does not.
                     let kept = before
                         .iter()
-                        .find(|(b, _)| b.rank == r.rank && b.connected == r.connected)
+                        .find(|(b, _)| {
+                            b.rank == r.rank && b.health.is_connected() == r.health.is_connected()
+                        })
                         .map(|(_, since)| *since);
                     (*r, kept.unwrap_or(now))
                 })
@@ -679,12 +676,17 @@ impl Hub {
             ranks: engine
                 .iter()
                 .flatten()
-                .map(|(r, since)| pb::RankHealth {
-                    rank: r.rank,
-                    connected: r.connected,
-                    since_ms: since.elapsed().as_millis() as u64,
-                    degraded: r.degraded || r.unverified || stalled,
-                    unverified: r.unverified,
+                .map(|(r, since)| {
+                    use kvevent_source::RankHealth::{Degraded, Unverified};
+                    pb::RankHealth {
+                        rank: r.rank,
+                        connected: r.health.is_connected(),
+                        since_ms: since.elapsed().as_millis() as u64,
+                        // The flags, for followers older than `state`.
+                        degraded: matches!(r.health, Degraded | Unverified) || stalled,
+                        unverified: r.health == Unverified,
+                        state: pb::RankState::from(r.health).into(),
+                    }
                 })
                 .collect(),
         })
@@ -744,16 +746,14 @@ mod tests {
         });
         let rank = RankHealth {
             rank: 0,
-            connected: true,
-            degraded: false,
-            unverified: false,
+            health: kvevent_source::RankHealth::Trusted,
         };
         let degraded = |hub: &Hub| {
             hub.engine_health()
                 .expect("health")
                 .ranks
                 .iter()
-                .all(|r| r.degraded)
+                .all(|r| r.degraded && r.health() == pb::RankState::Degraded)
         };
         hub.set_engine(&[rank]);
         assert!(!degraded(&hub));

@@ -61,8 +61,6 @@ struct Rank {
     status: Shared,
     rank: u32,
     connected: bool,
-    degraded: bool,
-    unverified: bool,
     /// When `connected` last changed.
     changed: Instant,
 }
@@ -192,8 +190,6 @@ impl Thread {
                                 status: status.clone(),
                                 rank: rank as u32,
                                 connected: false,
-                                degraded: false,
-                                unverified: false,
                                 changed: Instant::now(),
                             });
                         }
@@ -304,23 +300,18 @@ impl Thread {
     fn pass(&mut self, now: Instant) {
         let index = &self.core.index;
         let metrics = self.subscriber.metrics();
+        let health: Vec<_> = self.subscriber.health().collect();
         let mut replicas: HashMap<*const Mutex<status::Status>, Seen> = HashMap::new();
         for (i, slot) in self.ranks.iter_mut().enumerate() {
             let Some(r) = slot else { continue };
             let m = &metrics[i];
             // The source state machine's one reading of the rank.
-            let health = m.health();
-            let (connected, degraded, unverified) = (
-                health.is_connected(),
-                health == kvevent_source::RankHealth::Degraded,
-                health == kvevent_source::RankHealth::Unverified,
-            );
+            let health = kvevent_feed::RankState::from(health[i].get());
+            let connected = health != kvevent_feed::RankState::Disconnected;
             if connected != r.connected {
                 r.connected = connected;
                 r.changed = now;
             }
-            r.degraded = degraded;
-            r.unverified = unverified;
             let seen = replicas
                 .entry(Arc::as_ptr(&r.status))
                 .or_insert_with(|| Seen {
@@ -331,14 +322,9 @@ impl Thread {
                     views: Vec::new(),
                 });
             seen.batches += m.batches.load(Relaxed);
-            let rank = RankStatus {
-                rank: r.rank,
-                connected: r.connected,
-                since: None,
-                degraded: r.degraded || r.unverified,
-            };
-            seen.views.push((r.degraded, r.unverified));
-            seen.ranks.push((rank, Some(r.changed)));
+            seen.views.push(health);
+            seen.ranks
+                .push((status::rank_status(r.rank, health, None), Some(r.changed)));
         }
         for seen in replicas.into_values() {
             let lost_since = seen
@@ -355,7 +341,7 @@ impl Thread {
                 None => Event::Connected { resumed: true },
             };
             s.on(&seen.name, source, now);
-            let view = crate::feed::rank_view(seen.views.iter().copied());
+            let view = status::rank_view(seen.views.iter().copied());
             let ranks = seen.ranks;
             s.on(
                 &seen.name,
@@ -377,7 +363,6 @@ impl Thread {
                             Ok(id) => r.id = id,
                             Err(e) => lock(&seen.status).set_error(&seen.name, e.to_string()),
                         }
-                        r.degraded = false;
                         ids.push(r.id);
                     }
                 }
@@ -397,8 +382,8 @@ struct Seen {
     status: Shared,
     batches: u64,
     ranks: Vec<(RankStatus, Option<Instant>)>,
-    /// Each rank's (degraded, unverified).
-    views: Vec<(bool, bool)>,
+    /// Each rank's health.
+    views: Vec<kvevent_feed::RankState>,
 }
 
 /// An engine's HTTP server, asked at `/health` every second, and its load read from its

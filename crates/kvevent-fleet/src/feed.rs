@@ -5,11 +5,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvevent_feed::pb;
-use kvevent_index::{Degraded, KeyChange, Load, SourceId, Tier};
+use kvevent_index::{KeyChange, Load, SourceId, Tier};
 use tonic::transport::Endpoint;
 
 use crate::status::{self, Event, Shared};
-use crate::{Core, RankStatus, SidecarFeed, lock};
+use crate::{Core, SidecarFeed, lock};
 
 /// `http://HOST:PORT` or `https://HOST:PORT`, as the feed's client connects to it.
 pub(crate) fn valid_url(url: &str) -> bool {
@@ -315,7 +315,10 @@ impl FeedFollower {
         if health.block_size > 0 {
             s.block_size = health.block_size;
         }
-        let lost = health.ranks.iter().filter(|r| !r.connected);
+        let lost = health
+            .ranks
+            .iter()
+            .filter(|r| r.health() == kvevent_feed::RankState::Disconnected);
         // The engine is lost while any rank is: since the rank lost longest ago.
         let lost_since = lost
             .map(|r| {
@@ -327,18 +330,11 @@ impl FeedFollower {
             .ranks
             .iter()
             .map(|r| {
-                (
-                    RankStatus {
-                        rank: r.rank,
-                        connected: r.connected,
-                        since: Some(Duration::from_millis(r.since_ms)),
-                        degraded: r.degraded || r.unverified,
-                    },
-                    Some(now),
-                )
+                let since = Some(Duration::from_millis(r.since_ms));
+                (status::rank_status(r.rank, r.health(), since), Some(now))
             })
             .collect();
-        let view = rank_view(health.ranks.iter().map(|r| (r.degraded, r.unverified)));
+        let view = status::rank_view(health.ranks.iter().map(pb::RankHealth::health));
         let server_down = health.server_down.then(|| {
             let since = now
                 .checked_sub(Duration::from_millis(health.server_down_ms))
@@ -546,23 +542,6 @@ impl FeedFollower {
             .index
             .add_loading_source(&self.name)
             .map_err(|_| FeedError::Full)
-    }
-}
-
-/// What an engine's ranks say of it, (degraded, unverified) each: not yet proven the same
-/// process (any rank), else incomplete (any rank), else nothing.
-pub(crate) fn rank_view(ranks: impl Iterator<Item = (bool, bool)>) -> Option<Degraded> {
-    let (mut degraded, mut unverified) = (false, false);
-    for (d, u) in ranks {
-        degraded |= d;
-        unverified |= u;
-    }
-    if unverified {
-        Some(Degraded::Unverified)
-    } else if degraded {
-        Some(Degraded::Replaying)
-    } else {
-        None
     }
 }
 

@@ -11,6 +11,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use kvevent_feed::RankState;
 use kvevent_index::{Degraded, Load, Lost, ReplicaState, SourceId};
 
 use crate::{Core, RankStatus, ReplicaStatus, lock};
@@ -367,6 +368,34 @@ impl Status {
             tracing::warn!(replica = %name, source = %self.address, error = %error, "cannot follow this replica; trying again");
         }
         self.error = Some(error);
+    }
+}
+
+/// One rank as answers show it, from its health as its source state machine says it.
+pub(crate) fn rank_status(rank: u32, health: RankState, since: Option<Duration>) -> RankStatus {
+    RankStatus {
+        rank,
+        connected: health != RankState::Disconnected,
+        since,
+        degraded: matches!(health, RankState::Degraded | RankState::Unverified),
+    }
+}
+
+/// What an engine's ranks' health says of the replica, the one fold of it: not yet proven the
+/// same process (any rank), else incomplete (any rank), else nothing. A rank without a
+/// connection adds nothing here: the replica is lost while it is ([`Event::Engine`]).
+pub(crate) fn rank_view(ranks: impl Iterator<Item = RankState>) -> Option<Degraded> {
+    let (mut degraded, mut unverified) = (false, false);
+    for health in ranks {
+        degraded |= health == RankState::Degraded;
+        unverified |= health == RankState::Unverified;
+    }
+    if unverified {
+        Some(Degraded::Unverified)
+    } else if degraded {
+        Some(Degraded::Replaying)
+    } else {
+        None
     }
 }
 

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use kvevent_forwarder as fwd;
 use kvevent_mapper::Mapper;
 use kvevent_proto as pb;
-use kvevent_source::{RankHealth, ResetReason, Subscriber, View};
+use kvevent_source::{ResetReason, Subscriber, View};
 
 use crate::state_file;
 use crate::telemetry::Telemetry;
@@ -54,16 +54,15 @@ impl Feed {
     fn engine_health(&mut self, subscriber: &Subscriber) {
         self.health.clear();
         self.health
-            .extend(subscriber.metrics().iter().enumerate().map(|(source, m)| {
-                // The source state machine's one reading, on the feed's three flags.
-                let health = m.health();
-                kvevent_feed::RankHealth {
-                    rank: self.ranks.get(source).copied().unwrap_or(0),
-                    connected: health.is_connected(),
-                    degraded: health == RankHealth::Degraded,
-                    unverified: health == RankHealth::Unverified,
-                }
-            }));
+            .extend(
+                subscriber
+                    .health()
+                    .enumerate()
+                    .map(|(source, h)| kvevent_feed::RankHealth {
+                        rank: self.ranks.get(source).copied().unwrap_or(0),
+                        health: h.get(),
+                    }),
+            );
         self.hub.set_engine(&self.health);
     }
 
@@ -118,14 +117,14 @@ impl Saver {
         header.sources = subscriber
             .sources()
             .iter()
-            .zip(subscriber.metrics())
+            .zip(subscriber.health())
             .zip(mappers.iter().zip(applied))
             .map(
-                |((source, metrics), (mapper, applied))| state_file::SourceHeader {
+                |((source, health), (mapper, applied))| state_file::SourceHeader {
                     label: source.label(),
                     last_seq: applied.map(|a| a.0),
                     digest: applied.map_or(0, |a| a.1),
-                    degraded: metrics.degraded(),
+                    degraded: health.degraded(),
                     blocks: mapper.tracked_blocks() as u64,
                 },
             )

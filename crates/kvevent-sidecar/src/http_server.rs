@@ -49,7 +49,7 @@ fn untrusted(telemetry: &Telemetry) -> String {
         .sources
         .labels
         .iter()
-        .zip(&telemetry.sources.metrics)
+        .zip(&telemetry.sources.health)
     {
         let Some(for_) = m.untrusted_for() else {
             continue;
@@ -84,8 +84,8 @@ fn route(path: &str, telemetry: &Telemetry, readiness: Readiness) -> hyper::Resp
                 .sources
                 .labels
                 .iter()
-                .zip(&telemetry.sources.metrics)
-                .filter(|(_, m)| !m.health().is_connected())
+                .zip(&telemetry.sources.health)
+                .filter(|(_, h)| !h.get().is_connected())
                 .map(|(label, _)| label.as_str())
                 .collect();
             if !subscribed {

@@ -315,6 +315,7 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
     let telemetry = Arc::new(Telemetry::new(
         sources.iter().map(transport::Source::label).collect(),
         subscriber.metrics().to_vec(),
+        subscriber.health().cloned().collect(),
         handle
             .as_ref()
             .map_or_else(Default::default, |h| h.metrics().clone()),

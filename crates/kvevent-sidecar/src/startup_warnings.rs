@@ -79,8 +79,8 @@ impl Watch {
 
     fn look_at_engines(&self, said: &mut [Said], now: Instant) {
         let t = &self.telemetry;
-        for ((label, metrics), said) in t.sources.labels.iter().zip(&t.sources.metrics).zip(said) {
-            if metrics.health().is_connected() {
+        for ((label, health), said) in t.sources.labels.iter().zip(&t.sources.health).zip(said) {
+            if health.get().is_connected() {
                 if said.over() {
                     tracing::info!(source = %label, "engine socket connected");
                 }

@@ -1,6 +1,7 @@
 //! The sources' families for a `/metrics` (feature `metrics`): what each source's
-//! [`SourceMetrics`] counted, written at each scrape, one sample per source (label `source`).
-//! The caller says how long each source has been silent, as it knows when it started.
+//! [`SourceMetrics`] counted and its [`Health`], written at each scrape, one sample per source
+//! (label `source`). The caller says how long each source has been silent, as it knows when it
+//! started.
 
 use std::fmt;
 use std::sync::atomic::Ordering::Relaxed;
@@ -8,31 +9,40 @@ use std::sync::atomic::Ordering::Relaxed;
 use kvevent_metrics as fam;
 use prometheus_client::encoding::DescriptorEncoder;
 
-use crate::{DECODE_FAILURE_KINDS, ResetReason, SourceMetrics};
+use crate::{DECODE_FAILURE_KINDS, Health, ResetReason, SourceMetrics};
 
-/// Writes the families of `sources`: (label, counters, seconds since its last batch, or since
-/// the start when none came).
-pub fn encode(
-    enc: &mut DescriptorEncoder<'_>,
-    sources: &[(&str, &SourceMetrics, f64)],
-) -> fmt::Result {
+/// One source as a scrape sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct Source<'a> {
+    /// The `source` label.
+    pub label: &'a str,
+    /// Its counters.
+    pub metrics: &'a SourceMetrics,
+    /// Its health, as its state machine says it.
+    pub health: &'a Health,
+    /// Seconds since its last batch, or since the start when none came.
+    pub silent_s: f64,
+}
+
+/// Writes the families of `sources`.
+pub fn encode(enc: &mut DescriptorEncoder<'_>, sources: &[Source<'_>]) -> fmt::Result {
     // A family with one sample per source.
     let per_source = |enc: &mut DescriptorEncoder<'_>,
                       name: &'static str,
                       counter: bool,
                       help: &str,
-                      f: &dyn Fn(&SourceMetrics) -> u64|
+                      f: &dyn Fn(&Source<'_>) -> u64|
      -> std::fmt::Result {
         let mut family = if counter {
             fam::counter(enc, name, help)?
         } else {
             fam::gauge(enc, name, help)?
         };
-        for &(label, m, _) in sources {
+        for s in sources {
             if counter {
-                fam::count(&mut family, &[("source", label)], f(m))?;
+                fam::count(&mut family, &[("source", s.label)], f(s))?;
             } else {
-                fam::level(&mut family, &[("source", label)], f(m))?;
+                fam::level(&mut family, &[("source", s.label)], f(s))?;
             }
         }
         Ok(())
@@ -42,7 +52,10 @@ pub fn encode(
         "kvevent_events_received_total",
         "Events received from the engine, by type.",
     )?;
-    for &(label, m, _) in sources {
+    for &Source {
+        label, metrics: m, ..
+    } in sources
+    {
         for (t, count) in m.events.by_type() {
             fam::count(
                 &mut f,
@@ -56,14 +69,17 @@ pub fn encode(
         "kvevent_batches_received_total",
         true,
         "Batches received and applied.",
-        &|m| m.batches.load(Relaxed),
+        &|s| s.metrics.batches.load(Relaxed),
     )?;
     let mut f = fam::counter(
         enc,
         "kvevent_decode_failures_total",
         "Payloads that failed to decode, by kind.",
     )?;
-    for &(label, m, _) in sources {
+    for &Source {
+        label, metrics: m, ..
+    } in sources
+    {
         for (i, kind) in DECODE_FAILURE_KINDS.iter().enumerate() {
             fam::count(
                 &mut f,
@@ -77,17 +93,20 @@ pub fn encode(
         "kvevent_seq_gaps_total",
         true,
         "Gaps in the sequence numbers.",
-        &|m| m.gaps.load(Relaxed),
+        &|s| s.metrics.gaps.load(Relaxed),
     )?;
     per_source(
         enc,
         "kvevent_seq_missing_total",
         true,
         "Sequence numbers missing across gaps.",
-        &|m| m.missing_seqs.load(Relaxed),
+        &|s| s.metrics.missing_seqs.load(Relaxed),
     )?;
     let mut f = fam::counter(enc, "kvevent_replays_total", "Replays by outcome.")?;
-    for &(label, m, _) in sources {
+    for &Source {
+        label, metrics: m, ..
+    } in sources
+    {
         for (outcome, c) in [
             ("requested", &m.replays_requested),
             ("complete", &m.replays_complete),
@@ -108,7 +127,10 @@ pub fn encode(
         "kvevent_state_resumes_total",
         "Saved states (--state-file) resumed or refused at start, by outcome.",
     )?;
-    for &(label, m, _) in sources {
+    for &Source {
+        label, metrics: m, ..
+    } in sources
+    {
         for (outcome, c) in [
             ("verified", &m.resumes_verified),
             ("refused", &m.resumes_refused),
@@ -125,14 +147,19 @@ pub fn encode(
         "kvevent_engine_restarts_total",
         true,
         "Engine restarts detected (sequence regressions).",
-        &|m| m.restarts.load(Relaxed),
+        &|s| s.metrics.restarts.load(Relaxed),
     )?;
     let mut f = fam::gauge(
         enc,
         "kvevent_source_last_batch_age_seconds",
         "Seconds since the source's last batch (since the start when none came).",
     )?;
-    for &(label, _, age) in sources {
+    for &Source {
+        label,
+        silent_s: age,
+        ..
+    } in sources
+    {
         fam::level(
             &mut f,
             &[("source", label)],
@@ -144,28 +171,31 @@ pub fn encode(
         "kvevent_engine_disconnects_total",
         true,
         "Connection drops to the engine (libzmq reconnects by itself).",
-        &|m| m.disconnects.load(Relaxed),
+        &|s| s.metrics.disconnects.load(Relaxed),
     )?;
     per_source(
         enc,
         "kvevent_duplicate_batches_total",
         true,
         "Duplicate batches dropped.",
-        &|m| m.duplicates.load(Relaxed),
+        &|s| s.metrics.duplicates.load(Relaxed),
     )?;
     per_source(
         enc,
         "kvevent_malformed_messages_total",
         true,
         "Malformed ZMQ messages skipped.",
-        &|m| m.malformed_frames.load(Relaxed),
+        &|s| s.metrics.malformed_frames.load(Relaxed),
     )?;
     let mut f = fam::counter(
         enc,
         "kvevent_source_resets_total",
         "Source resets (the replica's state cleared), by reason.",
     )?;
-    for &(label, m, _) in sources {
+    for &Source {
+        label, metrics: m, ..
+    } in sources
+    {
         for reason in ResetReason::ALL {
             fam::count(
                 &mut f,
@@ -179,28 +209,28 @@ pub fn encode(
         "kvevent_source_last_seq",
         false,
         "Last sequence number applied.",
-        &|m| m.last_seq.load(Relaxed),
+        &|s| s.metrics.last_seq.load(Relaxed),
     )?;
     per_source(
         enc,
         "kvevent_source_degraded",
         false,
         "1 while the source's state is known to be incomplete.",
-        &|m| u64::from(m.degraded()),
+        &|s| u64::from(s.health.degraded()),
     )?;
     per_source(
         enc,
         "kvevent_source_connected",
         false,
         "1 while the source's socket has a connection to the engine (not proof it publishes: see kvevent_source_last_batch_age_seconds).",
-        &|m| u64::from(m.connected()),
+        &|s| u64::from(s.health.get().is_connected()),
     )?;
     per_source(
         enc,
         "kvevent_hold_buffer_overflows_total",
         true,
         "Live batches dropped from the hold buffer during replays.",
-        &|m| m.buffer_overflows.load(Relaxed),
+        &|s| s.metrics.buffer_overflows.load(Relaxed),
     )
 }
 
@@ -211,16 +241,23 @@ mod tests {
     use prometheus_client::collector::Collector;
     use prometheus_client::encoding::DescriptorEncoder;
 
-    use crate::{ResetReason, SourceMetrics};
+    use super::Source;
+    use crate::{Health, ResetReason, SourceMetrics};
 
     #[derive(Debug, Default)]
-    struct Two([SourceMetrics; 2]);
+    struct Two([SourceMetrics; 2], [Health; 2]);
 
     impl Collector for Two {
         fn encode(&self, mut enc: DescriptorEncoder<'_>) -> std::fmt::Result {
+            let source = |i: usize, label, silent_s| Source {
+                label,
+                metrics: &self.0[i],
+                health: &self.1[i],
+                silent_s,
+            };
             super::encode(
                 &mut enc,
-                &[("rank0", &self.0[0], 1.25), ("rank1", &self.0[1], 0.0)],
+                &[source(0, "rank0", 1.25), source(1, "rank1", 0.0)],
             )
         }
     }
@@ -231,6 +268,8 @@ mod tests {
         two.0[0].batches.store(7, Relaxed);
         two.0[1].restarts.store(2, Relaxed);
         two.0[1].reset(ResetReason::Restart);
+        two.1[1].set_connected(true);
+        two.1[1].set_degraded(true);
         let mut registry = prometheus_client::registry::Registry::default();
         registry.register_collector(Box::new(two));
         let mut text = String::new();
@@ -242,6 +281,9 @@ mod tests {
             "kvevent_engine_restarts_total{source=\"rank1\"} 2",
             "kvevent_source_resets_total{source=\"rank1\",reason=\"restart\"} 1",
             "kvevent_source_last_batch_age_seconds{source=\"rank0\"} 1.25",
+            "kvevent_source_connected{source=\"rank0\"} 0",
+            "kvevent_source_connected{source=\"rank1\"} 1",
+            "kvevent_source_degraded{source=\"rank1\"} 1",
         ] {
             assert!(text.contains(line), "missing {line:?} in:\n{text}");
         }

@@ -1,8 +1,8 @@
 //! Per-source counters, shared with whoever exports them.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-use crate::{RankHealth, ResetReason};
+use crate::ResetReason;
 
 /// Decode failure kinds, as exported.
 pub const DECODE_FAILURE_KINDS: [&str; 6] = [
@@ -14,8 +14,8 @@ pub const DECODE_FAILURE_KINDS: [&str; 6] = [
     "other",
 ];
 
-/// What happened on one source: counters (monotonic; `last_seq` a gauge), and the rank's
-/// health as its state machine said it last, read through [`SourceMetrics::health`].
+/// What happened on one source: counters (monotonic; `last_seq` a gauge). Its health is not
+/// here: it is the state machine's ([`Health`](crate::Health)).
 #[derive(Debug, Default)]
 pub struct SourceMetrics {
     /// Batches delivered (live and replayed).
@@ -58,78 +58,9 @@ pub struct SourceMetrics {
     pub decode_failures: [AtomicU64; 6],
     /// The last seq delivered.
     pub last_seq: AtomicU64,
-    /// The rank's health as its state machine said it last ([`SourceMetrics::health`]): only
-    /// the source's thread writes it.
-    degraded: AtomicBool,
-    connected: AtomicBool,
-    unverified: AtomicBool,
-    /// When the source last became degraded or unverified, in milliseconds since the Unix
-    /// epoch; 0 while it is neither.
-    untrusted_since_ms: AtomicU64,
 }
 
 impl SourceMetrics {
-    /// The rank's health, as its source state machine (and its socket) said it last: the one
-    /// reading of it for every consumer.
-    pub fn health(&self) -> RankHealth {
-        RankHealth::of(self.connected(), self.degraded(), self.unverified())
-    }
-
-    /// The SUB socket has a connection to the engine.
-    pub fn connected(&self) -> bool {
-        self.connected.load(Relaxed)
-    }
-
-    /// The state is known to be incomplete (a gap or truncation not yet healed by a clear),
-    /// connected or not.
-    pub fn degraded(&self) -> bool {
-        self.degraded.load(Relaxed)
-    }
-
-    /// Not yet proven the same engine process (or a new one) since a disconnect or the start,
-    /// connected or not.
-    pub fn unverified(&self) -> bool {
-        self.unverified.load(Relaxed)
-    }
-
-    pub(crate) fn set_connected(&self, connected: bool) {
-        self.connected.store(connected, Relaxed);
-    }
-
-    pub(crate) fn set_degraded(&self, degraded: bool) {
-        self.degraded.store(degraded, Relaxed);
-        self.note_trust();
-    }
-
-    pub(crate) fn set_unverified(&self, unverified: bool) {
-        self.unverified.store(unverified, Relaxed);
-        self.note_trust();
-    }
-
-    fn note_trust(&self) {
-        let untrusted = self.degraded.load(Relaxed) || self.unverified.load(Relaxed);
-        let since = self.untrusted_since_ms.load(Relaxed);
-        if untrusted && since == 0 {
-            let now = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(1, |d| d.as_millis() as u64);
-            self.untrusted_since_ms.store(now.max(1), Relaxed);
-        } else if !untrusted && since != 0 {
-            self.untrusted_since_ms.store(0, Relaxed);
-        }
-    }
-
-    /// How long the source has been degraded or unverified, if it is.
-    pub fn untrusted_for(&self) -> Option<std::time::Duration> {
-        let since = self.untrusted_since_ms.load(Relaxed);
-        (since != 0).then(|| {
-            let now = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis() as u64);
-            std::time::Duration::from_millis(now.saturating_sub(since))
-        })
-    }
-
     pub(crate) fn reset(&self, reason: ResetReason) {
         let i = ResetReason::ALL
             .iter()

@@ -69,6 +69,6 @@ mod state;
 mod subscriber;
 
 pub use counters::{DECODE_FAILURE_KINDS, EventCounts, SourceMetrics};
-pub use health::RankHealth;
+pub use health::{Health, RankHealth};
 pub use state::{ReplayEnd, ResetReason, Resume, SourceState, StateConfig, Step, payload_digest};
 pub use subscriber::{Batch, Config, Subscriber, Update, View};

@@ -6,6 +6,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
 use crate::counters::SourceMetrics;
+use crate::health::Health;
 
 /// Why a source's state was declared stale.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -185,7 +186,7 @@ pub struct SourceState {
     reconnected: bool,
     /// The startup reset was emitted (by [`SourceState::on_start`]).
     started: bool,
-    /// Not yet proven that what is held is this engine process's (see [`SourceState::trusted`]):
+    /// Not yet proven that what is held is this engine process's ([`RankHealth::Unverified`](crate::RankHealth::Unverified)):
     /// since a disconnect, or since the start with a replay endpoint, until continuity or a
     /// new process is proven.
     unverified: bool,
@@ -199,6 +200,8 @@ pub struct SourceState {
     recent: VecDeque<u32>,
     recent_base: u64,
     metrics: Arc<SourceMetrics>,
+    /// The rank's health as this state says it, shared with its readers.
+    health: Arc<Health>,
 }
 
 /// Batches whose digests are kept to tell a duplicate from a new process's batch (a PUB's
@@ -226,21 +229,19 @@ impl SourceState {
             recent: VecDeque::new(),
             recent_base: 0,
             metrics,
+            health: Arc::default(),
         }
     }
 
-    /// Whether what was delivered can be vouched for as this engine process's whole state:
-    /// neither degraded (something lost and not healed) nor unverified (reconnected, or
-    /// started, and not yet proven the same process or a new one). A consumer calls a source
-    /// exact only while this holds and the source is connected.
-    pub fn trusted(&self) -> bool {
-        !self.unverified && !self.metrics.degraded()
+    /// The rank's health as this state machine says it, shared: hand it to whoever reads it.
+    pub fn health(&self) -> &Arc<Health> {
+        &self.health
     }
 
-    /// Publishes `unverified` to the metrics (and when trouble began).
+    /// Publishes `unverified` (and when trouble began).
     fn set_unverified(&mut self, unverified: bool) {
         self.unverified = unverified;
-        self.metrics.set_unverified(unverified);
+        self.health.set_unverified(unverified);
     }
 
     /// The source was just opened. With a replay endpoint, what the engine already published
@@ -272,7 +273,7 @@ impl SourceState {
         self.last = Some(resume.last_seq);
         self.last_digest = Some(resume.digest);
         self.metrics.last_seq.store(resume.last_seq, Relaxed);
-        self.metrics.set_degraded(resume.degraded);
+        self.health.set_degraded(resume.degraded);
         self.reconnected = true;
         self.set_unverified(true);
         if self.can_replay(now) {
@@ -299,7 +300,7 @@ impl SourceState {
         self.last_digest = None;
         self.reconnected = false;
         self.repair = false;
-        self.metrics.set_degraded(false);
+        self.health.set_degraded(false);
     }
 
     /// The last seq delivered.
@@ -314,12 +315,12 @@ impl SourceState {
 
     /// The events seen cover what the engine holds again (e.g. after `AllBlocksCleared`).
     pub fn mark_whole(&self) {
-        self.metrics.set_degraded(false);
+        self.health.set_degraded(false);
     }
 
     /// Something made the state incomplete.
     pub fn mark_degraded(&self) {
-        self.metrics.set_degraded(true);
+        self.health.set_degraded(true);
     }
 
     fn can_replay(&self, now: Instant) -> bool {
@@ -391,11 +392,12 @@ impl SourceState {
     /// process identity: a new engine process that published past our last seq before we were
     /// back would look like a plain gap. So the first gap after a disconnect is treated as a
     /// possible restart: reset and rebuild from the replay buffer, never patched. Until the
-    /// engine is proven the same process or a new one, the source is not
-    /// [`trusted`](SourceState::trusted).
+    /// engine is proven the same process or a new one, its health is
+    /// [`Unverified`](crate::RankHealth::Unverified) at best.
     pub fn on_disconnected(&mut self) {
         self.reconnected = true;
         self.connected = false;
+        self.health.set_connected(false);
         if self.last.is_some() || self.config.has_replay {
             self.set_unverified(true);
         }
@@ -410,10 +412,14 @@ impl SourceState {
     /// a restart, and the source is reset and rebuilt from its replay buffer. An idle new
     /// process is recognised this way too: its buffer holds nothing at our seq. Without one,
     /// the first live batch decides (`last + 1` continues); a sidecar resets at once instead
-    /// ([`StateConfig::reset_on_unverified_reconnect`]).
+    /// ([`StateConfig::reset_on_unverified_reconnect`]). A source still unverified with nothing
+    /// asking (the transport ends a replay when the connection is made again) asks at once.
     pub fn on_connected(&mut self, now: Instant, out: &mut Vec<Step>) {
         self.connected = true;
-        if !self.reconnected {
+        self.health.set_connected(true);
+        // Unverified with nothing asking (a replay cut by this very connection): asked now,
+        // not after a failure's backoff.
+        if !(self.reconnected || (self.unverified && self.replay.is_none())) {
             return;
         }
         if self.config.has_replay {
@@ -465,7 +471,7 @@ impl SourceState {
         }
         if self.unverified && (self.connected || self.last.is_none()) {
             self.verify(now, out);
-        } else if self.repair && self.last.is_some() && self.metrics.degraded() {
+        } else if self.repair && self.last.is_some() && self.health.degraded() {
             self.repair = false;
             tracing::info!(source = %self.config.label, "degraded: asking the engine for its whole buffer to repair the state");
             self.start_replay(0, false, out);

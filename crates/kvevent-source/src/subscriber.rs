@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use kvevent_wire::{self as wire, frames};
 use kvevent_zmq as transport;
 
-use crate::{ReplayEnd, ResetReason, SourceMetrics, SourceState, StateConfig, Step};
+use crate::{Health, ReplayEnd, ResetReason, SourceMetrics, SourceState, StateConfig, Step};
 
 /// How to subscribe.
 #[derive(Debug, Clone)]
@@ -276,6 +276,12 @@ impl Subscriber {
         &self.metrics
     }
 
+    /// Each source's health as its state machine says it, in index order: share the handles
+    /// with whoever reads them.
+    pub fn health(&self) -> impl ExactSizeIterator<Item = &Arc<Health>> {
+        self.states.iter().map(SourceState::health)
+    }
+
     /// The next update, waiting at most `timeout`. `None` on timeout (or once the transport
     /// is gone). A batch is checked to decode before it is handed out (a corrupt one comes out
     /// as a `Reset` instead); the consumer decodes it again with [`Batch::decode`]. To decode
@@ -456,14 +462,8 @@ impl Subscriber {
                     tracing::warn!(source = %self.sources[source].label(), error = %e, "malformed replay reply skipped");
                 }
             },
-            transport::Delivery::Disconnected => {
-                metrics.set_connected(false);
-                state.on_disconnected();
-            }
-            transport::Delivery::Connected => {
-                metrics.set_connected(true);
-                state.on_connected(now, &mut self.steps);
-            }
+            transport::Delivery::Disconnected => state.on_disconnected(),
+            transport::Delivery::Connected => state.on_connected(now, &mut self.steps),
             transport::Delivery::ReplayDone(outcome) => {
                 if let transport::ReplayOutcome::Failed(why) = &outcome {
                     tracing::warn!(source = %self.sources[source].label(), %why, "replay failed");

@@ -509,9 +509,11 @@ async fn an_engine_lost_behind_a_live_sidecar_and_a_lost_sidecar_are_told_apart(
     let up = |connected| {
         [RankHealth {
             rank: 0,
-            connected,
-            degraded: false,
-            unverified: false,
+            health: if connected {
+                kvevent_source::RankHealth::Trusted
+            } else {
+                kvevent_source::RankHealth::Disconnected
+            },
         }]
     };
     hub.set_engine(&up(true));

@@ -79,7 +79,8 @@ mod tests {
     /// good fired the critical KVEventServerUnreachable on every such sidecar.
     #[test]
     fn server_reachable_is_exported_only_with_a_server() {
-        let telemetry = crate::telemetry::Telemetry::new(Vec::new(), Vec::new(), Arc::default());
+        let telemetry =
+            crate::telemetry::Telemetry::new(Vec::new(), Vec::new(), Vec::new(), Arc::default());
         assert!(
             telemetry
                 .render()

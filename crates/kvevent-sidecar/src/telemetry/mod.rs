@@ -17,7 +17,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 
 use kvevent_forwarder as fwd;
-use kvevent_source::SourceMetrics;
+use kvevent_source::{Health, SourceMetrics};
 use prometheus_client::registry::Registry;
 
 pub use delivery::Delivery;
@@ -53,9 +53,10 @@ impl Telemetry {
     pub fn new(
         labels: Vec<String>,
         source_metrics: Vec<Arc<SourceMetrics>>,
+        source_health: Vec<Arc<Health>>,
         forwarder: Arc<fwd::Metrics>,
     ) -> Self {
-        let sources = Arc::new(Sources::new(labels.clone(), source_metrics));
+        let sources = Arc::new(Sources::new(labels.clone(), source_metrics, source_health));
         let mappers = Arc::new(Mappers::new(labels));
         let delivery = Arc::new(Delivery::new(forwarder));
         let scrapes = Arc::new(Scrapes::default());

@@ -1,11 +1,12 @@
 //! The engine sources: events, batches, sequence state, replays, connections. Counted, and
-//! written, by `kvevent-source` (each source's [`SourceMetrics`], its `collector`); the last
-//! batch times by the events thread.
+//! written, by `kvevent-source` (each source's [`SourceMetrics`] and [`Health`], its
+//! `collector`); the last batch times by the events thread.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-use kvevent_source::SourceMetrics;
+use kvevent_source::collector::Source;
+use kvevent_source::{Health, SourceMetrics};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
 
@@ -18,6 +19,8 @@ pub struct Sources {
     pub labels: Vec<String>,
     /// Per-source transport and state counters.
     pub metrics: Vec<Arc<SourceMetrics>>,
+    /// Per-source health, as each source's state machine says it.
+    pub health: Vec<Arc<Health>>,
     /// Per source: Unix ms of its last batch (0: none yet).
     pub last_batch_unix_ms: Vec<AtomicU64>,
     /// Unix ms the sidecar started.
@@ -26,11 +29,16 @@ pub struct Sources {
 
 impl Sources {
     /// Counters for these sources, from now.
-    pub fn new(labels: Vec<String>, metrics: Vec<Arc<SourceMetrics>>) -> Self {
+    pub fn new(
+        labels: Vec<String>,
+        metrics: Vec<Arc<SourceMetrics>>,
+        health: Vec<Arc<Health>>,
+    ) -> Self {
         let n = labels.len();
         Self {
             labels,
             metrics,
+            health,
             last_batch_unix_ms: (0..n).map(|_| AtomicU64::new(0)).collect(),
             started_unix_ms: unix_ms(),
         }
@@ -54,14 +62,6 @@ impl Sources {
     pub fn any_batch(&self) -> bool {
         self.last_batch_unix_ms.iter().any(|l| l.load(Relaxed) > 0)
     }
-
-    /// Each source's label with its counters.
-    fn each(&self) -> impl Iterator<Item = (&str, &SourceMetrics)> {
-        self.labels
-            .iter()
-            .map(String::as_str)
-            .zip(self.metrics.iter().map(|m| &**m))
-    }
 }
 
 /// Writes [`Sources`].
@@ -71,10 +71,14 @@ pub(crate) struct SourcesCollector(pub(crate) Arc<Sources>);
 impl Collector for SourcesCollector {
     fn encode(&self, mut enc: DescriptorEncoder<'_>) -> std::fmt::Result {
         let s = &*self.0;
-        let sources: Vec<(&str, &SourceMetrics, f64)> = s
-            .each()
+        let sources: Vec<Source<'_>> = (s.labels.iter().zip(&s.metrics).zip(&s.health))
             .enumerate()
-            .map(|(i, (label, m))| (label, m, s.silence_seconds(i)))
+            .map(|(i, ((label, metrics), health))| Source {
+                label,
+                metrics,
+                health,
+                silent_s: s.silence_seconds(i),
+            })
             .collect();
         kvevent_source::collector::encode(&mut enc, &sources)
     }

@@ -524,7 +524,7 @@ async fn a_source_shows_whether_its_socket_reaches_the_engine() {
         .expect("start");
     wait_subscribed(&engine).await;
     let connected =
-        |r: &kvevent_sidecar::Running| r.telemetry().sources.metrics[0].health().is_connected();
+        |r: &kvevent_sidecar::Running| r.telemetry().sources.health[0].get().is_connected();
     eventually("connected", WAIT, || async {
         when(connected(&running), |c| *c)
     })

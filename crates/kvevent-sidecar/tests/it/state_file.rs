@@ -132,7 +132,7 @@ async fn a_restarted_sidecar_resumes_from_its_state_file_without_a_clear() {
     let metrics = &running.telemetry().sources.metrics[0];
     assert_eq!(metrics.resumes_verified.load(Relaxed), 1);
     assert_eq!(metrics.resumes_refused.load(Relaxed), 0);
-    assert!(!metrics.degraded());
+    assert!(!running.telemetry().sources.health[0].degraded());
     // The periodic save runs too.
     eventually("a periodic save", WAIT, || async {
         when(

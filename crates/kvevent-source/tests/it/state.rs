@@ -4,9 +4,48 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
-use kvevent_source::{ReplayEnd, ResetReason, SourceMetrics, SourceState, StateConfig, Step};
+use kvevent_source::{
+    Health, ReplayEnd, ResetReason, SourceMetrics, SourceState, StateConfig, Step,
+};
 
-fn state(has_replay: bool) -> (SourceState, Arc<SourceMetrics>) {
+/// A state's counters and its health, as its readers see them.
+struct Seen {
+    metrics: Arc<SourceMetrics>,
+    health: Arc<Health>,
+}
+
+impl std::ops::Deref for Seen {
+    type Target = SourceMetrics;
+    fn deref(&self) -> &SourceMetrics {
+        &self.metrics
+    }
+}
+
+impl Seen {
+    fn degraded(&self) -> bool {
+        self.health.degraded()
+    }
+    fn unverified(&self) -> bool {
+        self.health.unverified()
+    }
+    fn untrusted_for(&self) -> Option<Duration> {
+        self.health.untrusted_for()
+    }
+}
+
+/// What a state delivered can be vouched for, its connection aside: neither degraded nor
+/// unverified.
+trait Vouched {
+    fn trusted(&self) -> bool;
+}
+
+impl Vouched for SourceState {
+    fn trusted(&self) -> bool {
+        !self.health().degraded() && !self.health().unverified()
+    }
+}
+
+fn state(has_replay: bool) -> (SourceState, Seen) {
     let metrics = Arc::new(SourceMetrics::default());
     let config = StateConfig {
         has_replay,
@@ -16,7 +55,9 @@ fn state(has_replay: bool) -> (SourceState, Arc<SourceMetrics>) {
         label: "tcp://engine:5557".into(),
         reset_on_unverified_reconnect: false,
     };
-    (SourceState::new(config, metrics.clone()), metrics)
+    let s = SourceState::new(config, metrics.clone());
+    let health = s.health().clone();
+    (s, Seen { metrics, health })
 }
 
 fn connected(s: &mut SourceState, now: Instant) -> Vec<String> {
@@ -192,6 +233,31 @@ fn an_idle_restarted_engine_is_recognised_at_the_reconnect_and_exact_only_then()
     assert!(s.trusted(), "exact: the new process, empty");
     assert_eq!(m.untrusted_for(), None);
     assert_eq!(m.restarts.load(Relaxed), 1);
+}
+
+/// The flake of #50's restart test, step by step: the new process's replay socket answers the
+/// check before its events socket is connected again; the rebuild asked next is cut by that
+/// connection (the transport ends a replay when the connection is made again, so a new
+/// process's replay socket is asked afresh). The connection asks again at once, not after a
+/// failure's backoff (2 s here before).
+#[test]
+fn a_rebuild_cut_by_the_new_connection_is_asked_again_at_once() {
+    let (mut s, _m) = state(true);
+    let t0 = Instant::now();
+    live(&mut s, 0, t0);
+    assert!(connected(&mut s, t0).is_empty(), "the first connection");
+    s.on_disconnected();
+    assert_eq!(connected(&mut s, t0), ["P0"], "the check");
+    s.on_disconnected();
+    assert_eq!(
+        done(&mut s, ReplayEnd::Complete, t0),
+        ["R:restart", "P0"],
+        "nothing at our seq: a new process, rebuilt"
+    );
+    assert!(done(&mut s, ReplayEnd::Failed, t0).is_empty());
+    assert_eq!(connected(&mut s, t0), ["P0"], "asked again at once");
+    assert!(done(&mut s, ReplayEnd::Complete, t0).is_empty());
+    assert!(s.trusted());
 }
 
 #[test]
@@ -443,7 +509,10 @@ fn a_reconnect_with_no_replay_resets_in_a_sidecar_and_degrades_in_a_router() {
     sidecar.on_disconnected();
     assert_eq!(connected(&mut sidecar, now), ["R:reconnect"]);
     assert_eq!(live(&mut sidecar, 1, now), ["D1"]);
-    assert!(metrics.degraded(), "seq 1 without seq 0: not whole");
+    assert!(
+        sidecar.health().degraded(),
+        "seq 1 without seq 0: not whole"
+    );
 }
 
 #[test]
