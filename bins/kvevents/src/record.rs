@@ -7,13 +7,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
-use std::collections::BTreeMap;
-
 use anyhow::Context as _;
 use kvevent_recording::{Header, Reader, Record, SourceInfo, Writer};
-use kvevent_source::{ReplayEnd, ResetReason, SourceMetrics, SourceState, StateConfig, Step};
-use kvevent_wire::{self as wire, frames};
-use kvevent_zmq::{Delivery, SourceOptions, Transport, dp_sources};
+use kvevent_source::{ResetReason, SourceMetrics, Subscriber, Update};
+use kvevent_wire as wire;
+use kvevent_zmq::dp_sources;
 
 #[derive(clap::Args)]
 pub(crate) struct RecordArgs {
@@ -68,18 +66,12 @@ fn seconds(text: &str) -> Result<f64, String> {
         .ok_or_else(|| format!("`{text}` is not a duration (e.g. 90s, 10m, 1h)"))
 }
 
-/// One rank being recorded. Its continuity is `kvevent-source`'s [`SourceState`], the one a
-/// sidecar keeps: a gap is filled from the replay endpoint or named, a restart (seqs back, or
-/// a new process across a reconnect) starts the rank over, and the recording says so at the
-/// record where it happened ([`Record::reset`]).
+/// One rank being recorded: what the recording says of it. Its continuity is the subscriber's
+/// (`kvevent-source`, the state machine a sidecar keeps): a gap is filled from the replay
+/// endpoint or named, a restart (seqs back, or a new process across a reconnect) starts the
+/// rank over, and the recording says so at the record where it happened ([`Record::reset`]).
 struct Rank {
     no: u32,
-    state: SourceState,
-    metrics: Arc<SourceMetrics>,
-    /// The topic of its last message.
-    topic: Vec<u8>,
-    /// When each live batch the state holds back (during a replay) arrived, µs from the start.
-    arrived: BTreeMap<u64, u64>,
     /// The reset the next record carries (none before the rank's first: nothing is stale).
     reset: Option<ResetReason>,
     /// A record of it was written.
@@ -87,6 +79,12 @@ struct Rank {
     /// Resets for a gap nothing filled.
     unfilled: u64,
     connected: bool,
+    /// Its last record came from the replay endpoint.
+    replayed: bool,
+    /// Its replays that failed or timed out, as last said.
+    failed: u64,
+    /// Its replays asked, as last said.
+    asked: u64,
 }
 
 /// The recording being written, and what went into it.
@@ -96,6 +94,8 @@ struct Out<W: std::io::Write> {
     payload_bytes: u64,
     /// `--max-bytes` (0: none).
     max_bytes: u64,
+    /// The recording's time origin.
+    start: Instant,
 }
 
 impl<W: std::io::Write> Out<W> {
@@ -104,55 +104,39 @@ impl<W: std::io::Write> Out<W> {
         self.max_bytes > 0 && self.writer.bytes_written() >= self.max_bytes
     }
 
-    /// Does what the rank's state asked, in order: writes the batches it delivers, marks its
-    /// resets, asks the replays. `replayed`: the steps answer a replay reply (the batches came
-    /// from the replay endpoint). Stops writing once the file is full.
-    fn steps(
-        &mut self,
-        rank: &mut Rank,
-        steps: &mut Vec<Step>,
-        replayed: bool,
-        now_us: u64,
-        transport: Option<&mut Transport>,
-        source: usize,
-    ) -> anyhow::Result<()> {
-        let mut transport = transport;
-        // By index, each taken as it comes: a replay that cannot be asked ends at once, and the
-        // batches it held are appended to `steps` while they are being taken.
-        let mut i = 0;
-        while i < steps.len() {
-            if self.full() {
-                steps.clear();
-                return Ok(());
-            }
-            match std::mem::replace(&mut steps[i], Step::Replay { from: 0 }) {
-                Step::Deliver { seq, payload } => {
-                    let at_us = if replayed {
-                        now_us
-                    } else {
-                        rank.arrived.remove(&seq).unwrap_or(now_us)
-                    };
-                    // Older arrivals were duplicates the state dropped.
-                    rank.arrived = rank.arrived.split_off(&seq);
-                    self.payload_bytes += payload.len() as u64;
-                    self.writer.write(&Record {
-                        rank: rank.no,
-                        seq,
-                        at_us,
-                        topic: rank.topic.clone(),
-                        replay: replayed,
-                        reset: rank
-                            .reset
-                            .take()
-                            .filter(|_| rank.written)
-                            .map(|r| r.as_str().to_owned()),
-                        payload,
-                    })?;
-                    rank.written = true;
-                    self.batches += 1;
+    /// Writes what the subscriber hands out, in order: a batch as a record (at its arrival),
+    /// a reset as a mark on the rank's next record.
+    fn apply(&mut self, ranks: &mut [Rank], update: Update) -> anyhow::Result<()> {
+        match update {
+            Update::Batch(b) => {
+                let rank = &mut ranks[b.source];
+                if b.replayed && !rank.replayed {
+                    eprintln!(
+                        "kvevents: rank {}: the replay endpoint answers from seq {}",
+                        rank.no, b.seq
+                    );
                 }
-                Step::Reset(reason) if !rank.written => rank.reset = Some(reason),
-                Step::Reset(reason) => {
+                rank.replayed = b.replayed;
+                self.payload_bytes += b.payload.len() as u64;
+                self.writer.write(&Record {
+                    rank: rank.no,
+                    seq: b.seq,
+                    at_us: b.arrived.saturating_duration_since(self.start).as_micros() as u64,
+                    topic: b.topic.to_vec(),
+                    replay: b.replayed,
+                    reset: rank
+                        .reset
+                        .take()
+                        .filter(|_| rank.written)
+                        .map(|r| r.as_str().to_owned()),
+                    payload: b.payload,
+                })?;
+                rank.written = true;
+                self.batches += 1;
+            }
+            Update::Reset { source, reason } => {
+                let rank = &mut ranks[source];
+                if rank.written {
                     eprintln!(
                         "kvevents: rank {}: starts over ({}): the recording marks it at the next batch",
                         rank.no,
@@ -164,28 +148,55 @@ impl<W: std::io::Write> Out<W> {
                     ) {
                         rank.unfilled += 1;
                     }
-                    rank.reset = Some(reason);
                 }
-                Step::Replay { from } => {
-                    let asked = transport
-                        .as_deref_mut()
-                        .is_some_and(|t| t.request_replay(source, from));
-                    if asked {
-                        eprintln!(
-                            "kvevents: rank {}: asking the replay endpoint from seq {from}",
-                            rank.no
-                        );
-                    } else {
-                        // No replay to be had (or stopping): the batches held go on as they are.
-                        rank.state
-                            .on_replay_done(ReplayEnd::Failed, Instant::now(), steps);
-                    }
-                }
+                rank.reset = Some(reason);
             }
-            i += 1;
         }
-        steps.clear();
         Ok(())
+    }
+}
+
+/// Says what changed on each rank's socket and replays since the last look.
+fn say_changes(subscriber: &Subscriber, ranks: &mut [Rank]) {
+    let health = subscriber.health();
+    for (i, (((rank, health), metrics), source)) in ranks
+        .iter_mut()
+        .zip(health)
+        .zip(subscriber.metrics())
+        .zip(subscriber.sources())
+        .enumerate()
+    {
+        let asked = metrics.replays_requested.load(Relaxed);
+        if asked > rank.asked
+            && let Some(from) = subscriber.replaying_from(i)
+        {
+            eprintln!(
+                "kvevents: rank {}: asking the replay endpoint from seq {from}",
+                rank.no
+            );
+        }
+        rank.asked = asked;
+        let connected = health.get().is_connected();
+        if connected && !rank.connected {
+            eprintln!(
+                "kvevents: rank {}: connected to {}",
+                rank.no, source.endpoint
+            );
+        } else if !connected && rank.connected {
+            eprintln!(
+                "kvevents: rank {}: connection lost (libzmq reconnects)",
+                rank.no
+            );
+        }
+        rank.connected = connected;
+        let failed = metrics.replays_failed.load(Relaxed) + metrics.replays_timed_out.load(Relaxed);
+        if failed > rank.failed {
+            eprintln!(
+                "kvevents: rank {}: a replay failed or timed out (asked again after a backoff)",
+                rank.no
+            );
+        }
+        rank.failed = failed;
     }
 }
 
@@ -197,6 +208,9 @@ fn stop_flag() -> anyhow::Result<Arc<AtomicBool>> {
     }
     Ok(stop)
 }
+
+/// Updates taken in one turn of the loop at most (a busy engine still lets it flush and stop).
+const TURN: usize = 4096;
 
 pub(crate) fn record(args: RecordArgs) -> anyhow::Result<()> {
     let stop = stop_flag()?;
@@ -231,28 +245,17 @@ pub(crate) fn record(args: RecordArgs) -> anyhow::Result<()> {
     };
     let file = std::fs::File::create(&args.out)
         .with_context(|| format!("cannot create {}", args.out.display()))?;
-    let ctx = zmq::Context::new();
-    let mut transport = Transport::start(&ctx, &sources, &SourceOptions::default())?;
     let mut ranks: Vec<Rank> = sources
         .iter()
-        .map(|s| {
-            let metrics = Arc::new(SourceMetrics::default());
-            let config = StateConfig {
-                has_replay: s.replay_endpoint.is_some(),
-                label: s.label(),
-                ..StateConfig::default()
-            };
-            Rank {
-                no: s.dp_rank,
-                state: SourceState::new(config, metrics.clone()),
-                metrics,
-                topic: args.topic.as_bytes().to_vec(),
-                arrived: BTreeMap::new(),
-                reset: None,
-                written: false,
-                unfilled: 0,
-                connected: false,
-            }
+        .map(|s| Rank {
+            no: s.dp_rank,
+            reset: None,
+            written: false,
+            unfilled: 0,
+            connected: false,
+            replayed: false,
+            failed: 0,
+            asked: 0,
         })
         .collect();
     eprintln!(
@@ -276,18 +279,21 @@ pub(crate) fn record(args: RecordArgs) -> anyhow::Result<()> {
         batches: 0,
         payload_bytes: 0,
         max_bytes: args.max_bytes,
+        start,
     };
-    let mut steps = Vec::new();
-    if args.replay_first {
-        for (source, rank) in ranks.iter_mut().enumerate() {
-            rank.state.on_start(Instant::now(), &mut steps);
-            out.steps(rank, &mut steps, false, 0, Some(&mut transport), source)?;
-        }
-    }
-    let mut frames = std::collections::VecDeque::new();
+    // Without --replay-first the stream is taken from now: the first live batch decides, as a
+    // sidecar's does (past seq 0, the replay endpoint is asked for what came before).
+    let ctx = zmq::Context::new();
+    let mut subscriber = Subscriber::start(
+        &ctx,
+        kvevent_source::Config {
+            engine: args.engine,
+            bootstrap: args.replay_first,
+            ..kvevent_source::Config::new(sources)
+        },
+    )?;
     let mut last_flush = Instant::now();
     let mut last_said = Instant::now();
-    let mut last_tick = Instant::now();
     let why = loop {
         if stop.load(Relaxed) {
             break "interrupted";
@@ -298,96 +304,19 @@ pub(crate) fn record(args: RecordArgs) -> anyhow::Result<()> {
         if out.full() {
             break "it reached --max-bytes";
         }
-        transport.poll(Duration::from_millis(50), &mut frames);
-        let now = Instant::now();
-        let now_us = start.elapsed().as_micros() as u64;
-        while let Some(f) = frames.pop_front() {
+        // What is ready, the first waited for up to 50 ms.
+        let mut wait = Duration::from_millis(50);
+        for _ in 0..TURN {
+            let Some(update) = subscriber.next_unchecked(wait) else {
+                break;
+            };
+            out.apply(&mut ranks, update)?;
             if out.full() {
                 break;
             }
-            let source = f.source;
-            let rank = &mut ranks[source];
-            let mut replayed = false;
-            match f.delivery {
-                Delivery::Live(mut msg) => {
-                    let Ok(live) = frames::parse_live(&msg) else {
-                        eprintln!(
-                            "kvevents: rank {}: a message that is not [topic, seq, payload]: skipped",
-                            rank.no
-                        );
-                        continue;
-                    };
-                    let seq = live.seq;
-                    if live.topic != rank.topic.as_slice() {
-                        rank.topic = live.topic.to_vec();
-                    }
-                    rank.arrived.insert(seq, now_us);
-                    let payload = msg.pop().unwrap_or_default();
-                    rank.state.on_live(seq, payload, now, &mut steps);
-                }
-                Delivery::Replay(mut msg) => match frames::parse_replay(&msg) {
-                    Ok(frames::ReplayReply::Batch { topic, seq, .. }) => {
-                        if let Some(topic) = topic.filter(|t| *t != rank.topic.as_slice()) {
-                            rank.topic = topic.to_vec();
-                        }
-                        replayed = true;
-                        let payload = msg.pop().unwrap_or_default();
-                        rank.state.on_replayed(seq, payload, &mut steps);
-                    }
-                    Ok(frames::ReplayReply::End) => {}
-                    Err(e) => eprintln!(
-                        "kvevents: rank {}: a replay reply that does not parse: {e}",
-                        rank.no
-                    ),
-                },
-                Delivery::ReplayDone(outcome) => {
-                    if let kvevent_zmq::ReplayOutcome::Failed(why) = &outcome {
-                        eprintln!("kvevents: rank {}: the replay failed: {why}", rank.no);
-                    }
-                    rank.state
-                        .on_replay_done(ReplayEnd::of(&outcome), now, &mut steps);
-                }
-                Delivery::Connected => {
-                    if !std::mem::replace(&mut rank.connected, true) {
-                        eprintln!(
-                            "kvevents: rank {}: connected to {}",
-                            rank.no, sources[source].endpoint
-                        );
-                    }
-                    rank.state.on_connected(now, &mut steps);
-                }
-                Delivery::Disconnected => {
-                    rank.connected = false;
-                    rank.state.on_disconnected();
-                    eprintln!(
-                        "kvevents: rank {}: connection lost (libzmq reconnects)",
-                        rank.no
-                    );
-                }
-            }
-            out.steps(
-                rank,
-                &mut steps,
-                replayed,
-                now_us,
-                Some(&mut transport),
-                source,
-            )?;
+            wait = Duration::ZERO;
         }
-        if now.saturating_duration_since(last_tick) >= Duration::from_millis(50) {
-            last_tick = now;
-            for (source, rank) in ranks.iter_mut().enumerate() {
-                rank.state.on_tick(now, &mut steps);
-                out.steps(
-                    rank,
-                    &mut steps,
-                    false,
-                    now_us,
-                    Some(&mut transport),
-                    source,
-                )?;
-            }
-        }
+        say_changes(&subscriber, &mut ranks);
         if last_flush.elapsed() >= Duration::from_millis(100) {
             out.writer.flush()?;
             last_flush = Instant::now();
@@ -416,24 +345,21 @@ pub(crate) fn record(args: RecordArgs) -> anyhow::Result<()> {
     };
     // Live batches held back by a replay still under way are written as they are: the
     // replay is given up (a gap it would have filled is marked where it is).
-    let now_us = start.elapsed().as_micros() as u64;
-    for (source, rank) in ranks.iter_mut().enumerate() {
-        for _ in 0..3 {
-            if !rank.state.replaying() {
-                break;
-            }
-            rank.state
-                .on_replay_done(ReplayEnd::Failed, Instant::now(), &mut steps);
-            out.steps(rank, &mut steps, false, now_us, None, source)?;
+    subscriber.end_replays();
+    while subscriber.has_pending() && !out.full() {
+        match subscriber.next_unchecked(Duration::ZERO) {
+            Some(update) => out.apply(&mut ranks, update)?,
+            None => break,
         }
     }
     let size = out.writer.bytes_written();
     out.writer.finish()?.flush()?;
     let (batches, payload_bytes) = (out.batches, out.payload_bytes);
     let count = |f: fn(&SourceMetrics) -> &std::sync::atomic::AtomicU64| {
-        ranks
+        subscriber
+            .metrics()
             .iter()
-            .map(|r| f(&r.metrics).load(Relaxed))
+            .map(|m| f(m).load(Relaxed))
             .sum::<u64>()
     };
     eprintln!(
@@ -446,7 +372,7 @@ pub(crate) fn record(args: RecordArgs) -> anyhow::Result<()> {
         ranks.iter().map(|r| r.unfilled).sum::<u64>(),
         count(|m| &m.restarts),
     );
-    transport.shutdown();
+    subscriber.shutdown();
     Ok(())
 }
 

@@ -900,7 +900,7 @@ fn a_gap_in_the_live_stream_is_filled_from_the_replay_endpoint() {
     assert!(records.iter().all(|r| r.reset.is_none()), "{records:?}");
     let said = std::fs::read_to_string(&log).expect("log");
     assert!(
-        said.contains("asking the replay endpoint from seq 1")
+        said.contains("the replay endpoint answers from seq 1")
             && said.contains("gaps: 1 seen (4 seqs), 0 left unfilled"),
         "{said}"
     );

@@ -63,6 +63,10 @@ pub enum Step {
         seq: u64,
         /// The msgpack payload.
         payload: Vec<u8>,
+        /// When it arrived: held back during a replay, it is delivered later than that.
+        arrived: Instant,
+        /// It came from the replay endpoint (else live).
+        replayed: bool,
     },
     /// Everything known of the source is stale: clear it.
     Reset(ResetReason),
@@ -175,7 +179,9 @@ pub struct SourceState {
     /// the engine's identity after a reconnect).
     last_digest: Option<u64>,
     replay: Option<Replay>,
-    buffered: VecDeque<(u64, Vec<u8>)>,
+    buffered: VecDeque<(u64, Vec<u8>, Arrival)>,
+    /// How the batch being handled came: what it delivers or holds carries it.
+    arrival: Arrival,
     /// Seqs at or above this that are not above `last` are replay duplicates, not a restart.
     dup_floor: Option<u64>,
     /// Draining the batches held during a replay: a gap now is not replayed again.
@@ -204,6 +210,13 @@ pub struct SourceState {
     health: Arc<Health>,
 }
 
+/// How a batch came: when, and from where.
+#[derive(Debug, Clone, Copy)]
+struct Arrival {
+    at: Instant,
+    replayed: bool,
+}
+
 /// Batches whose digests are kept to tell a duplicate from a new process's batch (a PUB's
 /// queue flushed into a sidecar that restarted holds at most its HWM).
 const RECENT: usize = 4096;
@@ -217,6 +230,10 @@ impl SourceState {
             last_digest: None,
             replay: None,
             buffered: VecDeque::new(),
+            arrival: Arrival {
+                at: Instant::now(),
+                replayed: false,
+            },
             dup_floor: None,
             draining: false,
             failures: 0,
@@ -313,6 +330,11 @@ impl SourceState {
         self.replay.is_some()
     }
 
+    /// The seq the running replay was asked from, if one runs.
+    pub fn replaying_from(&self) -> Option<u64> {
+        self.replay.as_ref().map(|r| r.from)
+    }
+
     /// The events seen cover what the engine holds again (e.g. after `AllBlocksCleared`).
     pub fn mark_whole(&self) {
         self.health.set_degraded(false);
@@ -345,7 +367,12 @@ impl SourceState {
         if let Some(r) = self.replay.as_mut() {
             r.delivered += 1;
         }
-        out.push(Step::Deliver { seq, payload });
+        out.push(Step::Deliver {
+            seq,
+            payload,
+            arrived: self.arrival.at,
+            replayed: self.arrival.replayed,
+        });
     }
 
     fn reset(&mut self, reason: ResetReason, out: &mut Vec<Step>) {
@@ -381,7 +408,7 @@ impl SourceState {
     }
 
     fn hold(&mut self, seq: u64, payload: Vec<u8>) {
-        self.buffered.push_back((seq, payload));
+        self.buffered.push_back((seq, payload, self.arrival));
         if self.buffered.len() > self.config.max_buffered {
             self.buffered.pop_front();
             self.metrics.buffer_overflows.fetch_add(1, Relaxed);
@@ -483,6 +510,15 @@ impl SourceState {
 
     /// A live batch arrived.
     pub fn on_live(&mut self, seq: u64, payload: Vec<u8>, now: Instant, out: &mut Vec<Step>) {
+        self.arrival = Arrival {
+            at: now,
+            replayed: false,
+        };
+        self.live(seq, payload, now, out);
+    }
+
+    /// A live batch, arrived as [`SourceState::arrival`] says.
+    fn live(&mut self, seq: u64, payload: Vec<u8>, now: Instant, out: &mut Vec<Step>) {
         if self.replay.is_some() {
             self.hold(seq, payload);
             return;
@@ -616,7 +652,11 @@ impl SourceState {
     }
 
     /// A replayed batch arrived.
-    pub fn on_replayed(&mut self, seq: u64, payload: Vec<u8>, out: &mut Vec<Step>) {
+    pub fn on_replayed(&mut self, seq: u64, payload: Vec<u8>, now: Instant, out: &mut Vec<Step>) {
+        self.arrival = Arrival {
+            at: now,
+            replayed: true,
+        };
         let Some(replay) = self.replay.as_mut() else {
             self.metrics.duplicates.fetch_add(1, Relaxed);
             return;
@@ -773,9 +813,10 @@ impl SourceState {
         }
         self.draining = true;
         while self.replay.is_none() {
-            let Some((seq, payload)) = self.buffered.pop_front() else {
+            let Some((seq, payload, arrival)) = self.buffered.pop_front() else {
                 break;
             };
+            self.arrival = arrival;
             if self.last.is_none() {
                 // Nothing came back at all: start from the first held batch.
                 if seq > 0 {
@@ -786,7 +827,7 @@ impl SourceState {
                 self.deliver(seq, payload, out);
                 continue;
             }
-            self.on_live(seq, payload, now, out);
+            self.live(seq, payload, now, out);
         }
         self.draining = false;
         if self.buffered.is_empty() && self.replay.is_none() {

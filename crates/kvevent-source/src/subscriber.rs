@@ -26,6 +26,10 @@ pub struct Config {
     /// By source index: where a saved state of the consumer left it ([`SourceState::on_resume`]);
     /// such a source starts with no `Startup` reset. Sources beyond the list start afresh.
     pub resume: Vec<Option<crate::Resume>>,
+    /// Ask each new source's replay endpoint for everything it holds at once (default). Off,
+    /// the first live batch decides, as [`SourceState::on_live`] says (a recorder that takes
+    /// the stream from now).
+    pub bootstrap: bool,
 }
 
 impl Config {
@@ -38,6 +42,7 @@ impl Config {
             limits: wire::Limits::DEFAULT,
             engine: wire::Engine::Vllm,
             resume: Vec::new(),
+            bootstrap: true,
         }
     }
 }
@@ -53,6 +58,13 @@ pub struct Batch {
     pub payload: Vec<u8>,
     /// Whose wire it is ([`Config::engine`]).
     pub engine: wire::Engine,
+    /// The topic of the source's last message when it was delivered (shared while it does
+    /// not change).
+    pub topic: Arc<[u8]>,
+    /// When it arrived: a live batch held back during a replay is delivered later.
+    pub arrived: Instant,
+    /// It came from the replay endpoint (else live).
+    pub replayed: bool,
 }
 
 impl Batch {
@@ -123,6 +135,12 @@ pub struct Subscriber {
     removed: Vec<bool>,
     /// The updates [`Subscriber::next_many`] hands out (kept for its capacity).
     taken: Vec<Update>,
+    /// By source index: the topic of its last message.
+    topics: Vec<Arc<[u8]>>,
+    /// [`Config::bootstrap`].
+    bootstrap: bool,
+    /// Stopping ([`Subscriber::end_replays`]): no replay is asked any more.
+    stopping: bool,
     /// When the states' timers were last looked at.
     last_tick: Instant,
 }
@@ -169,6 +187,13 @@ impl Subscriber {
             taken: Vec::new(),
             engines: vec![config.engine; config.sources.len()],
             engine: config.engine,
+            topics: config
+                .sources
+                .iter()
+                .map(|s| Arc::from(s.topic.as_slice()))
+                .collect(),
+            bootstrap: config.bootstrap,
+            stopping: false,
             sources: config.sources,
             limits: config.limits,
             ready: VecDeque::new(),
@@ -190,8 +215,11 @@ impl Subscriber {
         Ok(subscriber)
     }
 
-    /// Bootstraps a new source from its engine's replay buffer at once.
+    /// Bootstraps a new source from its engine's replay buffer at once ([`Config::bootstrap`]).
     fn start_source(&mut self, source: usize) {
+        if !self.bootstrap {
+            return;
+        }
         let mut steps = std::mem::take(&mut self.steps);
         self.states[source].on_start(Instant::now(), &mut steps);
         self.steps = steps;
@@ -234,6 +262,7 @@ impl Subscriber {
         };
         self.states.push(SourceState::new(state, metrics.clone()));
         self.metrics.push(metrics);
+        self.topics.push(Arc::from(source.topic.as_slice()));
         self.sources.push(source);
         self.removed.push(false);
         self.engines.push(engine);
@@ -386,6 +415,37 @@ impl Subscriber {
         !self.ready.is_empty() || !self.inbox.is_empty()
     }
 
+    /// The seq a replay running for `source` was asked from, if one runs.
+    pub fn replaying_from(&self, source: usize) -> Option<u64> {
+        self.states.get(source)?.replaying_from()
+    }
+
+    /// The next update as it came, its payload not decoded (a corrupt one is handed out as
+    /// it is, not as a reset): for a consumer that keeps the bytes, such as a recorder.
+    pub fn next_unchecked(&mut self, timeout: Duration) -> Option<Update> {
+        self.next_raw(timeout)
+    }
+
+    /// Stops asking for replays, and ends those running as failed: the live batches they held
+    /// come out next, as they are (a gap a replay would have filled is a reset where it is).
+    /// For a consumer that stops and takes what was read ([`Subscriber::next_unchecked`]
+    /// with no wait, until `None`).
+    pub fn end_replays(&mut self) {
+        self.stopping = true;
+        for source in 0..self.states.len() {
+            // Each end may ask once more (a check becomes a rebuild): never asked now.
+            for _ in 0..3 {
+                if self.removed[source] || !self.states[source].replaying() {
+                    break;
+                }
+                let mut steps = std::mem::take(&mut self.steps);
+                self.states[source].on_replay_done(ReplayEnd::Failed, Instant::now(), &mut steps);
+                self.steps = steps;
+                self.apply_steps(source);
+            }
+        }
+    }
+
     /// The next update in order, its payload not yet checked.
     fn next_raw(&mut self, timeout: Duration) -> Option<Update> {
         let deadline = Instant::now() + timeout;
@@ -443,6 +503,9 @@ impl Subscriber {
             transport::Delivery::Live(mut msg) => match frames::parse_live(&msg) {
                 Ok(live) => {
                     let seq = live.seq;
+                    if *live.topic != *self.topics[source] {
+                        self.topics[source] = Arc::from(live.topic);
+                    }
                     let payload = msg.pop().unwrap_or_default();
                     state.on_live(seq, payload, now, &mut self.steps);
                 }
@@ -452,9 +515,12 @@ impl Subscriber {
                 }
             },
             transport::Delivery::Replay(mut msg) => match frames::parse_replay(&msg) {
-                Ok(frames::ReplayReply::Batch { seq, .. }) => {
+                Ok(frames::ReplayReply::Batch { seq, topic, .. }) => {
+                    if let Some(topic) = topic.filter(|t| **t != *self.topics[source]) {
+                        self.topics[source] = Arc::from(topic);
+                    }
                     let payload = msg.pop().unwrap_or_default();
-                    state.on_replayed(seq, payload, &mut self.steps);
+                    state.on_replayed(seq, payload, now, &mut self.steps);
                 }
                 Ok(frames::ReplayReply::End) => {}
                 Err(e) => {
@@ -478,16 +544,22 @@ impl Subscriber {
         let mut steps = std::mem::take(&mut self.steps);
         for step in steps.drain(..) {
             match step {
-                Step::Deliver { seq, payload } => self.deliver(source, seq, payload),
+                Step::Deliver {
+                    seq,
+                    payload,
+                    arrived,
+                    replayed,
+                } => self.deliver(source, seq, payload, arrived, replayed),
                 Step::Reset(reason) => {
                     tracing::info!(source = %self.sources[source].label(), reason = reason.as_str(), "source reset");
                     self.ready.push_back(Update::Reset { source, reason });
                 }
                 Step::Replay { from } => {
-                    let asked = self
-                        .transport
-                        .as_mut()
-                        .is_some_and(|t| t.request_replay(source, from));
+                    let asked = !self.stopping
+                        && self
+                            .transport
+                            .as_mut()
+                            .is_some_and(|t| t.request_replay(source, from));
                     if !asked {
                         let mut more = Vec::new();
                         self.states[source].on_replay_done(
@@ -506,12 +578,22 @@ impl Subscriber {
         }
     }
 
-    fn deliver(&mut self, source: usize, seq: u64, payload: Vec<u8>) {
+    fn deliver(
+        &mut self,
+        source: usize,
+        seq: u64,
+        payload: Vec<u8>,
+        arrived: Instant,
+        replayed: bool,
+    ) {
         self.ready.push_back(Update::Batch(Batch {
             source,
             seq,
             payload,
             engine: self.engines.get(source).copied().unwrap_or_default(),
+            topic: self.topics[source].clone(),
+            arrived,
+            replayed,
         }));
     }
 

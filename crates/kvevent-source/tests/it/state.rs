@@ -90,7 +90,7 @@ fn live(s: &mut SourceState, seq: u64, now: Instant) -> Vec<String> {
 
 fn replayed(s: &mut SourceState, seq: u64) -> Vec<String> {
     let mut out = Vec::new();
-    s.on_replayed(seq, p(seq), &mut out);
+    s.on_replayed(seq, p(seq), Instant::now(), &mut out);
     short(&out)
 }
 
@@ -258,6 +258,40 @@ fn a_rebuild_cut_by_the_new_connection_is_asked_again_at_once() {
     assert_eq!(connected(&mut s, t0), ["P0"], "asked again at once");
     assert!(done(&mut s, ReplayEnd::Complete, t0).is_empty());
     assert!(s.trusted());
+}
+
+/// A delivered batch says how it came: a live one held back during a replay keeps the time it
+/// arrived, a replayed one says so (what a recorder writes, `kvevents record`).
+#[test]
+fn a_batch_held_during_a_replay_keeps_its_arrival() {
+    let (mut s, _m) = state(true);
+    let t0 = Instant::now();
+    let (t1, t2, t3) = (
+        t0 + Duration::from_millis(10),
+        t0 + Duration::from_millis(20),
+        t0 + Duration::from_millis(30),
+    );
+    let how = |out: &[Step]| -> Vec<(u64, Instant, bool)> {
+        out.iter()
+            .filter_map(|s| match s {
+                Step::Deliver {
+                    seq,
+                    arrived,
+                    replayed,
+                    ..
+                } => Some((*seq, *arrived, *replayed)),
+                _ => None,
+            })
+            .collect()
+    };
+    let mut out = Vec::new();
+    s.on_live(0, p(0), t0, &mut out);
+    s.on_live(2, p(2), t1, &mut out);
+    assert_eq!(short(&out), ["R:startup", "D0", "P1"]);
+    out.clear();
+    s.on_replayed(1, p(1), t2, &mut out);
+    s.on_replay_done(ReplayEnd::Complete, t3, &mut out);
+    assert_eq!(how(&out), [(1, t2, true), (2, t1, false)]);
 }
 
 #[test]
@@ -551,7 +585,7 @@ fn resume(s: &mut SourceState, last_seq: u64, now: Instant) -> Vec<String> {
 
 fn replayed_with(s: &mut SourceState, seq: u64, payload: Vec<u8>) -> Vec<String> {
     let mut out = Vec::new();
-    s.on_replayed(seq, payload, &mut out);
+    s.on_replayed(seq, payload, Instant::now(), &mut out);
     short(&out)
 }
 
