@@ -17,18 +17,9 @@ pub(crate) struct DoctorArgs {
     /// `/kv_event_sources` are read from it.
     #[arg(long, value_parser = http_url)]
     engine_url: Option<String>,
-    /// The engine's PUB endpoint, when it is not discovered (`tcp://host:5557`).
-    #[arg(long, value_parser = crate::endpoint)]
-    endpoint: Option<String>,
-    /// Its replay endpoint (`tcp://host:5558`); empty or absent: none.
-    #[arg(long, value_parser = crate::endpoint_or_none)]
-    replay_endpoint: Option<String>,
-    /// Data-parallel ranks behind `--endpoint` (ports offset by rank).
-    #[arg(long, default_value_t = 1)]
-    dp_size: u32,
-    /// The topic.
-    #[arg(long, default_value = "kv-events")]
-    topic: String,
+    /// The engine's sockets, when they are not discovered from `--engine-url`.
+    #[command(flatten)]
+    engine: crate::EngineArgs,
     /// How long to wait for the engine at each step (HTTP, replay, a live batch).
     #[arg(long, default_value = "10s", value_parser = parse_secs)]
     timeout: Duration,
@@ -99,28 +90,23 @@ pub(crate) fn run(args: &DoctorArgs) -> anyhow::Result<bool> {
     }
 
     // 2. Where events are published: discovery (0.31+), else the flags.
-    let topic = args.topic.as_bytes();
+    let spec = args
+        .engine
+        .sockets(args.engine.endpoint.as_deref().unwrap_or_default());
+    let topic = spec.topic.as_slice();
     let mut bound_as: Vec<String> = Vec::new();
-    let sources: Vec<Source> = match (&base, &args.endpoint) {
-        (_, Some(endpoint)) => {
-            match kvevent_zmq::dp_sources(
-                endpoint,
-                args.replay_endpoint.as_deref().filter(|r| !r.is_empty()),
-                args.dp_size,
-                topic,
-                false,
-            ) {
-                Ok(s) => {
-                    r.ok("endpoints", format!("from the flags: {}", labels(&s)));
-                    bound_as = s.iter().map(|s| s.endpoint.clone()).collect();
-                    s
-                }
-                Err(e) => {
-                    r.fail("endpoints", format!("{e:#}"));
-                    Vec::new()
-                }
+    let sources: Vec<Source> = match (&base, &args.engine.endpoint) {
+        (_, Some(_)) => match spec.sources() {
+            Ok(s) => {
+                r.ok("endpoints", format!("from the flags: {}", labels(&s)));
+                bound_as = s.iter().map(|s| s.endpoint.clone()).collect();
+                s
             }
-        }
+            Err(e) => {
+                r.fail("endpoints", format!("{e:#}"));
+                Vec::new()
+            }
+        },
         (Some(base), None) => {
             let url = format!("{base}/kv_event_sources");
             match runtime.block_on(fetch(&url, args.timeout)) {
@@ -230,7 +216,7 @@ pub(crate) fn run(args: &DoctorArgs) -> anyhow::Result<bool> {
             Err(e) => r.fail(&format!("live {label}"), format!("{e:#}")),
         }
         match seen {
-            Some(payload) => describe(&mut r, &label, &payload),
+            Some(payload) => describe(&mut r, &label, &payload, spec.engine),
             None => r.warn(&format!("batch {label}"), "no batch seen to describe"),
         }
     }
@@ -388,9 +374,9 @@ fn live_batch(
     Ok(Some(live.payload.to_vec()))
 }
 
-fn describe(r: &mut Report, label: &str, payload: &[u8]) {
+fn describe(r: &mut Report, label: &str, payload: &[u8], engine: wire::Engine) {
     let check = format!("batch {label}");
-    let batch = match wire::decode(payload) {
+    let batch = match wire::decode_engine(payload, engine, &wire::Limits::DEFAULT) {
         Ok(b) => b,
         Err(e) => {
             r.fail(&check, format!("does not decode: {e}"));

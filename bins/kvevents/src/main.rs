@@ -312,6 +312,45 @@ pub(crate) fn endpoint_or_none(text: &str) -> Result<String, String> {
     endpoint(text)
 }
 
+/// How to reach an engine, as `record` and `doctor` take it: the sidecar's flags by the same
+/// names, read into the one spec every tool builds its sockets from
+/// ([`kvevent_zmq::EngineSockets`]).
+#[derive(clap::Args)]
+pub(crate) struct EngineArgs {
+    /// The engine's KV-event PUB endpoint, rank 0's with --dp-size; a `*` binds, for engines
+    /// that connect (record: tcp://127.0.0.1:5557 when not given).
+    #[arg(long, value_parser = endpoint)]
+    pub(crate) endpoint: Option<String>,
+    /// Its replay ROUTER endpoint (rank 0's); empty: none.
+    #[arg(long, default_value = "", value_parser = endpoint_or_none)]
+    replay_endpoint: String,
+    /// Data-parallel ranks 0..N-1, endpoints by vLLM's port offset from the two above.
+    #[arg(long, default_value_t = 1)]
+    dp_size: u32,
+    /// Topic prefix to subscribe to (empty: every topic; vLLM's default is `kv-events`,
+    /// SGLang's empty).
+    #[arg(long, default_value = "")]
+    topic: String,
+    /// Whose wire the payloads are: vllm or sglang.
+    #[arg(long, default_value = "vllm")]
+    pub(crate) engine: wire::Engine,
+}
+
+impl EngineArgs {
+    /// The spec, with `endpoint` as the PUB endpoint (the one given, or a command's default).
+    pub(crate) fn sockets(&self, endpoint: &str) -> kvevent_zmq::EngineSockets {
+        kvevent_zmq::EngineSockets {
+            endpoint: endpoint.to_owned(),
+            replay: (!self.replay_endpoint.is_empty()).then(|| self.replay_endpoint.clone()),
+            dp: self.dp_size,
+            topic: self.topic.as_bytes().to_vec(),
+            engine: self.engine,
+            http: None,
+            bind: kvevent_zmq::publisher::binds(endpoint),
+        }
+    }
+}
+
 /// `bytes` in the unit a person reads: 812 B, 35.0 KB, 1.2 MB, 3.40 GB (powers of 1,000).
 pub(crate) fn human_bytes(bytes: u64) -> String {
     let b = bytes as f64;

@@ -11,27 +11,11 @@ use anyhow::Context as _;
 use kvevent_recording::{Header, Reader, Record, SourceInfo, Writer};
 use kvevent_source::{ResetReason, SourceMetrics, Subscriber, Update};
 use kvevent_wire as wire;
-use kvevent_zmq::dp_sources;
 
 #[derive(clap::Args)]
 pub(crate) struct RecordArgs {
-    /// The engine's KV-event PUB endpoint (rank 0's with --dp-size; a `*` binds, for engines
-    /// that connect).
-    #[arg(long, default_value = "tcp://127.0.0.1:5557", value_parser = crate::endpoint)]
-    endpoint: String,
-    /// Its replay ROUTER endpoint (rank 0's); empty: none.
-    #[arg(long, default_value = "", value_parser = crate::endpoint_or_none)]
-    replay_endpoint: String,
-    /// Data-parallel ranks 0..N-1, endpoints by vLLM's port offset from the two above.
-    #[arg(long, default_value_t = 1)]
-    dp_size: u32,
-    /// Topic prefix to subscribe to (empty: every topic; vLLM's default is `kv-events`,
-    /// SGLang's empty).
-    #[arg(long, default_value = "")]
-    topic: String,
-    /// Whose wire the payloads are (kept in the header, for `decode` and `stats`).
-    #[arg(long, default_value = "vllm")]
-    engine: wire::Engine,
+    #[command(flatten)]
+    engine: crate::EngineArgs,
     /// First ask the replay endpoint for everything it still holds, then record live. Without
     /// it, the replay endpoint is asked for what came before once the first live batch shows
     /// something did (past seq 0), as a sidecar asks.
@@ -214,18 +198,17 @@ const TURN: usize = 4096;
 
 pub(crate) fn record(args: RecordArgs) -> anyhow::Result<()> {
     let stop = stop_flag()?;
-    let replay = (!args.replay_endpoint.is_empty()).then_some(args.replay_endpoint.as_str());
+    let endpoint = args
+        .engine
+        .endpoint
+        .as_deref()
+        .unwrap_or("tcp://127.0.0.1:5557");
+    let spec = args.engine.sockets(endpoint);
     anyhow::ensure!(
-        !args.replay_first || replay.is_some(),
+        !args.replay_first || spec.replay.is_some(),
         "--replay-first needs --replay-endpoint"
     );
-    let sources = dp_sources(
-        &args.endpoint,
-        replay,
-        args.dp_size,
-        args.topic.as_bytes(),
-        kvevent_zmq::publisher::binds(&args.endpoint),
-    )?;
+    let sources = spec.sources()?;
     let started_unix_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64);
@@ -241,7 +224,7 @@ pub(crate) fn record(args: RecordArgs) -> anyhow::Result<()> {
         replay_first: args.replay_first,
         tool: concat!("kvevents ", env!("CARGO_PKG_VERSION")).to_owned(),
         command: std::env::args().collect(),
-        ..Header::new(args.engine.as_str(), started_unix_ms)
+        ..Header::new(spec.engine.as_str(), started_unix_ms)
     };
     let file = std::fs::File::create(&args.out)
         .with_context(|| format!("cannot create {}", args.out.display()))?;
@@ -261,7 +244,7 @@ pub(crate) fn record(args: RecordArgs) -> anyhow::Result<()> {
     eprintln!(
         "kvevents: recording {} rank(s) from {}{} to {}{}; Ctrl-C stops it",
         sources.len(),
-        args.endpoint,
+        spec.endpoint,
         if args.replay_first {
             " (what the replay endpoint holds first)"
         } else {
@@ -287,7 +270,7 @@ pub(crate) fn record(args: RecordArgs) -> anyhow::Result<()> {
     let mut subscriber = Subscriber::start(
         &ctx,
         kvevent_source::Config {
-            engine: args.engine,
+            engine: spec.engine,
             bootstrap: args.replay_first,
             ..kvevent_source::Config::new(sources)
         },
@@ -337,7 +320,7 @@ pub(crate) fn record(args: RecordArgs) -> anyhow::Result<()> {
         {
             eprintln!(
                 "kvevents: nothing connected to {} after {:.0} s: is the engine up with KV events on that endpoint?",
-                args.endpoint,
+                spec.endpoint,
                 start.elapsed().as_secs_f64()
             );
             last_said = Instant::now();

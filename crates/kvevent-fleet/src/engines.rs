@@ -18,20 +18,16 @@ pub(crate) fn sources(
     name: &str,
     e: &EngineSockets,
 ) -> Result<Vec<kvevent_zmq::Source>, FleetError> {
-    for endpoint in std::iter::once(&e.endpoint).chain(&e.replay) {
-        if kvevent_zmq::check_endpoint(endpoint).is_err() {
-            return Err(FleetError::Endpoint {
-                replica: name.to_owned(),
-                endpoint: endpoint.clone(),
-            });
-        }
-    }
-    kvevent_zmq::dp_sources(&e.endpoint, e.replay.as_deref(), e.dp, &e.topic, false).map_err(
-        |source| FleetError::Engine {
+    e.sources().map_err(|source| match source {
+        kvevent_zmq::Error::Endpoint { endpoint, .. } => FleetError::Endpoint {
+            replica: name.to_owned(),
+            endpoint,
+        },
+        source => FleetError::Engine {
             replica: name.to_owned(),
             source,
         },
-    )
+    })
 }
 
 enum Command {

@@ -10,8 +10,10 @@
 //!   and dropped, `docs/decisions/0002-reading-the-engine.md`). Sources are added and removed
 //!   while the others run ([`Transport::add`], [`Transport::remove`]). TCP sources beyond 200
 //!   a context get contexts of their own (a libzmq context holds 1,023 sockets).
-//! - [`dp_endpoint`] applies vLLM's data-parallel port-offset rule; [`dp_sources`] makes every
-//!   rank's source with it, refusing ranks whose endpoints collide.
+//! - [`EngineSockets`] is how to reach an engine (endpoints, ranks, topic, wire, HTTP server),
+//!   with a text form; [`EngineSockets::sources`] makes every rank's source by vLLM's
+//!   data-parallel port-offset rule ([`dp_endpoint`], [`dp_sources`]), refusing ranks whose
+//!   endpoints collide.
 //! - [`publisher::Publisher`] is the other side: a publisher that behaves as vLLM's does (PUB
 //!   `[topic, seq, payload]`, a bounded ROUTER replay buffer, either reply format, restarts,
 //!   injected gaps), for tests, demos and `kvevents publish`.
@@ -61,9 +63,11 @@
 
 mod options;
 pub mod publisher;
+mod spec;
 mod transport;
 
 pub use options::{Source, SourceOptions, check_endpoint, dp_endpoint, dp_sources};
+pub use spec::EngineSockets;
 pub use transport::{Delivery, Frames, ReplayOutcome, Transport, Waker};
 
 /// What went wrong setting up sockets.
@@ -79,6 +83,14 @@ pub enum Error {
         /// libzmq's error.
         #[source]
         source: zmq::Error,
+    },
+    /// Not an endpoint ([`check_endpoint`]).
+    #[error("{why}")]
+    Endpoint {
+        /// The endpoint given.
+        endpoint: String,
+        /// What is wrong with it.
+        why: String,
     },
     /// An endpoint that vLLM's port-offset rule cannot derive a DP rank's endpoint from.
     #[error("cannot derive the endpoint of DP rank {rank} from `{endpoint}`: {why}")]

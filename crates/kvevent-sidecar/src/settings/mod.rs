@@ -418,20 +418,34 @@ impl Settings {
             || !self.tls_server_name.is_empty()
     }
 
+    /// How to reach the engine, as these options say it (`--engine-endpoint`,
+    /// `--replay-endpoint`, `--dp-size`, `--topic`, `--engine`, `--engine-bind`, and the
+    /// engine's HTTP server on `--engine-metrics-url`'s host): the spec every tool takes.
+    pub fn engine_sockets(&self) -> kvevent_zmq::EngineSockets {
+        kvevent_zmq::EngineSockets {
+            endpoint: self.engine_endpoint.get().unwrap_or_default().to_owned(),
+            replay: self.replay_endpoint.get().map(str::to_owned),
+            dp: self.dp_size,
+            topic: self.topic.as_bytes().to_vec(),
+            engine: self.engine,
+            http: self
+                .engine_metrics_url
+                .health()
+                .and_then(|h| h.strip_suffix("/health").map(str::to_owned)),
+            bind: self.engine_bind,
+        }
+    }
+
     /// Every DP rank's source, its endpoints derived from the base endpoints by vLLM's port
-    /// offset (`kvevent_zmq::dp_sources`, with `--dp-size`; not used with
+    /// offset ([`Settings::engine_sockets`], with `--dp-size`; not used with
     /// `--engine-discovery-url`, whose listing names them): what `validate` checks is what
     /// `start` subscribes to. Refused, under the option whose endpoint is at fault, when a base
     /// cannot be offset or two ranks' endpoints would be the same.
     pub fn engine_sources(&self) -> Result<Vec<kvevent_zmq::Source>, Vec<Problem>> {
         use kvevent_zmq::Error;
-        let derive = |endpoint: &str, replay: Option<&str>| {
-            let topic = self.topic.as_bytes();
-            kvevent_zmq::dp_sources(endpoint, replay, self.dp_size, topic, self.engine_bind)
-        };
-        let endpoint = self.engine_endpoint.get().unwrap_or_default();
-        let replay = self.replay_endpoint.get();
-        let e = match derive(endpoint, replay) {
+        let spec = self.engine_sockets();
+        let (endpoint, replay) = (spec.endpoint.as_str(), spec.replay.as_deref());
+        let e = match spec.sources() {
             Ok(sources) => return Ok(sources),
             Err(e) => e,
         };
@@ -447,8 +461,13 @@ impl Settings {
         };
         let mut problems = vec![Problem::new(option, e.to_string())];
         // The engine endpoint's problem came first: the replay endpoint's own, if any, too.
+        let replay_alone = |replay: &str| kvevent_zmq::EngineSockets {
+            endpoint: replay.to_owned(),
+            replay: None,
+            ..spec.clone()
+        };
         if let (false, Some(replay)) = (of_replay, replay)
-            && let Err(e) = derive(replay, None)
+            && let Err(e) = replay_alone(replay).sources()
         {
             problems.push(Problem::new("replay_endpoint", e.to_string()));
         }
