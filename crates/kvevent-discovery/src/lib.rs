@@ -277,18 +277,7 @@ fn sources_of(
     Ok(sources)
 }
 
-/// `a: b: c` from an error and its sources: how the sidecar and the tools word an error in a
-/// log line.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
-}
+pub use kvevent_scrape::error_chain;
 
 /// One attempt: GET the listing and parse it.
 pub async fn discover(

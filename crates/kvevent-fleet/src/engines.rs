@@ -385,8 +385,7 @@ struct Seen {
 /// An engine's HTTP server, asked at `/health` every second, and its load read from its
 /// `/metrics` every [`LOAD_EVERY`] ([`EngineSockets::http`]).
 pub(crate) struct Server {
-    fetcher: kvevent_scrape::Fetcher,
-    url: String,
+    check: kvevent_scrape::EngineHealth,
     metrics: kvevent_scrape::Fetcher,
     metrics_url: String,
 }
@@ -396,24 +395,16 @@ const LOAD_EVERY: Duration = Duration::from_millis(250);
 
 /// The engine's HTTP server at `url` (`http://HOST:PORT`), checked.
 pub(crate) fn server(name: &str, url: &str) -> Result<Server, FleetError> {
-    let invalid = || FleetError::EngineHttp {
+    let invalid = |_| FleetError::EngineHttp {
         replica: name.to_owned(),
         url: url.to_owned(),
     };
-    let base = url.trim_end_matches('/');
-    let authority = base.strip_prefix("http://").ok_or_else(invalid)?;
-    if authority.is_empty() || authority.contains('/') {
-        return Err(invalid());
-    }
-    let health = format!("{base}/health");
-    let fetcher = kvevent_scrape::Fetcher::new(&health, Duration::from_secs(1), 64 << 10)
-        .map_err(|_| invalid())?;
-    let metrics_url = format!("{base}/metrics");
+    let check = kvevent_scrape::EngineHealth::new(url, Duration::from_secs(1)).map_err(invalid)?;
+    let metrics_url = format!("{}/metrics", url.trim_end_matches('/'));
     let metrics = kvevent_scrape::Fetcher::new(&metrics_url, Duration::from_secs(1), 8 << 20)
-        .map_err(|_| invalid())?;
+        .map_err(invalid)?;
     Ok(Server {
-        fetcher,
-        url: health,
+        check,
         metrics,
         metrics_url,
     })
@@ -423,22 +414,11 @@ impl Server {
     /// Asks every second for as long as the replica is followed, telling its status what it
     /// answers; reads its load meanwhile.
     pub(crate) async fn run(self, core: Arc<Core>, name: String, status: Shared) {
-        let health = async {
-            let mut ticker = tokio::time::interval(Duration::from_secs(1));
-            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-            loop {
-                ticker.tick().await;
-                let down = match self.fetcher.fetch().await {
-                    Ok(_) => None,
-                    Err(e) => Some((
-                        Instant::now(),
-                        crate::with_causes(format!("{}: {e}", self.url), &e),
-                    )),
-                };
-                lock(&status).on(&name, Event::Server(down), Instant::now());
-                status::publish(&core, &name, &status);
-            }
-        };
+        let health = self.check.run(Duration::from_secs(1), |why| {
+            let down = why.map(|why| (Instant::now(), why));
+            lock(&status).on(&name, Event::Server(down), Instant::now());
+            status::publish(&core, &name, &status);
+        });
         let load = async {
             let mut ticker = tokio::time::interval(LOAD_EVERY);
             ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
@@ -462,7 +442,7 @@ impl Server {
     /// One read of the engine's load from its `/metrics`.
     async fn read_load(&self) -> Result<kvevent_index::Load, String> {
         let why = |e: &(dyn std::error::Error + 'static)| {
-            crate::with_causes(format!("{}: {e}", self.metrics_url), e)
+            format!("{}: {}", self.metrics_url, kvevent_scrape::error_chain(e))
         };
         let body = self.metrics.fetch().await.map_err(|e| why(&e))?;
         let exposition = kvevent_scrape::text::parse(&body).map_err(|e| why(&e))?;

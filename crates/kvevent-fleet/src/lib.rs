@@ -331,7 +331,9 @@ pub struct NotReady {
     pub replicas: Vec<(String, String)>,
 }
 
-/// `head`, then each cause in `e`'s chain that it does not say already, joined by ": ".
+/// `head`, then each cause in `e`'s chain that it does not say already, joined by ": ":
+/// `kvevent_scrape::error_chain`'s rule, for the feed's errors (a Fleet following sidecars
+/// links no HTTP client of an engine's).
 pub(crate) fn with_causes(mut head: String, e: &(dyn std::error::Error + 'static)) -> String {
     let mut source = e.source();
     while let Some(s) = source {

@@ -11,7 +11,10 @@
 //!   in [`Stats::absent`]; only an exposition with none of the profile's series fails.
 //! - [`read_load`]: an engine's load for routers (requests running and waiting, KV-cache
 //!   usage, per DP rank), refused whole when a series is missing or a value is not sane.
-//! - [`Fetcher`]: one HTTP GET (hyper), bounded in time and body size, gzip handled.
+//! - [`Fetcher`]: one HTTP GET (hyper), bounded in time and body size, gzip handled: the
+//!   workspace's client of an engine's HTTP server ([`EngineHealth`]: its `/health`;
+//!   `kvevent-discovery`: its listing of KV-event endpoints). [`error_chain`] words an error
+//!   with its causes, as every log line and answer of the workspace does.
 //! - [`Scraper`]: the three together, keeping the previous scrape for deltas.
 //!
 //! It knows nothing of gRPC: the caller wraps [`Stats`] in its report. Scraping is a failure
@@ -39,6 +42,7 @@
 //! ```
 
 mod fetch;
+mod health;
 mod load;
 pub mod stats;
 pub mod text;
@@ -46,6 +50,7 @@ pub mod text;
 use std::time::Duration;
 
 pub use fetch::{FetchError, Fetcher};
+pub use health::EngineHealth;
 pub use load::{Load, LoadError, RankLoad, read_load};
 pub use stats::{CacheTier, Profile, Reading, Stats, StatsConfig, StatsError};
 
@@ -109,4 +114,20 @@ impl Scraper {
         let reading = stats::read(&exposition, &self.config)?;
         Ok(self.deltas.next(reading, &self.config))
     }
+}
+
+/// `a: b: c` from an error and its causes, a cause its line already says left out (hyper's
+/// errors repeat their source's text): how the sidecar, the tools and the Fleet word an error.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let cause = s.to_string();
+        if !text.contains(&cause) {
+            text.push_str(": ");
+            text.push_str(&cause);
+        }
+        source = s.source();
+    }
+    text
 }

@@ -5,12 +5,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvevent_scrape::Fetcher;
+use kvevent_scrape::EngineHealth;
 use tokio::sync::watch;
 
 pub(crate) struct EngineServer {
-    pub(crate) fetcher: Fetcher,
-    pub(crate) url: String,
+    pub(crate) check: EngineHealth,
     pub(crate) interval: Duration,
     pub(crate) hub: Arc<kvevent_feed::Hub>,
 }
@@ -19,34 +18,25 @@ impl EngineServer {
     /// Asks every `interval` until `stop` changes; tells the hub when the answer changes, and
     /// logs it then (never once a tick).
     pub(crate) async fn run(self, mut stop: watch::Receiver<bool>) {
-        let mut ticker = tokio::time::interval(self.interval);
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         let mut failing: Option<String> = None;
-        loop {
-            tokio::select! {
-                _ = ticker.tick() => {}
-                _ = stop.changed() => return,
-            }
-            let now = match self.fetcher.fetch().await {
-                Ok(_) => None,
-                Err(e) => Some(format!(
-                    "{}: {}",
-                    self.url,
-                    crate::stats_reporter::error_chain(&e)
-                )),
-            };
+        let url = self.check.url().to_owned();
+        let watch = self.check.run(self.interval, |now| {
             if now != failing {
                 match &now {
                     Some(why) => {
                         tracing::warn!(error = %why, "the engine's HTTP server does not answer its health check: routers following the feed see the replica degraded")
                     }
                     None => {
-                        tracing::info!(url = %self.url, "the engine's HTTP server answers its health check again")
+                        tracing::info!(%url, "the engine's HTTP server answers its health check again")
                     }
                 }
                 self.hub.set_engine_server(now.clone());
                 failing = now;
             }
+        });
+        tokio::select! {
+            () = watch => {}
+            _ = stop.changed() => {}
         }
     }
 }

@@ -411,8 +411,8 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
     } else {
         &settings.engine_discovery_url
     };
-    let health_url = server_url
-        .health()
+    let engine_server = server_url
+        .server()
         .filter(|_| !settings.engine_health_interval.0.is_zero());
     // With a feed, the engine's load is read for routers from its metrics.
     if let (Some(hub), Some(url)) = (&feed_hub, settings.engine_metrics_url.get())
@@ -434,16 +434,14 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
             .run(stop_rx.clone()),
         );
     }
-    if let (Some(hub), Some(url)) = (feed_hub, health_url) {
+    if let (Some(hub), Some(server)) = (feed_hub, engine_server) {
         let timeout = settings
             .engine_health_interval
             .0
             .min(settings.scrape_timeout.0);
-        let fetcher = kvevent_scrape::Fetcher::new(&url, timeout, 64 << 10)?;
         tokio::spawn(
             engine_server::EngineServer {
-                fetcher,
-                url,
+                check: kvevent_scrape::EngineHealth::new(&server, timeout)?,
                 interval: settings.engine_health_interval.0,
                 hub,
             }

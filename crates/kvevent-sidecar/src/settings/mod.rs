@@ -428,10 +428,7 @@ impl Settings {
             dp: self.dp_size,
             topic: self.topic.as_bytes().to_vec(),
             engine: self.engine,
-            http: self
-                .engine_metrics_url
-                .health()
-                .and_then(|h| h.strip_suffix("/health").map(str::to_owned)),
+            http: self.engine_metrics_url.server(),
             bind: self.engine_bind,
         }
     }

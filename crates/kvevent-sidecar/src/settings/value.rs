@@ -685,11 +685,16 @@ impl HttpUrl {
         self.uri.is_none() && self.bad.is_none()
     }
 
+    /// `http://host:port`: the URL's server (the engine's HTTP server).
+    pub fn server(&self) -> Option<String> {
+        let authority = self.uri.as_ref()?.authority()?;
+        Some(format!("http://{authority}"))
+    }
+
     /// `http://host:port/health` on the URL's host: the engine's health check (vLLM's and
     /// SGLang's).
     pub fn health(&self) -> Option<String> {
-        let authority = self.uri.as_ref()?.authority()?;
-        Some(format!("http://{authority}/health"))
+        self.server().map(|s| s + "/health")
     }
 }
 
