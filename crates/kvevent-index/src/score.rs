@@ -488,14 +488,7 @@ impl Inner {
             names: self.replicas.clone(),
             states: self.states.clone(),
             loads: self.loads.clone(),
-            expired: {
-                let now = self.leases.now();
-                entries
-                    .iter()
-                    .map(|&(_, r)| r)
-                    .filter(|&r| self.leases.expired(r, now))
-                    .collect()
-            },
+            expired: self.leases.expired_among(entries.iter().map(|&(_, r)| r)),
             entries,
             unknown,
             by_candidate,
