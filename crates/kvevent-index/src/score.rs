@@ -98,7 +98,10 @@ impl Scores {
             matched_tokens: tokens,
             tier,
             state: match self.states[replica as usize] {
-                s if s.is_exact() && self.expired.contains(&replica) => {
+                s if s.is_exact()
+                    && !self.expired.is_empty()
+                    && self.expired.contains(&replica) =>
+                {
                     ReplicaState::Degraded(Degraded::LeaseExpired)
                 }
                 s => s,
