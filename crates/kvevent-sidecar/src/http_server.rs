@@ -45,16 +45,16 @@ fn respond(status: u16, content_type: &str, body: String) -> hyper::Response<Ful
 /// sees those ranks degraded.
 fn untrusted(telemetry: &Telemetry) -> String {
     let mut out = String::new();
-    for (label, m) in telemetry
+    for (label, health) in telemetry
         .sources
         .labels
         .iter()
         .zip(&telemetry.sources.health)
     {
-        let Some(for_) = m.untrusted_for() else {
+        let Some(for_) = health.untrusted_for() else {
             continue;
         };
-        let why = if m.unverified() {
+        let why = if health.unverified() {
             "unverified: the engine's connection was made again (or the sidecar started) and it is not yet proven the same process"
         } else {
             "degraded: batches were lost that the engine could not replay; what is held may be incomplete until the engine clears its cache"
