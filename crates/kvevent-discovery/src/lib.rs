@@ -277,7 +277,7 @@ fn sources_of(
     Ok(sources)
 }
 
-pub use kvevent_scrape::error_chain;
+use kvevent_scrape::error_chain;
 
 /// One attempt: GET the listing and parse it.
 pub async fn discover(

@@ -3,7 +3,9 @@
 //!
 //! - **The protocol** ([`pb`], always): `kvevent.feed.v1` (`proto/kvevent/feed/v1`), its
 //!   messages and client. A router follows feeds with `kvevent-fleet`, which builds this crate
-//!   without its `server` feature: no hub, no gRPC server.
+//!   without its `server` feature: no hub, no gRPC server. A rank's health crosses it as the
+//!   source state machine said it ([`RankState`], [`pb::RankHealth::health`]; feature
+//!   `source` converts `kvevent_source::RankHealth`).
 //! - **Metrics** (feature `metrics`, with `server`): `metrics`, the hub's families for a
 //!   `/metrics`, written where they are counted.
 //! - **The sidecar's side** (feature `server`, default). A [`Hub`] holds every prefix the

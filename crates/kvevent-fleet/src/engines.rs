@@ -295,14 +295,16 @@ impl Thread {
     /// it still holds when it returns).
     fn pass(&mut self, now: Instant) {
         let index = &self.core.index;
-        let metrics = self.subscriber.metrics();
-        let health: Vec<_> = self.subscriber.health().collect();
         let mut replicas: HashMap<*const Mutex<status::Status>, Seen> = HashMap::new();
-        for (i, slot) in self.ranks.iter_mut().enumerate() {
+        let sources = self
+            .subscriber
+            .metrics()
+            .iter()
+            .zip(self.subscriber.health());
+        for (slot, (m, health)) in self.ranks.iter_mut().zip(sources) {
             let Some(r) = slot else { continue };
-            let m = &metrics[i];
             // The source state machine's one reading of the rank.
-            let health = kvevent_feed::RankState::from(health[i].get());
+            let health = kvevent_feed::RankState::from(health.get());
             let connected = health != kvevent_feed::RankState::Disconnected;
             if connected != r.connected {
                 r.connected = connected;

@@ -34,7 +34,7 @@ pub mod settings;
 mod startup_warnings;
 
 /// An error and its causes, in one line (`a: b: c`).
-pub use kvevent_discovery::error_chain;
+pub use kvevent_scrape::error_chain;
 pub mod state_file;
 mod stats_reporter;
 pub mod telemetry;

@@ -25,7 +25,9 @@
 //! the same way ([`SourceState::on_connected`]). Each source reads its engine's wire
 //! ([`Config::engine`], [`Subscriber::add_source_of`]).
 //!
-//! Every decision is counted in [`SourceMetrics`]. No tokio, tonic, hyper or prost here.
+//! Every decision is counted in [`SourceMetrics`]; a rank's health ([`RankHealth`]) is a
+//! [`Health`] handle only its state machine writes ([`Subscriber::health`]). No tokio, tonic,
+//! hyper or prost here.
 //!
 //! ```
 //! use std::time::{Duration, Instant};

@@ -192,12 +192,6 @@ pub struct SourceState {
     reconnected: bool,
     /// The startup reset was emitted (by [`SourceState::on_start`]).
     started: bool,
-    /// Not yet proven that what is held is this engine process's ([`RankHealth::Unverified`](crate::RankHealth::Unverified)):
-    /// since a disconnect, or since the start with a replay endpoint, until continuity or a
-    /// new process is proven.
-    unverified: bool,
-    /// The SUB socket has a connection (as the transport last said).
-    connected: bool,
     /// Degraded by a replay that failed or timed out: [`SourceState::on_tick`] asks again
     /// once its backoff is over.
     repair: bool,
@@ -206,7 +200,10 @@ pub struct SourceState {
     recent: VecDeque<u32>,
     recent_base: u64,
     metrics: Arc<SourceMetrics>,
-    /// The rank's health as this state says it, shared with its readers.
+    /// The rank's health as this state says it, shared with its readers: connected, degraded,
+    /// and unverified (not yet proven that what is held is this engine process's: since a
+    /// disconnect, or since the start with a replay endpoint, until continuity or a new
+    /// process is proven).
     health: Arc<Health>,
 }
 
@@ -240,8 +237,6 @@ impl SourceState {
             backoff_until: None,
             reconnected: false,
             started: false,
-            unverified: false,
-            connected: false,
             repair: false,
             recent: VecDeque::new(),
             recent_base: 0,
@@ -257,7 +252,6 @@ impl SourceState {
 
     /// Publishes `unverified` (and when trouble began).
     fn set_unverified(&mut self, unverified: bool) {
-        self.unverified = unverified;
         self.health.set_unverified(unverified);
     }
 
@@ -423,7 +417,6 @@ impl SourceState {
     /// [`Unverified`](crate::RankHealth::Unverified) at best.
     pub fn on_disconnected(&mut self) {
         self.reconnected = true;
-        self.connected = false;
         self.health.set_connected(false);
         if self.last.is_some() || self.config.has_replay {
             self.set_unverified(true);
@@ -442,11 +435,10 @@ impl SourceState {
     /// ([`StateConfig::reset_on_unverified_reconnect`]). A source still unverified with nothing
     /// asking (the transport ends a replay when the connection is made again) asks at once.
     pub fn on_connected(&mut self, now: Instant, out: &mut Vec<Step>) {
-        self.connected = true;
         self.health.set_connected(true);
         // Unverified with nothing asking (a replay cut by this very connection): asked now,
         // not after a failure's backoff.
-        if !(self.reconnected || (self.unverified && self.replay.is_none())) {
+        if !(self.reconnected || (self.health.unverified() && self.replay.is_none())) {
             return;
         }
         if self.config.has_replay {
@@ -466,7 +458,7 @@ impl SourceState {
             (Some(last), Some(digest)) if self.can_replay(now) => {
                 self.start_check(last, digest, true, out);
             }
-            (None, _) if self.unverified && self.can_replay(now) => {
+            (None, _) if self.health.unverified() && self.can_replay(now) => {
                 self.start_replay(0, true, out);
             }
             _ if self.config.has_replay => {}
@@ -496,7 +488,7 @@ impl SourceState {
         if self.replay.is_some() || !self.config.has_replay || !self.can_replay(now) {
             return;
         }
-        if self.unverified && (self.connected || self.last.is_none()) {
+        if self.health.unverified() && (self.health.get().is_connected() || self.last.is_none()) {
             self.verify(now, out);
         } else if self.repair && self.last.is_some() && self.health.degraded() {
             self.repair = false;

@@ -433,16 +433,15 @@ impl Subscriber {
     pub fn end_replays(&mut self) {
         self.stopping = true;
         for source in 0..self.states.len() {
-            // Each end may ask once more (a check becomes a rebuild): never asked now.
-            for _ in 0..3 {
-                if self.removed[source] || !self.states[source].replaying() {
-                    break;
-                }
-                let mut steps = std::mem::take(&mut self.steps);
-                self.states[source].on_replay_done(ReplayEnd::Failed, Instant::now(), &mut steps);
-                self.steps = steps;
-                self.apply_steps(source);
+            if self.removed[source] || !self.states[source].replaying() {
+                continue;
             }
+            // A replay this end asks for (a check becomes a rebuild) fails at once, stopping.
+            let mut steps = std::mem::take(&mut self.steps);
+            self.states[source].on_replay_done(ReplayEnd::Failed, Instant::now(), &mut steps);
+            self.steps = steps;
+            self.apply_steps(source);
+            debug_assert!(!self.states[source].replaying());
         }
     }
 

@@ -346,14 +346,14 @@ mod tests {
 
     #[test]
     fn the_health_check_is_on_the_urls_host() {
-        let health = |url: &str| HttpUrl::from(url).health();
+        let health = |url: &str| HttpUrl::from(url).server();
         assert_eq!(
             health("http://10.0.0.7:8000/metrics").as_deref(),
-            Some("http://10.0.0.7:8000/health")
+            Some("http://10.0.0.7:8000")
         );
         assert_eq!(
             health("http://engine:30000").as_deref(),
-            Some("http://engine:30000/health")
+            Some("http://engine:30000")
         );
         assert_eq!(health("https://engine/metrics"), None);
         assert_eq!(health("http:///metrics"), None);
@@ -685,16 +685,11 @@ impl HttpUrl {
         self.uri.is_none() && self.bad.is_none()
     }
 
-    /// `http://host:port`: the URL's server (the engine's HTTP server).
+    /// `http://host:port`: the URL's server, the engine's HTTP server (its `/health` is asked,
+    /// `kvevent_scrape::EngineHealth`).
     pub fn server(&self) -> Option<String> {
         let authority = self.uri.as_ref()?.authority()?;
         Some(format!("http://{authority}"))
-    }
-
-    /// `http://host:port/health` on the URL's host: the engine's health check (vLLM's and
-    /// SGLang's).
-    pub fn health(&self) -> Option<String> {
-        self.server().map(|s| s + "/health")
     }
 }
 
