@@ -12,7 +12,6 @@
 //! (its engine's load as its sidecar read it, plus what this router sent it since); ties by
 //! the prompt's first block. Before any block size is known, by load alone.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -23,7 +22,7 @@ use hyper::body::{Frame, Incoming};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use kvevent_fleet::{Fleet, Prediction, Query, QueryKeys, route};
+use kvevent_fleet::route;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
@@ -69,17 +68,18 @@ const OVERHEAD_BUCKETS: [f64; 8] = [
     0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.05,
 ];
 
-/// The routing half of the example router.
+/// The routing half of the example router: HTTP around `kvevent_fleet::route::Router`, which
+/// owns the routing loop.
 pub(crate) struct Proxy {
     client: Client<HttpConnector, Full<Bytes>>,
+    /// Where each replica serves completions: the candidates.
     upstreams: Vec<Upstream>,
-    /// What this router sent each replica.
-    flights: HashMap<String, Arc<route::Flights>>,
-    rule: route::Rule,
+    router: Arc<route::Router>,
     timeout: Duration,
     /// What the router adds to a request, in seconds.
     overhead: Histogram,
-    /// Responses by replica and status ("502" for a replica that failed).
+    /// Responses by replica and status ("502" for a replica that failed, "refused" for one
+    /// whose connection was refused).
     responses: Family<Vec<(&'static str, String)>, Counter>,
     /// Turns text prompts into the engine's token ids, when given.
     tokenizer: Option<tokenizers::Tokenizer>,
@@ -113,18 +113,14 @@ impl Proxy {
         timeout: Duration,
         tokenizer: Option<tokenizers::Tokenizer>,
         model: String,
-        rule: route::Rule,
+        router: Arc<route::Router>,
     ) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(timeout));
         Self {
             client: Client::builder(TokioExecutor::new()).build(connector),
-            flights: upstreams
-                .iter()
-                .map(|u| (u.name.clone(), Arc::default()))
-                .collect(),
-            rule,
+            router,
             upstreams,
             timeout,
             overhead: Histogram::new(OVERHEAD_BUCKETS),
@@ -134,21 +130,18 @@ impl Proxy {
         }
     }
 
-    /// The rule it routes by.
-    pub(crate) fn rule(&self) -> &route::Rule {
-        &self.rule
+    /// The routing loop.
+    pub(crate) fn router(&self) -> &route::Router {
+        &self.router
     }
 
     fn note_overhead(&self, d: Duration) {
         self.overhead.observe(d.as_secs_f64());
     }
 
-    fn note_response(&self, replica: &str, status: u16) {
+    fn note_response(&self, replica: &str, code: String) {
         self.responses
-            .get_or_create(&vec![
-                ("replica", replica.to_owned()),
-                ("code", status.to_string()),
-            ])
+            .get_or_create(&vec![("replica", replica.to_owned()), ("code", code)])
             .inc();
     }
 
@@ -156,7 +149,7 @@ impl Proxy {
     pub(crate) fn register(&self, registry: &mut prometheus_client::registry::Registry) {
         registry.register(
             "kvevent_router_responses",
-            "Routed responses by replica and HTTP status (502: the replica failed the request)",
+            "Routed responses by replica and HTTP status (502: the replica failed the request; refused: its connection was refused)",
             self.responses.clone(),
         );
         registry.register_with_unit(
@@ -167,61 +160,32 @@ impl Proxy {
         );
     }
 
-    /// The replica for `prompt` (of `adapter`, "" for the base model), and the prediction the
-    /// choice acts on: `kvevent_fleet::route`'s rule, by the router's policy.
-    fn choose(
-        &self,
-        fleet: &Fleet,
-        prompt: &[u32],
-        adapter: &str,
-    ) -> Option<(&Upstream, Prediction, u32)> {
-        let block = fleet.block_size();
-        let names: Vec<&str> = self.upstreams.iter().map(|u| u.name.as_str()).collect();
-        let scores = block.and_then(|b| {
-            let query = Query {
-                adapter,
-                keys: QueryKeys::Tokens {
-                    ids: prompt,
-                    block_size: b as usize,
-                },
-            };
-            fleet.score_among(&query, &names).ok()
-        });
-        let candidates: Vec<route::Candidate<'_>> = self
-            .upstreams
-            .iter()
-            .filter_map(|u| {
-                Some(route::Candidate {
-                    name: &u.name,
-                    flights: self.flights.get(&u.name)?,
-                })
-            })
-            .collect();
-        let request = route::Request {
-            prompt_tokens: prompt.len() as u32,
-            affinity: route::affinity(prompt, block.unwrap_or(16) as usize),
-        };
-        let choice = self
-            .rule
-            .choose(scores.as_ref(), &request, &candidates, Instant::now())?;
-        let upstream = self.upstreams.iter().find(|u| u.name == choice.replica)?;
-        let prediction = Prediction {
-            replica: choice.replica.to_owned(),
-            predicted_tokens: choice.matched_tokens,
-            prompt_tokens: prompt.len() as u32,
-            block_size: block.unwrap_or(0),
-            state: choice.state,
-        };
-        Some((upstream, prediction, choice.compute_tokens))
+    /// The prompt's token ids, from a body's `prompt`; else why it is a bad request.
+    fn prompt(&self, v: &serde_json::Value) -> Result<Vec<u32>, String> {
+        match &v["prompt"] {
+            serde_json::Value::Array(ids) => ids
+                .iter()
+                .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+                .collect::<Option<_>>()
+                .ok_or_else(|| "`prompt` must be token ids (unsigned 32-bit) or a string".into()),
+            serde_json::Value::String(text) => match &self.tokenizer {
+                // The request goes on as text: the engine tokenizes it the same way.
+                Some(t) => t
+                    .encode(text.as_str(), true)
+                    .map(|encoding| encoding.get_ids().to_vec())
+                    .map_err(|e| format!("the prompt cannot be tokenized: {e}")),
+                None => Err(
+                    "text prompts need a tokenizer (--tokenizer tokenizer.json), and this router has none: send token ids".into(),
+                ),
+            },
+            _ => Err("`prompt` must be an array of token ids".into()),
+        }
     }
 
-    /// Routes one `POST /v1/completions`.
-    pub(crate) async fn complete(
-        &self,
-        fleet: &Fleet,
-        req: hyper::Request<Incoming>,
-        record: impl Fn(&Prediction, u32) + Send + Sync + Clone + 'static,
-    ) -> hyper::Response<Body> {
+    /// Routes one `POST /v1/completions`. A replica that refuses the connection, or answers
+    /// 502 or 503, before anything reached the client, is passed over once: the request goes
+    /// to the next choice (both counted).
+    pub(crate) async fn complete(&self, req: hyper::Request<Incoming>) -> hyper::Response<Body> {
         let started = Instant::now();
         let authorization = req.headers().get(hyper::header::AUTHORIZATION).cloned();
         let body = match Limited::new(req.into_body(), 8 << 20).collect().await {
@@ -232,39 +196,15 @@ impl Proxy {
             Ok(v) => v,
             Err(e) => return error(400, format!("not JSON: {e}")),
         };
-        let prompt: Vec<u32> = match &v["prompt"] {
-            serde_json::Value::Array(ids) => match ids
-                .iter()
-                .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
-                .collect::<Option<_>>()
-            {
-                Some(ids) => ids,
-                None => {
-                    return error(
-                        400,
-                        "`prompt` must be token ids (unsigned 32-bit) or a string".into(),
-                    );
-                }
-            },
-            serde_json::Value::String(text) => match &self.tokenizer {
-                // The request goes on as text: the engine tokenizes it the same way.
-                Some(t) => match t.encode(text.as_str(), true) {
-                    Ok(encoding) => encoding.get_ids().to_vec(),
-                    Err(e) => return error(400, format!("the prompt cannot be tokenized: {e}")),
-                },
-                None => {
-                    return error(
-                        400,
-                        "text prompts need a tokenizer (--tokenizer tokenizer.json), and this router has none: send token ids".into(),
-                    );
-                }
-            },
-            _ => return error(400, "`prompt` must be an array of token ids".into()),
+        let prompt = match self.prompt(&v) {
+            Ok(p) => p,
+            Err(why) => return error(400, why),
         };
         // A LoRA adapter is asked for by its name in `model`, as vLLM serves it.
-        let adapter = route::adapter_of(v["model"].as_str().unwrap_or_default(), &self.model);
-        let Some((upstream, prediction, compute_tokens)) = self.choose(fleet, &prompt, adapter)
-        else {
+        let model = v["model"].as_str().unwrap_or_default().to_owned();
+        let adapter = route::adapter_of(&model, &self.model);
+        let names: Vec<&str> = self.upstreams.iter().map(|u| u.name.as_str()).collect();
+        let Some(mut decision) = self.router.choose(&names, &prompt, adapter) else {
             return error(
                 503,
                 "no replica to route to: give --upstream NAME=http://HOST:PORT".into(),
@@ -278,38 +218,85 @@ impl Proxy {
         } else {
             body
         };
-        let mut request = hyper::Request::post(format!("{}/v1/completions", upstream.url))
-            .header(hyper::header::CONTENT_TYPE, "application/json");
-        if let Some(a) = authorization {
-            request = request.header(hyper::header::AUTHORIZATION, a);
+        loop {
+            let Some(upstream) = self.upstreams.iter().find(|u| u.name == decision.replica) else {
+                return error(500, format!("`{}` has no upstream", decision.replica));
+            };
+            let mut request = hyper::Request::post(format!("{}/v1/completions", upstream.url))
+                .header(hyper::header::CONTENT_TYPE, "application/json");
+            if let Some(a) = &authorization {
+                request = request.header(hyper::header::AUTHORIZATION, a);
+            }
+            let request = match request.body(Full::new(body.clone())) {
+                Ok(r) => r,
+                Err(e) => return error(500, format!("request: {e}")),
+            };
+            let sent = self.router.send(&decision);
+            let before = started.elapsed();
+            let failed = |why: String| {
+                self.note_response(&upstream.name, "502".into());
+                error(
+                    502,
+                    format!(
+                        "replica `{}` ({}) failed the request: {why}",
+                        upstream.name, upstream.url
+                    ),
+                )
+            };
+            let response =
+                match tokio::time::timeout(self.timeout, self.client.request(request)).await {
+                    Err(_) => return failed(format!("no response within {:?}", self.timeout)),
+                    Ok(Err(e)) if e.is_connect() => Err((route::Retry::Refused, e.to_string())),
+                    Ok(Err(e)) => return failed(format!("{e}")),
+                    Ok(Ok(r)) => match route::Retry::of_status(r.status().as_u16()) {
+                        Some(why) => Err((why, format!("it answered {}", r.status()))),
+                        None => Ok(r),
+                    },
+                };
+            let response = match response {
+                Ok(r) => r,
+                Err((why, what)) => {
+                    drop(sent);
+                    self.note_response(&upstream.name, why.as_str().to_owned());
+                    // Nothing reached the client: the next choice, once.
+                    if decision.attempt == 0
+                        && let Some(next) =
+                            self.router.retry(&decision, why, &names, &prompt, adapter)
+                    {
+                        decision = next;
+                        continue;
+                    }
+                    return failed(what);
+                }
+            };
+            return self
+                .forward(response, sent, streaming, &upstream.name, before)
+                .await;
         }
-        let request = match request.body(Full::new(body)) {
-            Ok(r) => r,
-            Err(e) => return error(500, format!("request: {e}")),
-        };
-        let mut in_flight = self.flights[&upstream.name].start_prefill(compute_tokens);
-        let before = started.elapsed();
+    }
+
+    /// The upstream's response to the client: whole, or streamed frame by frame; the usage's
+    /// cached tokens recorded on the way.
+    async fn forward(
+        &self,
+        response: hyper::Response<Incoming>,
+        mut sent: route::Sent,
+        streaming: bool,
+        replica: &str,
+        before: Duration,
+    ) -> hyper::Response<Body> {
+        let status = response.status();
         let failed = |why: String| {
-            self.note_response(&upstream.name, 502);
+            self.note_response(replica, "502".into());
             error(
                 502,
-                format!(
-                    "replica `{}` ({}) failed the request: {why}",
-                    upstream.name, upstream.url
-                ),
+                format!("replica `{replica}` failed the request: {why}"),
             )
         };
-        let response = match tokio::time::timeout(self.timeout, self.client.request(request)).await
-        {
-            Err(_) => return failed(format!("no response within {:?}", self.timeout)),
-            Ok(Err(e)) => return failed(format!("{e}")),
-            Ok(Ok(r)) => r,
-        };
-        let status = response.status();
         if status.is_server_error() {
             return failed(format!("it answered {status}"));
         }
-        self.note_response(&upstream.name, status.as_u16());
+        self.note_response(replica, status.as_u16().to_string());
         let (parts, upstream_body) = response.into_parts();
         if !streaming {
             let bytes = match tokio::time::timeout(self.timeout, upstream_body.collect()).await {
@@ -318,15 +305,13 @@ impl Proxy {
                 Err(_) => return failed(format!("no whole body within {:?}", self.timeout)),
             };
             let after = Instant::now();
-            if status.is_success()
-                && let Some(cached) = serde_json::from_slice(&bytes)
-                    .ok()
-                    .as_ref()
-                    .and_then(cached_tokens)
-            {
-                record(&prediction, cached);
-            }
-            drop(in_flight);
+            let cached = status
+                .is_success()
+                .then(|| serde_json::from_slice::<serde_json::Value>(&bytes).ok())
+                .flatten()
+                .as_ref()
+                .and_then(cached_tokens);
+            sent.finish(cached);
             let r = hyper::Response::from_parts(parts, full(bytes));
             self.note_overhead(before + after.elapsed());
             return r;
@@ -354,7 +339,7 @@ impl Proxy {
                     }
                 };
                 if let Some(data) = frame.data_ref() {
-                    in_flight.first_token();
+                    sent.first_token();
                     for b in data.iter() {
                         if *b == b'\n' {
                             if let Some(json) = line.strip_prefix(b"data: ")
@@ -375,11 +360,8 @@ impl Proxy {
                     break;
                 }
             }
-            if let Some(c) = cached {
-                record(&prediction, c);
-            }
             // In flight until the stream has been handed on whole.
-            drop(in_flight);
+            sent.finish(cached);
         });
         let r = hyper::Response::from_parts(
             parts,

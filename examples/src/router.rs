@@ -16,7 +16,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use kvevent_fleet::{
     EngineSockets, Fleet, FleetConfig, Query, QueryKeys, ReplicaSource, ReplicaState, ScoreError,
-    SidecarFeed, Tier,
+    SidecarFeed, Tier, route,
 };
 
 /// One `--engine NAME=SOCKETS`: a replica followed through its engine's sockets, SOCKETS in
@@ -178,16 +178,23 @@ impl Router {
             })?),
             None => None,
         };
+        let router = Arc::new(route::Router::new(
+            fleet.clone(),
+            route::Rule::new(config.policy),
+        ));
         let proxy = Proxy::new(
             config.upstreams.clone(),
             config.upstream_timeout,
             tokenizer,
             config.model.clone(),
-            kvevent_fleet::route::Rule::new(config.policy),
+            router.clone(),
         );
         let mut registry = prometheus_client::registry::Registry::default();
         registry.register_collector(Box::new(kvevent_fleet::metrics::FleetCollector::new(
             fleet.clone(),
+        )));
+        registry.register_collector(Box::new(kvevent_fleet::metrics::RouterCollector::new(
+            router,
         )));
         proxy.register(&mut registry);
         Ok(Self {
@@ -300,12 +307,12 @@ impl Router {
                         "waiting": l.waiting,
                         "kv_usage": l.kv_usage,
                         "age_ms": age.as_millis() as u64,
-                        "old": age > self.proxy.rule().load_old_after(),
+                        "old": age > self.proxy.router().rule().load_old_after(),
                         "error": r.load_error,
                     })
                 }),
             })).collect::<Vec<_>>(),
-            "policy": self.proxy.rule().policy().as_str(),
+            "policy": self.proxy.router().rule().policy().as_str(),
         })
     }
 
@@ -378,13 +385,7 @@ pub async fn serve(listener: tokio::net::TcpListener, router: Arc<Router>) {
                     let path = req.uri().path().to_owned();
                     let post = req.method() == hyper::Method::POST;
                     Ok::<_, Infallible>(match (post, path.as_str()) {
-                        (true, "/v1/completions") => {
-                            let recorder = router.clone();
-                            let record = move |p: &kvevent_fleet::Prediction, cached: u32| {
-                                recorder.fleet.record(p, cached);
-                            };
-                            router.proxy.complete(&router.fleet, req, record).await
-                        }
+                        (true, "/v1/completions") => router.proxy.complete(req).await,
                         (true, "/score") => {
                             // Prompts are bounded: 8 MiB of JSON is ~1M token ids.
                             match Limited::new(req.into_body(), 8 << 20).collect().await {

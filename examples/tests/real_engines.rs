@@ -95,6 +95,7 @@ async fn the_router_routes_between_three_real_engines() {
         e.up().await;
     }
     let names = ["e1", "e2", "e3"];
+    let servers: Vec<std::net::SocketAddr> = engines.iter().map(|e| e.http).collect();
     // A router following every engine (their sockets) and sending them requests, by `policy`.
     let router_by = |policy: kvevent_fleet::route::Policy| RouterConfig {
         model: "tiny".into(),
@@ -109,12 +110,12 @@ async fn the_router_routes_between_three_real_engines() {
             })
             .collect(),
         sidecars: Vec::new(),
-        upstreams: engines
+        upstreams: servers
             .iter()
             .zip(names)
-            .map(|(e, name)| Upstream {
+            .map(|(http, name)| Upstream {
                 name: name.into(),
-                url: format!("http://{}", e.http),
+                url: format!("http://{http}"),
             })
             .collect(),
         upstream_timeout: Duration::from_secs(60),
@@ -332,6 +333,52 @@ async fn the_router_routes_between_three_real_engines() {
         cost >= 2.0 * round_robin,
         "the rule's hit rate {cost:.3} is not twice round-robin's {round_robin:.3}"
     );
+    // e1's API server killed, its engine core alive (its KV events still flow): a router
+    // asking each engine's /health reads e1 server_down and passes it over under every
+    // policy, even for the prompt e1 holds; its requests get 200 from another engine, none
+    // sent to e1 first (no retry counted for it).
+    let held_by_e1 = prompt(900);
+    assert_eq!(engines[0].complete(&held_by_e1).await, 0);
+    assert!(engines[0].kill_api_server(), "an API server to kill");
+    for policy in kvevent_fleet::route::Policy::NAMES {
+        let mut config = router_by(policy.parse().expect("a policy"));
+        for (e, http) in config.engines.iter_mut().zip(&servers) {
+            e.sockets.http = Some(format!("http://{http}"));
+        }
+        let router = Arc::new(Router::start(config).expect("router"));
+        let (addr, _server) = router::bind("127.0.0.1:0", router.clone())
+            .await
+            .expect("bind");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !router
+            .fleet()
+            .replicas()
+            .iter()
+            .any(|r| r.name == "e1" && r.state.reason() == Some("server_down"))
+        {
+            assert!(
+                Instant::now() < deadline,
+                "{policy}: e1 never read server_down: {:?}",
+                router.fleet().replicas()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        for i in 0..6u32 {
+            let ids = if i % 2 == 0 {
+                held_by_e1.clone()
+            } else {
+                prompt(950 + i)
+            };
+            let (status, v) = complete(addr, "tiny", &ids).await;
+            assert_eq!(status, 200, "{policy}, request {i}: {v}");
+        }
+        let metrics = router.metrics();
+        assert!(
+            !metrics.contains("kvevent_router_responses_total{replica=\"e1\"")
+                && !metrics.contains("kvevent_router_retries_total{replica=\"e1\""),
+            "{policy}: a request went to e1, whose server is down:\n{metrics}"
+        );
+    }
     for e in &mut engines {
         e.stop();
     }

@@ -560,8 +560,34 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
         })
     })
     .await;
+    // c holds it, and nothing listens there: the connection is refused before anything
+    // reached the client, so the request goes to the next choice (a or b), counted.
     let to_c = serde_json::json!({"model": "m", "prompt": held, "max_tokens": 1}).to_string();
     let (status, body) = post_raw(addr, "/v1/completions", &to_c).await;
+    assert_eq!(status, 200, "sent again to another replica: {body}");
+    let to_a = body.contains("\"text\":\"a\"");
+    assert!(to_a || body.contains("\"text\":\"b\""), "{body}");
+    // With no other candidate, c's refusal is a 502 naming it.
+    let only_c = Arc::new(
+        Router::start(RouterConfig {
+            model: "m".into(),
+            block_size: None,
+            engines: vec![spec("c", &c)],
+            sidecars: Vec::new(),
+            upstreams: vec![Upstream {
+                name: "c".into(),
+                url: format!("http://{}", nothing.addr()),
+            }],
+            upstream_timeout: Duration::from_secs(5),
+            tokenizer: None,
+            policy: kvevent_fleet::route::Policy::default(),
+        })
+        .expect("router"),
+    );
+    let (only_c_addr, _only_c_server) = router::bind("127.0.0.1:0", only_c.clone())
+        .await
+        .expect("bind");
+    let (status, body) = post_raw(only_c_addr, "/v1/completions", &to_c).await;
     assert_eq!(status, 502, "{body}");
     assert!(
         body.contains("replica `c`") && body.contains(&nothing.addr().to_string()),
@@ -569,16 +595,142 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
     );
     // /metrics: the accounting and the proxy's own latency.
     let metrics = router.metrics();
+    // a's four, and the retried request if it went there (it held nothing of it: exact).
+    let on_a = 4 + u32::from(to_a);
     for needle in [
-        "kvevent_router_predictions_total{replica=\"a\",outcome=\"exact\"} 4",
+        &format!("kvevent_router_predictions_total{{replica=\"a\",outcome=\"exact\"}} {on_a}"),
         "kvevent_router_predictions_total{replica=\"a\",outcome=\"pessimistic\"} 0",
-        "kvevent_router_prediction_error_blocks_bucket{le=\"0.0\",replica=\"a\"} 4",
-        "kvevent_router_proxy_overhead_seconds_count 5",
+        &format!(
+            "kvevent_router_prediction_error_blocks_bucket{{le=\"0.0\",replica=\"a\"}} {on_a}"
+        ),
+        "kvevent_router_proxy_overhead_seconds_count 6",
         // Prometheus text: a counter's TYPE names its samples; no OpenMetrics EOF.
         "# TYPE kvevent_router_predictions_total counter\n",
-        "kvevent_router_responses_total{replica=\"c\",code=\"502\"} 1",
+        "kvevent_router_responses_total{replica=\"c\",code=\"refused\"} 1",
+        "kvevent_router_retries_total{replica=\"c\",reason=\"refused\"} 1",
+        "kvevent_router_none_serving_total 0",
     ] {
         assert!(metrics.contains(needle), "no {needle} in\n{metrics}");
     }
     assert!(!metrics.contains("# EOF"), "{metrics}");
+}
+
+/// A replica's server that answers every request with `status`.
+async fn failing_upstream(status: u16) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(
+                    move |_: hyper::Request<hyper::body::Incoming>| async move {
+                        let mut r = hyper::Response::new(http_body_util::Full::new(
+                            bytes::Bytes::from_static(b"{\"error\": \"overloaded\"}"),
+                        ));
+                        *r.status_mut() = hyper::StatusCode::from_u16(status).expect("a status");
+                        Ok::<_, std::convert::Infallible>(r)
+                    },
+                );
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    (addr, task)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_answering_503_or_502_is_passed_over_once() {
+    use kvevent_examples::proxy::Upstream;
+    let ctx = zmq::Context::new();
+    let engine = || {
+        kvevent_zmq::publisher::Publisher::start(
+            &ctx,
+            kvevent_zmq::publisher::PublisherConfig::loopback(kvevent_wire::Release::NEWEST_KNOWN),
+        )
+        .expect("engine")
+    };
+    let (x, y, z) = (engine(), engine(), engine());
+    let spec = |name: &str, p: &kvevent_zmq::publisher::Publisher| {
+        format!(
+            "{name}={},replay={}",
+            p.endpoint(),
+            p.replay_endpoint().unwrap_or_default()
+        )
+        .parse::<Engine>()
+        .expect("engine")
+    };
+    let ((ux, _tx), (uy, _ty), (uz, _tz)) = (
+        failing_upstream(503).await,
+        fake_upstream("y", 0).await,
+        failing_upstream(502).await,
+    );
+    let upstream = |name: &str, addr: std::net::SocketAddr| Upstream {
+        name: name.into(),
+        url: format!("http://{addr}"),
+    };
+    // Round-robin in the candidates' order: the first request goes to the first.
+    let serve = |names: [(
+        &str,
+        &kvevent_zmq::publisher::Publisher,
+        std::net::SocketAddr,
+    ); 2]| {
+        let router = Arc::new(
+            Router::start(RouterConfig {
+                model: "m".into(),
+                block_size: None,
+                engines: names.iter().map(|(n, p, _)| spec(n, p)).collect(),
+                sidecars: Vec::new(),
+                upstreams: names.iter().map(|(n, _, a)| upstream(n, *a)).collect(),
+                upstream_timeout: Duration::from_secs(5),
+                tokenizer: None,
+                policy: kvevent_fleet::route::Policy::RoundRobin,
+            })
+            .expect("router"),
+        );
+        async move {
+            let (addr, server) = router::bind("127.0.0.1:0", router.clone())
+                .await
+                .expect("bind");
+            (router, addr, server)
+        }
+    };
+    let request =
+        serde_json::json!({"model": "m", "prompt": [1, 2, 3], "max_tokens": 1}).to_string();
+    // x answers 503, z 502: each time sent again to the next choice (y), which answers.
+    for (name, failing, at, code) in [("x", &x, ux, "503"), ("z", &z, uz, "502")] {
+        let (router, addr, _server) = serve([(name, failing, at), ("y", &y, uy)]).await;
+        let (status, body) = post_raw(addr, "/v1/completions", &request).await;
+        assert_eq!(
+            (status, body.contains("\"text\":\"y\"")),
+            (200, true),
+            "{body}"
+        );
+        let metrics = router.metrics();
+        for needle in [
+            format!("kvevent_router_retries_total{{replica=\"{name}\",reason=\"{code}\"}} 1"),
+            format!("kvevent_router_responses_total{{replica=\"{name}\",code=\"{code}\"}} 1"),
+            "kvevent_router_responses_total{replica=\"y\",code=\"200\"} 1".to_owned(),
+        ] {
+            assert!(metrics.contains(&needle), "no {needle} in\n{metrics}");
+        }
+    }
+    // A request is sent again only once: x (503), then z (502), and the client gets z's
+    // failure, as a 502 naming it.
+    let (router, addr, _server) = serve([("x", &x, ux), ("z", &z, uz)]).await;
+    let (status, body) = post_raw(addr, "/v1/completions", &request).await;
+    assert_eq!(status, 502, "{body}");
+    assert!(body.contains("replica `z`"), "{body}");
+    let metrics = router.metrics();
+    assert!(
+        metrics.contains("kvevent_router_retries_total{replica=\"x\",reason=\"503\"} 1")
+            && !metrics.contains("kvevent_router_retries_total{replica=\"z\""),
+        "{metrics}"
+    );
 }

@@ -60,6 +60,8 @@ use std::time::{Duration, Instant};
 use kvevent_index::Index;
 
 pub mod accounting;
+#[cfg(feature = "discover")]
+pub mod discover;
 #[cfg(feature = "engines")]
 mod engines;
 mod feed;
@@ -596,6 +598,29 @@ impl Fleet {
         drop(replicas);
         self.core.changed();
         Ok(())
+    }
+
+    /// Says whether `name`'s replica is ready to take requests (discovery's word: a pod that
+    /// is not Ready is followed but not routed to). A replica not ready is
+    /// [`Degraded::NotReady`] (unless stale), and a router passes over it while another
+    /// candidate can serve ([`ReplicaState::can_serve`]). Replicas start ready. False for an
+    /// unknown name (nothing changes).
+    pub fn set_ready(&self, name: &str, ready: bool) -> bool {
+        let replicas = lock(&self.replicas);
+        let Some(r) = replicas.get(name) else {
+            return false;
+        };
+        let status = r.status.clone();
+        drop(replicas);
+        {
+            let mut s = lock(&status);
+            if s.not_ready != ready {
+                return true;
+            }
+            s.on(name, status::Event::Ready(ready), Instant::now());
+        }
+        status::publish(&self.core, name, &status);
+        true
     }
 
     /// Stops following `name` and forgets what it held. Nothing happens for an unknown name.

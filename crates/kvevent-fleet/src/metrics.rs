@@ -18,6 +18,13 @@
 //! | `kvevent_router_predictions_total` | counter | `replica`, `outcome` | decisions recorded ([`Fleet::record`](crate::Fleet::record)): `exact`, `optimistic`, `pessimistic` |
 //! | `kvevent_router_prediction_error_blocks` | histogram | `replica` | expected − reused blocks (positive: optimistic) |
 //!
+//! And [`RouterCollector`], the routing loop's ([`route::Router`](crate::route::Router)):
+//!
+//! | family | type | labels | what |
+//! |---|---|---|---|
+//! | `kvevent_router_retries_total` | counter | `replica`, `reason` | requests sent again because this replica failed them before any byte reached the client (`refused`, `502`, `503`) |
+//! | `kvevent_router_none_serving_total` | counter | | choices made when no candidate could serve (failing open) |
+//!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! use std::sync::Arc;
@@ -197,5 +204,41 @@ impl Collector for FleetCollector {
             )?;
         }
         Ok(())
+    }
+}
+
+/// The routing loop's families ([module docs](self)).
+#[derive(Debug)]
+pub struct RouterCollector(Arc<crate::route::Router>);
+
+impl RouterCollector {
+    /// A collector of `router`.
+    pub fn new(router: Arc<crate::route::Router>) -> Self {
+        Self(router)
+    }
+}
+
+impl Collector for RouterCollector {
+    fn encode(&self, mut enc: DescriptorEncoder<'_>) -> fmt::Result {
+        let c = self.0.counters();
+        let mut f = m::counter(
+            &mut enc,
+            "kvevent_router_retries_total",
+            "Requests sent again because this replica failed them before any byte reached the client, by why",
+        )?;
+        for (replica, why, n) in &c.retries {
+            m::count(
+                &mut f,
+                &[("replica", replica.as_str()), ("reason", why.as_str())],
+                *n,
+            )?;
+        }
+        m::single(
+            &mut enc,
+            true,
+            "kvevent_router_none_serving_total",
+            "Choices made when no candidate could serve (each was known down): failing open",
+            c.none_serving,
+        )
     }
 }

@@ -43,6 +43,9 @@ use std::time::{Duration, Instant};
 
 use kvevent_index::{Load, ReplicaState, Scores};
 
+mod router;
+pub use router::{Decision, Retry, Router, RouterCounters, Sent};
+
 /// What a request would cost on a candidate, as [`Policy::Cost`] weighs it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Weights {
@@ -99,6 +102,64 @@ impl Policy {
 impl std::fmt::Display for Policy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
+    }
+}
+
+/// Weights a policy cannot take ([`Policy::with_weights`]).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum WeightsError {
+    /// A weight is not a finite number of microseconds, 0 or more.
+    #[error(
+        "the cost policy's weights are microseconds, 0 or more (prefill {prefill_us_per_token}, queue {queue_us_per_request})"
+    )]
+    Invalid {
+        /// As given.
+        prefill_us_per_token: f64,
+        /// As given.
+        queue_us_per_request: f64,
+    },
+    /// Weights were given to a policy that weighs nothing.
+    #[error("the weights weigh the cost policy, not {0}")]
+    NotCost(&'static str),
+}
+
+impl Policy {
+    /// This policy with the cost policy's weights given (`None` keeps each as it is): for a
+    /// router's flags. Weights for another policy, or not microseconds ≥ 0, are an error.
+    ///
+    /// ```
+    /// use kvevent_fleet::route::Policy;
+    /// let p: Policy = "cost".parse().unwrap();
+    /// assert!(matches!(p.with_weights(Some(50.0), None), Ok(Policy::Cost(w)) if w.prefill_us_per_token == 50.0));
+    /// assert!(Policy::RoundRobin.with_weights(Some(50.0), None).is_err());
+    /// assert!(p.with_weights(Some(-1.0), None).is_err());
+    /// ```
+    pub fn with_weights(
+        self,
+        prefill_us_per_token: Option<f64>,
+        queue_us_per_request: Option<f64>,
+    ) -> Result<Self, WeightsError> {
+        match self {
+            Self::Cost(mut w) => {
+                w.prefill_us_per_token = prefill_us_per_token.unwrap_or(w.prefill_us_per_token);
+                w.queue_us_per_request = queue_us_per_request.unwrap_or(w.queue_us_per_request);
+                if [w.prefill_us_per_token, w.queue_us_per_request]
+                    .iter()
+                    .all(|v| v.is_finite() && *v >= 0.0)
+                {
+                    Ok(Self::Cost(w))
+                } else {
+                    Err(WeightsError::Invalid {
+                        prefill_us_per_token: w.prefill_us_per_token,
+                        queue_us_per_request: w.queue_us_per_request,
+                    })
+                }
+            }
+            other if prefill_us_per_token.is_some() || queue_us_per_request.is_some() => {
+                Err(WeightsError::NotCost(other.as_str()))
+            }
+            other => Ok(other),
+        }
     }
 }
 
@@ -348,6 +409,9 @@ pub struct Choice<'a> {
     /// What [`Policy::Cost`] estimated it costs there, in microseconds (0 for other
     /// policies).
     pub cost_us: f64,
+    /// No candidate could serve (each was known down: [`ReplicaState::can_serve`]), so the
+    /// choice was made among all of them: failing open.
+    pub none_serving: bool,
 }
 
 /// A routing policy and what it keeps between choices (round-robin's turn).
@@ -472,6 +536,11 @@ impl Rule {
                 load,
             }
         };
+        // A candidate known down (its engine lost, its server down, its pod not ready, or
+        // stale) is passed over while another can serve; if none can, every one is weighed.
+        let serves = |i: usize, c: &Candidate<'_>| said(i, c).is_none_or(|s| s.state.can_serve());
+        let none_serving = !candidates.iter().enumerate().any(|(i, c)| serves(i, c));
+        let eligible = |i: usize, c: &Candidate<'_>| none_serving || serves(i, c);
         let choice = |s: &Seen<'a>, cost_us: f64, by_match: bool| Choice {
             replica: s.c.name,
             matched_tokens: s.said_tokens,
@@ -481,10 +550,23 @@ impl Rule {
             queued: s.queued,
             load: s.load,
             cost_us,
+            none_serving,
         };
         match self.policy {
             Policy::RoundRobin => {
-                let i = self.turn.fetch_add(1, Relaxed) % candidates.len();
+                // Each eligible candidate in turn.
+                let n = candidates
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, c)| eligible(*i, c))
+                    .count();
+                let k = self.turn.fetch_add(1, Relaxed) % n.max(1);
+                let i = candidates
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, c)| eligible(*i, c))
+                    .nth(k)
+                    .map_or(0, |(i, _)| i);
                 Some(choice(&seen(i, &candidates[i]), 0.0, false))
             }
             Policy::LeastLoaded => {
@@ -494,6 +576,9 @@ impl Rule {
                 };
                 let (mut least, mut tied) = (u32::MAX, 0usize);
                 for (i, c) in candidates.iter().enumerate() {
+                    if !eligible(i, c) {
+                        continue;
+                    }
                     let q = ahead(i, c);
                     if q < least {
                         (least, tied) = (q, 1);
@@ -506,7 +591,7 @@ impl Rule {
                     .iter()
                     .enumerate()
                     .position(|(i, c)| {
-                        if ahead(i, c) != least {
+                        if !eligible(i, c) || ahead(i, c) != least {
                             return false;
                         }
                         if pick == 0 {
@@ -523,10 +608,13 @@ impl Rule {
                 // busy.
                 let busy = |c: &Candidate<'a>| (c.flights.in_flight(), c.name);
                 let mut best: Option<(u32, usize)> = None;
-                let mut idlest = 0;
+                let mut idlest: Option<usize> = None;
                 for (i, c) in candidates.iter().enumerate() {
-                    if busy(c) < busy(&candidates[idlest]) {
-                        idlest = i;
+                    if !eligible(i, c) {
+                        continue;
+                    }
+                    if idlest.is_none_or(|j| busy(c) < busy(&candidates[j])) {
+                        idlest = Some(i);
                     }
                     let exact = said(i, c)
                         .filter(|s| s.state.is_exact())
@@ -540,7 +628,7 @@ impl Rule {
                         best = Some((exact, i));
                     }
                 }
-                let i = best.map_or(idlest, |(_, i)| i);
+                let i = best.map_or(idlest.unwrap_or(0), |(_, i)| i);
                 Some(choice(&seen(i, &candidates[i]), 0.0, true))
             }
             Policy::Cost(w) => {
@@ -549,6 +637,9 @@ impl Rule {
                 let mut best: Option<(f64, Option<u64>, usize)> = None;
                 for (i, c) in candidates.iter().enumerate() {
                     let said = said(i, c);
+                    if !(none_serving || said.is_none_or(|s| s.state.can_serve())) {
+                        continue;
+                    }
                     let exact = said
                         .filter(|s| s.state.is_exact())
                         .map_or(0, |s| s.matched_tokens);

@@ -45,6 +45,8 @@ pub(crate) struct Status {
     pub(crate) refused: bool,
     /// The replica left the fleet: its follower publishes nothing more.
     pub(crate) removed: bool,
+    /// Its replica is not ready to take requests (discovery says: a pod not Ready).
+    pub(crate) not_ready: bool,
     pub(crate) newest: Option<Instant>,
     pub(crate) block_size: u32,
     /// Engine batches received, or feed messages of changes applied.
@@ -122,6 +124,8 @@ pub(crate) enum Event {
     },
     /// The replica left the fleet: nothing more is published of it.
     Removed,
+    /// Its replica is ready to take requests (true), or not (a pod not Ready).
+    Ready(bool),
 }
 
 impl Status {
@@ -138,6 +142,7 @@ impl Status {
             lagging: false,
             refused: false,
             removed: false,
+            not_ready: false,
             newest: None,
             block_size: 0,
             batches: 0,
@@ -216,6 +221,7 @@ impl Status {
                 self.set_error(name, error);
             }
             Event::Removed => self.removed = true,
+            Event::Ready(ready) => self.not_ready = !ready,
         }
     }
 
@@ -233,8 +239,19 @@ impl Status {
         expired
     }
 
-    /// The state at `now`: the source lost, then the engine lost, then degraded, else exact.
+    /// The state at `now`: stale, then not ready, then the source lost, then the engine lost,
+    /// then degraded, else exact.
     pub(crate) fn state(&self, dead_after: Duration, now: Instant) -> ReplicaState {
+        match self.followed_state(dead_after, now) {
+            ReplicaState::Exact | ReplicaState::Degraded(_) if self.not_ready => {
+                ReplicaState::Degraded(Degraded::NotReady)
+            }
+            s => s,
+        }
+    }
+
+    /// The state as its source makes it.
+    fn followed_state(&self, dead_after: Duration, now: Instant) -> ReplicaState {
         let lost = |since: Instant, lost: Lost, degraded: Degraded| {
             if now.saturating_duration_since(since) >= dead_after {
                 ReplicaState::Stale { since, lost }

@@ -30,6 +30,9 @@ pub enum Degraded {
     /// Its engine's HTTP server does not answer its health check (for less than
     /// `dead_after`): its cache may be known, but it serves nothing.
     ServerDown,
+    /// Its replica is not ready to take requests (a pod that is not Ready, as discovery
+    /// says): followed, but not routed to while another candidate can serve.
+    NotReady,
     /// Its follower's word ran out: the follower has not renewed its lease in time
     /// ([`Index::renew_lease`](crate::Index::renew_lease)), as when the task or thread that
     /// follows it is starved or stopped. What it said last may be out of date.
@@ -48,6 +51,7 @@ impl Degraded {
             Self::Silent => "silent",
             Self::Lagging => "lagging",
             Self::ServerDown => "server_down",
+            Self::NotReady => "not_ready",
             Self::LeaseExpired => "lease_expired",
         }
     }
@@ -99,6 +103,18 @@ impl ReplicaState {
     #[inline]
     pub fn is_exact(self) -> bool {
         matches!(self, Self::Exact)
+    }
+
+    /// Its engine can take a request, as far as its follower knows: it is not stale, and not
+    /// degraded by its engine lost, its server down or its replica not ready. A router passes
+    /// over a replica that cannot serve while another can.
+    #[inline]
+    pub fn can_serve(self) -> bool {
+        !matches!(
+            self,
+            Self::Stale { .. }
+                | Self::Degraded(Degraded::EngineLost | Degraded::ServerDown | Degraded::NotReady)
+        )
     }
 
     /// `exact`, `degraded` or `stale`.

@@ -73,7 +73,7 @@ fn call_back(callback: &Py<PyAny>, error: Option<PyErr>) {
 
 /// What the fleet and its waiters share.
 struct Shared {
-    fleet: fleet::Fleet,
+    fleet: Arc<fleet::Fleet>,
     handle: tokio::runtime::Handle,
     /// True once closed.
     closed: watch::Sender<bool>,
@@ -159,7 +159,7 @@ impl Drop for PyFleet {
 
 impl PyFleet {
     /// The fleet itself (for the router).
-    pub(crate) fn fleet(&self) -> &fleet::Fleet {
+    pub(crate) fn fleet(&self) -> &Arc<fleet::Fleet> {
         &self.shared.fleet
     }
 }
@@ -204,7 +204,7 @@ impl PyFleet {
         let handle = runtime.handle().clone();
         Ok(Self {
             shared: Arc::new(Shared {
-                fleet: fleet::Fleet::with_runtime(config, handle.clone()),
+                fleet: Arc::new(fleet::Fleet::with_runtime(config, handle.clone())),
                 handle,
                 closed: watch::channel(false).0,
             }),

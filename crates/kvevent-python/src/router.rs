@@ -1,16 +1,16 @@
-//! `kvevent.Router`: `kvevent_fleet::route`'s rule over a `Fleet`, for Python routers (the
-//! Rust rule itself, not a copy): which replica a request goes to, by a policy, with what this
-//! router has in flight to each; `Load`, an engine's load as its sidecar read it.
+//! `kvevent.Router`: `kvevent_fleet::route::Router`, the routing loop over a `Fleet`, for
+//! Python routers (the Rust loop itself, not a copy): which replica a request goes to, by a
+//! policy, with what this router has in flight to each, a retry after a replica failed, and
+//! the engine's cached tokens recorded; `Load`, an engine's load as its sidecar read it.
 //!
 //! Invariants: the GIL is released while Rust scores and chooses; a request is in flight from
 //! `start` until its `Flight` ends (`with`, or `end()`), at most once.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use kvevent_fleet::route::{self, Candidate, Flights, LoadSeen, Policy, Rule, Weights};
-use kvevent_fleet::{Query, QueryKeys, ReplicaState};
+use kvevent_fleet::ReplicaState;
+use kvevent_fleet::route::{self, Decision, LoadSeen, Policy, Retry, Rule};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -73,21 +73,14 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// Where a request goes, and what the decision rests on.
 #[pyclass(frozen, module = "kvevent", name = "Choice")]
 pub(crate) struct PyChoice {
-    replica: String,
-    matched_tokens: u32,
-    prompt_tokens: u32,
-    compute_tokens: u32,
-    queued: u32,
-    failed_open: bool,
-    load: &'static str,
-    cost_us: f64,
-    state: ReplicaState,
+    decision: Decision,
 }
 
 impl PyChoice {
     /// The replica, what it was said to hold, and its state: what `Fleet.record` counts.
     pub(crate) fn prediction(&self) -> (&str, u32, ReplicaState) {
-        (&self.replica, self.matched_tokens, self.state)
+        let p = &self.decision.prediction;
+        (&p.replica, p.predicted_tokens, p.state)
     }
 }
 
@@ -96,79 +89,100 @@ impl PyChoice {
     /// The replica chosen.
     #[getter]
     fn replica(&self) -> &str {
-        &self.replica
+        &self.decision.replica
     }
     /// Tokens of the prompt the fleet says it holds (0 when it said nothing of it).
     #[getter]
     fn matched_tokens(&self) -> u32 {
-        self.matched_tokens
+        self.decision.prediction.predicted_tokens
     }
     /// The prompt's length in tokens.
     #[getter]
     fn prompt_tokens(&self) -> u32 {
-        self.prompt_tokens
+        self.decision.prediction.prompt_tokens
     }
     /// Prompt tokens it will compute there: the prompt less what the replica holds exactly.
     /// Until its first token (`Flight.first_token()`), they count ahead of the next request
     /// there.
     #[getter]
     fn compute_tokens(&self) -> u32 {
-        self.compute_tokens
+        self.decision.compute_tokens
     }
     /// Requests estimated queued ahead of this one there.
     #[getter]
     fn queued(&self) -> u32 {
-        self.queued
+        self.decision.queued
     }
     /// The choice does not rest on an exact match.
     #[getter]
     fn failed_open(&self) -> bool {
-        self.failed_open
+        self.decision.failed_open
+    }
+    /// No candidate could serve (each was known down): chosen among all of them.
+    #[getter]
+    fn none_serving(&self) -> bool {
+        self.decision.none_serving
+    }
+    /// 0 for a first choice, 1 for a retry (`Router.retry`).
+    #[getter]
+    fn attempt(&self) -> u8 {
+        self.decision.attempt
     }
     /// How its load was known: "fresh", "old" (not used) or "none".
     #[getter]
     fn load(&self) -> &'static str {
-        self.load
+        match self.decision.load {
+            LoadSeen::Fresh => "fresh",
+            LoadSeen::Old => "old",
+            LoadSeen::None => "none",
+        }
     }
     /// What the cost policy estimated the request costs there, in microseconds (0 for the
     /// other policies).
     #[getter]
     fn cost_us(&self) -> f64 {
-        self.cost_us
+        self.decision.cost_us
     }
     /// `exact`, `degraded` or `stale`, when chosen.
     #[getter]
     fn state(&self) -> &'static str {
-        self.state.as_str()
+        self.decision.state().as_str()
     }
     /// Why it was not exact, or None.
     #[getter]
     fn reason(&self) -> Option<&'static str> {
-        self.state.reason()
+        self.decision.state().reason()
     }
     /// It was exact when chosen.
     #[getter]
     fn exact(&self) -> bool {
-        self.state.is_exact()
+        self.decision.state().is_exact()
     }
 
     fn __repr__(&self) -> String {
         format!(
             "Choice({:?}, matched_tokens={}, queued={}, {}, load {})",
-            self.replica,
-            self.matched_tokens,
-            self.queued,
-            self.state.as_str(),
-            self.load
+            self.decision.replica,
+            self.decision.prediction.predicted_tokens,
+            self.decision.queued,
+            self.decision.state().as_str(),
+            self.load()
         )
     }
 }
 
-/// A request in flight to a replica, from `Router.start` until `end()` (or the end of its
-/// `with` block).
+/// What a flight holds: a request sent on a choice (its prediction recorded when it
+/// finishes), or to a replica by name.
+enum InFlight {
+    Sent(route::Sent),
+    Named(route::Flight),
+}
+
+/// A request in flight to a replica, from `Router.start` until `end()` (or `finish()`, or the
+/// end of its `with` block).
 #[pyclass(frozen, module = "kvevent", name = "Flight")]
 pub(crate) struct PyFlight {
-    flight: Mutex<Option<route::Flight>>,
+    flight: Mutex<Option<InFlight>>,
 }
 
 #[pymethods]
@@ -176,14 +190,28 @@ impl PyFlight {
     /// Its first token came: its prompt is computed (streamed responses; an answer whole
     /// marks it when it ends).
     fn first_token(&self) {
-        if let Some(f) = lock(&self.flight).as_mut() {
-            f.first_token();
+        match lock(&self.flight).as_mut() {
+            Some(InFlight::Sent(s)) => s.first_token(),
+            Some(InFlight::Named(f)) => f.first_token(),
+            None => {}
         }
     }
 
     /// The request is over (answered, failed or abandoned). Ending it again does nothing.
     fn end(&self) {
         lock(&self.flight).take();
+    }
+
+    /// The request is over and its usage reported `cached_tokens` (None: it reported none):
+    /// recorded against the choice's prediction (as `Fleet.record`), and the flight ends.
+    /// The outcome ("exact", "optimistic", "pessimistic"), or None when nothing was recorded
+    /// (no cached tokens, a flight started by name, or one that already ended).
+    #[pyo3(signature = (cached_tokens=None))]
+    fn finish(&self, cached_tokens: Option<u32>) -> Option<&'static str> {
+        match lock(&self.flight).take() {
+            Some(InFlight::Sent(s)) => s.finish(cached_tokens).map(|o| o.as_str()),
+            _ => None,
+        }
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -197,21 +225,11 @@ impl PyFlight {
     }
 }
 
-/// The routing rule over a fleet: `choose` where a request goes, `start` it there.
+/// The routing loop over a fleet (`kvevent_fleet::route::Router`): `choose` where a request
+/// goes, `start` it there, `retry` after a replica failed it.
 #[pyclass(frozen, module = "kvevent", name = "Router")]
 pub(crate) struct PyRouter {
-    fleet: Py<PyFleet>,
-    rule: Rule,
-    flights: Mutex<HashMap<String, Arc<Flights>>>,
-}
-
-impl PyRouter {
-    fn flights(&self, name: &str) -> Arc<Flights> {
-        lock(&self.flights)
-            .entry(name.to_owned())
-            .or_default()
-            .clone()
-    }
+    router: route::Router,
 }
 
 #[pymethods]
@@ -228,51 +246,39 @@ impl PyRouter {
         queue_us_per_request: Option<f64>,
         load_old_after: f64,
     ) -> PyResult<Self> {
-        let mut policy: Policy = policy
+        let policy: Policy = policy
             .parse()
             .map_err(|e: route::UnknownPolicy| PyValueError::new_err(e.to_string()))?;
-        match &mut policy {
-            Policy::Cost(w) => {
-                let d = Weights::default();
-                w.prefill_us_per_token = prefill_us_per_token.unwrap_or(d.prefill_us_per_token);
-                w.queue_us_per_request = queue_us_per_request.unwrap_or(d.queue_us_per_request);
-                if ![w.prefill_us_per_token, w.queue_us_per_request]
-                    .iter()
-                    .all(|v| v.is_finite() && *v >= 0.0)
-                {
-                    return Err(PyValueError::new_err(
-                        "prefill_us_per_token and queue_us_per_request are microseconds, 0 or more",
-                    ));
-                }
-            }
-            other if prefill_us_per_token.is_some() || queue_us_per_request.is_some() => {
-                return Err(PyValueError::new_err(format!(
-                    "prefill_us_per_token and queue_us_per_request weigh the cost policy, not {other}"
-                )));
-            }
-            _ => {}
-        }
+        let policy = policy
+            .with_weights(prefill_us_per_token, queue_us_per_request)
+            .map_err(|e| {
+                PyValueError::new_err(format!(
+                    "prefill_us_per_token and queue_us_per_request: {e}"
+                ))
+            })?;
         let bound = Duration::try_from_secs_f64(load_old_after).map_err(|_| {
             PyValueError::new_err(format!(
                 "load_old_after must be a finite number of seconds ≥ 0, not {load_old_after}"
             ))
         })?;
         Ok(Self {
-            fleet,
-            rule: Rule::new(policy).with_load_old_after(bound),
-            flights: Mutex::default(),
+            router: route::Router::new(
+                fleet.get().fleet().clone(),
+                Rule::new(policy).with_load_old_after(bound),
+            ),
         })
     }
 
     /// The policy's name.
     #[getter]
     fn policy(&self) -> &'static str {
-        self.rule.policy().as_str()
+        self.router.rule().policy().as_str()
     }
 
     /// Where a request of `tokens` (token ids, as `Fleet.score` takes them) for `adapter`
-    /// ("" for the base model) goes among `candidates`. Before any replica said its block
-    /// size, by load alone. None only when there is no candidate.
+    /// ("" for the base model) goes among `candidates`; a replica known down (server down,
+    /// engine lost, not ready, stale) is passed over while another can serve. Before any
+    /// replica said its block size, by load alone. None only when there is no candidate.
     #[pyo3(signature = (candidates, tokens, *, adapter=""))]
     fn choose(
         &self,
@@ -282,77 +288,90 @@ impl PyRouter {
         adapter: &str,
     ) -> PyResult<Option<PyChoice>> {
         let tokens = token_ids(tokens)?;
-        let flights: Vec<Arc<Flights>> = candidates.iter().map(|c| self.flights(c)).collect();
-        let fleet = self.fleet.get().fleet();
-        let choice = py.detach(|| {
-            let block = fleet.block_size();
+        Ok(py.detach(|| {
             let names: Vec<&str> = candidates.iter().map(String::as_str).collect();
-            let scores = block.and_then(|b| {
-                let query = Query {
-                    adapter,
-                    keys: QueryKeys::Tokens {
-                        ids: &tokens,
-                        block_size: b as usize,
-                    },
-                };
-                fleet.score_among(&query, &names).ok()
-            });
-            let cs: Vec<Candidate<'_>> = names
-                .iter()
-                .zip(&flights)
-                .map(|(name, f)| Candidate { name, flights: f })
-                .collect();
-            let request = route::Request {
-                prompt_tokens: tokens.len() as u32,
-                affinity: route::affinity(&tokens, block.unwrap_or(16) as usize),
-            };
-            self.rule
-                .choose(scores.as_ref(), &request, &cs, Instant::now())
-                .map(|c| PyChoice {
-                    replica: c.replica.to_owned(),
-                    matched_tokens: c.matched_tokens,
-                    prompt_tokens: request.prompt_tokens,
-                    compute_tokens: c.compute_tokens,
-                    queued: c.queued,
-                    failed_open: c.failed_open,
-                    load: match c.load {
-                        LoadSeen::Fresh => "fresh",
-                        LoadSeen::Old => "old",
-                        LoadSeen::None => "none",
-                    },
-                    cost_us: c.cost_us,
-                    state: c.state,
-                })
-        });
-        Ok(choice)
+            self.router
+                .choose(&names, &tokens, adapter)
+                .map(|decision| PyChoice { decision })
+        }))
+    }
+
+    /// Where a request goes again after `failed` (the Choice it was sent on) failed before
+    /// any byte of its answer reached the client, for `reason` ("refused": its connection was
+    /// refused; "502", "503": what it answered): the next choice among `candidates` without
+    /// that replica, counted. None when no other candidate is left, or when `failed` was
+    /// itself a retry (a request is sent again once).
+    #[pyo3(signature = (failed, candidates, tokens, *, reason="refused", adapter=""))]
+    fn retry(
+        &self,
+        py: Python<'_>,
+        failed: &Bound<'_, PyChoice>,
+        candidates: Vec<String>,
+        tokens: &Bound<'_, PyAny>,
+        reason: &str,
+        adapter: &str,
+    ) -> PyResult<Option<PyChoice>> {
+        let why = match reason {
+            "refused" => Retry::Refused,
+            "502" => Retry::BadGateway,
+            "503" => Retry::Unavailable,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "`{other}` is not a reason to send a request again: refused, 502 or 503"
+                )));
+            }
+        };
+        let tokens = token_ids(tokens)?;
+        let failed = &failed.get().decision;
+        if failed.attempt > 0 {
+            return Ok(None);
+        }
+        Ok(py.detach(|| {
+            let names: Vec<&str> = candidates.iter().map(String::as_str).collect();
+            self.router
+                .retry(failed, why, &names, &tokens, adapter)
+                .map(|decision| PyChoice { decision })
+        }))
     }
 
     /// A request sent to `replica` (a name, or the Choice acted on): in flight until the
-    /// Flight ends (`with router.start(choice): ...`, or `flight.end()`). The cost and
-    /// least-loaded policies count it ahead of the next request there.
+    /// Flight ends (`with router.start(choice): ...`, `flight.finish(cached_tokens)` or
+    /// `flight.end()`). The cost and least-loaded policies count it ahead of the next request
+    /// there.
     fn start(&self, replica: &Bound<'_, PyAny>) -> PyResult<PyFlight> {
-        let (name, compute) = match replica.cast::<PyChoice>() {
-            Ok(c) => (c.get().replica.clone(), c.get().compute_tokens),
-            Err(_) => (
-                replica.extract::<String>().map_err(|_| {
+        let flight = match replica.cast::<PyChoice>() {
+            Ok(c) => InFlight::Sent(self.router.send(&c.get().decision)),
+            Err(_) => {
+                let name = replica.extract::<String>().map_err(|_| {
                     PyValueError::new_err("start: a Choice, or the name of the replica sent to")
-                })?,
-                0,
-            ),
+                })?;
+                InFlight::Named(self.router.flights(&name).start())
+            }
         };
         Ok(PyFlight {
-            flight: Mutex::new(Some(self.flights(&name).start_prefill(compute))),
+            flight: Mutex::new(Some(flight)),
         })
     }
 
     /// Requests this router has in flight to `replica`.
     fn in_flight(&self, replica: &str) -> u32 {
-        lock(&self.flights)
-            .get(replica)
-            .map_or(0, |f| f.in_flight())
+        self.router.in_flight(replica)
+    }
+
+    /// What the loop counted: `{"retries": {(replica, reason): n}, "none_serving": n}`.
+    fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        let c = self.router.counters();
+        let retries = pyo3::types::PyDict::new(py);
+        for (replica, why, n) in &c.retries {
+            retries.set_item((replica, why.as_str()), n)?;
+        }
+        let out = pyo3::types::PyDict::new(py);
+        out.set_item("retries", retries)?;
+        out.set_item("none_serving", c.none_serving)?;
+        Ok(out)
     }
 
     fn __repr__(&self) -> String {
-        format!("Router(policy={:?})", self.rule.policy().as_str())
+        format!("Router(policy={:?})", self.policy())
     }
 }

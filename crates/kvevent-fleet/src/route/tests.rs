@@ -386,3 +386,94 @@ fn prompt_tokens_in_flight_count_ahead_until_their_first_token() {
     drop((short, long));
     assert_eq!((f[0].prefilling(), f[0].in_flight()), (0, 0));
 }
+
+/// Every state a replica is known down in, as its follower says it.
+fn down_states() -> [ReplicaState; 4] {
+    [
+        ReplicaState::Degraded(Degraded::ServerDown),
+        ReplicaState::Degraded(Degraded::EngineLost),
+        ReplicaState::Degraded(Degraded::NotReady),
+        ReplicaState::Stale {
+            since: Instant::now(),
+            lost: kvevent_index::Lost::Source,
+        },
+    ]
+}
+
+#[test]
+fn a_replica_known_down_is_passed_over_under_every_policy() {
+    // `a` holds the whole prompt and is idle, `b` holds nothing and is busy: every policy that
+    // looks would pick `a`, round-robin would pick it every other time. Down, it never is.
+    let now = Instant::now();
+    for down in down_states() {
+        for policy in [
+            Policy::Cost(W),
+            Policy::PrefixOnly,
+            Policy::LeastLoaded,
+            Policy::RoundRobin,
+        ] {
+            let s = scores(
+                &[("a", 4, down, load(0, now)), ("b", 0, EXACT, load(5, now))],
+                &["a", "b"],
+            );
+            let f = flights(2);
+            let cs = candidates(&["a", "b"], &f);
+            let rule = Rule::new(policy);
+            for _ in 0..4 {
+                let c = rule.choose(Some(&s), &PROMPT, &cs, now).expect("a choice");
+                assert_eq!(
+                    c.replica,
+                    "b",
+                    "{policy} chose a replica {}",
+                    down.reason().unwrap_or_default()
+                );
+                assert!(!c.none_serving);
+            }
+        }
+    }
+}
+
+#[test]
+fn when_no_replica_can_serve_the_rule_fails_open_and_says_so() {
+    let now = Instant::now();
+    let [server_down, engine_lost, ..] = down_states();
+    for policy in [
+        Policy::Cost(W),
+        Policy::PrefixOnly,
+        Policy::LeastLoaded,
+        Policy::RoundRobin,
+    ] {
+        let s = scores(
+            &[
+                ("a", 4, server_down, load(0, now)),
+                ("b", 0, engine_lost, load(5, now)),
+            ],
+            &["a", "b"],
+        );
+        let f = flights(2);
+        let cs = candidates(&["a", "b"], &f);
+        let c = Rule::new(policy)
+            .choose(Some(&s), &PROMPT, &cs, now)
+            .expect("a choice, failing open");
+        assert!(c.none_serving, "{policy}");
+    }
+}
+
+#[test]
+fn degraded_replicas_that_can_serve_are_still_candidates() {
+    // Unverified, replaying, silent: the cache is in doubt, the server is not.
+    let now = Instant::now();
+    let s = scores(
+        &[
+            ("a", 4, DEGRADED, load(0, now)),
+            ("b", 0, EXACT, load(5, now)),
+        ],
+        &["a", "b"],
+    );
+    let f = flights(2);
+    let cs = candidates(&["a", "b"], &f);
+    let c = Rule::new(Policy::LeastLoaded)
+        .choose(Some(&s), &PROMPT, &cs, now)
+        .expect("a choice");
+    assert_eq!((c.replica, c.none_serving), ("a", false));
+}

@@ -5,10 +5,11 @@
   how far to trust each answer (route on ``exact``); ``await ready()`` / ``ready_blocking()``,
   ``changes()`` for ``async for`` and ``for``; ``record`` / ``accounting`` for predicted against
   realized.
-- ``Router(fleet, policy="cost")``: the routing rule (the Rust crate's): ``choose`` where a
+- ``Router(fleet, policy="cost")``: the routing loop (the Rust crate's): ``choose`` where a
   request goes, weighing what each replica holds against its engine's load (``Load``) and what
-  this router has in flight (``start`` a ``Flight``); ``prefix-only``, ``least-loaded`` and
-  ``round-robin`` to compare.
+  this router has in flight (``start`` a ``Flight``, ``finish`` it with the engine's cached
+  tokens), passing over replicas known down; ``retry`` after a replica failed a request;
+  ``prefix-only``, ``least-loaded`` and ``round-robin`` to compare.
 - ``fingerprint_keys(token_ids, block_size, parent=None)``: the prefix keys a gateway computes
   (XXH3-64 fingerprint chain), the keys a sidecar's feed carries.
 - ``decode(payload, engine="vllm")``: one ZMQ payload of any vLLM (0.9.0 on) or SGLang (0.4.6

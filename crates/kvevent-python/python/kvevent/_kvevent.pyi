@@ -275,6 +275,12 @@ class Choice:
     @property
     def failed_open(self) -> bool: ...
     @property
+    def none_serving(self) -> bool:
+        """No candidate could serve (each was known down): chosen among all of them."""
+    @property
+    def attempt(self) -> int:
+        """0 for a first choice, 1 for a retry (``Router.retry``)."""
+    @property
     def load(self) -> Literal["fresh", "old", "none"]: ...
     @property
     def cost_us(self) -> float: ...
@@ -292,12 +298,17 @@ class Flight:
     def first_token(self) -> None:
         """Its first token came: its prompt no longer counts ahead of the next request."""
     def end(self) -> None: ...
+    def finish(
+        self, cached_tokens: Optional[int] = None
+    ) -> Optional[Literal["exact", "optimistic", "pessimistic"]]:
+        """Ends it, recording the engine's cached tokens against the choice's prediction."""
     def __enter__(self) -> Flight: ...
     def __exit__(self, *exc: object) -> bool: ...
 
 @final
 class Router:
-    """The routing rule over a fleet (kvevent_fleet::route's): ``choose``, then ``start``."""
+    """The routing loop over a fleet (kvevent_fleet::route::Router): ``choose``, ``start``,
+    ``retry`` after a replica failed a request."""
 
     def __new__(
         cls,
@@ -317,8 +328,19 @@ class Router:
         *,
         adapter: str = "",
     ) -> Optional[Choice]: ...
+    def retry(
+        self,
+        failed: Choice,
+        candidates: Sequence[str],
+        tokens: TokenIds,
+        *,
+        reason: Literal["refused", "502", "503"] = "refused",
+        adapter: str = "",
+    ) -> Optional[Choice]: ...
     def start(self, replica: Union[Choice, str]) -> Flight: ...
     def in_flight(self, replica: str) -> int: ...
+    def counters(self) -> Dict[str, Any]:
+        """``{"retries": {(replica, reason): n}, "none_serving": n}``."""
 
 _F = TypeVar("_F", bound="_Fleet")
 

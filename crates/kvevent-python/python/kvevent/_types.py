@@ -17,6 +17,7 @@ Reason = Union[
     Literal["silent"],
     Literal["lagging"],
     Literal["server_down"],
+    Literal["not_ready"],
     Literal["source_lost"],
     Literal["lease_expired"],
 ]

@@ -1,0 +1,370 @@
+//! Replicas discovered (feature `discover`): a source of the fleet's membership, a set of
+//! [`Member`]s, and the one loop that reconciles the [`Fleet`] with each set it reads (adds
+//! what is new, keeps what is there, removes what left, marks what is not ready), keeping the
+//! last good set whenever the source fails.
+//!
+//! - **A file** ([`FileSource`]): one replica a line, read again when it changes (polled
+//!   every 200 ms); a bad file keeps the last good set, with one clear error naming the line.
+//!
+//! A router that lists its replicas itself builds none of this.
+//!
+//! Invariants: a member is one replica by its identity (a pod's UID; else its address): the
+//! same name with another identity is removed, then followed anew, so a new process never
+//! answers with the old one's blocks; only replicas this loop added are ever removed by it; a
+//! failed read never removes anything.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::watch;
+
+use crate::{Fleet, ReplicaSource, SidecarFeed};
+
+/// One replica as discovery sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Member {
+    /// Its name in the fleet.
+    pub name: String,
+    /// What makes it the same replica: a pod's UID, or its source's address. Another
+    /// identity under the same name is a new replica.
+    pub identity: String,
+    /// How it is followed.
+    pub source: ReplicaSource,
+    /// Its OpenAI-compatible server (`http://host:port`), where requests routed to it go.
+    pub upstream: Option<String>,
+    /// It may take requests (a pod that is Ready).
+    pub ready: bool,
+}
+
+/// A set of members, sorted by name, as one read of a source found it.
+pub type Members = Arc<Vec<Member>>;
+
+/// A source that cannot be read, or says something that is not a set of replicas.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DiscoverError {
+    /// The source could not be read (a file, a DNS server, an API server).
+    #[error("{what}: {why}")]
+    Read {
+        /// What was read.
+        what: String,
+        /// Why it failed.
+        why: String,
+    },
+    /// What it said is not a set of replicas.
+    #[error("{what}, line {line}: {why}")]
+    Invalid {
+        /// What was read.
+        what: String,
+        /// The line (1 on).
+        line: usize,
+        /// What is wrong.
+        why: String,
+    },
+}
+
+/// The replicas a [`reconcile`] added, by name: what identity and source each was added with.
+#[derive(Debug, Default)]
+pub struct Reconciled {
+    added: HashMap<String, (String, ReplicaSource)>,
+}
+
+/// What one [`reconcile`] changed.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Changes {
+    /// Replicas followed anew (new, or a new identity or source under an old name).
+    pub added: Vec<String>,
+    /// Replicas no longer followed.
+    pub removed: Vec<String>,
+    /// Members that could not be followed as given, and why (skipped; logged).
+    pub skipped: Vec<(String, String)>,
+}
+
+/// Makes the fleet follow `members`: each new one followed, one whose identity or source
+/// changed removed and followed anew, each one's readiness said, and what this loop added
+/// before that is not among them removed. Replicas it did not add are never touched.
+pub fn reconcile(fleet: &Fleet, state: &mut Reconciled, members: &[Member]) -> Changes {
+    let mut changes = Changes::default();
+    let mut seen: std::collections::HashSet<&str> = std::collections::HashSet::new();
+    for m in members {
+        if !seen.insert(&m.name) {
+            changes
+                .skipped
+                .push((m.name.clone(), "a second member of this name".into()));
+            continue;
+        }
+        let same = state
+            .added
+            .get(&m.name)
+            .is_some_and(|(identity, source)| *identity == m.identity && *source == m.source);
+        if !same {
+            if state.added.remove(&m.name).is_some() {
+                // Another process (or source) under the same name: what the old one held goes.
+                fleet.remove_replica(&m.name);
+            }
+            if let Err(e) = fleet.ensure_replica(&m.name, m.source.clone()) {
+                changes.skipped.push((m.name.clone(), e.to_string()));
+                continue;
+            }
+            state
+                .added
+                .insert(m.name.clone(), (m.identity.clone(), m.source.clone()));
+            changes.added.push(m.name.clone());
+        }
+        fleet.set_ready(&m.name, m.ready);
+    }
+    let gone: Vec<String> = state
+        .added
+        .keys()
+        .filter(|n| !seen.contains(n.as_str()))
+        .cloned()
+        .collect();
+    for name in gone {
+        state.added.remove(&name);
+        fleet.remove_replica(&name);
+        changes.removed.push(name);
+    }
+    changes.added.sort();
+    changes.removed.sort();
+    changes
+}
+
+/// Reconciles `fleet` with each set `sets` brings, until it closes (or the fleet's runtime
+/// stops): the set in force is published on the returned receiver (what a router routes
+/// among). Each change is logged.
+pub fn follow(
+    fleet: Arc<Fleet>,
+    mut sets: watch::Receiver<Members>,
+    source: String,
+) -> watch::Receiver<Members> {
+    let (tx, rx) = watch::channel(Members::default());
+    let runtime = fleet.runtime.clone();
+    runtime.spawn(async move {
+        let mut state = Reconciled::default();
+        loop {
+            let members = sets.borrow_and_update().clone();
+            let changes = reconcile(&fleet, &mut state, &members);
+            log(&source, &members, &changes);
+            tx.send_replace(members);
+            if sets.changed().await.is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+fn log(source: &str, members: &[Member], c: &Changes) {
+    for (name, why) in &c.skipped {
+        tracing::warn!(%source, replica = %name, "discovered replica skipped: {why}");
+    }
+    if !c.added.is_empty() || !c.removed.is_empty() {
+        tracing::info!(
+            %source,
+            replicas = members.len(),
+            ready = members.iter().filter(|m| m.ready).count(),
+            added = ?c.added,
+            removed = ?c.removed,
+            "replicas discovered"
+        );
+    }
+}
+
+/// A file of replicas, one a line (`#` starts a comment):
+///
+/// ```text
+/// # NAME  SOURCE                                              [upstream=URL] [ready=false]
+/// a       sidecar=http://10.0.0.1:7070                        upstream=http://10.0.0.1:8000
+/// b       engine=tcp://10.0.0.2:5557,replay=tcp://10.0.0.2:5558 upstream=http://10.0.0.2:8000
+/// ```
+///
+/// `engine=` takes [`EngineSockets`](crate::EngineSockets)' text form (feature `engines`).
+/// The file is read again when its contents change.
+#[derive(Debug, Clone)]
+pub struct FileSource {
+    path: PathBuf,
+    model: String,
+    interval: Duration,
+}
+
+impl FileSource {
+    /// The file at `path`; sidecars are asked for `model`'s feed ("" for whatever they serve).
+    pub fn new(path: impl Into<PathBuf>, model: impl Into<String>) -> Self {
+        Self {
+            path: path.into(),
+            model: model.into(),
+            interval: Duration::from_millis(200),
+        }
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Reads and parses the file once.
+    pub fn read(&self) -> Result<Vec<Member>, DiscoverError> {
+        let what = self.path.display().to_string();
+        let text = std::fs::read_to_string(&self.path).map_err(|e| DiscoverError::Read {
+            what: what.clone(),
+            why: e.to_string(),
+        })?;
+        parse(&text, &what, &self.model)
+    }
+
+    /// Follows the file: reads it now and whenever it changes, on the fleet's runtime, and
+    /// reconciles the fleet with each good read. A bad read keeps the last good set and logs
+    /// one error (again only when the error changes). The first read's error is returned, and
+    /// nothing is started.
+    pub fn follow(self, fleet: Arc<Fleet>) -> Result<watch::Receiver<Members>, DiscoverError> {
+        let first = self.read()?;
+        let (tx, rx) = watch::channel(Arc::new(first));
+        let runtime = fleet.runtime.clone();
+        let what = format!("file {}", self.path.display());
+        runtime.spawn(async move {
+            let mut seen = fingerprint(&self.path);
+            let mut last_error: Option<DiscoverError> = None;
+            loop {
+                tokio::time::sleep(self.interval).await;
+                if tx.is_closed() {
+                    return;
+                }
+                let now = fingerprint(&self.path);
+                if now == seen {
+                    continue;
+                }
+                seen = now;
+                match self.read() {
+                    Ok(members) => {
+                        if last_error.take().is_some() {
+                            tracing::info!(file = %self.path.display(), "replica file good again");
+                        }
+                        tx.send_if_modified(|m| {
+                            let changed = **m != members;
+                            if changed {
+                                *m = Arc::new(members);
+                            }
+                            changed
+                        });
+                    }
+                    Err(e) => {
+                        if last_error.as_ref() != Some(&e) {
+                            tracing::error!(file = %self.path.display(), "replica file not read, the last good set kept: {e}");
+                        }
+                        last_error = Some(e);
+                    }
+                }
+            }
+        });
+        Ok(follow(fleet, rx, what))
+    }
+}
+
+/// What changes when a file's contents change: its length, modification time and inode (an
+/// editor's or a ConfigMap's rename), or that it is missing.
+fn fingerprint(path: &Path) -> Option<(u64, Option<SystemTime>, u64)> {
+    let m = std::fs::metadata(path).ok()?;
+    #[cfg(unix)]
+    let ino = std::os::unix::fs::MetadataExt::ino(&m);
+    #[cfg(not(unix))]
+    let ino = 0;
+    Some((m.len(), m.modified().ok(), ino))
+}
+
+/// The members a replica file lists ([`FileSource`]'s format), sorted by name.
+pub fn parse(text: &str, what: &str, model: &str) -> Result<Vec<Member>, DiscoverError> {
+    let mut members: Vec<Member> = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let invalid = |why: String| DiscoverError::Invalid {
+            what: what.to_owned(),
+            line: i + 1,
+            why,
+        };
+        let line = line.split('#').next().unwrap_or_default().trim();
+        if line.is_empty() {
+            continue;
+        }
+        let mut words = line.split_whitespace();
+        let name = words.next().unwrap_or_default();
+        if name.contains('=') {
+            return Err(invalid(format!(
+                "`{name}`: a line starts with the replica's name, then sidecar=URL or engine=SOCKETS"
+            )));
+        }
+        let (mut source, mut upstream, mut ready) = (None, None, true);
+        for word in words {
+            let Some((key, value)) = word.split_once('=') else {
+                return Err(invalid(format!(
+                    "`{word}`: expected sidecar=URL, engine=SOCKETS, upstream=URL or ready=true|false"
+                )));
+            };
+            match key {
+                "sidecar" | "engine" if source.is_some() => {
+                    return Err(invalid(format!("`{word}`: a second source for `{name}`")));
+                }
+                "sidecar" => {
+                    if !(value.starts_with("http://") || value.starts_with("https://")) {
+                        return Err(invalid(format!(
+                            "`{word}`: a sidecar is http://HOST:PORT (its --feed-address)"
+                        )));
+                    }
+                    source = Some(ReplicaSource::Sidecar(SidecarFeed {
+                        model: model.to_owned(),
+                        ..SidecarFeed::new(value)
+                    }));
+                }
+                #[cfg(feature = "engines")]
+                "engine" => {
+                    source = Some(ReplicaSource::Engine(
+                        value
+                            .parse()
+                            .map_err(|e: String| invalid(format!("`{word}`: {e}")))?,
+                    ));
+                }
+                #[cfg(not(feature = "engines"))]
+                "engine" => {
+                    return Err(invalid(format!(
+                        "`{word}`: engines are followed with kvevent-fleet's feature `engines`"
+                    )));
+                }
+                "upstream" => {
+                    let authority = value.strip_prefix("http://").unwrap_or_default();
+                    if authority.is_empty() || !authority.trim_end_matches('/').contains(':') {
+                        return Err(invalid(format!(
+                            "`{word}`: an upstream is http://HOST:PORT (the replica's server)"
+                        )));
+                    }
+                    upstream = Some(value.trim_end_matches('/').to_owned());
+                }
+                "ready" => {
+                    ready = value
+                        .parse()
+                        .map_err(|_| invalid(format!("`{word}`: ready is true or false")))?;
+                }
+                _ => {
+                    return Err(invalid(format!(
+                        "`{key}`: expected sidecar, engine, upstream or ready"
+                    )));
+                }
+            }
+        }
+        let Some(source) = source else {
+            return Err(invalid(format!(
+                "`{name}` has no source: give sidecar=URL or engine=SOCKETS"
+            )));
+        };
+        if members.iter().any(|m| m.name == name) {
+            return Err(invalid(format!("`{name}` is listed twice")));
+        }
+        members.push(Member {
+            name: name.to_owned(),
+            identity: source.address().to_owned(),
+            source,
+            upstream,
+            ready,
+        });
+    }
+    members.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(members)
+}
