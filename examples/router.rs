@@ -24,7 +24,7 @@ use kvevent_fleet::route::Policy;
 #[derive(Parser)]
 #[command(
     name = "router",
-    group(clap::ArgGroup::new("replicas").required(true).multiple(true).args(["sidecars", "engines"])),
+    group(clap::ArgGroup::new("replicas").required(true).multiple(true).args(["sidecars", "engines", "discover"])),
     after_help = "\
 POST /v1/completions takes an OpenAI completions request whose prompt is token ids (or text,
 with --tokenizer): it goes where --policy says (cost, by default: the replica where the prompt
@@ -60,6 +60,11 @@ struct Args {
     /// asked, load read from /metrics); it knows what the replay buffer holds.
     #[arg(long = "engine", value_name = "SPEC")]
     engines: Vec<Engine>,
+    /// Replicas discovered, followed as they come and go: file:PATH, a file of replicas read
+    /// again when it changes, one a line: NAME sidecar=http://HOST:PORT (or
+    /// engine=SOCKETS, as --engine takes them) [upstream=http://HOST:PORT] [ready=false].
+    #[arg(long, value_name = "SOURCE")]
+    discover: Option<router::Discover>,
     /// Where a replica serves completions: NAME=http://HOST:PORT (its vLLM server); POST
     /// /v1/completions is routed among these.
     #[arg(long = "upstream", value_name = "SPEC")]
@@ -95,33 +100,17 @@ fn seconds(text: &str) -> Result<f64, String> {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let policy = match args.policy {
-        Policy::Cost(mut w) => {
-            w.prefill_us_per_token = args.prefill_us_per_token.unwrap_or(w.prefill_us_per_token);
-            w.queue_us_per_request = args.queue_us_per_request.unwrap_or(w.queue_us_per_request);
-            if ![w.prefill_us_per_token, w.queue_us_per_request]
-                .iter()
-                .all(|v| v.is_finite() && *v >= 0.0)
-            {
-                anyhow::bail!(
-                    "--prefill-us-per-token and --queue-us-per-request take microseconds, 0 or more"
-                );
-            }
-            Policy::Cost(w)
-        }
-        other if args.prefill_us_per_token.is_some() || args.queue_us_per_request.is_some() => {
-            anyhow::bail!(
-                "--prefill-us-per-token and --queue-us-per-request weigh --policy cost, not {other}"
-            );
-        }
-        other => other,
-    };
+    let policy = args
+        .policy
+        .with_weights(args.prefill_us_per_token, args.queue_us_per_request)
+        .map_err(|e| anyhow::anyhow!("--prefill-us-per-token, --queue-us-per-request: {e}"))?;
     let config = RouterConfig {
         policy,
         model: args.model,
         block_size: args.block_size,
         engines: args.engines,
         sidecars: args.sidecars,
+        discover: args.discover,
         upstreams: args.upstreams,
         upstream_timeout: Duration::from_secs_f64(args.upstream_timeout),
         tokenizer: args.tokenizer,

@@ -22,7 +22,7 @@ use hyper::body::{Frame, Incoming};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use kvevent_fleet::route;
+use kvevent_fleet::{discover, route};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
@@ -72,8 +72,12 @@ const OVERHEAD_BUCKETS: [f64; 8] = [
 /// owns the routing loop.
 pub(crate) struct Proxy {
     client: Client<HttpConnector, Full<Bytes>>,
-    /// Where each replica serves completions: the candidates.
+    /// Where each replica serves completions, as given: candidates.
     upstreams: Vec<Upstream>,
+    /// Replicas discovered: those with an upstream are candidates too.
+    discovered: Option<tokio::sync::watch::Receiver<discover::Members>>,
+    /// The candidates last made of both, and the discovered set they were made with.
+    candidates: std::sync::Mutex<(discover::Members, Arc<Vec<Upstream>>)>,
     router: Arc<route::Router>,
     timeout: Duration,
     /// What the router adds to a request, in seconds.
@@ -114,6 +118,7 @@ impl Proxy {
         tokenizer: Option<tokenizers::Tokenizer>,
         model: String,
         router: Arc<route::Router>,
+        discovered: Option<tokio::sync::watch::Receiver<discover::Members>>,
     ) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
@@ -121,7 +126,12 @@ impl Proxy {
         Self {
             client: Client::builder(TokioExecutor::new()).build(connector),
             router,
+            candidates: std::sync::Mutex::new((
+                discover::Members::default(),
+                Arc::new(upstreams.clone()),
+            )),
             upstreams,
+            discovered,
             timeout,
             overhead: Histogram::new(OVERHEAD_BUCKETS),
             responses: Family::default(),
@@ -133,6 +143,29 @@ impl Proxy {
     /// The routing loop.
     pub(crate) fn router(&self) -> &route::Router {
         &self.router
+    }
+
+    /// Where requests may go now: the upstreams given, and each discovered replica's.
+    pub(crate) fn upstreams(&self) -> Arc<Vec<Upstream>> {
+        let mut candidates = self
+            .candidates
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let Some(discovered) = &self.discovered else {
+            return candidates.1.clone();
+        };
+        let members = discovered.borrow().clone();
+        if !Arc::ptr_eq(&members, &candidates.0) {
+            let mut all = self.upstreams.clone();
+            all.extend(members.iter().filter_map(|m| {
+                Some(Upstream {
+                    name: m.name.clone(),
+                    url: m.upstream.clone()?,
+                })
+            }));
+            *candidates = (members, Arc::new(all));
+        }
+        candidates.1.clone()
     }
 
     fn note_overhead(&self, d: Duration) {
@@ -203,11 +236,12 @@ impl Proxy {
         // A LoRA adapter is asked for by its name in `model`, as vLLM serves it.
         let model = v["model"].as_str().unwrap_or_default().to_owned();
         let adapter = route::adapter_of(&model, &self.model);
-        let names: Vec<&str> = self.upstreams.iter().map(|u| u.name.as_str()).collect();
+        let upstreams = self.upstreams();
+        let names: Vec<&str> = upstreams.iter().map(|u| u.name.as_str()).collect();
         let Some(mut decision) = self.router.choose(&names, &prompt, adapter) else {
             return error(
                 503,
-                "no replica to route to: give --upstream NAME=http://HOST:PORT".into(),
+                "no replica to route to: give --upstream NAME=http://HOST:PORT, or discover replicas with an upstream".into(),
             );
         };
         // Streaming: ask for the usage chunk, whose cached tokens are the engine's truth.
@@ -219,7 +253,7 @@ impl Proxy {
             body
         };
         loop {
-            let Some(upstream) = self.upstreams.iter().find(|u| u.name == decision.replica) else {
+            let Some(upstream) = upstreams.iter().find(|u| u.name == decision.replica) else {
                 return error(500, format!("`{}` has no upstream", decision.replica));
             };
             let mut request = hyper::Request::post(format!("{}/v1/completions", upstream.url))

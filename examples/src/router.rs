@@ -73,6 +73,25 @@ impl std::str::FromStr for Sidecar {
     }
 }
 
+/// `--discover`: where the replicas are listed, beside (or instead of) the flags.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Discover {
+    /// `file:PATH`: a file of replicas, one a line, read again when it changes
+    /// ([`kvevent_fleet::discover::FileSource`]).
+    File(std::path::PathBuf),
+}
+
+impl std::str::FromStr for Discover {
+    type Err = anyhow::Error;
+
+    fn from_str(s: &str) -> anyhow::Result<Self> {
+        match s.split_once(':') {
+            Some(("file", path)) if !path.is_empty() => Ok(Self::File(path.into())),
+            _ => bail!("`{s}`: discovery is file:PATH (a file of replicas, one a line)"),
+        }
+    }
+}
+
 /// What the service is set up with.
 #[derive(Debug, Clone)]
 pub struct RouterConfig {
@@ -84,6 +103,8 @@ pub struct RouterConfig {
     pub engines: Vec<Engine>,
     /// The replicas followed through their sidecars' feeds.
     pub sidecars: Vec<Sidecar>,
+    /// Replicas discovered, followed as they come and go (their upstreams are candidates).
+    pub discover: Option<Discover>,
     /// Where the replicas serve completions: `POST /v1/completions` is routed among these.
     pub upstreams: Vec<Upstream>,
     /// Deadline of a routed request's response (and of each frame of a streamed one).
@@ -178,6 +199,14 @@ impl Router {
             })?),
             None => None,
         };
+        let discovered = match &config.discover {
+            Some(Discover::File(path)) => Some(
+                kvevent_fleet::discover::FileSource::new(path, config.model.clone())
+                    .follow(fleet.clone())
+                    .context("--discover")?,
+            ),
+            None => None,
+        };
         let router = Arc::new(route::Router::new(
             fleet.clone(),
             route::Rule::new(config.policy),
@@ -188,6 +217,7 @@ impl Router {
             tokenizer,
             config.model.clone(),
             router.clone(),
+            discovered,
         );
         let mut registry = prometheus_client::registry::Registry::default();
         registry.register_collector(Box::new(kvevent_fleet::metrics::FleetCollector::new(

@@ -110,6 +110,7 @@ async fn the_router_routes_between_three_real_engines() {
             })
             .collect(),
         sidecars: Vec::new(),
+        discover: None,
         upstreams: servers
             .iter()
             .zip(names)

@@ -47,6 +47,7 @@ async fn python_publishers_into_the_router_and_scores_out() {
             block_size: Some(16),
             engines,
             sidecars: Vec::new(),
+            discover: None,
             upstreams: Vec::new(),
             upstream_timeout: Duration::from_secs(10),
             tokenizer: None,
@@ -409,6 +410,7 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
             block_size: None,
             engines: vec![spec("a", &a), spec("b", &b), spec("c", &c)],
             sidecars: Vec::new(),
+            discover: None,
             upstreams: vec![
                 Upstream {
                     name: "a".into(),
@@ -516,6 +518,7 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
             block_size: None,
             engines: vec![spec("a", &a)],
             sidecars: Vec::new(),
+            discover: None,
             upstreams: vec![Upstream {
                 name: "a".into(),
                 url: format!("http://{ua}"),
@@ -574,6 +577,7 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
             block_size: None,
             engines: vec![spec("c", &c)],
             sidecars: Vec::new(),
+            discover: None,
             upstreams: vec![Upstream {
                 name: "c".into(),
                 url: format!("http://{}", nothing.addr()),
@@ -687,6 +691,7 @@ async fn a_replica_answering_503_or_502_is_passed_over_once() {
                 block_size: None,
                 engines: names.iter().map(|(n, p, _)| spec(n, p)).collect(),
                 sidecars: Vec::new(),
+                discover: None,
                 upstreams: names.iter().map(|(n, _, a)| upstream(n, *a)).collect(),
                 upstream_timeout: Duration::from_secs(5),
                 tokenizer: None,
@@ -733,4 +738,107 @@ async fn a_replica_answering_503_or_502_is_passed_over_once() {
             && !metrics.contains("kvevent_router_retries_total{replica=\"z\""),
         "{metrics}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_discovered_from_a_file_are_routed_to_as_they_come_and_go() {
+    let ctx = zmq::Context::new();
+    let engine = || {
+        kvevent_zmq::publisher::Publisher::start(
+            &ctx,
+            kvevent_zmq::publisher::PublisherConfig::loopback(kvevent_wire::Release::NEWEST_KNOWN),
+        )
+        .expect("engine")
+    };
+    let (x, y) = (engine(), engine());
+    let ((ux, _tx), (uy, _ty)) = (fake_upstream("x", 0).await, fake_upstream("y", 0).await);
+    let line = |name: &str, p: &kvevent_zmq::publisher::Publisher, up: std::net::SocketAddr| {
+        format!(
+            "{name} engine={},replay={} upstream=http://{up}\n",
+            p.endpoint(),
+            p.replay_endpoint().unwrap_or_default()
+        )
+    };
+    let dir = std::env::temp_dir().join(format!("kvevent-router-discover-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let file = dir.join("replicas");
+    let write = |text: String| {
+        std::fs::write(dir.join("replicas.tmp"), text).expect("write");
+        std::fs::rename(dir.join("replicas.tmp"), &file).expect("rename");
+    };
+    write(line("x", &x, ux));
+    let router = Arc::new(
+        Router::start(RouterConfig {
+            model: "m".into(),
+            block_size: None,
+            engines: Vec::new(),
+            sidecars: Vec::new(),
+            discover: Some(
+                format!("file:{}", file.display())
+                    .parse()
+                    .expect("discover"),
+            ),
+            upstreams: Vec::new(),
+            upstream_timeout: Duration::from_secs(5),
+            tokenizer: None,
+            policy: kvevent_fleet::route::Policy::default(),
+        })
+        .expect("router"),
+    );
+    let (addr, _server) = router::bind("127.0.0.1:0", router.clone())
+        .await
+        .expect("bind");
+    let request =
+        serde_json::json!({"model": "m", "prompt": [1, 2, 3], "max_tokens": 1}).to_string();
+    let (status, body) = post_raw(addr, "/v1/completions", &request).await;
+    assert_eq!(
+        (status, body.contains("\"text\":\"x\"")),
+        (200, true),
+        "{body}"
+    );
+    // x leaves, y comes: within a second, y is the only replica, and requests go there.
+    write(line("y", &y, uy));
+    let names = || {
+        router.replicas()["replicas"]
+            .as_array()
+            .map(|r| r.iter().map(|r| r["name"].to_string()).collect::<Vec<_>>())
+            .unwrap_or_default()
+    };
+    eventually("only y followed", Duration::from_secs(2), || async {
+        when(names(), |n| *n == ["\"y\""])
+    })
+    .await;
+    for _ in 0..3 {
+        let (status, body) = post_raw(addr, "/v1/completions", &request).await;
+        assert_eq!(
+            (status, body.contains("\"text\":\"y\"")),
+            (200, true),
+            "{body}"
+        );
+    }
+    // A bad file: the last good set is kept.
+    write("y engine=nonsense\n".into());
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(names(), ["\"y\""]);
+    let (status, body) = post_raw(addr, "/v1/completions", &request).await;
+    assert_eq!(
+        (status, body.contains("\"text\":\"y\"")),
+        (200, true),
+        "{body}"
+    );
+    // A file that cannot be read at the start is a clear error.
+    let missing = Router::start(RouterConfig {
+        model: "m".into(),
+        block_size: None,
+        engines: Vec::new(),
+        sidecars: Vec::new(),
+        discover: Some("file:/nonexistent/replicas".parse().expect("discover")),
+        upstreams: Vec::new(),
+        upstream_timeout: Duration::from_secs(5),
+        tokenizer: None,
+        policy: kvevent_fleet::route::Policy::default(),
+    });
+    let error = format!("{:#}", missing.err().expect("an error"));
+    assert!(error.contains("/nonexistent/replicas"), "{error}");
+    std::fs::remove_dir_all(&dir).ok();
 }

@@ -108,6 +108,7 @@ fn main() -> anyhow::Result<()> {
             block_size: None,
             engines: vec![spec.parse::<Engine>()?],
             sidecars: Vec::new(),
+            discover: None,
             upstreams: vec![Upstream {
                 name: "a".into(),
                 url: format!("http://{server}"),

@@ -1,4 +1,5 @@
 //! The fleet against real peers on loopback: the sidecar's hub behind the real feed server,
 //! and engine stand-ins on real ZeroMQ sockets.
 
+mod discover;
 mod feed;
