@@ -229,12 +229,10 @@ fn engine_flags_parse() {
     }
 }
 
-/// A replica's OpenAI-compatible server, faked: answers `/v1/completions` with `cached`
-/// tokens in its usage for a prompt starting at token 0 or the word `w0` (0 for others) (streamed as SSE when asked, the usage chunk only when asked for),
-/// naming itself in the text.
-async fn fake_upstream(
-    name: &'static str,
-    cached: u32,
+/// An HTTP server on loopback answering each request's JSON body with `answer(body)`:
+/// (status, body).
+async fn http_server(
+    answer: impl Fn(serde_json::Value) -> (u16, String) + Clone + Send + Sync + 'static,
 ) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
@@ -245,43 +243,28 @@ async fn fake_upstream(
             let Ok((stream, _)) = listener.accept().await else {
                 continue;
             };
+            let answer = answer.clone();
             tokio::spawn(async move {
                 let service = hyper::service::service_fn(
-                    move |req: hyper::Request<hyper::body::Incoming>| async move {
-                        use http_body_util::BodyExt;
-                        let body = req
-                            .into_body()
-                            .collect()
-                            .await
-                            .map(|b| b.to_bytes())
-                            .unwrap_or_default();
-                        let v: serde_json::Value =
-                            serde_json::from_slice(&body).unwrap_or_default();
-                        // Only the prompt it holds (token ids from 0) is cached.
-                        let held = v["prompt"][0] == 0
-                            || v["prompt"].as_str().is_some_and(|t| t.starts_with("w0 "));
-                        let cached = if held { cached } else { 0 };
-                        let usage =
-                            serde_json::json!({"prompt_tokens_details": {"cached_tokens": cached}});
-                        let text = if v["stream"] == true {
-                            let mut sse = format!(
-                                "data: {}\n\n",
-                                serde_json::json!({"choices": [{"text": name}], "usage": null})
-                            );
-                            if v["stream_options"]["include_usage"] == true {
-                                sse.push_str(&format!(
-                                    "data: {}\n\n",
-                                    serde_json::json!({"choices": [], "usage": usage})
-                                ));
-                            }
-                            sse + "data: [DONE]\n\n"
-                        } else {
-                            serde_json::json!({"choices": [{"text": name}], "usage": usage})
-                                .to_string()
-                        };
-                        Ok::<_, std::convert::Infallible>(hyper::Response::new(
-                            http_body_util::Full::new(bytes::Bytes::from(text)),
-                        ))
+                    move |req: hyper::Request<hyper::body::Incoming>| {
+                        let answer = answer.clone();
+                        async move {
+                            use http_body_util::BodyExt;
+                            let body = req
+                                .into_body()
+                                .collect()
+                                .await
+                                .map(|b| b.to_bytes())
+                                .unwrap_or_default();
+                            let (status, text) =
+                                answer(serde_json::from_slice(&body).unwrap_or_default());
+                            let mut r = hyper::Response::new(http_body_util::Full::new(
+                                bytes::Bytes::from(text),
+                            ));
+                            *r.status_mut() =
+                                hyper::StatusCode::from_u16(status).expect("a status");
+                            Ok::<_, std::convert::Infallible>(r)
+                        }
                     },
                 );
                 let _ = hyper::server::conn::http1::Builder::new()
@@ -291,6 +274,40 @@ async fn fake_upstream(
         }
     });
     (addr, task)
+}
+
+/// A replica's OpenAI-compatible server, faked: answers `/v1/completions` with `cached`
+/// tokens in its usage for a prompt starting at token 0 or the word `w0` (0 for others)
+/// (streamed as SSE when asked, the usage chunk only when asked for), naming itself in the
+/// text.
+async fn fake_upstream(
+    name: &'static str,
+    cached: u32,
+) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
+    http_server(move |v| {
+        // Only the prompt it holds (token ids from 0) is cached.
+        let held =
+            v["prompt"][0] == 0 || v["prompt"].as_str().is_some_and(|t| t.starts_with("w0 "));
+        let cached = if held { cached } else { 0 };
+        let usage = serde_json::json!({"prompt_tokens_details": {"cached_tokens": cached}});
+        let text = if v["stream"] == true {
+            let mut sse = format!(
+                "data: {}\n\n",
+                serde_json::json!({"choices": [{"text": name}], "usage": null})
+            );
+            if v["stream_options"]["include_usage"] == true {
+                sse.push_str(&format!(
+                    "data: {}\n\n",
+                    serde_json::json!({"choices": [], "usage": usage})
+                ));
+            }
+            sse + "data: [DONE]\n\n"
+        } else {
+            serde_json::json!({"choices": [{"text": name}], "usage": usage}).to_string()
+        };
+        (200, text)
+    })
+    .await
 }
 
 /// `POST path` over HTTP/1.1: status and the raw body.
@@ -621,32 +638,7 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
 
 /// A replica's server that answers every request with `status`.
 async fn failing_upstream(status: u16) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let task = tokio::spawn(async move {
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                continue;
-            };
-            tokio::spawn(async move {
-                let service = hyper::service::service_fn(
-                    move |_: hyper::Request<hyper::body::Incoming>| async move {
-                        let mut r = hyper::Response::new(http_body_util::Full::new(
-                            bytes::Bytes::from_static(b"{\"error\": \"overloaded\"}"),
-                        ));
-                        *r.status_mut() = hyper::StatusCode::from_u16(status).expect("a status");
-                        Ok::<_, std::convert::Infallible>(r)
-                    },
-                );
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                    .await;
-            });
-        }
-    });
-    (addr, task)
+    http_server(move |_| (status, "{\"error\": \"overloaded\"}".to_owned())).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

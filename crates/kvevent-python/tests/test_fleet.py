@@ -353,6 +353,24 @@ def test_router_chooses_by_the_rust_rule_and_best_names_no_miss(processes, three
         # The sidecars read no load (their stand-in engines serve no /metrics).
         assert all(r.load is None and r.load_error is None for r in fleet.replicas())
 
+        # The loop records what the engine reused when a flight finishes; a retry goes to the
+        # next choice, never back to the replica that failed, once, counted.
+        sent = router.choose(["a", "b", "c"], PROMPT)
+        assert (sent.none_serving, sent.attempt) == (False, 0)
+        before = dict(fleet.accounting())[sent.replica].decisions
+        assert router.start(sent).finish(32) == "exact"
+        assert dict(fleet.accounting())[sent.replica].decisions == before + 1
+        flight = router.start(sent)
+        flight.end()
+        assert flight.finish(32) is None          # already over: nothing recorded
+        again = router.retry(sent, ["a", "b", "c"], PROMPT, reason="503")
+        assert again is not None and again.replica != sent.replica and again.attempt == 1
+        assert router.retry(again, ["a", "b", "c"], PROMPT) is None   # once
+        assert router.retry(sent, [sent.replica], PROMPT) is None     # nobody else
+        assert router.counters()["retries"] == {(sent.replica, "503"): 1, (sent.replica, "refused"): 1}
+        with pytest.raises(ValueError, match="not a reason"):
+            router.retry(sent, ["a", "b"], PROMPT, reason="404")
+
 
 def test_a_thread_left_iterating_changes_does_not_keep_the_interpreter_alive():
     # No close(): the main thread ends with a (non-daemon) thread still in `for change in ...`.

@@ -75,6 +75,10 @@ def route(fleet: kvevent.Fleet, token_ids: List[int]) -> Optional[str]:
         queued: int = choice.queued
         print(choice.replica, choice.load, choice.cost_us, compute, queued, router.in_flight(choice.replica))
     fleet.record(choice, len(token_ids), 16)
+    again: Optional[kvevent.Choice] = router.retry(choice, ["a", "b"], token_ids, reason="503")
+    if again is not None and not again.none_serving and again.attempt == 1:
+        outcome: Optional[str] = router.start(again).finish(16)
+        print(outcome, router.counters()["retries"])
     for r in fleet.replicas():
         load: Optional[kvevent.Load] = r.load
         if load is not None and load.age < 1.0:
