@@ -62,7 +62,10 @@ struct Args {
     engines: Vec<Engine>,
     /// Replicas discovered, followed as they come and go: file:PATH, a file of replicas read
     /// again when it changes, one a line: NAME sidecar=http://HOST:PORT (or
-    /// engine=SOCKETS, as --engine takes them) [upstream=http://HOST:PORT] [ready=false].
+    /// engine=SOCKETS, as --engine takes them) [upstream=http://HOST:PORT] [ready=false];
+    /// dns:NAME:PORT (a headless Service's addresses, each a sidecar's feed at PORT) or
+    /// dns:_SERVICE._PROTO.NAME (its SRV records), then ,upstream=PORT (each replica's
+    /// server), ,server=IP:PORT (else the system's resolver), ,interval=SECONDS (30).
     #[arg(long, value_name = "SOURCE")]
     discover: Option<router::Discover>,
     /// Where a replica serves completions: NAME=http://HOST:PORT (its vLLM server); POST

@@ -834,3 +834,38 @@ async fn replicas_discovered_from_a_file_are_routed_to_as_they_come_and_go() {
     assert!(error.contains("/nonexistent/replicas"), "{error}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn discover_flags_parse() {
+    use kvevent_examples::router::Discover;
+    assert_eq!(
+        "file:/etc/replicas".parse::<Discover>().expect("file"),
+        Discover::File("/etc/replicas".into())
+    );
+    assert_eq!(
+        "dns:vllm.ns.svc:7070,upstream=8000,server=127.0.0.1:53,interval=5"
+            .parse::<Discover>()
+            .expect("dns"),
+        Discover::Dns {
+            target: "vllm.ns.svc:7070".into(),
+            upstream: Some(8000),
+            server: Some(([127, 0, 0, 1], 53).into()),
+            interval: Some(Duration::from_secs(5)),
+        }
+    );
+    assert!(matches!(
+        "dns:_kvevent-feed._tcp.vllm.ns.svc".parse::<Discover>(),
+        Ok(Discover::Dns { upstream: None, .. })
+    ));
+    for bad in [
+        "file:",
+        "consul:x",
+        "dns:vllm",
+        "dns:vllm:7070,upstream=http",
+        "dns:vllm:7070,colour=blue",
+        "dns:vllm:7070,interval=-1",
+    ] {
+        let e = bad.parse::<Discover>().expect_err(bad).to_string();
+        assert!(e.contains(bad) || e.contains("dns:vllm"), "{bad}: {e}");
+    }
+}

@@ -6,6 +6,9 @@
 //! - **A file** ([`FileSource`]): one replica a line, read again when it changes (polled
 //!   every 200 ms); a bad file keeps the last good set, with one clear error naming the line.
 //!
+//! - **DNS** ([`dns::DnsSource`], feature `discover-dns`): a headless Service's A/AAAA (or SRV)
+//!   records, re-resolved as their TTL says; a failed lookup keeps the last good set.
+//!
 //! A router that lists its replicas itself builds none of this.
 //!
 //! Invariants: a member is one replica by its identity (a pod's UID; else its address): the
@@ -21,6 +24,9 @@ use std::time::{Duration, SystemTime};
 use tokio::sync::watch;
 
 use crate::{Fleet, ReplicaSource, SidecarFeed};
+
+#[cfg(feature = "discover-dns")]
+pub mod dns;
 
 /// One replica as discovery sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -198,3 +198,179 @@ fn replica_files_say_what_is_wrong_with_them() {
     );
     assert_eq!(ok[1].upstream.as_deref(), Some("http://h:8000"));
 }
+
+/// Debian's dnsmasq serving `hosts` (an addn-hosts file, read again on SIGHUP) and `srv`
+/// records on a loopback port, with a TTL of 1 s; killed when dropped.
+struct Dnsmasq {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl Dnsmasq {
+    fn start(hosts: &std::path::Path, srv: &[&str], port: Option<u16>) -> Self {
+        for _ in 0..20 {
+            let port = port.unwrap_or_else(|| {
+                std::net::UdpSocket::bind("127.0.0.1:0")
+                    .and_then(|s| s.local_addr())
+                    .expect("a free port")
+                    .port()
+            });
+            let mut command = std::process::Command::new("dnsmasq");
+            command.args([
+                "--keep-in-foreground",
+                "--conf-file=/dev/null",
+                "--listen-address=127.0.0.1",
+                "--bind-interfaces",
+                "--no-resolv",
+                "--no-hosts",
+                // Authoritative for .test: a name without records is NXDOMAIN, as CoreDNS answers
+                // for a headless Service with no ready pods.
+                "--local=/test/",
+                "--local-ttl=1",
+                "--pid-file=",
+                "--user=root",
+                &format!("--port={port}"),
+                &format!("--addn-hosts={}", hosts.display()),
+            ]);
+            for s in srv {
+                command.arg(format!("--srv-host={s}"));
+            }
+            let mut child = command
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("dnsmasq: install Debian's dnsmasq-base (.ci/run does)");
+            std::thread::sleep(Duration::from_millis(200));
+            match child.try_wait() {
+                Ok(None) => return Self { child, port },
+                // The port was taken meanwhile: another.
+                _ if port_is_taken(&mut child) => continue,
+                other => panic!("dnsmasq did not start: {other:?}"),
+            }
+        }
+        panic!("dnsmasq found no free port");
+    }
+
+    fn reload(&self) {
+        let hup = std::process::Command::new("kill")
+            .args(["-HUP", &self.child.id().to_string()])
+            .status()
+            .expect("kill");
+        assert!(hup.success());
+    }
+
+    fn server(&self) -> std::net::SocketAddr {
+        ([127, 0, 0, 1], self.port).into()
+    }
+}
+
+fn port_is_taken(child: &mut std::process::Child) -> bool {
+    let mut err = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        use std::io::Read;
+        let _ = e.read_to_string(&mut err);
+    }
+    err.contains("in use")
+}
+
+impl Drop for Dnsmasq {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_follow_a_real_dns_server_and_survive_it_going_away() {
+    use kvevent_fleet::discover::dns::DnsSource;
+    let dir = std::env::temp_dir().join(format!("kvevent-dns-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let hosts = dir.join("hosts");
+    std::fs::write(
+        &hosts,
+        "127.0.0.11 vllm.test\n127.0.0.12 vllm.test\n127.0.0.21 r0.vllm.test\n",
+    )
+    .expect("hosts");
+    let dns = Dnsmasq::start(
+        &hosts,
+        &["_kvevent-feed._tcp.vllm.test,r0.vllm.test,7071"],
+        None,
+    );
+    let fleet = Arc::new(Fleet::new(FleetConfig::default()).expect("fleet"));
+    let interval = Duration::from_secs(1);
+    let members = DnsSource::new("vllm.test:7070", "m")
+        .expect("a target")
+        .with_server(dns.server())
+        .with_upstream_port(8000)
+        .with_interval(interval)
+        .follow(fleet.clone())
+        .expect("a resolver");
+    let srv = DnsSource::new("_kvevent-feed._tcp.vllm.test", "m")
+        .expect("an SRV name")
+        .with_server(dns.server())
+        .with_interval(interval)
+        .follow(fleet.clone())
+        .expect("a resolver");
+    eventually(
+        "both addresses and the SRV target followed",
+        Duration::from_secs(3),
+        || async {
+            when(names(&fleet), |n| {
+                *n == ["127.0.0.11:7070", "127.0.0.12:7070", "r0.vllm.test:7071"]
+            })
+        },
+    )
+    .await;
+    assert_eq!(
+        members.borrow()[0].upstream.as_deref(),
+        Some("http://127.0.0.11:8000")
+    );
+    assert_eq!(
+        srv.borrow()[0].source,
+        ReplicaSource::Sidecar(SidecarFeed {
+            model: "m".into(),
+            ..SidecarFeed::new("http://127.0.0.21:7071")
+        })
+    );
+    // A record removed, one added: reflected within an interval (and the TTL of 1 s).
+    std::fs::write(
+        &hosts,
+        "127.0.0.11 vllm.test\n127.0.0.13 vllm.test\n127.0.0.21 r0.vllm.test\n",
+    )
+    .expect("hosts");
+    dns.reload();
+    let changed = Instant::now();
+    eventually("the new set", interval * 3, || async {
+        when(names(&fleet), |n| {
+            *n == ["127.0.0.11:7070", "127.0.0.13:7070", "r0.vllm.test:7071"]
+        })
+    })
+    .await;
+    eprintln!("DNS change reflected in {:?}", changed.elapsed());
+    // The server stops: the last good set is kept (no replica dropped because DNS blinked).
+    let port = dns.port;
+    drop(dns);
+    tokio::time::sleep(interval * 4).await;
+    assert_eq!(
+        names(&fleet),
+        ["127.0.0.11:7070", "127.0.0.13:7070", "r0.vllm.test:7071"],
+        "the last good set is kept"
+    );
+    // Back, with no records for the name: a set of none (the Service has no ready pods).
+    std::fs::write(&hosts, "127.0.0.21 r0.vllm.test\n").expect("hosts");
+    let _dns = Dnsmasq::start(
+        &hosts,
+        &["_kvevent-feed._tcp.vllm.test,r0.vllm.test,7071"],
+        Some(port),
+    );
+    eventually("no addresses left", interval * 8, || async {
+        when(names(&fleet), |n| *n == ["r0.vllm.test:7071"])
+    })
+    .await;
+    // Bad targets are clear errors.
+    for bad in ["vllm.test", "vllm.test:0", "vllm.test:http", ":7070"] {
+        let e = DnsSource::new(bad, "m").expect_err(bad);
+        assert!(e.to_string().contains(bad), "{e}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
