@@ -65,9 +65,13 @@ struct Args {
     /// engine=SOCKETS, as --engine takes them) [upstream=http://HOST:PORT] [ready=false];
     /// dns:NAME:PORT (a headless Service's addresses, each a sidecar's feed at PORT) or
     /// dns:_SERVICE._PROTO.NAME (its SRV records), then ,upstream=PORT (each replica's
-    /// server), ,server=IP:PORT (else the system's resolver), ,interval=SECONDS (30).
+    /// server), ,server=IP:PORT (else the system's resolver), ,interval=SECONDS (30);
+    /// kube:NAMESPACE/SELECTOR (the pods a label selector picks, through the pod's
+    /// ServiceAccount: feed at the container port named kvevent-feed, upstream at the one
+    /// named http), with ,feed-port=NAME ,upstream-port=NAME ,resync=SECONDS (60) after the
+    /// namespace.
     #[arg(long, value_name = "SOURCE")]
-    discover: Option<router::Discover>,
+    discover: Option<kvevent_fleet::discover::Spec>,
     /// Where a replica serves completions: NAME=http://HOST:PORT (its vLLM server); POST
     /// /v1/completions is routed among these.
     #[arg(long = "upstream", value_name = "SPEC")]

@@ -73,69 +73,6 @@ impl std::str::FromStr for Sidecar {
     }
 }
 
-/// `--discover`: where the replicas are listed, beside (or instead of) the flags.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Discover {
-    /// `file:PATH`: a file of replicas, one a line, read again when it changes
-    /// ([`kvevent_fleet::discover::FileSource`]).
-    File(std::path::PathBuf),
-    /// `dns:NAME:PORT` or `dns:_SERVICE._PROTO.NAME` (SRV), then `,upstream=PORT`,
-    /// `,server=IP:PORT`, `,interval=SECONDS` ([`kvevent_fleet::discover::dns::DnsSource`]).
-    Dns {
-        /// What is resolved.
-        target: String,
-        /// Each replica's upstream port.
-        upstream: Option<u16>,
-        /// The DNS server asked (else the system's).
-        server: Option<std::net::SocketAddr>,
-        /// The longest time between lookups.
-        interval: Option<std::time::Duration>,
-    },
-}
-
-const DISCOVER: &str = "discovery is file:PATH (a file of replicas, one a line) or dns:NAME:PORT / dns:_SERVICE._PROTO.NAME (a headless Service), with ,upstream=PORT ,server=IP:PORT ,interval=SECONDS";
-
-impl std::str::FromStr for Discover {
-    type Err = anyhow::Error;
-
-    fn from_str(s: &str) -> anyhow::Result<Self> {
-        match s.split_once(':') {
-            Some(("file", path)) if !path.is_empty() => Ok(Self::File(path.into())),
-            Some(("dns", spec)) if !spec.is_empty() => {
-                let mut parts = spec.split(',');
-                let target = parts.next().unwrap_or_default().to_owned();
-                let (mut upstream, mut server, mut interval) = (None, None, None);
-                for part in parts {
-                    let bad = || anyhow::anyhow!("`{s}`: `{part}`: {DISCOVER}");
-                    match part.split_once('=').ok_or_else(bad)? {
-                        ("upstream", p) => upstream = Some(p.parse().map_err(|_| bad())?),
-                        ("server", a) => server = Some(a.parse().map_err(|_| bad())?),
-                        ("interval", secs) => {
-                            interval = Some(
-                                secs.parse::<f64>()
-                                    .ok()
-                                    .and_then(|s| std::time::Duration::try_from_secs_f64(s).ok())
-                                    .ok_or_else(bad)?,
-                            );
-                        }
-                        _ => return Err(bad()),
-                    }
-                }
-                // The target itself is checked as the source is made.
-                kvevent_fleet::discover::dns::DnsSource::new(&target, "")
-                    .map_err(|e| anyhow::anyhow!("`{s}`: {e}"))?;
-                Ok(Self::Dns {
-                    target,
-                    upstream,
-                    server,
-                    interval,
-                })
-            }
-            _ => bail!("`{s}`: {DISCOVER}"),
-        }
-    }
-}
-
 /// What the service is set up with.
 #[derive(Debug, Clone)]
 pub struct RouterConfig {
@@ -148,7 +85,7 @@ pub struct RouterConfig {
     /// The replicas followed through their sidecars' feeds.
     pub sidecars: Vec<Sidecar>,
     /// Replicas discovered, followed as they come and go (their upstreams are candidates).
-    pub discover: Option<Discover>,
+    pub discover: Option<kvevent_fleet::discover::Spec>,
     /// Where the replicas serve completions: `POST /v1/completions` is routed among these.
     pub upstreams: Vec<Upstream>,
     /// Deadline of a routed request's response (and of each frame of a streamed one).
@@ -244,29 +181,10 @@ impl Router {
             None => None,
         };
         let discovered = match &config.discover {
-            Some(Discover::File(path)) => Some(
-                kvevent_fleet::discover::FileSource::new(path, config.model.clone())
-                    .follow(fleet.clone())
+            Some(spec) => Some(
+                spec.follow(fleet.clone(), &config.model)
                     .context("--discover")?,
             ),
-            Some(Discover::Dns {
-                target,
-                upstream,
-                server,
-                interval,
-            }) => {
-                let mut dns = kvevent_fleet::discover::dns::DnsSource::new(target, &config.model)?;
-                if let Some(p) = upstream {
-                    dns = dns.with_upstream_port(*p);
-                }
-                if let Some(s) = server {
-                    dns = dns.with_server(*s);
-                }
-                if let Some(i) = interval {
-                    dns = dns.with_interval(*i);
-                }
-                Some(dns.follow(fleet.clone()).context("--discover")?)
-            }
             None => None,
         };
         let router = Arc::new(route::Router::new(

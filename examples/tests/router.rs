@@ -837,26 +837,35 @@ async fn replicas_discovered_from_a_file_are_routed_to_as_they_come_and_go() {
 
 #[test]
 fn discover_flags_parse() {
-    use kvevent_examples::router::Discover;
+    use kvevent_fleet::discover::{Spec, dns::DnsSpec, kube::KubeSpec};
     assert_eq!(
-        "file:/etc/replicas".parse::<Discover>().expect("file"),
-        Discover::File("/etc/replicas".into())
+        "file:/etc/replicas".parse::<Spec>(),
+        Ok(Spec::File("/etc/replicas".into()))
     );
     assert_eq!(
-        "dns:vllm.ns.svc:7070,upstream=8000,server=127.0.0.1:53,interval=5"
-            .parse::<Discover>()
-            .expect("dns"),
-        Discover::Dns {
+        "dns:vllm.ns.svc:7070,upstream=8000,server=127.0.0.1:53,interval=5".parse::<Spec>(),
+        Ok(Spec::Dns(DnsSpec {
             target: "vllm.ns.svc:7070".into(),
             upstream: Some(8000),
             server: Some(([127, 0, 0, 1], 53).into()),
             interval: Some(Duration::from_secs(5)),
-        }
+        }))
     );
     assert!(matches!(
-        "dns:_kvevent-feed._tcp.vllm.ns.svc".parse::<Discover>(),
-        Ok(Discover::Dns { upstream: None, .. })
+        "dns:_kvevent-feed._tcp.vllm.ns.svc".parse::<Spec>(),
+        Ok(Spec::Dns(DnsSpec { upstream: None, .. }))
     ));
+    assert_eq!(
+        "kube:inference,resync=30,feed-port=feed/app.kubernetes.io/name=vllm,tier=gpu"
+            .parse::<Spec>(),
+        Ok(Spec::Kube(KubeSpec {
+            namespace: "inference".into(),
+            selector: "app.kubernetes.io/name=vllm,tier=gpu".into(),
+            feed_port: Some("feed".into()),
+            upstream_port: None,
+            resync: Some(Duration::from_secs(30)),
+        }))
+    );
     for bad in [
         "file:",
         "consul:x",
@@ -864,8 +873,45 @@ fn discover_flags_parse() {
         "dns:vllm:7070,upstream=http",
         "dns:vllm:7070,colour=blue",
         "dns:vllm:7070,interval=-1",
+        "kube:inference",
+        "kube:/app=vllm",
+        "kube:ns,every=3/app=vllm",
     ] {
-        let e = bad.parse::<Discover>().expect_err(bad).to_string();
-        assert!(e.contains(bad) || e.contains("dns:vllm"), "{bad}: {e}");
+        let e = bad.parse::<Spec>().expect_err(bad);
+        assert!(e.contains(bad), "{bad}: {e}");
     }
+}
+
+#[test]
+fn the_kubernetes_router_discovers_pods_with_read_only_rights() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes");
+    let router = std::fs::read_to_string(root.join("router.yaml")).expect("router.yaml");
+    let vllm = std::fs::read_to_string(root.join("vllm-with-kvevent.yaml")).expect("vllm");
+    // Its --discover parses (the namespace as Kubernetes fills it in), and selects the vLLM
+    // pods, whose sidecar serves its feed at the port discovery looks for.
+    let discover = router
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("- --discover="))
+        .expect("--discover")
+        .replace("$(POD_NAMESPACE)", "inference");
+    let Ok(kvevent_fleet::discover::Spec::Kube(spec)) = discover.parse() else {
+        panic!("{discover} is not kube:");
+    };
+    assert!(
+        vllm.contains(&format!("labels: {{{}}}", spec.selector.replace('=', ": "))),
+        "{}",
+        spec.selector
+    );
+    assert!(vllm.contains("{name: kvevent-feed, containerPort: 7070}"));
+    assert!(vllm.contains("--feed-address=0.0.0.0:7070"));
+    assert!(vllm.contains("ports: [{name: http, containerPort: 8000}]"));
+    // Pods, read only: get, list, watch and nothing else, in a namespaced Role.
+    assert!(router.contains("kind: Role\n") && !router.contains("ClusterRole"));
+    let rules = router.split("rules:").nth(1).expect("rules");
+    let rules = rules.split("---").next().unwrap_or_default();
+    assert_eq!(
+        rules.trim(),
+        "- apiGroups: [\"\"]\n    resources: [pods]\n    verbs: [get, list, watch]"
+    );
+    assert!(router.contains("serviceAccountName: kvevent-router"));
 }

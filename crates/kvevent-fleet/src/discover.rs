@@ -8,6 +8,8 @@
 //!
 //! - **DNS** ([`dns::DnsSource`], feature `discover-dns`): a headless Service's A/AAAA (or SRV)
 //!   records, re-resolved as their TTL says; a failed lookup keeps the last good set.
+//! - **Kubernetes** ([`kube::KubeSource`], feature `discover-kube`): the pods a label selector
+//!   picks, one replica a pod by its UID, listed again every resync beside the watch.
 //!
 //! A router that lists its replicas itself builds none of this.
 //!
@@ -27,6 +29,8 @@ use crate::{Fleet, ReplicaSource, SidecarFeed};
 
 #[cfg(feature = "discover-dns")]
 pub mod dns;
+#[cfg(feature = "discover-kube")]
+pub mod kube;
 
 /// One replica as discovery sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -373,4 +377,103 @@ pub fn parse(text: &str, what: &str, model: &str) -> Result<Vec<Member>, Discove
     }
     members.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(members)
+}
+
+/// Where replicas are discovered, as a router's flag says it (`--discover`): parsed
+/// ([`str::parse`]) and started ([`Spec::follow`]) in one place for every router.
+///
+/// - `file:PATH` ([`FileSource`]);
+/// - `dns:NAME:PORT` or `dns:_SERVICE._PROTO.NAME`, then `,upstream=PORT`, `,server=IP:PORT`,
+///   `,interval=SECONDS` (feature `discover-dns`);
+/// - `kube:NAMESPACE/SELECTOR`, with `,feed-port=NAME`, `,upstream-port=NAME`,
+///   `,resync=SECONDS` after the namespace (`kube:ns,resync=30/app=vllm`; the selector is all
+///   after the first `/`) (feature `discover-kube`).
+///
+/// ```
+/// use kvevent_fleet::discover::Spec;
+/// assert_eq!("file:/etc/replicas".parse::<Spec>(), Ok(Spec::File("/etc/replicas".into())));
+/// assert!("consul:x".parse::<Spec>().unwrap_err().contains("file:PATH"));
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub enum Spec {
+    /// A file of replicas.
+    File(PathBuf),
+    /// A headless Service's DNS records.
+    #[cfg(feature = "discover-dns")]
+    Dns(dns::DnsSpec),
+    /// Pods by label selector.
+    #[cfg(feature = "discover-kube")]
+    Kube(kube::KubeSpec),
+}
+
+/// What [`Spec`] takes, for error messages.
+pub const SPEC_FORMS: &str = "discovery is file:PATH (a file of replicas, one a line), dns:NAME:PORT or dns:_SERVICE._PROTO.NAME (a headless Service; ,upstream=PORT ,server=IP:PORT ,interval=SECONDS) or kube:NAMESPACE/SELECTOR (pods; ,feed-port=NAME ,upstream-port=NAME ,resync=SECONDS after the namespace)";
+
+/// `,key=value` options after a source's first part, each checked by `take`.
+#[cfg(any(feature = "discover-dns", feature = "discover-kube"))]
+pub(crate) fn options(
+    spec: &str,
+    mut take: impl FnMut(&str, &str) -> Result<(), String>,
+) -> Result<&str, String> {
+    let mut parts = spec.split(',');
+    let first = parts.next().unwrap_or_default();
+    for part in parts {
+        let (k, v) = part
+            .split_once('=')
+            .ok_or_else(|| format!("`{part}` is not KEY=VALUE"))?;
+        take(k, v).map_err(|why| format!("`{part}`: {why}"))?;
+    }
+    Ok(first)
+}
+
+/// A number of seconds ≥ 0.
+#[cfg(any(feature = "discover-dns", feature = "discover-kube"))]
+pub(crate) fn seconds(v: &str) -> Result<Duration, String> {
+    v.parse::<f64>()
+        .ok()
+        .and_then(|s| Duration::try_from_secs_f64(s).ok())
+        .ok_or_else(|| "a number of seconds".to_owned())
+}
+
+impl std::str::FromStr for Spec {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let wrong = |why: String| format!("`{s}`: {why}");
+        match s.split_once(':') {
+            Some(("file", path)) if !path.is_empty() => Ok(Self::File(path.into())),
+            #[cfg(feature = "discover-dns")]
+            Some(("dns", spec)) if !spec.is_empty() => spec.parse().map(Self::Dns).map_err(wrong),
+            #[cfg(feature = "discover-kube")]
+            Some(("kube", spec)) if !spec.is_empty() => spec.parse().map(Self::Kube).map_err(wrong),
+            #[cfg(not(feature = "discover-dns"))]
+            Some(("dns", _)) => Err(wrong(
+                "DNS discovery is kvevent-fleet's feature `discover-dns`".into(),
+            )),
+            #[cfg(not(feature = "discover-kube"))]
+            Some(("kube", _)) => Err(wrong(
+                "Kubernetes discovery is kvevent-fleet's feature `discover-kube`".into(),
+            )),
+            _ => Err(wrong(SPEC_FORMS.into())),
+        }
+    }
+}
+
+impl Spec {
+    /// Starts following the source into `fleet` (on its runtime): the set in force on the
+    /// receiver. A source that cannot start (a file unreadable, a resolver without a
+    /// configuration) is an error, and nothing is started.
+    pub fn follow(
+        &self,
+        fleet: Arc<Fleet>,
+        model: &str,
+    ) -> Result<watch::Receiver<Members>, DiscoverError> {
+        match self {
+            Self::File(path) => FileSource::new(path, model).follow(fleet),
+            #[cfg(feature = "discover-dns")]
+            Self::Dns(spec) => spec.source(model)?.follow(fleet),
+            #[cfg(feature = "discover-kube")]
+            Self::Kube(spec) => Ok(spec.source(model).follow(fleet)),
+        }
+    }
 }

@@ -278,3 +278,59 @@ async fn addresses(
     ips.dedup();
     Ok(ips)
 }
+
+/// `dns:`'s text form ([`super::Spec`]): `NAME:PORT` or `_SERVICE._PROTO.NAME`, then
+/// `,upstream=PORT`, `,server=IP:PORT`, `,interval=SECONDS`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DnsSpec {
+    /// What is resolved.
+    pub target: String,
+    /// Each replica's upstream port.
+    pub upstream: Option<u16>,
+    /// The DNS server asked (else the system's).
+    pub server: Option<SocketAddr>,
+    /// The longest time between lookups.
+    pub interval: Option<Duration>,
+}
+
+impl std::str::FromStr for DnsSpec {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (mut upstream, mut server, mut interval) = (None, None, None);
+        let target = super::options(s, |k, v| {
+            match k {
+                "upstream" => upstream = Some(v.parse().map_err(|_| "a port")?),
+                "server" => server = Some(v.parse().map_err(|_| "IP:PORT")?),
+                "interval" => interval = Some(super::seconds(v)?),
+                _ => return Err("dns: takes upstream=, server= and interval=".into()),
+            }
+            Ok(())
+        })?;
+        // The target is checked as a source is made of it.
+        DnsSource::new(target, "").map_err(|e| e.to_string())?;
+        Ok(Self {
+            target: target.to_owned(),
+            upstream,
+            server,
+            interval,
+        })
+    }
+}
+
+impl DnsSpec {
+    /// The source it says, sidecars asked for `model`'s feed.
+    pub fn source(&self, model: &str) -> Result<DnsSource, DiscoverError> {
+        let mut dns = DnsSource::new(&self.target, model)?;
+        if let Some(p) = self.upstream {
+            dns = dns.with_upstream_port(p);
+        }
+        if let Some(s) = self.server {
+            dns = dns.with_server(s);
+        }
+        if let Some(i) = self.interval {
+            dns = dns.with_interval(i);
+        }
+        Ok(dns)
+    }
+}

@@ -3,3 +3,5 @@
 
 mod discover;
 mod feed;
+mod kube;
+mod kube_api;
