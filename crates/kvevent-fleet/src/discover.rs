@@ -3,8 +3,8 @@
 //! what is new, keeps what is there, removes what left, marks what is not ready), keeping the
 //! last good set whenever the source fails.
 //!
-//! - **A file** ([`FileSource`]): one replica a line, read again when it changes (polled
-//!   every 200 ms); a bad file keeps the last good set, with one clear error naming the line.
+//! - **A file** ([`FileSource`]): one replica a line, read again when its bytes change (looked
+//!   at every 200 ms); a bad file keeps the last good set, with one clear error naming the line.
 //!
 //! - **DNS** ([`dns::DnsSource`], feature `discover-dns`): a headless Service's A/AAAA (or SRV)
 //!   records, re-resolved as their TTL says; a failed lookup keeps the last good set.
@@ -21,7 +21,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use tokio::sync::watch;
 
@@ -142,24 +142,25 @@ pub fn reconcile(fleet: &Fleet, state: &mut Reconciled, members: &[Member]) -> C
 
 /// Reconciles `fleet` with each set `sets` brings, until it closes (or the fleet's runtime
 /// stops): the set in force is published on the returned receiver (what a router routes
-/// among). Each change is logged.
+/// among), the one there now before this returns. Each change is logged.
 pub fn follow(
     fleet: Arc<Fleet>,
     mut sets: watch::Receiver<Members>,
     source: String,
 ) -> watch::Receiver<Members> {
-    let (tx, rx) = watch::channel(Members::default());
+    // The set there now is in force before this returns (a file's first read).
+    let mut state = Reconciled::default();
+    let members = sets.borrow_and_update().clone();
+    let changes = reconcile(&fleet, &mut state, &members);
+    log(&source, &members, &changes);
+    let (tx, rx) = watch::channel(members);
     let runtime = fleet.runtime.clone();
     runtime.spawn(async move {
-        let mut state = Reconciled::default();
-        loop {
+        while sets.changed().await.is_ok() {
             let members = sets.borrow_and_update().clone();
             let changes = reconcile(&fleet, &mut state, &members);
             log(&source, &members, &changes);
             tx.send_replace(members);
-            if sets.changed().await.is_err() {
-                return;
-            }
         }
     });
     rx
@@ -215,12 +216,23 @@ impl FileSource {
 
     /// Reads and parses the file once.
     pub fn read(&self) -> Result<Vec<Member>, DiscoverError> {
-        let what = self.path.display().to_string();
-        let text = std::fs::read_to_string(&self.path).map_err(|e| DiscoverError::Read {
-            what: what.clone(),
+        self.read_bytes().and_then(|bytes| self.parse(&bytes))
+    }
+
+    fn read_bytes(&self) -> Result<Vec<u8>, DiscoverError> {
+        std::fs::read(&self.path).map_err(|e| DiscoverError::Read {
+            what: self.path.display().to_string(),
             why: e.to_string(),
+        })
+    }
+
+    fn parse(&self, bytes: &[u8]) -> Result<Vec<Member>, DiscoverError> {
+        let what = self.path.display().to_string();
+        let text = std::str::from_utf8(bytes).map_err(|e| DiscoverError::Read {
+            what: what.clone(),
+            why: format!("not UTF-8: {e}"),
         })?;
-        parse(&text, &what, &self.model)
+        parse(text, &what, &self.model)
     }
 
     /// Follows the file: reads it now and whenever it changes, on the fleet's runtime, and
@@ -228,24 +240,32 @@ impl FileSource {
     /// one error (again only when the error changes). The first read's error is returned, and
     /// nothing is started.
     pub fn follow(self, fleet: Arc<Fleet>) -> Result<watch::Receiver<Members>, DiscoverError> {
-        let first = self.read()?;
+        let bytes = self.read_bytes()?;
+        let first = self.parse(&bytes)?;
         let (tx, rx) = watch::channel(Arc::new(first));
         let runtime = fleet.runtime.clone();
         let what = format!("file {}", self.path.display());
         runtime.spawn(async move {
-            let mut seen = fingerprint(&self.path);
+            // What the first set was read from: a change made before this task runs is seen.
+            let mut seen = Some(bytes);
             let mut last_error: Option<DiscoverError> = None;
             loop {
                 tokio::time::sleep(self.interval).await;
                 if tx.is_closed() {
                     return;
                 }
-                let now = fingerprint(&self.path);
+                // Its bytes, not its metadata: a rename can reuse an inode, and a coarse clock
+                // an mtime. A replica file is small.
+                let now = std::fs::read(&self.path).ok();
                 if now == seen {
                     continue;
                 }
-                seen = now;
-                match self.read() {
+                seen.clone_from(&now);
+                let read = match now {
+                    Some(bytes) => self.parse(&bytes),
+                    None => self.read(),
+                };
+                match read {
                     Ok(members) => {
                         if last_error.take().is_some() {
                             tracing::info!(file = %self.path.display(), "replica file good again");
@@ -269,17 +289,6 @@ impl FileSource {
         });
         Ok(follow(fleet, rx, what))
     }
-}
-
-/// What changes when a file's contents change: its length, modification time and inode (an
-/// editor's or a ConfigMap's rename), or that it is missing.
-fn fingerprint(path: &Path) -> Option<(u64, Option<SystemTime>, u64)> {
-    let m = std::fs::metadata(path).ok()?;
-    #[cfg(unix)]
-    let ino = std::os::unix::fs::MetadataExt::ino(&m);
-    #[cfg(not(unix))]
-    let ino = 0;
-    Some((m.len(), m.modified().ok(), ino))
 }
 
 /// The members a replica file lists ([`FileSource`]'s format), sorted by name.

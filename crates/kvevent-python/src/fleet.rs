@@ -75,6 +75,8 @@ fn call_back(callback: &Py<PyAny>, error: Option<PyErr>) {
 struct Shared {
     fleet: Arc<fleet::Fleet>,
     handle: tokio::runtime::Handle,
+    /// The sets each discovery started (`Fleet.discover`) has in force.
+    discovered: Mutex<Vec<watch::Receiver<fleet::discover::Members>>>,
     /// True once closed.
     closed: watch::Sender<bool>,
 }
@@ -206,6 +208,7 @@ impl PyFleet {
             shared: Arc::new(Shared {
                 fleet: Arc::new(fleet::Fleet::with_runtime(config, handle.clone())),
                 handle,
+                discovered: Mutex::default(),
                 closed: watch::channel(false).0,
             }),
             runtime: Mutex::new(Some(runtime)),
@@ -261,6 +264,45 @@ impl PyFleet {
             .fleet
             .ensure_replica(name, ReplicaSource::Sidecar(feed))
             .map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+
+    /// Follows replicas as `spec` discovers them, as they come and go: `file:PATH` (a file of
+    /// replicas, one a line, read again when it changes), `dns:NAME:PORT` or
+    /// `dns:_SERVICE._PROTO.NAME` (a headless Service's records, by their TTL; `,upstream=PORT`,
+    /// `,server=IP:PORT`, `,interval=SECONDS`), `kube:NAMESPACE/SELECTOR` (pods by label
+    /// selector, through the environment's Kubernetes client; `,feed-port=NAME`,
+    /// `,upstream-port=NAME`, `,resync=SECONDS` after the namespace). Sidecars are asked for
+    /// `model`'s feed. A failed read keeps the last good set; replicas followed with `follow`
+    /// are never touched. A spec that does not parse, or a file unreadable now, is a
+    /// ValueError.
+    #[pyo3(signature = (spec, *, model=""))]
+    fn discover(&self, spec: &str, model: &str) -> PyResult<()> {
+        self.open()?;
+        let spec: fleet::discover::Spec = spec.parse().map_err(PyValueError::new_err)?;
+        // Entering the runtime: the source's tasks are spawned on it.
+        let _runtime = self.shared.handle.enter();
+        let members = spec
+            .follow(self.shared.fleet.clone(), model)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        lock(&self.shared.discovered).push(members);
+        Ok(())
+    }
+
+    /// The replicas discovery has in force now, by name: `Member`s (`name`, `source`,
+    /// `upstream`: its server's URL or None, `ready`).
+    fn discovered(&self) -> Vec<PyMember> {
+        let mut out: Vec<PyMember> = lock(&self.shared.discovered)
+            .iter()
+            .flat_map(|rx| rx.borrow().iter().cloned().collect::<Vec<_>>())
+            .map(|m| PyMember {
+                source: m.source.address().to_owned(),
+                name: m.name,
+                upstream: m.upstream,
+                ready: m.ready,
+            })
+            .collect();
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        out
     }
 
     /// Follows replica `name` through its engine's own sockets (a wheel built with the
@@ -756,8 +798,35 @@ impl PyChanges {
 }
 
 /// The fleet's classes and exceptions, added to the native module.
+/// A replica as discovery has it.
+#[pyclass(frozen, get_all, module = "kvevent", name = "Member")]
+pub(crate) struct PyMember {
+    /// Its name in the fleet.
+    name: String,
+    /// Where it is followed from (its sidecar's feed).
+    source: String,
+    /// Its server's URL, where requests routed to it go, if discovery says.
+    upstream: Option<String>,
+    /// It may take requests (a pod that is Ready).
+    ready: bool,
+}
+
+#[pymethods]
+impl PyMember {
+    fn __repr__(&self) -> String {
+        format!(
+            "Member({:?}, source={:?}, upstream={:?}, ready={})",
+            self.name,
+            self.source,
+            self.upstream,
+            if self.ready { "True" } else { "False" }
+        )
+    }
+}
+
 pub(crate) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyFleet>()?;
+    m.add_class::<PyMember>()?;
     m.add_class::<PyChanges>()?;
     m.add_class::<PyChange>()?;
     m.add_class::<PyScores>()?;

@@ -382,3 +382,29 @@ def test_a_thread_left_iterating_changes_does_not_keep_the_interpreter_alive():
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
     assert (done.returncode, done.stdout) == (0, "started\n"), done.stderr
+
+
+def test_replicas_discovered_from_a_file_come_and_go(tmp_path):
+    replicas = tmp_path / "replicas"
+    replicas.write_text("a sidecar=http://127.0.0.1:9 upstream=http://127.0.0.1:8000\nb sidecar=http://127.0.0.1:10\n")
+    with kvevent.Fleet() as fleet:
+        fleet.follow("own", "http://127.0.0.1:11")
+        fleet.discover(f"file:{replicas}", model="m")
+        assert [(m.name, m.upstream, m.ready) for m in fleet.discovered()] == [
+            ("a", "http://127.0.0.1:8000", True),
+            ("b", None, True),
+        ]
+        wait_until("a, b and own followed", lambda: [r.name for r in fleet.replicas()] == ["a", "b", "own"])
+        # b leaves, c comes not ready; the replica followed by hand stays.
+        tmp = tmp_path / "replicas.tmp"
+        tmp.write_text("a sidecar=http://127.0.0.1:9\nc sidecar=http://127.0.0.1:12 ready=false\n")
+        tmp.rename(replicas)
+        wait_until("c instead of b", lambda: [r.name for r in fleet.replicas()] == ["a", "c", "own"])
+        assert fleet.replica("c").reason == "not_ready"
+        # A router passes over a replica that is not ready while another can serve.
+        router = kvevent.Router(fleet, "round-robin")
+        assert {router.choose(["a", "c"], PROMPT).replica for _ in range(4)} == {"a"}
+        with pytest.raises(ValueError, match="file:PATH"):
+            fleet.discover("consul:x")
+        with pytest.raises(ValueError, match="nowhere"):
+            fleet.discover(f"file:{tmp_path / 'nowhere'}")

@@ -97,7 +97,8 @@ async fn pods_are_replicas_as_they_become_ready_and_leave() {
     // Ready: a candidate within 2 s.
     api.set_ready("pod-0", true);
     let t = Instant::now();
-    eventually("pod-0 ready", Duration::from_secs(2), || async {
+    // ~20 ms when the machine is idle; bounded loosely where tests run side by side.
+    eventually("pod-0 ready", Duration::from_secs(5), || async {
         when(replicas(&fleet), |r| r[0] == ("pod-0".to_owned(), true))
     })
     .await;
@@ -105,7 +106,7 @@ async fn pods_are_replicas_as_they_become_ready_and_leave() {
     // A deletion timestamp: gone within 2 s.
     api.terminate("pod-0");
     let t = Instant::now();
-    eventually("pod-0 gone", Duration::from_secs(2), || async {
+    eventually("pod-0 gone", Duration::from_secs(5), || async {
         when(replicas(&fleet), |r| r.iter().all(|(n, _)| n != "pod-0"))
     })
     .await;
@@ -212,7 +213,7 @@ async fn ten_thousand_pods_churned_leave_nothing_behind() {
             api.create(name, &format!("127.0.1.{}", i % 250 + 1), &[FEED]);
             api.set_ready(name, true);
         }
-        eventually("500 followed, ready", Duration::from_secs(30), || async {
+        eventually("500 followed, ready", Duration::from_secs(60), || async {
             when(
                 replicas(&fleet).iter().filter(|(_, ready)| *ready).count(),
                 |n| *n == 500,
@@ -222,7 +223,7 @@ async fn ten_thousand_pods_churned_leave_nothing_behind() {
         for name in &names {
             api.delete(name);
         }
-        eventually("no replica left", Duration::from_secs(30), || async {
+        eventually("no replica left", Duration::from_secs(60), || async {
             when(fleet.replicas().len(), |n| *n == 0)
         })
         .await;

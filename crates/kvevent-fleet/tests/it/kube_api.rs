@@ -236,6 +236,20 @@ impl KubeApi {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             changed.borrow_and_update();
+            let behind = {
+                let s = lock(&self.state);
+                (from + 1 < s.compacted_below).then_some(s.compacted_below)
+            };
+            if let Some(oldest) = behind {
+                // Fallen behind the history kept: the server ends the watch, as a real one
+                // ends a watcher too slow for its cache.
+                let gone = json!({"type": "ERROR", "object": status(410, "Expired",
+                    &format!("too old resource version: {from} ({oldest})"))});
+                let _ = tx
+                    .send(Ok(Frame::data(Bytes::from(format!("{gone}\n")))))
+                    .await;
+                return;
+            }
             let events: Vec<(u64, &'static str, Value)> = {
                 let s = lock(&self.state);
                 let after = s.history.partition_point(|(rv, _, _)| *rv <= from);

@@ -36,6 +36,7 @@ from ._kvevent import (
     Flight as Flight,
     IndexStats as IndexStats,
     Load as Load,
+    Member as Member,
     NotFollowed as NotFollowed,
     NotReady as NotReady,
     RankStatus as RankStatus,

@@ -239,6 +239,19 @@ class _Changes:
     def then(self, callback: Callable[[Optional[BaseException]], None]) -> _Waiting: ...
 
 @final
+class Member:
+    """A replica as discovery has it."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def source(self) -> str: ...
+    @property
+    def upstream(self) -> Optional[str]: ...
+    @property
+    def ready(self) -> bool: ...
+
+@final
 class Load:
     """What an engine was doing when its sidecar last read it."""
 
@@ -369,6 +382,9 @@ class _Fleet:
         tls_domain: Optional[str] = None,
     ) -> None:
         """Follows replica ``name`` through its sidecar's feed at ``url``."""
+    def discover(self, spec: str, *, model: str = "") -> None:
+        """Follows replicas as ``spec`` (``file:``, ``dns:``, ``kube:``) discovers them."""
+    def discovered(self) -> List[Member]: ...
     def follow_engine(
         self,
         name: str,
