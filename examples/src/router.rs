@@ -96,6 +96,24 @@ pub struct RouterConfig {
     pub policy: kvevent_fleet::route::Policy,
 }
 
+impl RouterConfig {
+    /// A router for `model` following nothing yet: replicas, upstreams and discovery to add;
+    /// a routed response waited for 60 s; the default policy.
+    pub fn new(model: impl Into<String>) -> Self {
+        Self {
+            model: model.into(),
+            block_size: None,
+            engines: Vec::new(),
+            sidecars: Vec::new(),
+            discover: None,
+            upstreams: Vec::new(),
+            upstream_timeout: std::time::Duration::from_secs(60),
+            tokenizer: None,
+            policy: kvevent_fleet::route::Policy::default(),
+        }
+    }
+}
+
 /// Why a request is refused, as its HTTP status says.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RequestError {

@@ -43,15 +43,10 @@ async fn python_publishers_into_the_router_and_scores_out() {
         .expect("engines");
     let router = Arc::new(
         Router::start(RouterConfig {
-            model: "m".into(),
             block_size: Some(16),
             engines,
-            sidecars: Vec::new(),
-            discover: None,
-            upstreams: Vec::new(),
             upstream_timeout: Duration::from_secs(10),
-            tokenizer: None,
-            policy: kvevent_fleet::route::Policy::default(),
+            ..RouterConfig::new("m")
         })
         .expect("router"),
     );
@@ -384,15 +379,7 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
     .expect("publish");
     let ((ua, _ta), (ub, _tb)) = (fake_upstream("a", 96).await, fake_upstream("b", 0).await);
     let nothing = kvevent_test_support::HeldPort::new();
-    let spec = |name: &str, p: &kvevent_zmq::publisher::Publisher| {
-        format!(
-            "{name}={},replay={}",
-            p.endpoint(),
-            p.replay_endpoint().unwrap_or_default()
-        )
-        .parse::<Engine>()
-        .expect("engine")
-    };
+    let spec = engine_spec;
     let c = kvevent_zmq::publisher::Publisher::start(
         &ctx,
         kvevent_zmq::publisher::PublisherConfig::loopback(wire::Release::NEWEST_KNOWN),
@@ -423,11 +410,7 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
     .expect("tokenizer.json");
     let router = Arc::new(
         Router::start(RouterConfig {
-            model: "m".into(),
-            block_size: None,
             engines: vec![spec("a", &a), spec("b", &b), spec("c", &c)],
-            sidecars: Vec::new(),
-            discover: None,
             upstreams: vec![
                 Upstream {
                     name: "a".into(),
@@ -445,7 +428,7 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
             ],
             upstream_timeout: Duration::from_secs(5),
             tokenizer: Some(tokenizer.clone()),
-            policy: kvevent_fleet::route::Policy::default(),
+            ..RouterConfig::new("m")
         })
         .expect("router"),
     );
@@ -531,18 +514,13 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
     // Without a tokenizer, a text prompt is a clear 400.
     let bare = Arc::new(
         Router::start(RouterConfig {
-            model: "m".into(),
-            block_size: None,
             engines: vec![spec("a", &a)],
-            sidecars: Vec::new(),
-            discover: None,
             upstreams: vec![Upstream {
                 name: "a".into(),
                 url: format!("http://{ua}"),
             }],
             upstream_timeout: Duration::from_secs(5),
-            tokenizer: None,
-            policy: kvevent_fleet::route::Policy::default(),
+            ..RouterConfig::new("m")
         })
         .expect("router"),
     );
@@ -590,18 +568,13 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
     // With no other candidate, c's refusal is a 502 naming it.
     let only_c = Arc::new(
         Router::start(RouterConfig {
-            model: "m".into(),
-            block_size: None,
             engines: vec![spec("c", &c)],
-            sidecars: Vec::new(),
-            discover: None,
             upstreams: vec![Upstream {
                 name: "c".into(),
                 url: format!("http://{}", nothing.addr()),
             }],
             upstream_timeout: Duration::from_secs(5),
-            tokenizer: None,
-            policy: kvevent_fleet::route::Policy::default(),
+            ..RouterConfig::new("m")
         })
         .expect("router"),
     );
@@ -636,6 +609,26 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
     assert!(!metrics.contains("# EOF"), "{metrics}");
 }
 
+/// An engine stand-in on loopback, on the newest wire.
+fn engine(ctx: &zmq::Context) -> kvevent_zmq::publisher::Publisher {
+    kvevent_zmq::publisher::Publisher::start(
+        ctx,
+        kvevent_zmq::publisher::PublisherConfig::loopback(kvevent_wire::Release::NEWEST_KNOWN),
+    )
+    .expect("engine")
+}
+
+/// `--engine NAME=...` for a stand-in: its events and replay sockets.
+fn engine_spec(name: &str, p: &kvevent_zmq::publisher::Publisher) -> Engine {
+    format!(
+        "{name}={},replay={}",
+        p.endpoint(),
+        p.replay_endpoint().unwrap_or_default()
+    )
+    .parse::<Engine>()
+    .expect("engine")
+}
+
 /// A replica's server that answers every request with `status`.
 async fn failing_upstream(status: u16) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
     http_server(move |_| (status, "{\"error\": \"overloaded\"}".to_owned())).await
@@ -645,23 +638,9 @@ async fn failing_upstream(status: u16) -> (std::net::SocketAddr, tokio::task::Jo
 async fn a_replica_answering_503_or_502_is_passed_over_once() {
     use kvevent_examples::proxy::Upstream;
     let ctx = zmq::Context::new();
-    let engine = || {
-        kvevent_zmq::publisher::Publisher::start(
-            &ctx,
-            kvevent_zmq::publisher::PublisherConfig::loopback(kvevent_wire::Release::NEWEST_KNOWN),
-        )
-        .expect("engine")
-    };
+    let engine = || engine(&ctx);
     let (x, y, z) = (engine(), engine(), engine());
-    let spec = |name: &str, p: &kvevent_zmq::publisher::Publisher| {
-        format!(
-            "{name}={},replay={}",
-            p.endpoint(),
-            p.replay_endpoint().unwrap_or_default()
-        )
-        .parse::<Engine>()
-        .expect("engine")
-    };
+    let spec = engine_spec;
     let ((ux, _tx), (uy, _ty), (uz, _tz)) = (
         failing_upstream(503).await,
         fake_upstream("y", 0).await,
@@ -679,15 +658,11 @@ async fn a_replica_answering_503_or_502_is_passed_over_once() {
     ); 2]| {
         let router = Arc::new(
             Router::start(RouterConfig {
-                model: "m".into(),
-                block_size: None,
                 engines: names.iter().map(|(n, p, _)| spec(n, p)).collect(),
-                sidecars: Vec::new(),
-                discover: None,
                 upstreams: names.iter().map(|(n, _, a)| upstream(n, *a)).collect(),
                 upstream_timeout: Duration::from_secs(5),
-                tokenizer: None,
                 policy: kvevent_fleet::route::Policy::RoundRobin,
+                ..RouterConfig::new("m")
             })
             .expect("router"),
         );
@@ -735,13 +710,7 @@ async fn a_replica_answering_503_or_502_is_passed_over_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_discovered_from_a_file_are_routed_to_as_they_come_and_go() {
     let ctx = zmq::Context::new();
-    let engine = || {
-        kvevent_zmq::publisher::Publisher::start(
-            &ctx,
-            kvevent_zmq::publisher::PublisherConfig::loopback(kvevent_wire::Release::NEWEST_KNOWN),
-        )
-        .expect("engine")
-    };
+    let engine = || engine(&ctx);
     let (x, y) = (engine(), engine());
     let ((ux, _tx), (uy, _ty)) = (fake_upstream("x", 0).await, fake_upstream("y", 0).await);
     let line = |name: &str, p: &kvevent_zmq::publisher::Publisher, up: std::net::SocketAddr| {
@@ -761,19 +730,13 @@ async fn replicas_discovered_from_a_file_are_routed_to_as_they_come_and_go() {
     write(line("x", &x, ux));
     let router = Arc::new(
         Router::start(RouterConfig {
-            model: "m".into(),
-            block_size: None,
-            engines: Vec::new(),
-            sidecars: Vec::new(),
             discover: Some(
                 format!("file:{}", file.display())
                     .parse()
                     .expect("discover"),
             ),
-            upstreams: Vec::new(),
             upstream_timeout: Duration::from_secs(5),
-            tokenizer: None,
-            policy: kvevent_fleet::route::Policy::default(),
+            ..RouterConfig::new("m")
         })
         .expect("router"),
     );
@@ -820,15 +783,9 @@ async fn replicas_discovered_from_a_file_are_routed_to_as_they_come_and_go() {
     );
     // A file that cannot be read at the start is a clear error.
     let missing = Router::start(RouterConfig {
-        model: "m".into(),
-        block_size: None,
-        engines: Vec::new(),
-        sidecars: Vec::new(),
         discover: Some("file:/nonexistent/replicas".parse().expect("discover")),
-        upstreams: Vec::new(),
         upstream_timeout: Duration::from_secs(5),
-        tokenizer: None,
-        policy: kvevent_fleet::route::Policy::default(),
+        ..RouterConfig::new("m")
     });
     let error = format!("{:#}", missing.err().expect("an error"));
     assert!(error.contains("/nonexistent/replicas"), "{error}");
