@@ -43,7 +43,10 @@ const USAGE: &str =
   [--workload shared|multiturn|hot|mooncake] [--requests N] [--rate R] [--speed S] [--rounds K]
   [--prompts P] [--zipf S] [--blocks B] [--block-size T] [--time-scale X] [--max-tokens M] [--seed S]
   [--router PATH] [--prefill-us-per-token US] [--queue-us-per-request US]
-A workload through the example router to simulated engines, per policy, alternated.";
+  [--time-model gpu-8b|vllm-cpu|STEP_US,PREFILL_US,DECODE_US] [--ratios R,R,...]
+A workload through the example router to simulated engines, per policy, alternated.
+--ratios runs the cost policy once per ratio, its queue weight R times the one given (the
+prefill weight kept: only the ratio changes a choice), alternated with the other policies.";
 
 #[derive(Clone)]
 struct Args {
@@ -62,9 +65,13 @@ struct Args {
     max_tokens: u32,
     seed: u64,
     router: std::path::PathBuf,
-    /// The cost policy's weights (`None`: from the time model and the workload).
+    /// The cost policy's weights (`None`: the router's defaults).
     prefill_us: Option<f64>,
     queue_us: Option<f64>,
+    /// The simulated engines' speed.
+    time: TimeModel,
+    /// The cost policy's queue weight, times each (1: as given).
+    ratios: Vec<f64>,
 }
 
 /// One request of the workload.
@@ -347,7 +354,7 @@ async fn run(
         num_blocks: a.blocks,
         max_num_seqs: 256,
         max_num_batched_tokens: 8192,
-        time: TimeModel::GPU_8B,
+        time: a.time,
     };
     let mut engines = Vec::new();
     for i in 0..a.engines {
@@ -525,6 +532,8 @@ fn main() -> anyhow::Result<()> {
             .join("../target/release/examples/router"),
         prefill_us: None,
         queue_us: None,
+        time: TimeModel::GPU_8B,
+        ratios: vec![1.0],
     };
     while let Some(flag) = cli.arg() {
         match flag.as_str() {
@@ -552,6 +561,18 @@ fn main() -> anyhow::Result<()> {
             "--router" => a.router = cli.value(&flag)?,
             "--prefill-us-per-token" => a.prefill_us = Some(cli.value(&flag)?),
             "--queue-us-per-request" => a.queue_us = Some(cli.value(&flag)?),
+            "--time-model" => {
+                let v: String = cli.value(&flag)?;
+                a.time = v.parse().map_err(|e: String| cli.error(&e))?;
+            }
+            "--ratios" => {
+                let v: String = cli.value(&flag)?;
+                a.ratios = v
+                    .split(',')
+                    .map(|r| r.parse::<f64>().ok().filter(|r| r.is_finite() && *r >= 0.0))
+                    .collect::<Option<_>>()
+                    .ok_or_else(|| cli.error("--ratios: numbers, 0 or more, comma-separated"))?;
+            }
             other => return Err(cli.error(&format!("unknown flag `{other}`"))),
         }
     }
@@ -565,10 +586,13 @@ fn main() -> anyhow::Result<()> {
     });
     let prompt_tokens: usize = workload.iter().map(|p| p.prompt.len()).sum();
     println!(
-        "{} engines ({} blocks of {} tokens each, GPU 8B time model, {}x speed), workload {}: {} requests, {:.0} prompt tokens on average, over {:.0} s",
+        "{} engines ({} blocks of {} tokens each, time model {:.0} us a step, {:.1} us a prompt token, {:.0} us a sequence, {}x speed), workload {}: {} requests, {:.0} prompt tokens on average, over {:.0} s",
         a.engines,
         a.blocks,
         a.block_size,
+        a.time.step_us,
+        a.time.prefill_us_per_token,
+        a.time.decode_us_per_seq,
         a.speed,
         a.workload,
         workload.len(),
@@ -591,11 +615,22 @@ fn main() -> anyhow::Result<()> {
         .build()?;
     for round in 0..a.rounds {
         for policy in &a.policies {
-            let report = rt.block_on(run(&a, policy, &workload, weights))?;
-            if a.rounds > 1 {
-                print!("round {}  ", round + 1);
+            let ratios = if policy == "cost" {
+                &a.ratios[..]
+            } else {
+                &[1.0][..]
+            };
+            for ratio in ratios {
+                let mut report =
+                    rt.block_on(run(&a, policy, &workload, (weights.0, weights.1 * ratio)))?;
+                if a.rounds > 1 {
+                    print!("round {}  ", round + 1);
+                }
+                if a.ratios.len() > 1 && policy == "cost" {
+                    report.policy = format!("cost x{ratio}");
+                }
+                print(&report);
             }
-            print(&report);
         }
     }
     Ok(())

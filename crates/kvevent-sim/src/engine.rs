@@ -46,6 +46,49 @@ impl TimeModel {
         prefill_us_per_token: 14.5,
         decode_us_per_seq: 56.0,
     };
+
+    /// The time models by name, as [`str::parse`] reads them.
+    pub const NAMES: [(&'static str, Self); 2] =
+        [("gpu-8b", Self::GPU_8B), ("vllm-cpu", Self::VLLM_CPU_TINY)];
+}
+
+/// A time model by name (`gpu-8b`, `vllm-cpu`) or by its numbers
+/// (`STEP_US,PREFILL_US_PER_TOKEN,DECODE_US_PER_SEQ`).
+///
+/// ```
+/// use kvevent_sim::TimeModel;
+/// assert_eq!("vllm-cpu".parse::<TimeModel>(), Ok(TimeModel::VLLM_CPU_TINY));
+/// assert_eq!("5000,40,100".parse::<TimeModel>().map(|t| t.prefill_us_per_token), Ok(40.0));
+/// assert!("fast".parse::<TimeModel>().is_err());
+/// ```
+impl std::str::FromStr for TimeModel {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        if let Some((_, t)) = Self::NAMES.iter().find(|(name, _)| *name == s) {
+            return Ok(*t);
+        }
+        let numbers: Vec<f64> = s
+            .split(',')
+            .map(|n| {
+                n.trim()
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|v| v.is_finite() && *v >= 0.0)
+            })
+            .collect::<Option<_>>()
+            .unwrap_or_default();
+        match numbers[..] {
+            [step_us, prefill_us_per_token, decode_us_per_seq] => Ok(Self {
+                step_us,
+                prefill_us_per_token,
+                decode_us_per_seq,
+            }),
+            _ => Err(format!(
+                "`{s}` is not a time model: gpu-8b, vllm-cpu, or STEP_US,PREFILL_US_PER_TOKEN,DECODE_US_PER_SEQ (microseconds, 0 or more)"
+            )),
+        }
+    }
 }
 
 /// What a simulated engine is.
