@@ -1,27 +1,4 @@
-//! [`Router`]: the routing loop, once for every router built on a [`Fleet`]: what happens to a
-//! request from its candidates to its realized accounting. The fleet's answer among the
-//! candidates, the [`Rule`], what this router has in flight to each replica and the prompt
-//! tokens each still computes, the first token, and the engine's cached tokens recorded against
-//! the prediction the choice acted on. A router keeps only its transport (HTTP, flags).
-//!
-//! ```
-//! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! use std::sync::Arc;
-//! use kvevent_fleet::{Fleet, FleetConfig, route::{Router, Rule}};
-//! let router = Router::new(Arc::new(Fleet::new(FleetConfig::default())?), Rule::default());
-//! let prompt: Vec<u32> = (0..64).collect();
-//! let decision = router.choose(&["a", "b"], &prompt, "").expect("a candidate");
-//! let mut sent = router.send(&decision); // in flight to decision.replica
-//! // ... forward the request; on its first streamed chunk:
-//! sent.first_token();
-//! // ... its usage says the engine reused 48 tokens:
-//! sent.finish(Some(48));
-//! # Ok(()) }
-//! ```
-//!
-//! Invariants: a request counts in flight from [`Router::send`] until its [`Sent`] is finished
-//! or dropped, once; a retry never goes back to the replica that failed; every retry and every
-//! choice made with no candidate able to serve is counted.
+//! The routing loop: [`Router`], and what a request is as it goes ([`Decision`], [`Sent`]).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -109,7 +86,30 @@ pub struct RouterCounters {
     pub none_serving: u64,
 }
 
-/// The routing loop over a fleet ([module docs](self)). Shared by the tasks that route.
+/// The routing loop, once for every router built on a [`Fleet`]: what happens to a
+/// request from its candidates to its realized accounting. The fleet's answer among the
+/// candidates, the [`Rule`], what this router has in flight to each replica and the prompt
+/// tokens each still computes, the first token, and the engine's cached tokens recorded against
+/// the prediction the choice acted on. A router keeps only its transport (HTTP, flags).
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use std::sync::Arc;
+/// use kvevent_fleet::{Fleet, FleetConfig, route::{Router, Rule}};
+/// let router = Router::new(Arc::new(Fleet::new(FleetConfig::default())?), Rule::default());
+/// let prompt: Vec<u32> = (0..64).collect();
+/// let decision = router.choose(&["a", "b"], &prompt, "").expect("a candidate");
+/// let mut sent = router.send(&decision); // in flight to decision.replica
+/// // ... forward the request; on its first streamed chunk:
+/// sent.first_token();
+/// // ... its usage says the engine reused 48 tokens:
+/// sent.finish(Some(48));
+/// # Ok(()) }
+/// ```
+///
+/// Invariants: a request counts in flight from [`Router::send`] until its [`Sent`] is finished
+/// or dropped, once; a retry never goes back to the replica that failed; every retry and every
+/// choice made with no candidate able to serve is counted.
 #[derive(Debug)]
 pub struct Router {
     fleet: Arc<Fleet>,
