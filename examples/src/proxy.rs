@@ -293,9 +293,7 @@ impl Proxy {
                     drop(sent);
                     self.note_response(&upstream.name, why.as_str().to_owned());
                     // Nothing reached the client: the next choice, once.
-                    if decision.attempt == 0
-                        && let Some(next) =
-                            self.router.retry(&decision, why, &names, &prompt, adapter)
+                    if let Some(next) = self.router.retry(&decision, why, &names, &prompt, adapter)
                     {
                         decision = next;
                         continue;

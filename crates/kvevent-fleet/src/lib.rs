@@ -28,10 +28,13 @@
 //! - **Loads.** A sidecar that reads its engine's `/metrics` sends its load (requests running
 //!   and waiting, KV-cache usage) with its age; each [`Score`] and [`ReplicaStatus`] carries
 //!   the last one ([`Load`]), never refreshed by the fleet: its reader judges its age.
-//! - **Routing.** [`route::Rule`] is the rule a router applies to an answer: by default the
-//!   candidate where a request costs least (prompt tokens to compute there against requests
-//!   queued ahead), or `prefix-only`, `least-loaded`, `round-robin` to compare;
-//!   [`route::adapter_of`] reads the LoRA adapter from a request's `model`.
+//! - **Routing.** [`route::Router`] is the routing loop a router embeds (choose, send, first
+//!   token, retry, record) by [`route::Rule`]: by default the candidate where a request costs
+//!   least (prompt tokens to compute there against requests queued ahead), or `prefix-only`,
+//!   `least-loaded`, `round-robin` to compare; a replica known down is passed over while
+//!   another can serve; [`route::adapter_of`] reads the LoRA adapter from a request's `model`.
+//! - **Discovery.** With feature `discover` (and `discover-dns`, `discover-kube`), `discover`
+//!   keeps the replicas what a file, DNS or Kubernetes says.
 //!
 //! ```no_run
 //! use kvevent_fleet::{Fleet, FleetConfig, Query, QueryKeys, ReplicaSource, SidecarFeed};

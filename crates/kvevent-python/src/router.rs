@@ -323,9 +323,6 @@ impl PyRouter {
         };
         let tokens = token_ids(tokens)?;
         let failed = &failed.get().decision;
-        if failed.attempt > 0 {
-            return Ok(None);
-        }
         Ok(py.detach(|| {
             let names: Vec<&str> = candidates.iter().map(String::as_str).collect();
             self.router

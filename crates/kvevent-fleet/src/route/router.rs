@@ -174,7 +174,8 @@ impl Router {
 
     /// Where a request goes again after `failed` failed for `why` before any byte of its
     /// answer reached the client: the next choice among `candidates` without the replica that
-    /// failed. Counted (by that replica and why). `None` when no other candidate is left.
+    /// failed. Counted (by that replica and why). `None` when no other candidate is left, or
+    /// when `failed` was itself a retry: a request is sent again once (not counted again).
     pub fn retry(
         &self,
         failed: &Decision,
@@ -183,6 +184,9 @@ impl Router {
         prompt: &[u32],
         adapter: &str,
     ) -> Option<Decision> {
+        if failed.attempt > 0 {
+            return None;
+        }
         *lock(&self.retries)
             .entry((failed.replica.clone(), why))
             .or_default() += 1;
