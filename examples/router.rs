@@ -88,7 +88,8 @@ struct Args {
     #[arg(long, default_value = "cost", value_name = "POLICY")]
     policy: Policy,
     /// With --policy cost: microseconds one prompt token not held costs to compute (10⁶ over
-    /// the engine's prefill tokens a second).
+    /// the engine's prefill tokens a second). Either weight given fixes both (the other at
+    /// its default); without, both are learned from the router's streamed requests.
     #[arg(long, value_name = "US")]
     prefill_us_per_token: Option<f64>,
     /// With --policy cost: microseconds each request queued ahead adds before a request's
@@ -113,6 +114,7 @@ fn main() -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("--prefill-us-per-token, --queue-us-per-request: {e}"))?;
     let config = RouterConfig {
         policy,
+        learn_weights: args.prefill_us_per_token.is_none() && args.queue_us_per_request.is_none(),
         model: args.model,
         block_size: args.block_size,
         engines: args.engines,

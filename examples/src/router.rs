@@ -94,6 +94,9 @@ pub struct RouterConfig {
     pub tokenizer: Option<std::path::PathBuf>,
     /// How `POST /v1/completions` is routed ([`kvevent_fleet::route::Policy`]).
     pub policy: kvevent_fleet::route::Policy,
+    /// The cost policy's weights learned from the router's flights, starting from the
+    /// policy's ([`route::Router::learning`]); false: kept as given.
+    pub learn_weights: bool,
 }
 
 impl RouterConfig {
@@ -110,6 +113,7 @@ impl RouterConfig {
             upstream_timeout: std::time::Duration::from_secs(60),
             tokenizer: None,
             policy: kvevent_fleet::route::Policy::default(),
+            learn_weights: true,
         }
     }
 }
@@ -205,10 +209,11 @@ impl Router {
             ),
             None => None,
         };
-        let router = Arc::new(route::Router::new(
-            fleet.clone(),
-            route::Rule::new(config.policy),
-        ));
+        let mut router = route::Router::new(fleet.clone(), route::Rule::new(config.policy));
+        if config.learn_weights {
+            router = router.learning();
+        }
+        let router = Arc::new(router);
         let proxy = Proxy::new(
             config.upstreams.clone(),
             config.upstream_timeout,
@@ -341,6 +346,12 @@ impl Router {
                 }),
             })).collect::<Vec<_>>(),
             "policy": self.proxy.router().rule().policy().as_str(),
+            "weights": self.proxy.router().weights().map(|w| serde_json::json!({
+                "prefill_us_per_token": w.weights.prefill_us_per_token,
+                "queue_us_per_request": w.weights.queue_us_per_request,
+                "learned": w.learned,
+                "flights": w.flights,
+            })),
         })
     }
 

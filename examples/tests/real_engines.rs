@@ -122,6 +122,8 @@ async fn the_router_routes_between_three_real_engines() {
         upstream_timeout: Duration::from_secs(60),
         tokenizer: None,
         policy,
+        // As a user runs it: the cost policy's weights learned from the flights.
+        learn_weights: true,
     };
     // Started, serving, and every engine exact.
     let serve = async |policy| {

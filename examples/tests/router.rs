@@ -603,10 +603,26 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
         "kvevent_router_responses_total{replica=\"c\",code=\"refused\"} 1",
         "kvevent_router_retries_total{replica=\"c\",reason=\"refused\"} 1",
         "kvevent_router_none_serving_total 0",
+        // The weights learned: from the one streamed request (its first token's time).
+        "kvevent_router_weight_flights_total 1",
+        "kvevent_router_prefill_us_per_token{source=\"learned\"} ",
+        "kvevent_router_queue_us_per_request{source=\"learned\"} ",
     ] {
         assert!(metrics.contains(needle), "no {needle} in\n{metrics}");
     }
     assert!(!metrics.contains("# EOF"), "{metrics}");
+    let weights = &router.replicas()["weights"];
+    assert_eq!(
+        (&weights["learned"], &weights["flights"]),
+        (&serde_json::json!(true), &serde_json::json!(1)),
+        "{weights}"
+    );
+    assert!(
+        weights["queue_us_per_request"]
+            .as_f64()
+            .is_some_and(|q| q > 0.0),
+        "{weights}"
+    );
 }
 
 /// An engine stand-in on loopback, on the newest wire.

@@ -43,10 +43,12 @@ const USAGE: &str =
   [--workload shared|multiturn|hot|mooncake] [--requests N] [--rate R] [--speed S] [--rounds K]
   [--prompts P] [--zipf S] [--blocks B] [--block-size T] [--time-scale X] [--max-tokens M] [--seed S]
   [--router PATH] [--prefill-us-per-token US] [--queue-us-per-request US]
-  [--time-model gpu-8b|vllm-cpu|STEP_US,PREFILL_US,DECODE_US] [--ratios R,R,...]
+  [--time-model gpu-8b|vllm-cpu|STEP_US,PREFILL_US,DECODE_US] [--ratios R,R,...] [--learn]
 A workload through the example router to simulated engines, per policy, alternated.
 --ratios runs the cost policy once per ratio, its queue weight R times the one given (the
-prefill weight kept: only the ratio changes a choice), alternated with the other policies.";
+prefill weight kept: only the ratio changes a choice), alternated with the other policies.
+--learn adds a run of the cost policy given no weights: the router learns them from its
+flights, starting from its defaults (printed with the weights it ended with).";
 
 #[derive(Clone)]
 struct Args {
@@ -72,6 +74,8 @@ struct Args {
     time: TimeModel,
     /// The cost policy's queue weight, times each (1: as given).
     ratios: Vec<f64>,
+    /// A run of the cost policy learning its weights.
+    learn: bool,
 }
 
 /// One request of the workload.
@@ -278,7 +282,7 @@ fn start_router(
     a: &Args,
     engines: &[SimEngine],
     policy: &str,
-    weights: (f64, f64),
+    weights: Option<(f64, f64)>,
 ) -> anyhow::Result<RouterProcess> {
     use std::io::BufRead as _;
     let mut cmd = std::process::Command::new(&a.router);
@@ -290,7 +294,7 @@ fn start_router(
         "--policy",
         policy,
     ]);
-    if policy == "cost" {
+    if let Some(weights) = weights {
         cmd.arg("--prefill-us-per-token")
             .arg(weights.0.to_string())
             .arg("--queue-us-per-request")
@@ -340,13 +344,15 @@ struct Report {
     router_cpu_s: f64,
     exact_share: f64,
     failed: usize,
+    /// The weights the router weighed with at the end, when it learned them.
+    learned: Option<(f64, f64)>,
 }
 
 async fn run(
     a: &Args,
     policy: &str,
     workload: &Arc<Vec<Planned>>,
-    weights: (f64, f64),
+    weights: Option<(f64, f64)>,
 ) -> anyhow::Result<Report> {
     let ctx = zmq::Context::new();
     let config = Config {
@@ -426,10 +432,21 @@ async fn run(
     let wall = started.elapsed().as_secs_f64();
     let cpu = kvevent_benches::procfs::cpu_seconds(&format!("/proc/{pid}/stat")) - cpu_before;
     let addr = router.addr.clone();
-    let metrics = tokio::task::spawn_blocking(move || {
-        kvevent_benches::http::get(&addr, "/metrics").unwrap_or_default()
+    let (metrics, replicas) = tokio::task::spawn_blocking(move || {
+        (
+            kvevent_benches::http::get(&addr, "/metrics").unwrap_or_default(),
+            kvevent_benches::http::get(&addr, "/replicas").unwrap_or_default(),
+        )
     })
     .await?;
+    let replicas: serde_json::Value = serde_json::from_str(&replicas).unwrap_or_default();
+    let w = &replicas["weights"];
+    let learned = (w["learned"] == true).then(|| {
+        (
+            w["prefill_us_per_token"].as_f64().unwrap_or(f64::NAN),
+            w["queue_us_per_request"].as_f64().unwrap_or(f64::NAN),
+        )
+    });
     drop(router);
     let (queries, hits) = engines.iter().fold((0, 0), |(q, h), e| {
         let (eq, eh) = e.prefix_cache();
@@ -474,6 +491,7 @@ async fn run(
         router_cpu_s: cpu,
         exact_share: exact / predictions.max(1.0),
         failed,
+        learned,
     })
 }
 
@@ -506,6 +524,12 @@ fn print(r: &Report) {
             String::new()
         }
     );
+    if let Some((p, q)) = r.learned {
+        println!(
+            "{:<13} learned --prefill-us-per-token {p:.1} --queue-us-per-request {q:.0}",
+            ""
+        );
+    }
 }
 
 fn main() -> anyhow::Result<()> {
@@ -534,6 +558,7 @@ fn main() -> anyhow::Result<()> {
         queue_us: None,
         time: TimeModel::GPU_8B,
         ratios: vec![1.0],
+        learn: false,
     };
     while let Some(flag) = cli.arg() {
         match flag.as_str() {
@@ -573,6 +598,7 @@ fn main() -> anyhow::Result<()> {
                     .collect::<Option<_>>()
                     .ok_or_else(|| cli.error("--ratios: numbers, 0 or more, comma-separated"))?;
             }
+            "--learn" => a.learn = true,
             other => return Err(cli.error(&format!("unknown flag `{other}`"))),
         }
     }
@@ -613,24 +639,34 @@ fn main() -> anyhow::Result<()> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    for round in 0..a.rounds {
-        for policy in &a.policies {
-            let ratios = if policy == "cost" {
-                &a.ratios[..]
+    // Each run: its label, the policy, and the cost policy's weights (None: learned).
+    type Weighed = Option<(f64, f64)>;
+    let mut runs: Vec<(String, &str, Weighed)> = Vec::new();
+    for policy in &a.policies {
+        if policy != "cost" {
+            runs.push((policy.clone(), policy, None));
+            continue;
+        }
+        for ratio in &a.ratios {
+            let label = if a.ratios.len() > 1 {
+                format!("cost x{ratio}")
             } else {
-                &[1.0][..]
+                "cost".to_owned()
             };
-            for ratio in ratios {
-                let mut report =
-                    rt.block_on(run(&a, policy, &workload, (weights.0, weights.1 * ratio)))?;
-                if a.rounds > 1 {
-                    print!("round {}  ", round + 1);
-                }
-                if a.ratios.len() > 1 && policy == "cost" {
-                    report.policy = format!("cost x{ratio}");
-                }
-                print(&report);
+            runs.push((label, policy, Some((weights.0, weights.1 * ratio))));
+        }
+        if a.learn {
+            runs.push(("cost learned".to_owned(), policy, None));
+        }
+    }
+    for round in 0..a.rounds {
+        for (label, policy, weights) in &runs {
+            let mut report = rt.block_on(run(&a, policy, &workload, *weights))?;
+            if a.rounds > 1 {
+                print!("round {}  ", round + 1);
             }
+            report.policy = label.clone();
+            print(&report);
         }
     }
     Ok(())

@@ -116,6 +116,7 @@ fn main() -> anyhow::Result<()> {
             upstream_timeout: Duration::from_secs(10),
             tokenizer: None,
             policy: kvevent_fleet::route::Policy::default(),
+            learn_weights: true,
         })?);
         let (addr, _task) = router::bind("127.0.0.1:0", router.clone()).await?;
         router

@@ -24,6 +24,9 @@
 //! |---|---|---|---|
 //! | `kvevent_router_retries_total` | counter | `replica`, `reason` | requests sent again because this replica failed them before any byte reached the client (`refused`, `502`, `503`) |
 //! | `kvevent_router_none_serving_total` | counter | | choices made when no candidate could serve (failing open) |
+//! | `kvevent_router_prefill_us_per_token` | gauge | `source` | the cost policy's weight of a prompt token, as the next choice uses it: `learned` ([`Router::learning`](crate::route::Router::learning)) or `given` |
+//! | `kvevent_router_queue_us_per_request` | gauge | `source` | the cost policy's weight of a request ahead, likewise |
+//! | `kvevent_router_weight_flights_total` | counter | | flights the weights were learned from |
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -239,6 +242,35 @@ impl Collector for RouterCollector {
             "kvevent_router_none_serving_total",
             "Choices made when no candidate could serve (each was known down): failing open",
             c.none_serving,
+        )?;
+        let Some(w) = self.0.weights() else {
+            return Ok(());
+        };
+        let source = [("source", if w.learned { "learned" } else { "given" })];
+        m::level(
+            &mut m::gauge(
+                &mut enc,
+                "kvevent_router_prefill_us_per_token",
+                "The cost policy's weight of a prompt token to compute, in microseconds, as the next choice uses it",
+            )?,
+            &source,
+            w.weights.prefill_us_per_token,
+        )?;
+        m::level(
+            &mut m::gauge(
+                &mut enc,
+                "kvevent_router_queue_us_per_request",
+                "The cost policy's weight of a request ahead, in microseconds, as the next choice uses it",
+            )?,
+            &source,
+            w.weights.queue_us_per_request,
+        )?;
+        m::single(
+            &mut enc,
+            true,
+            "kvevent_router_weight_flights_total",
+            "Flights the cost policy's weights were learned from (their time to first token)",
+            w.flights,
         )
     }
 }

@@ -43,7 +43,9 @@ use std::time::{Duration, Instant};
 
 use kvevent_index::{Load, ReplicaState, Scores};
 
+mod learn;
 mod router;
+pub use learn::Weighing;
 pub use router::{Decision, Retry, Router, RouterCounters, Sent};
 
 /// What a request would cost on a candidate, as [`Policy::Cost`] weighs it.
@@ -506,6 +508,18 @@ impl Rule {
         candidates: &'a [Candidate<'a>],
         now: Instant,
     ) -> Option<Choice<'a>> {
+        self.choose_by(self.policy, scores, request, candidates, now)
+    }
+
+    /// [`Rule::choose`] by `policy` (a learning router's weights) instead of its own.
+    fn choose_by<'a>(
+        &self,
+        policy: Policy,
+        scores: Option<&Scores>,
+        request: &Request,
+        candidates: &'a [Candidate<'a>],
+        now: Instant,
+    ) -> Option<Choice<'a>> {
         if candidates.is_empty() {
             return None;
         }
@@ -552,7 +566,7 @@ impl Rule {
             cost_us,
             none_serving,
         };
-        match self.policy {
+        match policy {
             Policy::RoundRobin => {
                 // Each eligible candidate in turn.
                 let n = candidates

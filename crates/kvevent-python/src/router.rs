@@ -261,12 +261,30 @@ impl PyRouter {
                 "load_old_after must be a finite number of seconds ≥ 0, not {load_old_after}"
             ))
         })?;
+        let router = route::Router::new(
+            fleet.get().fleet().clone(),
+            Rule::new(policy).with_load_old_after(bound),
+        );
+        // Weights given are kept; without, they are learned from the flights.
+        let learn = prefill_us_per_token.is_none() && queue_us_per_request.is_none();
         Ok(Self {
-            router: route::Router::new(
-                fleet.get().fleet().clone(),
-                Rule::new(policy).with_load_old_after(bound),
-            ),
+            router: if learn { router.learning() } else { router },
         })
+    }
+
+    /// The cost policy's weights as the next choice uses them: `{"prefill_us_per_token",
+    /// "queue_us_per_request", "learned", "flights"}` (learned from each flight's
+    /// `first_token()` unless weights were given); None for another policy.
+    fn weights<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, pyo3::types::PyDict>>> {
+        let Some(w) = self.router.weights() else {
+            return Ok(None);
+        };
+        let d = pyo3::types::PyDict::new(py);
+        d.set_item("prefill_us_per_token", w.weights.prefill_us_per_token)?;
+        d.set_item("queue_us_per_request", w.weights.queue_us_per_request)?;
+        d.set_item("learned", w.learned)?;
+        d.set_item("flights", w.flights)?;
+        Ok(Some(d))
     }
 
     /// The policy's name.

@@ -335,6 +335,15 @@ def test_router_chooses_by_the_rust_rule_and_best_names_no_miss(processes, three
             flight.first_token()
             flight.first_token()                  # once is enough
         assert router.in_flight(first.replica) == 0
+        # Given no weights, the router learns them from its flights' first tokens (one so far);
+        # weights given are kept; another policy weighs none.
+        w = router.weights()
+        assert w is not None and (w["learned"], w["flights"]) == (True, 1), w
+        assert w["prefill_us_per_token"] > 0 and w["queue_us_per_request"] > 0, w
+        given = kvevent.Router(fleet, prefill_us_per_token=50.0).weights()
+        assert given == {"prefill_us_per_token": 50.0, "queue_us_per_request": 20_000.0,
+                         "learned": False, "flights": 0}, given
+        assert kvevent.Router(fleet, "least-loaded").weights() is None
         # Prompts nobody holds spread by their first block, never all to the first name.
         firsts = {router.choose(["a", "b", "c"], list(range(i * 100, i * 100 + 40))).replica
                   for i in range(100, 130)}

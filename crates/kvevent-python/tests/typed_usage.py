@@ -74,6 +74,8 @@ def route(fleet: kvevent.Fleet, token_ids: List[int]) -> Optional[str]:
         compute: int = choice.compute_tokens
         queued: int = choice.queued
         print(choice.replica, choice.load, choice.cost_us, compute, queued, router.in_flight(choice.replica))
+    weights: Optional[Dict[str, Any]] = router.weights()
+    print(weights)
     fleet.record(choice, len(token_ids), 16)
     again: Optional[kvevent.Choice] = router.retry(choice, ["a", "b"], token_ids, reason="503")
     if again is not None and not again.none_serving and again.attempt == 1:

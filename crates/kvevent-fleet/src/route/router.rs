@@ -7,7 +7,8 @@ use std::time::Instant;
 
 use kvevent_index::{Query, QueryKeys, ReplicaState, Scores};
 
-use super::{Candidate, Flight, Flights, LoadSeen, Request, Rule, affinity};
+use super::learn::{Learner, Weighing};
+use super::{Candidate, Flight, Flights, LoadSeen, Policy, Request, Rule, affinity};
 use crate::{Fleet, Outcome, Prediction, lock};
 
 /// The block size a prompt's affinity is taken with before any replica said its own.
@@ -25,6 +26,9 @@ pub struct Decision {
     pub compute_tokens: u32,
     /// Requests estimated ahead of this one there.
     pub queued: u32,
+    /// Prompt tokens this router's earlier requests there still had to compute when it was
+    /// chosen (until their first tokens).
+    pub prefilling: u64,
     /// The choice does not rest on an exact match.
     pub failed_open: bool,
     /// How its load was known.
@@ -117,10 +121,11 @@ pub struct Router {
     flights: Mutex<HashMap<String, Arc<Flights>>>,
     retries: Mutex<HashMap<(String, Retry), u64>>,
     none_serving: AtomicU64,
+    learner: Option<Arc<Learner>>,
 }
 
 impl Router {
-    /// The loop over `fleet`, deciding by `rule`.
+    /// The loop over `fleet`, deciding by `rule` as given (its weights fixed).
     pub fn new(fleet: Arc<Fleet>, rule: Rule) -> Self {
         Self {
             fleet,
@@ -128,7 +133,42 @@ impl Router {
             flights: Mutex::default(),
             retries: Mutex::default(),
             none_serving: AtomicU64::new(0),
+            learner: None,
         }
+    }
+
+    /// This loop learning the cost policy's weights from its own flights, starting from the
+    /// rule's: each streamed request's time to first token ([`Sent::first_token`]) against
+    /// the prompt tokens it had to compute and the requests ahead when it was chosen, fitted
+    /// by least squares that fade old flights, held near the start until flights say
+    /// otherwise and within a bound of it ([`Weighing`]). A router given weights explicitly
+    /// keeps them (does not call this); another policy weighs nothing (this changes
+    /// nothing).
+    pub fn learning(mut self) -> Self {
+        if let Policy::Cost(w) = self.rule.policy() {
+            self.learner = Some(Arc::new(Learner::new(w)));
+        }
+        self
+    }
+
+    /// The cost policy's weights as the next choice uses them, and whether learned; `None`
+    /// for another policy.
+    pub fn weights(&self) -> Option<Weighing> {
+        let Policy::Cost(given) = self.rule.policy() else {
+            return None;
+        };
+        Some(match &self.learner {
+            Some(l) => Weighing {
+                weights: l.weights(),
+                learned: true,
+                flights: l.flights(),
+            },
+            None => Weighing {
+                weights: given,
+                learned: false,
+                flights: 0,
+            },
+        })
     }
 
     /// The fleet it routes on.
@@ -220,9 +260,17 @@ impl Router {
             prompt_tokens: u32::try_from(prompt.len()).unwrap_or(u32::MAX),
             affinity: affinity(prompt, block.map_or(AFFINITY_BLOCK, |b| b as usize)),
         };
+        let policy = match &self.learner {
+            Some(l) => Policy::Cost(l.weights()),
+            None => self.rule.policy(),
+        };
         let c = self
             .rule
-            .choose(scores.as_ref(), &request, &cs, Instant::now())?;
+            .choose_by(policy, scores.as_ref(), &request, &cs, Instant::now())?;
+        let prefilling = candidates
+            .iter()
+            .position(|n| *n == c.replica)
+            .map_or(0, |i| flights[i].prefilling());
         if c.none_serving {
             self.none_serving.fetch_add(1, Relaxed);
         }
@@ -237,6 +285,7 @@ impl Router {
             },
             compute_tokens: c.compute_tokens,
             queued: c.queued,
+            prefilling,
             failed_open: c.failed_open,
             load: c.load,
             cost_us: c.cost_us,
@@ -282,6 +331,12 @@ impl Router {
                 .start_prefill(decision.compute_tokens),
             prediction: decision.prediction.clone(),
             fleet: self.fleet.clone(),
+            learn: self.learner.clone().map(|l| Lesson {
+                learner: l,
+                sent_at: Instant::now(),
+                tokens: f64::from(decision.compute_tokens) + decision.prefilling as f64,
+                queued: f64::from(decision.queued),
+            }),
         }
     }
 
@@ -305,12 +360,28 @@ pub struct Sent {
     flight: Flight,
     prediction: Prediction,
     fleet: Arc<Fleet>,
+    /// What a learning router learns from its first token (taken then).
+    learn: Option<Lesson>,
+}
+
+/// A flight as a learning router observes it.
+#[derive(Debug)]
+struct Lesson {
+    learner: Arc<Learner>,
+    sent_at: Instant,
+    tokens: f64,
+    queued: f64,
 }
 
 impl Sent {
-    /// Its first token came (its first streamed chunk): its prompt is computed.
+    /// Its first token came (its first streamed chunk): its prompt is computed. A learning
+    /// router ([`Router::learning`]) learns from the time it took (the first call only).
     pub fn first_token(&mut self) {
         self.flight.first_token();
+        if let Some(l) = self.learn.take() {
+            let ttft = l.sent_at.elapsed().as_secs_f64() * 1e6;
+            l.learner.observe(l.tokens, l.queued, ttft);
+        }
     }
 
     /// It is over: the cached tokens its usage reported (`None`: it reported none, or it
@@ -319,5 +390,76 @@ impl Sent {
         let outcome = cached_tokens.map(|c| self.fleet.record(&self.prediction, c));
         drop(self.flight);
         outcome
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::FleetConfig;
+
+    fn router(policy: Policy) -> Router {
+        Router::new(
+            Arc::new(Fleet::new(FleetConfig::default()).expect("a fleet")),
+            Rule::new(policy),
+        )
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn weights_given_are_kept_and_another_policy_weighs_none() {
+        let given = super::super::Weights {
+            prefill_us_per_token: 7.0,
+            queue_us_per_request: 9.0,
+        };
+        let r = router(Policy::Cost(given));
+        let mut sent = r.send(&r.choose(&["a"], &[1, 2, 3], "").expect("a"));
+        sent.first_token();
+        let w = r.weights().expect("the cost policy's");
+        assert_eq!((w.weights, w.learned, w.flights), (given, false, 0));
+        assert_eq!(router(Policy::RoundRobin).learning().weights(), None);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_learning_router_learns_once_from_each_streamed_first_token() {
+        let r = router(Policy::default()).learning();
+        let start = r.weights().expect("cost");
+        assert_eq!(
+            (start.weights, start.learned, start.flights),
+            (super::super::Weights::default(), true, 0)
+        );
+        let prompt: Vec<u32> = (0..64).collect();
+        let mut streamed = r.send(&r.choose(&["a", "b"], &prompt, "").expect("a"));
+        streamed.first_token();
+        streamed.first_token();
+        streamed.finish(None);
+        // Not streamed: it ends without a first token, and teaches nothing.
+        r.send(&r.choose(&["a", "b"], &prompt, "").expect("a"))
+            .finish(None);
+        assert_eq!(r.weights().map(|w| w.flights), Some(1));
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn choices_use_the_learned_weights() {
+        // `a` has one request in flight with 1,000 prompt tokens still to compute; `b` three
+        // with none. By the defaults (100 µs a token, 20 ms a request) `b` is cheaper.
+        let prompt: Vec<u32> = (0..64).collect();
+        for learn in [false, true] {
+            let mut r = router(Policy::default());
+            if learn {
+                r = r.learning();
+            }
+            let _a = r.flights("a").start_prefill(1_000);
+            let _b: Vec<Flight> = (0..3).map(|_| r.flights("b").start_prefill(0)).collect();
+            if let Some(l) = &r.learner {
+                // Flights that say a token costs nothing and a request ahead 5 ms.
+                for i in 0..1_000 {
+                    let (x, q) = (f64::from(i % 20) * 500.0, f64::from(i % 7));
+                    l.observe(x, q, 2_000.0 + 5_000.0 * q);
+                }
+            }
+            let d = r.choose(&["a", "b"], &prompt, "").expect("a choice");
+            assert_eq!(d.replica, if learn { "a" } else { "b" }, "learning {learn}");
+            assert_eq!(d.prefilling, if learn { 1_000 } else { 0 });
+        }
     }
 }

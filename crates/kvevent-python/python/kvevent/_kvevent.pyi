@@ -354,6 +354,9 @@ class Router:
     def in_flight(self, replica: str) -> int: ...
     def counters(self) -> Dict[str, Any]:
         """``{"retries": {(replica, reason): n}, "none_serving": n}``."""
+    def weights(self) -> Optional[Dict[str, Any]]:
+        """``{"prefill_us_per_token", "queue_us_per_request", "learned", "flights"}``; None
+        for a policy other than cost."""
 
 _F = TypeVar("_F", bound="_Fleet")
 
