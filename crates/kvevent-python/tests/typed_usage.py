@@ -3,7 +3,7 @@ file and the package (its stubs), so a stub that lies about a signature fails CI
 pytest collects; test_fleet.py runs the same calls against real peers."""
 
 import asyncio
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import kvevent
 
