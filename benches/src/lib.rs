@@ -266,5 +266,3 @@ pub mod random {
         x ^ (x >> 31)
     }
 }
-
-pub mod sim_host;

@@ -1,5 +1,5 @@
 //! Routing on our events against what users run today (#56): a workload sent through the example
-//! router (the real binary, `--policy P`) to simulated engines (`kvevent-sim`, behind vLLM's HTTP
+//! router (the real binary, `--policy P`) to simulated engines (`kvevent-simulator`'s, behind vLLM's HTTP
 //! API, `/metrics` and KV-event wire, all in this process); the router's `Fleet` follows each
 //! engine's KV events itself (`--engine NAME=tcp://…,replay=…,http=…`: the engine's sockets, its
 //! load from its `/metrics`) and decides. Policies are run alternated, each on fresh engines.
@@ -35,8 +35,8 @@ use anyhow::Context as _;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use kvevent_benches::random::{Rng, mix};
-use kvevent_benches::sim_host::SimEngine;
 use kvevent_sim::{Config, TimeModel};
+use kvevent_simulator::{Serving, SimEngine};
 
 const USAGE: &str =
     "usage: route-bench [--engines N] [--policies cost,prefix-only,least-loaded,round-robin]
@@ -362,9 +362,15 @@ async fn run(
         max_num_batched_tokens: 8192,
         time: a.time,
     };
+    let serving = Serving {
+        speed: a.speed,
+        // Mooncake's longest prompts, and their outputs.
+        max_model_len: 1 << 20,
+        ..Serving::new("sim")
+    };
     let mut engines = Vec::new();
     for i in 0..a.engines {
-        engines.push(SimEngine::start(&ctx, &format!("e{i:03}"), config.clone(), a.speed).await?);
+        engines.push(SimEngine::start(&ctx, &format!("e{i:03}"), config.clone(), &serving).await?);
     }
     let router = start_router(a, &engines, policy, weights)?;
     let pid = router.guard.0.id();

@@ -5,6 +5,11 @@
 //! fleet size: the score's median and p99, and each policy's decision median and p99 on top of
 //! it, in microseconds, alternated query by query.
 //!
+//! Then the routing loop's own cost (`kvevent_fleet::route::Router` over a fleet that holds no
+//! blocks, so that no score is in it): a request chosen among `R` candidates, sent, its first
+//! token, finished; the cost policy with its weights given, and learning them (each first
+//! token one observation), alternated request by request.
+//!
 //! `cargo run --release -p kvevent-benches --bin route-cost [-- --queries N]`
 
 use std::sync::Arc;
@@ -128,5 +133,54 @@ fn main() {
         println!("{}", line.trim_end_matches('|'));
         std::hint::black_box(chosen);
         std::thread::sleep(Duration::from_millis(10));
+    }
+    the_loop(queries / 10);
+}
+
+/// The routing loop's own cost per request, weights given against learned.
+fn the_loop(requests: usize) {
+    use kvevent_fleet::route::Router;
+    use kvevent_fleet::{Fleet, FleetConfig};
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let _entered = rt.enter();
+    println!(
+        "fleet  the loop (choose, send, first token, finish) p50/p99 µs: weights given | learned"
+    );
+    for replicas in [8usize, 64, 256] {
+        let fleet = Arc::new(Fleet::new(FleetConfig::default()).expect("a fleet"));
+        let routers = [
+            Router::new(fleet.clone(), Rule::default()),
+            Router::new(fleet, Rule::default()).learning(),
+        ];
+        let names: Vec<String> = (0..replicas).map(|r| format!("replica-{r}")).collect();
+        let asked: Vec<&str> = names.iter().map(String::as_str).collect();
+        let mut took: Vec<Vec<f64>> = vec![Vec::with_capacity(requests); routers.len()];
+        let mut chosen = 0usize;
+        for q in 0..requests {
+            let p = prompt(q % replicas, q % 16);
+            for (i, router) in routers.iter().enumerate() {
+                let t = Instant::now();
+                let decision = router.choose(&asked, &p, "").expect("a candidate");
+                let mut sent = router.send(&decision);
+                sent.first_token();
+                sent.finish(Some(0));
+                took[i].push(t.elapsed().as_secs_f64() * 1e6);
+                chosen += decision.replica.len();
+            }
+        }
+        let mut line = format!("{replicas:>5} ");
+        for t in &mut took {
+            t.sort_by(f64::total_cmp);
+            line += &format!(
+                " {:>5.2} / {:>5.2} |",
+                percentile(t, 0.5),
+                percentile(t, 0.99)
+            );
+        }
+        println!("{}", line.trim_end_matches('|'));
+        std::hint::black_box(chosen);
     }
 }

@@ -1,12 +1,14 @@
-//! Simulated engines behind vLLM's interfaces, many in one process: each a [`kvevent_sim::Engine`]
+//! One simulated engine behind vLLM's interfaces ([`SimEngine`]): a [`kvevent_sim::Engine`]
 //! stepped on the caller's tokio runtime (its steps slept, divided by a speed-up), its KV
 //! events published on vLLM 0.33's wire with replay (`kvevent_zmq::publisher::Publisher`), and
 //! an HTTP server with vLLM's `POST /v1/completions` (token-id prompts; streamed with a usage
-//! chunk whose `prompt_tokens_details.cached_tokens` is the engine's, or whole), `GET /metrics`
-//! (vLLM's names: requests running and waiting, KV-cache usage, prefix-cache queries and hits)
-//! and `GET /health`.
+//! chunk whose `prompt_tokens_details.cached_tokens` is the engine's, or whole), `GET
+//! /v1/models`, `GET /metrics` (vLLM's names: requests running and waiting, KV-cache usage,
+//! prefix-cache queries and hits) and `GET /health`. Requests vLLM refuses are refused as it
+//! refuses them: a body that is not a completion request (400), another model (404), a prompt
+//! and completion longer than the model (400, vLLM's message).
 //!
-//! The benchmark reads each engine's state in process too ([`SimEngine::cached_prefix`], the
+//! A benchmark reads each engine's state in process too ([`SimEngine::cached_prefix`], the
 //! arrival-time oracle).
 
 use std::collections::HashMap;
@@ -27,6 +29,28 @@ type Body = BoxBody<Bytes, Infallible>;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// How an engine serves, beside its [`Config`].
+#[derive(Debug, Clone)]
+pub struct Serving {
+    /// The model's name: what requests name and `/v1/models` lists.
+    pub model: String,
+    /// The longest prompt and completion together, in tokens (vLLM's `--max-model-len`).
+    pub max_model_len: u32,
+    /// How many times faster than its time model it steps.
+    pub speed: f64,
+}
+
+impl Serving {
+    /// `model`, 8,192 tokens long, at the time model's speed.
+    pub fn new(model: impl Into<String>) -> Self {
+        Self {
+            model: model.into(),
+            max_model_len: 8_192,
+            speed: 1.0,
+        }
+    }
 }
 
 struct State {
@@ -59,14 +83,18 @@ impl Drop for SimEngine {
 }
 
 impl SimEngine {
-    /// Starts an engine of `config` on loopback, stepping `speed` times faster than its time
-    /// model says.
+    /// Starts an engine of `config` on loopback, serving as `serving` says.
     pub async fn start(
         ctx: &zmq::Context,
         name: &str,
         config: Config,
-        speed: f64,
+        serving: &Serving,
     ) -> anyhow::Result<Self> {
+        anyhow::ensure!(
+            serving.speed.is_finite() && serving.speed > 0.0,
+            "the speed is a number above 0, not {}",
+            serving.speed
+        );
         let block_size = config.block_size as u32;
         let publisher = Publisher::start(
             ctx,
@@ -88,11 +116,16 @@ impl SimEngine {
             work.clone(),
             publisher,
             block_size,
-            speed,
+            serving.speed,
         ));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let http = listener.local_addr()?;
-        let server = tokio::spawn(serve(listener, state.clone(), work, name.to_owned()));
+        let server = tokio::spawn(serve(
+            listener,
+            state.clone(),
+            work,
+            Arc::new((name.to_owned(), serving.clone())),
+        ));
         Ok(Self {
             name: name.to_owned(),
             http,
@@ -192,11 +225,14 @@ async fn run(
     }
 }
 
+/// The engine's name and how it serves.
+type Named = Arc<(String, Serving)>;
+
 async fn serve(
     listener: tokio::net::TcpListener,
     state: Arc<Mutex<State>>,
     work: Arc<Notify>,
-    name: String,
+    name: Named,
 ) {
     loop {
         let Ok((stream, _)) = listener.accept().await else {
@@ -218,7 +254,22 @@ async fn serve(
 fn full(status: u16, body: String) -> hyper::Response<Body> {
     let mut r = hyper::Response::new(Full::new(Bytes::from(body)).boxed());
     *r.status_mut() = hyper::StatusCode::from_u16(status).unwrap_or(hyper::StatusCode::OK);
+    r.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("application/json"),
+    );
     r
+}
+
+/// An error as vLLM's OpenAI server writes one.
+fn refused(status: u16, kind: &str, message: &str) -> hyper::Response<Body> {
+    full(
+        status,
+        serde_json::json!({
+            "error": {"message": message, "type": kind, "param": null, "code": status},
+        })
+        .to_string(),
+    )
 }
 
 fn usage(prompt: usize, completion: u32, cached: u32) -> serde_json::Value {
@@ -234,15 +285,28 @@ async fn handle(
     req: hyper::Request<hyper::body::Incoming>,
     state: Arc<Mutex<State>>,
     work: Arc<Notify>,
-    name: String,
+    named: Named,
 ) -> Result<hyper::Response<Body>, Infallible> {
+    let (name, serving) = &*named;
+    let model = serving.model.as_str();
     match (req.method().as_str(), req.uri().path()) {
         ("GET", "/health") => Ok(full(200, String::new())),
+        ("GET", "/v1/models") => Ok(full(
+            200,
+            serde_json::json!({
+                "object": "list",
+                "data": [{
+                    "id": model, "object": "model", "owned_by": "vllm", "root": model,
+                    "max_model_len": serving.max_model_len,
+                }],
+            })
+            .to_string(),
+        )),
         ("GET", "/metrics") => {
             let s = lock(&state);
             let e = &s.engine;
             let (queries, hits) = e.prefix_cache();
-            let labels = format!("engine=\"0\",model_name=\"sim\",replica=\"{name}\"");
+            let labels = format!("engine=\"0\",model_name=\"{model}\",replica=\"{name}\"");
             Ok(full(
                 200,
                 format!(
@@ -258,22 +322,48 @@ async fn handle(
             ))
         }
         ("POST", "/v1/completions") => {
+            let bad = |m: &str| Ok(refused(400, "BadRequestError", m));
             let body = match req.into_body().collect().await {
                 Ok(b) => b.to_bytes(),
-                Err(e) => return Ok(full(400, format!("{{\"error\":\"{e}\"}}"))),
+                Err(e) => return bad(&format!("the body could not be read: {e}")),
             };
             let v: serde_json::Value = match serde_json::from_slice(&body) {
                 Ok(v) => v,
-                Err(e) => return Ok(full(400, format!("{{\"error\":\"not JSON: {e}\"}}"))),
+                Err(e) => return bad(&format!("the body is not JSON: {e}")),
             };
+            let asked = v["model"].as_str().unwrap_or(model);
+            if asked != model {
+                return Ok(refused(
+                    404,
+                    "NotFoundError",
+                    &format!("The model `{asked}` does not exist."),
+                ));
+            }
             let Some(prompt) = v["prompt"].as_array().and_then(|a| {
                 a.iter()
-                    .map(|t| t.as_u64().map(|t| t as u32))
+                    .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
                     .collect::<Option<Vec<u32>>>()
             }) else {
-                return Ok(full(400, "{\"error\":\"prompt: token ids\"}".to_owned()));
+                return bad("prompt: a list of token ids (this simulator takes no text)");
             };
-            let max_tokens = v["max_tokens"].as_u64().unwrap_or(16).max(1) as u32;
+            if prompt.is_empty() {
+                return bad("prompt: at least one token id");
+            }
+            let max_tokens = match &v["max_tokens"] {
+                serde_json::Value::Null => 16,
+                m => match m.as_u64().and_then(|m| u32::try_from(m).ok()) {
+                    Some(m) if m >= 1 => m,
+                    _ => return bad("max_tokens: a number of tokens, 1 or more"),
+                },
+            };
+            let wanted = prompt.len() as u64 + u64::from(max_tokens);
+            if wanted > u64::from(serving.max_model_len) {
+                return bad(&format!(
+                    "This model's maximum context length is {} tokens. However, you requested {wanted} tokens ({} in the messages, {max_tokens} in the completion). Please reduce the length of the messages or completion.",
+                    serving.max_model_len,
+                    prompt.len()
+                ));
+            }
             let stream = v["stream"].as_bool().unwrap_or(false);
             let (tx, mut rx) = mpsc::unbounded_channel();
             {
@@ -300,7 +390,7 @@ async fn handle(
                     }
                 }
                 let body = serde_json::json!({
-                    "object": "text_completion", "model": "sim",
+                    "object": "text_completion", "model": model,
                     "choices": [{"index": 0, "text": "", "token_ids": out, "finish_reason": "length"}],
                     "usage": usage(n, out.len() as u32, cached),
                 });
@@ -309,47 +399,51 @@ async fn handle(
             let with_usage = v["stream_options"]["include_usage"]
                 .as_bool()
                 .unwrap_or(false);
+            let model: Arc<str> = Arc::from(model);
             let frames = futures_util::stream::unfold(
                 (rx, 0u32, 0u32, false),
-                move |(mut rx, mut cached, mut made, done)| async move {
-                    if done {
-                        return None;
-                    }
-                    loop {
-                        let text = match rx.recv().await {
-                            Some(Progress::FirstToken { cached_tokens, .. }) => {
-                                cached = cached_tokens;
-                                continue;
-                            }
-                            Some(Progress::Token { token, .. }) => {
-                                made += 1;
-                                format!(
-                                    "data: {}\n\n",
-                                    serde_json::json!({"object": "text_completion", "model": "sim",
-                                        "choices": [{"index": 0, "text": "", "token_ids": [token]}]})
-                                )
-                            }
-                            Some(Progress::Finished { .. }) | None => {
-                                let mut t = String::new();
-                                if with_usage {
-                                    t += &format!(
-                                        "data: {}\n\n",
-                                        serde_json::json!({"object": "text_completion",
-                                            "model": "sim", "choices": [],
-                                            "usage": usage(n, made, cached)})
-                                    );
+                move |(mut rx, mut cached, mut made, done)| {
+                    let model = model.clone();
+                    async move {
+                        if done {
+                            return None;
+                        }
+                        loop {
+                            let text = match rx.recv().await {
+                                Some(Progress::FirstToken { cached_tokens, .. }) => {
+                                    cached = cached_tokens;
+                                    continue;
                                 }
-                                t += "data: [DONE]\n\n";
-                                return Some((
-                                    Ok::<_, Infallible>(Frame::data(Bytes::from(t))),
-                                    (rx, cached, made, true),
-                                ));
-                            }
-                        };
-                        return Some((
-                            Ok(Frame::data(Bytes::from(text))),
-                            (rx, cached, made, false),
-                        ));
+                                Some(Progress::Token { token, .. }) => {
+                                    made += 1;
+                                    format!(
+                                        "data: {}\n\n",
+                                        serde_json::json!({"object": "text_completion", "model": &*model,
+                                        "choices": [{"index": 0, "text": "", "token_ids": [token]}]})
+                                    )
+                                }
+                                Some(Progress::Finished { .. }) | None => {
+                                    let mut t = String::new();
+                                    if with_usage {
+                                        t += &format!(
+                                            "data: {}\n\n",
+                                            serde_json::json!({"object": "text_completion",
+                                            "model": &*model, "choices": [],
+                                            "usage": usage(n, made, cached)})
+                                        );
+                                    }
+                                    t += "data: [DONE]\n\n";
+                                    return Some((
+                                        Ok::<_, Infallible>(Frame::data(Bytes::from(t))),
+                                        (rx, cached, made, true),
+                                    ));
+                                }
+                            };
+                            return Some((
+                                Ok(Frame::data(Bytes::from(text))),
+                                (rx, cached, made, false),
+                            ));
+                        }
                     }
                 },
             );

@@ -1,0 +1,89 @@
+//! `kvevent-simulator`: `--engines N` simulated vLLM engines in one process on loopback, until
+//! Ctrl-C. Prints one line per engine (its name, HTTP server, KV-event and replay endpoints) in
+//! the example router's `--engine` syntax, then serves.
+
+use std::time::Duration;
+
+use clap::Parser;
+use kvevent_sim::{Config, TimeModel};
+use kvevent_simulator::{Serving, SimEngine};
+
+/// Simulated vLLM engines, many in one process: vLLM's HTTP API, /metrics and KV events with
+/// replay, on a scheduler and prefix cache checked block for block against vLLM.
+#[derive(Parser, Debug)]
+#[command(version, about, long_about = None)]
+struct Args {
+    /// How many engines.
+    #[arg(long, default_value_t = 1)]
+    engines: usize,
+    /// The model's name, as requests and /v1/models name it.
+    #[arg(long, default_value = "sim")]
+    model: String,
+    /// Each engine's KV cache, in blocks.
+    #[arg(long, default_value_t = 1536)]
+    blocks: usize,
+    /// Tokens a block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// The longest prompt and completion together, in tokens.
+    #[arg(long, default_value_t = 8192)]
+    max_model_len: u32,
+    /// The engines' speed: gpu-8b (an 8B model on one datacenter GPU, assumed), vllm-cpu
+    /// (vLLM on this project's CI CPU, calibrated), or STEP_US,PREFILL_US_PER_TOKEN,DECODE_US_PER_SEQ.
+    #[arg(long, default_value = "gpu-8b")]
+    time_model: TimeModel,
+    /// How many times faster than the time model the engines step.
+    #[arg(long, default_value_t = 1.0)]
+    speed: f64,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    anyhow::ensure!(
+        (1..=4096).contains(&args.engines),
+        "--engines: 1 to 4096, not {}",
+        args.engines
+    );
+    anyhow::ensure!(
+        args.block_size > 0 && args.blocks > 0,
+        "--blocks and --block-size: 1 or more"
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let ctx = zmq::Context::new();
+        let config = Config {
+            block_size: args.block_size,
+            num_blocks: args.blocks,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8192,
+            time: args.time_model,
+        };
+        let serving = Serving {
+            max_model_len: args.max_model_len,
+            speed: args.speed,
+            ..Serving::new(args.model.clone())
+        };
+        let mut engines = Vec::with_capacity(args.engines);
+        for i in 0..args.engines {
+            let name = format!("e{i:03}");
+            let e = SimEngine::start(&ctx, &name, config.clone(), &serving).await?;
+            println!(
+                "{}={},replay={},http=http://{}",
+                e.name, e.events, e.replay, e.http
+            );
+            engines.push(e);
+        }
+        eprintln!(
+            "kvevent-simulator: {} engines of `{}` serving (Ctrl-C ends)",
+            engines.len(),
+            args.model
+        );
+        tokio::signal::ctrl_c().await?;
+        drop(engines);
+        // The publishers' sockets close as their engines drop.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        anyhow::Ok(())
+    })
+}

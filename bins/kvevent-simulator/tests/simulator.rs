@@ -1,0 +1,202 @@
+//! The `kvevent-simulator` program as a user starts it: engines on loopback, each answering
+//! vLLM's API, `/metrics` and publishing its KV events; requests vLLM refuses refused likewise.
+
+use std::io::{BufRead as _, Read as _, Write as _};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// One HTTP/1.1 exchange on a connection of its own: the status and the body (as sent: a
+/// streamed one keeps its chunk lines).
+fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("timeout");
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("write");
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("read");
+    let status = out
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = out.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_owned();
+    (status, body)
+}
+
+fn json(body: &str) -> serde_json::Value {
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"))
+}
+
+#[test]
+fn engines_answer_as_vllm_does_and_publish_their_events() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvevent-simulator"))
+        .args([
+            "--engines",
+            "2",
+            "--model",
+            "tiny",
+            "--max-model-len",
+            "100",
+        ])
+        .args(["--time-model", "vllm-cpu", "--speed", "4"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("kvevent-simulator");
+    let stdout = child.stdout.take().expect("stdout");
+    let _killed = Killed(child);
+    // One line an engine, in the example router's --engine syntax.
+    let lines: Vec<String> = std::io::BufReader::new(stdout)
+        .lines()
+        .take(2)
+        .map(|l| l.expect("a line"))
+        .collect();
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    let field = |line: &str, key: &str| {
+        line.split(',')
+            .find_map(|f| f.strip_prefix(key))
+            .unwrap_or_else(|| panic!("no {key} in {line}"))
+            .to_owned()
+    };
+    assert!(
+        lines[0].starts_with("e000=tcp://127.0.0.1:"),
+        "{}",
+        lines[0]
+    );
+    assert!(
+        lines[1].starts_with("e001=tcp://127.0.0.1:"),
+        "{}",
+        lines[1]
+    );
+    let http_addr = field(&lines[0], "http=http://");
+    let events = lines[0]
+        .split_once('=')
+        .map(|(_, rest)| rest.split(',').next().unwrap_or_default().to_owned())
+        .expect("events");
+
+    let (status, body) = http(&http_addr, "GET", "/health", "");
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = http(&http_addr, "GET", "/v1/models", "");
+    assert_eq!(status, 200, "{body}");
+    let models = json(&body);
+    assert_eq!(
+        (
+            &models["data"][0]["id"],
+            &models["data"][0]["max_model_len"]
+        ),
+        (&serde_json::json!("tiny"), &serde_json::json!(100)),
+        "{models}"
+    );
+
+    // Its KV events: subscribed before the first request, the blocks it stores come out.
+    let ctx = zmq::Context::new();
+    let sub = ctx.socket(zmq::SUB).expect("sub");
+    sub.set_subscribe(b"").expect("subscribe");
+    sub.set_rcvtimeo(10_000).expect("rcvtimeo");
+    sub.connect(&events).expect("connect");
+    std::thread::sleep(Duration::from_millis(300));
+
+    let prompt: Vec<u32> = (1..=40).collect();
+    let request = |stream: bool| {
+        serde_json::json!({
+            "model": "tiny", "prompt": prompt, "max_tokens": 4, "stream": stream,
+            "stream_options": {"include_usage": true},
+        })
+        .to_string()
+    };
+    let (status, body) = http(&http_addr, "POST", "/v1/completions", &request(false));
+    assert_eq!(status, 200, "{body}");
+    let first = json(&body);
+    assert_eq!(first["usage"]["prompt_tokens"], 40, "{first}");
+    assert_eq!(first["usage"]["completion_tokens"], 4, "{first}");
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let frames = sub.recv_multipart(0).expect("a batch of KV events");
+    assert_eq!(frames.len(), 3, "topic, sequence, payload");
+    let batch = kvevent_wire::decode(&frames[2]).expect("vLLM's wire");
+    assert!(
+        matches!(
+            batch.events.first(),
+            Some(kvevent_wire::Event::BlockStored(_))
+        ),
+        "{batch:?}"
+    );
+
+    // The same prompt again, streamed: its two full blocks found cached, said in the usage.
+    let (status, body) = http(&http_addr, "POST", "/v1/completions", &request(true));
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("\"cached_tokens\":32"), "{body}");
+    assert!(body.contains("data: [DONE]"), "{body}");
+
+    let (status, metrics) = http(&http_addr, "GET", "/metrics", "");
+    assert_eq!(status, 200);
+    for needle in [
+        "vllm:num_requests_running{engine=\"0\",model_name=\"tiny\"",
+        "vllm:prefix_cache_queries_total{",
+        "vllm:prefix_cache_hits_total{",
+    ] {
+        assert!(metrics.contains(needle), "no {needle} in {metrics}");
+    }
+
+    // Refused as vLLM refuses: another model, a body that is not JSON, too long a request.
+    let (status, body) = http(
+        &http_addr,
+        "POST",
+        "/v1/completions",
+        &serde_json::json!({"model": "other", "prompt": [1, 2]}).to_string(),
+    );
+    assert_eq!(status, 404, "{body}");
+    assert_eq!(
+        json(&body)["error"]["message"],
+        "The model `other` does not exist."
+    );
+    let (status, body) = http(&http_addr, "POST", "/v1/completions", "{not json");
+    assert_eq!(status, 400, "{body}");
+    let long: Vec<u32> = (0..98).collect();
+    let (status, body) = http(
+        &http_addr,
+        "POST",
+        "/v1/completions",
+        &serde_json::json!({"model": "tiny", "prompt": long, "max_tokens": 4}).to_string(),
+    );
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        json(&body)["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("This model's maximum context length is 100 tokens. However, you requested 102 tokens (98 in the messages, 4 in the completion).")),
+        "{body}"
+    );
+    // The engine still serves after them.
+    let (status, _) = http(&http_addr, "POST", "/v1/completions", &request(false));
+    assert_eq!(status, 200);
+}
+
+#[test]
+fn bad_flags_are_refused_with_a_clear_error() {
+    for (flags, says) in [
+        (&["--engines", "0"][..], "--engines: 1 to 4096"),
+        (&["--time-model", "fast"][..], "fast"),
+        (&["--speed", "0"][..], "speed"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvevent-simulator"))
+            .args(flags)
+            .output()
+            .expect("run");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flags:?}");
+        assert!(stderr.contains(says), "{flags:?}: {stderr}");
+    }
+}
