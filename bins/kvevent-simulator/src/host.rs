@@ -1,9 +1,10 @@
 //! One simulated engine behind vLLM's interfaces ([`SimEngine`]): a [`kvevent_sim::Engine`]
 //! stepped on the caller's tokio runtime (its steps slept, divided by a speed-up), its KV
 //! events published on vLLM 0.33's wire with replay (`kvevent_zmq::publisher::Publisher`), and
-//! an HTTP server with vLLM's `POST /v1/completions` (token-id prompts; streamed with a usage
-//! chunk whose `prompt_tokens_details.cached_tokens` is the engine's, or whole), `GET
-//! /v1/models`, `GET /metrics` (vLLM's names: requests running and waiting, KV-cache usage,
+//! an HTTP server with vLLM's `POST /v1/completions` (token ids, or text through
+//! [`tokenize`]) and `POST /v1/chat/completions` (messages, [`tokenize`]d after their roles),
+//! streamed with a usage chunk whose `prompt_tokens_details.cached_tokens` is the engine's, or
+//! whole; `GET /v1/models`, `GET /metrics` (vLLM's names: requests running and waiting, KV-cache usage,
 //! prefix-cache queries and hits) and `GET /health`. Requests vLLM refuses are refused as it
 //! refuses them: a body that is not a completion request (400), another model (404), a prompt
 //! and completion longer than the model (400, vLLM's message).
@@ -321,139 +322,238 @@ async fn handle(
                 ),
             ))
         }
-        ("POST", "/v1/completions") => {
-            let bad = |m: &str| Ok(refused(400, "BadRequestError", m));
+        ("POST", path @ ("/v1/completions" | "/v1/chat/completions")) => {
+            let chat = path == "/v1/chat/completions";
             let body = match req.into_body().collect().await {
                 Ok(b) => b.to_bytes(),
-                Err(e) => return bad(&format!("the body could not be read: {e}")),
+                Err(e) => return Ok(bad(&format!("the body could not be read: {e}"))),
             };
-            let v: serde_json::Value = match serde_json::from_slice(&body) {
-                Ok(v) => v,
-                Err(e) => return bad(&format!("the body is not JSON: {e}")),
-            };
-            let asked = v["model"].as_str().unwrap_or(model);
-            if asked != model {
-                return Ok(refused(
-                    404,
-                    "NotFoundError",
-                    &format!("The model `{asked}` does not exist."),
-                ));
-            }
-            let Some(prompt) = v["prompt"].as_array().and_then(|a| {
-                a.iter()
-                    .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
-                    .collect::<Option<Vec<u32>>>()
-            }) else {
-                return bad("prompt: a list of token ids (this simulator takes no text)");
-            };
-            if prompt.is_empty() {
-                return bad("prompt: at least one token id");
-            }
-            let max_tokens = match &v["max_tokens"] {
-                serde_json::Value::Null => 16,
-                m => match m.as_u64().and_then(|m| u32::try_from(m).ok()) {
-                    Some(m) if m >= 1 => m,
-                    _ => return bad("max_tokens: a number of tokens, 1 or more"),
-                },
-            };
-            let wanted = prompt.len() as u64 + u64::from(max_tokens);
-            if wanted > u64::from(serving.max_model_len) {
-                return bad(&format!(
-                    "This model's maximum context length is {} tokens. However, you requested {wanted} tokens ({} in the messages, {max_tokens} in the completion). Please reduce the length of the messages or completion.",
-                    serving.max_model_len,
-                    prompt.len()
-                ));
-            }
-            let stream = v["stream"].as_bool().unwrap_or(false);
-            let (tx, mut rx) = mpsc::unbounded_channel();
-            {
-                let mut s = lock(&state);
-                let id = s.next_id;
-                s.next_id += 1;
-                s.waiters.insert(id, tx);
-                s.engine.add(Request {
-                    id,
-                    prompt: prompt.clone(),
-                    max_tokens,
-                    output: Vec::new(),
-                });
-            }
-            work.notify_one();
-            let n = prompt.len();
-            if !stream {
-                let (mut cached, mut out) = (0, Vec::new());
-                while let Some(p) = rx.recv().await {
-                    match p {
-                        Progress::FirstToken { cached_tokens, .. } => cached = cached_tokens,
-                        Progress::Token { token, .. } => out.push(token),
-                        Progress::Finished { .. } => break,
-                    }
-                }
-                let body = serde_json::json!({
-                    "object": "text_completion", "model": model,
-                    "choices": [{"index": 0, "text": "", "token_ids": out, "finish_reason": "length"}],
-                    "usage": usage(n, out.len() as u32, cached),
-                });
-                return Ok(full(200, body.to_string()));
-            }
-            let with_usage = v["stream_options"]["include_usage"]
-                .as_bool()
-                .unwrap_or(false);
-            let model: Arc<str> = Arc::from(model);
-            let frames = futures_util::stream::unfold(
-                (rx, 0u32, 0u32, false),
-                move |(mut rx, mut cached, mut made, done)| {
-                    let model = model.clone();
-                    async move {
-                        if done {
-                            return None;
-                        }
-                        loop {
-                            let text = match rx.recv().await {
-                                Some(Progress::FirstToken { cached_tokens, .. }) => {
-                                    cached = cached_tokens;
-                                    continue;
-                                }
-                                Some(Progress::Token { token, .. }) => {
-                                    made += 1;
-                                    format!(
-                                        "data: {}\n\n",
-                                        serde_json::json!({"object": "text_completion", "model": &*model,
-                                        "choices": [{"index": 0, "text": "", "token_ids": [token]}]})
-                                    )
-                                }
-                                Some(Progress::Finished { .. }) | None => {
-                                    let mut t = String::new();
-                                    if with_usage {
-                                        t += &format!(
-                                            "data: {}\n\n",
-                                            serde_json::json!({"object": "text_completion",
-                                            "model": &*model, "choices": [],
-                                            "usage": usage(n, made, cached)})
-                                        );
-                                    }
-                                    t += "data: [DONE]\n\n";
-                                    return Some((
-                                        Ok::<_, Infallible>(Frame::data(Bytes::from(t))),
-                                        (rx, cached, made, true),
-                                    ));
-                                }
-                            };
-                            return Some((
-                                Ok(Frame::data(Bytes::from(text))),
-                                (rx, cached, made, false),
-                            ));
-                        }
-                    }
-                },
-            );
-            let mut r = hyper::Response::new(StreamBody::new(frames).boxed());
-            r.headers_mut().insert(
-                hyper::header::CONTENT_TYPE,
-                hyper::header::HeaderValue::from_static("text/event-stream"),
-            );
-            Ok(r)
+            Ok(complete(&body, chat, state, work, serving).await)
         }
         _ => Ok(full(404, String::new())),
     }
+}
+
+fn bad(message: &str) -> hyper::Response<Body> {
+    refused(400, "BadRequestError", message)
+}
+
+/// Text as this simulator's model reads it: words (split at whitespace), each the token
+/// `10 + FNV-1a(word) mod 32,000`. Deterministic, so the same text is the same tokens and
+/// shares a prefix with text that starts the same way; not any real model's tokenizer.
+///
+/// ```
+/// use kvevent_simulator::host::tokenize;
+/// assert_eq!(tokenize("You are helpful. Hi"), tokenize(" You are\nhelpful.  Hi"));
+/// assert_eq!(tokenize("You are helpful. Hi")[..3], tokenize("You are helpful. Bye")[..3]);
+/// ```
+pub fn tokenize(text: &str) -> Vec<u32> {
+    text.split_whitespace()
+        .map(|w| {
+            let mut h: u32 = 0x811c_9dc5;
+            for b in w.bytes() {
+                h = (h ^ u32::from(b)).wrapping_mul(0x0100_0193);
+            }
+            10 + h % 32_000
+        })
+        .collect()
+}
+
+/// A token as text: `t` and its id, after a space.
+fn detokenize(tokens: &[u32]) -> String {
+    tokens.iter().map(|t| format!(" t{t}")).collect()
+}
+
+/// A chat's messages as one prompt: each `<|ROLE|> CONTENT`, then `<|assistant|>`.
+fn chat_prompt(messages: &serde_json::Value) -> Option<Vec<u32>> {
+    let mut text = String::new();
+    for m in messages.as_array()? {
+        let role = m["role"].as_str()?;
+        let content = match &m["content"] {
+            serde_json::Value::String(c) => c.clone(),
+            // Parts: their text, in order.
+            serde_json::Value::Array(parts) => parts
+                .iter()
+                .filter_map(|p| p["text"].as_str())
+                .collect::<Vec<_>>()
+                .join(" "),
+            _ => return None,
+        };
+        text += &format!("<|{role}|> {content} ");
+    }
+    text += "<|assistant|>";
+    Some(tokenize(&text))
+}
+
+/// `POST /v1/completions` (a prompt of token ids or text) or `/v1/chat/completions` (messages):
+/// checked as vLLM checks it, run on the engine, answered whole or streamed.
+async fn complete(
+    body: &[u8],
+    chat: bool,
+    state: Arc<Mutex<State>>,
+    work: Arc<Notify>,
+    serving: &Serving,
+) -> hyper::Response<Body> {
+    let model = serving.model.as_str();
+    let v: serde_json::Value = match serde_json::from_slice(body) {
+        Ok(v) => v,
+        Err(e) => return bad(&format!("the body is not JSON: {e}")),
+    };
+    let asked = v["model"].as_str().unwrap_or(model);
+    if asked != model {
+        return refused(
+            404,
+            "NotFoundError",
+            &format!("The model `{asked}` does not exist."),
+        );
+    }
+    let prompt = if chat {
+        match chat_prompt(&v["messages"]) {
+            Some(p) => p,
+            None => return bad("messages: a list of {\"role\", \"content\"}"),
+        }
+    } else {
+        match &v["prompt"] {
+            serde_json::Value::String(text) => tokenize(text),
+            serde_json::Value::Array(ids) => match ids
+                .iter()
+                .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+                .collect::<Option<Vec<u32>>>()
+            {
+                Some(p) => p,
+                None => return bad("prompt: text, or a list of token ids"),
+            },
+            _ => return bad("prompt: text, or a list of token ids"),
+        }
+    };
+    if prompt.is_empty() {
+        return bad("prompt: at least one token");
+    }
+    let limit = if chat && !v["max_completion_tokens"].is_null() {
+        &v["max_completion_tokens"]
+    } else {
+        &v["max_tokens"]
+    };
+    let max_tokens = match limit {
+        serde_json::Value::Null => 16,
+        m => match m.as_u64().and_then(|m| u32::try_from(m).ok()) {
+            Some(m) if m >= 1 => m,
+            _ => return bad("max_tokens: a number of tokens, 1 or more"),
+        },
+    };
+    let wanted = prompt.len() as u64 + u64::from(max_tokens);
+    if wanted > u64::from(serving.max_model_len) {
+        return bad(&format!(
+            "This model's maximum context length is {} tokens. However, you requested {wanted} tokens ({} in the messages, {max_tokens} in the completion). Please reduce the length of the messages or completion.",
+            serving.max_model_len,
+            prompt.len()
+        ));
+    }
+    let stream = v["stream"].as_bool().unwrap_or(false);
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    {
+        let mut s = lock(&state);
+        let id = s.next_id;
+        s.next_id += 1;
+        s.waiters.insert(id, tx);
+        s.engine.add(Request {
+            id,
+            prompt: prompt.clone(),
+            max_tokens,
+            output: Vec::new(),
+        });
+    }
+    work.notify_one();
+    let n = prompt.len();
+    let object = if chat {
+        "chat.completion"
+    } else {
+        "text_completion"
+    };
+    if !stream {
+        let (mut cached, mut out) = (0, Vec::new());
+        while let Some(p) = rx.recv().await {
+            match p {
+                Progress::FirstToken { cached_tokens, .. } => cached = cached_tokens,
+                Progress::Token { token, .. } => out.push(token),
+                Progress::Finished { .. } => break,
+            }
+        }
+        let choice = if chat {
+            serde_json::json!({"index": 0, "finish_reason": "length",
+                "message": {"role": "assistant", "content": detokenize(&out)}})
+        } else {
+            serde_json::json!({"index": 0, "text": detokenize(&out), "token_ids": out,
+                "finish_reason": "length"})
+        };
+        let body = serde_json::json!({
+            "object": object, "model": model, "choices": [choice],
+            "usage": usage(n, out.len() as u32, cached),
+        });
+        return full(200, body.to_string());
+    }
+    let with_usage = v["stream_options"]["include_usage"]
+        .as_bool()
+        .unwrap_or(false);
+    let chunk = if chat {
+        "chat.completion.chunk"
+    } else {
+        "text_completion"
+    };
+    let model: Arc<str> = Arc::from(model);
+    let frames = futures_util::stream::unfold(
+        (rx, 0u32, 0u32, false),
+        move |(mut rx, mut cached, mut made, done)| {
+            let model = model.clone();
+            async move {
+                if done {
+                    return None;
+                }
+                loop {
+                    let text = match rx.recv().await {
+                        Some(Progress::FirstToken { cached_tokens, .. }) => {
+                            cached = cached_tokens;
+                            continue;
+                        }
+                        Some(Progress::Token { token, .. }) => {
+                            made += 1;
+                            let choice = if chat {
+                                serde_json::json!({"index": 0,
+                                    "delta": {"role": "assistant", "content": detokenize(&[token])}})
+                            } else {
+                                serde_json::json!({"index": 0, "text": detokenize(&[token]),
+                                    "token_ids": [token]})
+                            };
+                            let c = serde_json::json!({"object": chunk, "model": &*model,
+                                "choices": [choice]});
+                            format!("data: {c}\n\n")
+                        }
+                        Some(Progress::Finished { .. }) | None => {
+                            let mut t = String::new();
+                            if with_usage {
+                                let c = serde_json::json!({"object": chunk, "model": &*model,
+                                    "choices": [], "usage": usage(n, made, cached)});
+                                t += &format!("data: {c}\n\n");
+                            }
+                            t += "data: [DONE]\n\n";
+                            return Some((
+                                Ok::<_, Infallible>(Frame::data(Bytes::from(t))),
+                                (rx, cached, made, true),
+                            ));
+                        }
+                    };
+                    return Some((
+                        Ok(Frame::data(Bytes::from(text))),
+                        (rx, cached, made, false),
+                    ));
+                }
+            }
+        },
+    );
+    let mut r = hyper::Response::new(StreamBody::new(frames).boxed());
+    r.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("text/event-stream"),
+    );
+    r
 }

@@ -1,6 +1,6 @@
 //! Simulated vLLM engines, many in one process, each serving what a router talks to: vLLM's
-//! HTTP API (`/v1/completions`, streamed or whole, with the engine's own `cached_tokens`;
-//! `/v1/models`; `/health`), its `/metrics` and its KV events on vLLM 0.33's wire with replay.
+//! HTTP API (`/v1/completions` and `/v1/chat/completions`, token ids or text, streamed or whole,
+//! with the engine's own `cached_tokens`; `/v1/models`; `/health`), its `/metrics` and its KV events on vLLM 0.33's wire with replay.
 //! The scheduler, prefix cache and time model are [`kvevent_sim`]'s (checked block for block
 //! against vLLM); this crate hosts them ([`host::SimEngine`]) and is the `kvevent-simulator`
 //! program. `route-bench` runs its fleets on it.

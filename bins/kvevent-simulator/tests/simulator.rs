@@ -179,6 +179,63 @@ fn engines_answer_as_vllm_does_and_publish_their_events() {
             .is_some_and(|m| m.starts_with("This model's maximum context length is 100 tokens. However, you requested 102 tokens (98 in the messages, 4 in the completion).")),
         "{body}"
     );
+    // Text, as curl sends it: words made tokens the same way each time, so a shared opening
+    // is a shared prefix (40 words: two full blocks found the second time).
+    let words: Vec<String> = (0..40).map(|i| format!("w{i}")).collect();
+    let text = serde_json::json!({"model": "tiny", "prompt": words.join(" "), "max_tokens": 2})
+        .to_string();
+    let (status, body) = http(&http_addr, "POST", "/v1/completions", &text);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(json(&body)["usage"]["prompt_tokens"], 40, "{body}");
+    let (_, body) = http(&http_addr, "POST", "/v1/completions", &text);
+    let again = json(&body);
+    assert_eq!(
+        again["usage"]["prompt_tokens_details"]["cached_tokens"], 32,
+        "{again}"
+    );
+    assert!(
+        again["choices"][0]["text"]
+            .as_str()
+            .is_some_and(|t| t.starts_with(" t")),
+        "{again}"
+    );
+    // A chat, whole and streamed: the same messages find their prefix the second time.
+    let chat = |stream: bool| {
+        serde_json::json!({
+            "model": "tiny", "stream": stream, "max_completion_tokens": 3,
+            "stream_options": {"include_usage": true},
+            "messages": [
+                {"role": "system", "content": words[..30].join(" ")},
+                {"role": "user", "content": [{"type": "text", "text": "hello there"}]},
+            ],
+        })
+        .to_string()
+    };
+    let (status, body) = http(&http_addr, "POST", "/v1/chat/completions", &chat(false));
+    assert_eq!(status, 200, "{body}");
+    let answer = json(&body);
+    assert_eq!(answer["object"], "chat.completion", "{answer}");
+    assert_eq!(
+        answer["choices"][0]["message"]["role"], "assistant",
+        "{answer}"
+    );
+    assert_eq!(answer["usage"]["completion_tokens"], 3, "{answer}");
+    let (status, body) = http(&http_addr, "POST", "/v1/chat/completions", &chat(true));
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.contains("\"chat.completion.chunk\"")
+            && body.contains("\"delta\"")
+            && body.contains("\"cached_tokens\":32")
+            && body.contains("data: [DONE]"),
+        "{body}"
+    );
+    let (status, body) = http(
+        &http_addr,
+        "POST",
+        "/v1/chat/completions",
+        &serde_json::json!({"model": "tiny", "messages": "hi"}).to_string(),
+    );
+    assert_eq!(status, 400, "{body}");
     // The engine still serves after them.
     let (status, _) = http(&http_addr, "POST", "/v1/completions", &request(false));
     assert_eq!(status, 200);
