@@ -59,6 +59,23 @@ struct State {
     /// Each request's listener: its progress as the steps make it.
     waiters: HashMap<u64, mpsc::UnboundedSender<Progress>>,
     next_id: u64,
+    faults: Faults,
+}
+
+/// What the admin endpoint has set ([`admin`]).
+#[derive(Debug, Default)]
+struct Faults {
+    /// Restarts so far: each a new process as a subscriber sees it.
+    incarnation: u64,
+    /// Batches are held, not published, until resumed.
+    paused: bool,
+    held: Vec<wire::EventBatch<'static>>,
+    /// The next batches lost on the way (kept for replay).
+    drop_next: u64,
+    /// Requests other than the admin's get no answer (their connection is closed).
+    http_down: bool,
+    /// Answers to requests other than the admin's wait this long first.
+    delay: Duration,
 }
 
 /// One simulated engine, running until dropped.
@@ -97,25 +114,26 @@ impl SimEngine {
             serving.speed
         );
         let block_size = config.block_size as u32;
-        let publisher = Publisher::start(
+        let publisher = Arc::new(Publisher::start(
             ctx,
             PublisherConfig {
                 replay_endpoint: Some("tcp://127.0.0.1:*".into()),
                 ..PublisherConfig::loopback(wire::Release::new(0, 33, 0))
             },
-        )?;
+        )?);
         let events = publisher.endpoint().to_owned();
         let replay = publisher.replay_endpoint().unwrap_or_default().to_owned();
         let state = Arc::new(Mutex::new(State {
             engine: Engine::new(config),
             waiters: HashMap::new(),
             next_id: 0,
+            faults: Faults::default(),
         }));
         let work = Arc::new(Notify::new());
         let stepper = tokio::spawn(run(
             state.clone(),
             work.clone(),
-            publisher,
+            publisher.clone(),
             block_size,
             serving.speed,
         ));
@@ -125,7 +143,11 @@ impl SimEngine {
             listener,
             state.clone(),
             work,
-            Arc::new((name.to_owned(), serving.clone())),
+            Arc::new(Host {
+                name: name.to_owned(),
+                serving: serving.clone(),
+                publisher,
+            }),
         ));
         Ok(Self {
             name: name.to_owned(),
@@ -148,16 +170,34 @@ impl SimEngine {
     }
 }
 
+/// Publishes `batches` in order (`lost`: kept for replay, not sent live), on a blocking thread:
+/// the publisher's call waits on its own thread, not on a runtime worker.
+async fn send(publisher: &Arc<Publisher>, batches: Vec<wire::EventBatch<'static>>, lost: bool) {
+    let publisher = publisher.clone();
+    let _ = tokio::task::spawn_blocking(move || {
+        for b in &batches {
+            if lost {
+                let payload = wire::encode(b, publisher.release());
+                if let Ok(p) = payload {
+                    publisher.publish_lost(p);
+                }
+            } else {
+                let _ = publisher.publish(b);
+            }
+        }
+    })
+    .await;
+}
+
 /// Steps the engine while it has work, each step slept for its duration (sped up), then its
 /// events published and its progress handed to the requests' listeners.
 async fn run(
     state: Arc<Mutex<State>>,
     work: Arc<Notify>,
-    publisher: Publisher,
+    publisher: Arc<Publisher>,
     block_size: u32,
     speed: f64,
 ) {
-    let publisher = Arc::new(publisher);
     // The engine's own clock, in wall time: each step ends its duration after the last one
     // ended (or after it started, from idle), so the timer's rounding never adds up.
     let mut clock = tokio::time::Instant::now();
@@ -205,9 +245,23 @@ async fn run(
                 data_parallel_rank: None,
                 unknown_events: 0,
             };
-            let publisher = publisher.clone();
-            // The publisher's call waits on its thread: not on a runtime worker.
-            let _ = tokio::task::spawn_blocking(move || publisher.publish(&batch)).await;
+            // Held while paused (in order), lost on the way while dropping, else published.
+            let (out, lost) = {
+                let mut s = lock(&state);
+                let f = &mut s.faults;
+                if f.paused {
+                    f.held.push(batch);
+                    (Vec::new(), false)
+                } else if f.drop_next > 0 {
+                    f.drop_next -= 1;
+                    (vec![batch], true)
+                } else {
+                    (vec![batch], false)
+                }
+            };
+            if !out.is_empty() {
+                send(&publisher, out, lost).await;
+            }
         }
         let mut s = lock(&state);
         for p in step.progress {
@@ -226,8 +280,14 @@ async fn run(
     }
 }
 
-/// The engine's name and how it serves.
-type Named = Arc<(String, Serving)>;
+/// The engine's name, how it serves, and its publisher (for the admin's faults).
+struct Host {
+    name: String,
+    serving: Serving,
+    publisher: Arc<Publisher>,
+}
+
+type Named = Arc<Host>;
 
 async fn serve(
     listener: tokio::net::TcpListener,
@@ -287,9 +347,25 @@ async fn handle(
     state: Arc<Mutex<State>>,
     work: Arc<Notify>,
     named: Named,
-) -> Result<hyper::Response<Body>, Infallible> {
-    let (name, serving) = &*named;
+) -> Result<hyper::Response<Body>, Down> {
+    let (name, serving) = (&named.name, &named.serving);
     let model = serving.model.as_str();
+    if let Some(fault) = req.uri().path().strip_prefix("/admin/") {
+        let query = req.uri().query().unwrap_or_default().to_owned();
+        let method = req.method().clone();
+        return Ok(admin(&method, fault, &query, &state, &work, &named).await);
+    }
+    let (down, delay) = {
+        let f = &lock(&state).faults;
+        (f.http_down, f.delay)
+    };
+    if down {
+        // No answer: the connection is closed.
+        return Err(Down);
+    }
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
     match (req.method().as_str(), req.uri().path()) {
         ("GET", "/health") => Ok(full(200, String::new())),
         ("GET", "/v1/models") => Ok(full(
@@ -556,4 +632,111 @@ async fn complete(
         hyper::header::HeaderValue::from_static("text/event-stream"),
     );
     r
+}
+
+/// An engine whose HTTP is down: the connection is closed without an answer.
+#[derive(Debug)]
+pub struct Down;
+
+impl std::fmt::Display for Down {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the engine's HTTP is down (a fault set at /admin/http/down)")
+    }
+}
+
+impl std::error::Error for Down {}
+
+/// The fault hooks and the truth, at `/admin/…` (always answered, whatever the faults):
+///
+/// - `GET truth`: what the engine holds: `{"incarnation", "block_size", "blocks": [hash, …]}`
+///   (sorted; the hashes its events carry).
+/// - `POST publisher/pause`, `POST publisher/resume`: batches held, then published in order.
+/// - `POST publisher/drop?batches=N`: the next N batches lost on the way (kept for replay, so a
+///   subscriber that sees the gap can ask for them).
+/// - `POST restart`: a new incarnation: cache and replay buffer empty, sequence from 0, the
+///   requests in flight ended.
+/// - `POST http/down`, `POST http/up`: other requests get no answer (connection closed), then
+///   are served again.
+/// - `POST http/delay?ms=N`: other answers wait N ms first (0: none).
+async fn admin(
+    method: &hyper::Method,
+    fault: &str,
+    query: &str,
+    state: &Arc<Mutex<State>>,
+    work: &Arc<Notify>,
+    host: &Host,
+) -> hyper::Response<Body> {
+    const KNOWN: &str = "GET truth; POST publisher/pause, publisher/resume, publisher/drop?batches=N, restart, http/down, http/up, http/delay?ms=N";
+    let number = |key: &str| {
+        query
+            .split('&')
+            .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
+            .and_then(|v| v.parse::<u64>().ok())
+    };
+    let ok = |what: serde_json::Value| full(200, what.to_string());
+    let get = method == hyper::Method::GET;
+    match (get, fault) {
+        (true, "truth") => {
+            let s = lock(state);
+            ok(serde_json::json!({
+                "incarnation": s.faults.incarnation,
+                "block_size": s.engine.config().block_size,
+                "blocks": s.engine.cached_hashes(),
+            }))
+        }
+        (false, "publisher/pause") => {
+            lock(state).faults.paused = true;
+            ok(serde_json::json!({"paused": true}))
+        }
+        (false, "publisher/resume") => {
+            let held = {
+                let mut s = lock(state);
+                s.faults.paused = false;
+                std::mem::take(&mut s.faults.held)
+            };
+            let n = held.len();
+            send(&host.publisher, held, false).await;
+            ok(serde_json::json!({"paused": false, "published": n}))
+        }
+        (false, "publisher/drop") => match number("batches") {
+            Some(n) => {
+                lock(state).faults.drop_next = n;
+                ok(serde_json::json!({"drop_next": n}))
+            }
+            None => bad("publisher/drop: ?batches=N, a number of batches"),
+        },
+        (false, "restart") => {
+            let incarnation = {
+                let mut s = lock(state);
+                let config = s.engine.config().clone();
+                s.engine = Engine::new(config);
+                // The requests in flight end with the process they were in.
+                s.waiters.clear();
+                s.faults.held.clear();
+                s.faults.incarnation += 1;
+                s.faults.incarnation
+            };
+            let publisher = host.publisher.clone();
+            let _ = tokio::task::spawn_blocking(move || publisher.restart()).await;
+            work.notify_one();
+            ok(serde_json::json!({"incarnation": incarnation}))
+        }
+        (false, "http/down" | "http/up") => {
+            let down = fault == "http/down";
+            lock(state).faults.http_down = down;
+            ok(serde_json::json!({"http_down": down}))
+        }
+        (false, "http/delay") => match number("ms") {
+            Some(ms) => {
+                lock(state).faults.delay = Duration::from_millis(ms);
+                ok(serde_json::json!({"delay_ms": ms}))
+            }
+            None => bad("http/delay: ?ms=N, a number of milliseconds"),
+        },
+        _ => refused(
+            404,
+            "NotFoundError",
+            &format!("`{method} /admin/{fault}` is not a fault hook; known: {KNOWN}"),
+        ),
+    }
 }

@@ -45,8 +45,8 @@ fn main() -> anyhow::Result<()> {
         args.engines
     );
     anyhow::ensure!(
-        args.block_size > 0 && args.blocks > 0,
-        "--blocks and --block-size: 1 or more"
+        args.block_size > 0 && args.blocks >= 2,
+        "--blocks: 2 or more (block 0 is vLLM's null block), --block-size: 1 or more"
     );
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

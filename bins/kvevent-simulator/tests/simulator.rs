@@ -247,6 +247,7 @@ fn bad_flags_are_refused_with_a_clear_error() {
         (&["--engines", "0"][..], "--engines: 1 to 4096"),
         (&["--time-model", "fast"][..], "fast"),
         (&["--speed", "0"][..], "speed"),
+        (&["--blocks", "1"][..], "--blocks: 2 or more"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_kvevent-simulator"))
             .args(flags)
@@ -256,4 +257,142 @@ fn bad_flags_are_refused_with_a_clear_error() {
         assert!(!out.status.success(), "{flags:?}");
         assert!(stderr.contains(says), "{flags:?}: {stderr}");
     }
+}
+
+/// One engine of the program, its HTTP address and KV-event endpoint.
+fn one_engine() -> (Killed, String, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvevent-simulator"))
+        .args(["--time-model", "vllm-cpu", "--speed", "4"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("kvevent-simulator");
+    let stdout = child.stdout.take().expect("stdout");
+    let line = std::io::BufReader::new(stdout)
+        .lines()
+        .next()
+        .expect("a line")
+        .expect("a line");
+    let http = line
+        .split(',')
+        .find_map(|f| f.strip_prefix("http=http://"))
+        .expect("http")
+        .to_owned();
+    let events = line
+        .split_once('=')
+        .and_then(|(_, rest)| rest.split(',').next())
+        .expect("events")
+        .to_owned();
+    (Killed(child), http, events)
+}
+
+/// The next batch's sequence number and stored hashes, if one comes within `ms`.
+fn next_batch(sub: &zmq::Socket, ms: i32) -> Option<(u64, Vec<u64>)> {
+    sub.set_rcvtimeo(ms).expect("rcvtimeo");
+    let frames = sub.recv_multipart(0).ok()?;
+    let seq = u64::from_be_bytes(frames[1].as_slice().try_into().expect("8 bytes"));
+    let batch = kvevent_wire::decode(&frames[2]).expect("a batch");
+    let stored = batch
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            kvevent_wire::Event::BlockStored(s) => Some(s.block_hashes.iter()),
+            _ => None,
+        })
+        .flatten()
+        .filter_map(|h| match h {
+            kvevent_wire::BlockHash::Int(kvevent_wire::Int::U64(h)) => Some(*h),
+            _ => None,
+        })
+        .collect();
+    Some((seq, stored))
+}
+
+#[test]
+fn every_fault_hook_does_what_it_says_and_the_truth_is_what_events_said() {
+    let (_child, addr, events) = one_engine();
+    let ctx = zmq::Context::new();
+    let sub = ctx.socket(zmq::SUB).expect("sub");
+    sub.set_subscribe(b"").expect("subscribe");
+    sub.connect(&events).expect("connect");
+    std::thread::sleep(Duration::from_millis(300));
+    let complete = |first: u32| {
+        let prompt: Vec<u32> = (first..first + 40).collect();
+        let body = serde_json::json!({"prompt": prompt, "max_tokens": 1}).to_string();
+        http(&addr, "POST", "/v1/completions", &body)
+    };
+    let admin = |path: &str| http(&addr, "POST", &format!("/admin/{path}"), "");
+    let truth = || json(&http(&addr, "GET", "/admin/truth", "").1);
+
+    // The truth: the blocks its events stored.
+    assert_eq!(complete(1000).0, 200);
+    let (seq, mut stored) = next_batch(&sub, 5_000).expect("the first batch");
+    stored.sort_unstable();
+    let t = truth();
+    assert_eq!(t["incarnation"], 0);
+    assert_eq!(t["blocks"], serde_json::json!(stored), "{t}");
+    assert_eq!(stored.len(), 2);
+
+    // Paused: nothing goes out; resumed: what was held, in order.
+    assert_eq!(admin("publisher/pause").0, 200);
+    assert_eq!(complete(2000).0, 200);
+    assert_eq!(next_batch(&sub, 500), None, "published while paused");
+    let (status, body) = admin("publisher/resume");
+    assert_eq!(
+        (status, json(&body)["published"].clone()),
+        (200, serde_json::json!(1))
+    );
+    let (held, _) = next_batch(&sub, 5_000).expect("the held batch");
+    assert_eq!(held, seq + 1);
+
+    // Dropped: the next batch is lost on the way (its seq used), the one after comes.
+    assert_eq!(admin("publisher/drop?batches=1").0, 200);
+    assert_eq!(complete(3000).0, 200);
+    assert_eq!(next_batch(&sub, 500), None, "a dropped batch was sent");
+    assert_eq!(complete(4000).0, 200);
+    let (after, _) = next_batch(&sub, 5_000).expect("the batch after");
+    assert_eq!(after, held + 2, "the lost one's seq is a gap");
+    assert_eq!(truth()["blocks"].as_array().map(Vec::len), Some(8));
+
+    // Restarted: a new incarnation, nothing held, its sequence from 0.
+    let (status, body) = admin("restart");
+    assert_eq!(
+        (status, json(&body)["incarnation"].clone()),
+        (200, serde_json::json!(1))
+    );
+    let t = truth();
+    assert_eq!(
+        (&t["incarnation"], &t["blocks"]),
+        (&serde_json::json!(1), &serde_json::json!([]))
+    );
+    assert_eq!(complete(1000).0, 200);
+    let (seq, _) = next_batch(&sub, 5_000).expect("the new incarnation's first batch");
+    assert_eq!(seq, 0);
+
+    // HTTP down: no answer at all, the admin still answers; up: served again.
+    assert_eq!(admin("http/down").0, 200);
+    assert_eq!(
+        http(&addr, "GET", "/health", "").0,
+        0,
+        "an answer while down"
+    );
+    assert_eq!(complete(5000).0, 0);
+    assert_eq!(admin("http/up").0, 200);
+    assert_eq!(http(&addr, "GET", "/health", "").0, 200);
+
+    // Delayed answers.
+    assert_eq!(admin("http/delay?ms=300").0, 200);
+    let started = std::time::Instant::now();
+    assert_eq!(http(&addr, "GET", "/health", "").0, 200);
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    assert_eq!(admin("http/delay?ms=0").0, 200);
+
+    // What is not a fault is said so.
+    let (status, body) = admin("melt");
+    assert_eq!(status, 404);
+    assert!(
+        body.contains("not a fault hook") && body.contains("publisher/pause"),
+        "{body}"
+    );
+    assert_eq!(admin("publisher/drop").0, 400);
 }

@@ -300,6 +300,12 @@ impl Engine {
         (hit * bs) as u32
     }
 
+    /// The hashes of the blocks its cache holds, sorted, each once (what its events have
+    /// stored and not removed): the truth a subscriber's view is checked against.
+    pub fn cached_hashes(&self) -> Vec<u64> {
+        self.pool.cached_hashes()
+    }
+
     /// Nothing to do.
     pub fn is_idle(&self) -> bool {
         self.waiting.is_empty() && self.running.is_empty()

@@ -122,6 +122,13 @@ impl Pool {
         self.free -= 1;
     }
 
+    /// The hashes cached, sorted, each once.
+    pub(crate) fn cached_hashes(&self) -> Vec<u64> {
+        let mut h: Vec<u64> = self.cached.keys().copied().collect();
+        h.sort_unstable();
+        h
+    }
+
     /// The block caching `hash` (the first cached, when several do).
     pub(crate) fn lookup(&self, hash: u64) -> Option<u32> {
         self.cached.get(&hash).and_then(|b| b.first().copied())
