@@ -41,37 +41,53 @@ fn json(body: &str) -> serde_json::Value {
     serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"))
 }
 
-#[test]
-fn engines_answer_as_vllm_does_and_publish_their_events() {
+/// The program with `flags`, and its first `n` lines (one an engine, in the example router's
+/// `--engine` syntax).
+fn simulator(flags: &[&str], n: usize) -> (Killed, Vec<String>) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvevent-simulator"))
-        .args([
-            "--engines",
-            "2",
-            "--model",
-            "tiny",
-            "--max-model-len",
-            "100",
-        ])
+        .args(flags)
         .args(["--time-model", "vllm-cpu", "--speed", "4"])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
         .expect("kvevent-simulator");
     let stdout = child.stdout.take().expect("stdout");
-    let _killed = Killed(child);
-    // One line an engine, in the example router's --engine syntax.
+    let killed = Killed(child);
     let lines: Vec<String> = std::io::BufReader::new(stdout)
         .lines()
-        .take(2)
+        .take(n)
         .map(|l| l.expect("a line"))
         .collect();
-    assert_eq!(lines.len(), 2, "{lines:?}");
-    let field = |line: &str, key: &str| {
-        line.split(',')
-            .find_map(|f| f.strip_prefix(key))
-            .unwrap_or_else(|| panic!("no {key} in {line}"))
-            .to_owned()
-    };
+    assert_eq!(lines.len(), n, "{lines:?}");
+    (killed, lines)
+}
+
+/// An engine's line: its HTTP address and its KV-event endpoint.
+fn endpoints(line: &str) -> (String, String) {
+    let http = line
+        .split(',')
+        .find_map(|f| f.strip_prefix("http=http://"))
+        .unwrap_or_else(|| panic!("no http= in {line}"));
+    let events = line
+        .split_once('=')
+        .and_then(|(_, rest)| rest.split(',').next())
+        .unwrap_or_else(|| panic!("no events in {line}"));
+    (http.to_owned(), events.to_owned())
+}
+
+#[test]
+fn engines_answer_as_vllm_does_and_publish_their_events() {
+    let (_child, lines) = simulator(
+        &[
+            "--engines",
+            "2",
+            "--model",
+            "tiny",
+            "--max-model-len",
+            "100",
+        ],
+        2,
+    );
     assert!(
         lines[0].starts_with("e000=tcp://127.0.0.1:"),
         "{}",
@@ -82,11 +98,7 @@ fn engines_answer_as_vllm_does_and_publish_their_events() {
         "{}",
         lines[1]
     );
-    let http_addr = field(&lines[0], "http=http://");
-    let events = lines[0]
-        .split_once('=')
-        .map(|(_, rest)| rest.split(',').next().unwrap_or_default().to_owned())
-        .expect("events");
+    let (http_addr, events) = endpoints(&lines[0]);
 
     let (status, body) = http(&http_addr, "GET", "/health", "");
     assert_eq!(status, 200, "{body}");
@@ -259,33 +271,6 @@ fn bad_flags_are_refused_with_a_clear_error() {
     }
 }
 
-/// One engine of the program, its HTTP address and KV-event endpoint.
-fn one_engine() -> (Killed, String, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvevent-simulator"))
-        .args(["--time-model", "vllm-cpu", "--speed", "4"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("kvevent-simulator");
-    let stdout = child.stdout.take().expect("stdout");
-    let line = std::io::BufReader::new(stdout)
-        .lines()
-        .next()
-        .expect("a line")
-        .expect("a line");
-    let http = line
-        .split(',')
-        .find_map(|f| f.strip_prefix("http=http://"))
-        .expect("http")
-        .to_owned();
-    let events = line
-        .split_once('=')
-        .and_then(|(_, rest)| rest.split(',').next())
-        .expect("events")
-        .to_owned();
-    (Killed(child), http, events)
-}
-
 /// The next batch's sequence number and stored hashes, if one comes within `ms`.
 fn next_batch(sub: &zmq::Socket, ms: i32) -> Option<(u64, Vec<u64>)> {
     sub.set_rcvtimeo(ms).expect("rcvtimeo");
@@ -310,7 +295,8 @@ fn next_batch(sub: &zmq::Socket, ms: i32) -> Option<(u64, Vec<u64>)> {
 
 #[test]
 fn every_fault_hook_does_what_it_says_and_the_truth_is_what_events_said() {
-    let (_child, addr, events) = one_engine();
+    let (_child, lines) = simulator(&[], 1);
+    let (addr, events) = endpoints(&lines[0]);
     let ctx = zmq::Context::new();
     let sub = ctx.socket(zmq::SUB).expect("sub");
     sub.set_subscribe(b"").expect("subscribe");
