@@ -568,32 +568,40 @@ impl Rule {
         };
         match policy {
             Policy::RoundRobin => {
-                // Each eligible candidate in turn.
-                let n = candidates
-                    .iter()
-                    .enumerate()
-                    .filter(|(i, c)| eligible(*i, c))
-                    .count();
-                let k = self.turn.fetch_add(1, Relaxed) % n.max(1);
-                let i = candidates
-                    .iter()
-                    .enumerate()
-                    .filter(|(i, c)| eligible(*i, c))
-                    .nth(k)
-                    .map_or(0, |(i, _)| i);
+                // Each eligible candidate in turn: the turn's candidate when it is eligible
+                // (one look, the usual case); else the turn counted over the eligible ones.
+                let turn = self.turn.fetch_add(1, Relaxed);
+                let k = turn % candidates.len();
+                let i = if eligible(k, &candidates[k]) {
+                    k
+                } else {
+                    let n = candidates
+                        .iter()
+                        .enumerate()
+                        .filter(|(i, c)| eligible(*i, c))
+                        .count();
+                    candidates
+                        .iter()
+                        .enumerate()
+                        .filter(|(i, c)| eligible(*i, c))
+                        .nth(turn % n.max(1))
+                        .map_or(0, |(i, _)| i)
+                };
                 Some(choice(&seen(i, &candidates[i]), 0.0, false))
             }
             Policy::LeastLoaded => {
-                // The fewest ahead; ties in turn. Two passes, nothing kept but counts.
+                // The fewest ahead; ties in turn. Two passes, nothing kept but counts; one look
+                // at each candidate's answer a pass (`None`: not eligible).
                 let ahead = |i: usize, c: &Candidate<'_>| {
-                    Self::queued(c, said(i, c).and_then(|s| s.load), fresh_since).0
+                    let said = said(i, c);
+                    (none_serving || said.is_none_or(|s| s.state.can_serve()))
+                        .then(|| Self::queued(c, said.and_then(|s| s.load), fresh_since).0)
                 };
                 let (mut least, mut tied) = (u32::MAX, 0usize);
                 for (i, c) in candidates.iter().enumerate() {
-                    if !eligible(i, c) {
+                    let Some(q) = ahead(i, c) else {
                         continue;
-                    }
-                    let q = ahead(i, c);
+                    };
                     if q < least {
                         (least, tied) = (q, 1);
                     } else if q == least {
@@ -605,7 +613,7 @@ impl Rule {
                     .iter()
                     .enumerate()
                     .position(|(i, c)| {
-                        if !eligible(i, c) || ahead(i, c) != least {
+                        if ahead(i, c) != Some(least) {
                             return false;
                         }
                         if pick == 0 {
@@ -624,13 +632,14 @@ impl Rule {
                 let mut best: Option<(u32, usize)> = None;
                 let mut idlest: Option<usize> = None;
                 for (i, c) in candidates.iter().enumerate() {
-                    if !eligible(i, c) {
+                    let said = said(i, c);
+                    if !(none_serving || said.is_none_or(|s| s.state.can_serve())) {
                         continue;
                     }
                     if idlest.is_none_or(|j| busy(c) < busy(&candidates[j])) {
                         idlest = Some(i);
                     }
-                    let exact = said(i, c)
+                    let exact = said
                         .filter(|s| s.state.is_exact())
                         .map_or(0, |s| s.matched_tokens);
                     let better = match best {
