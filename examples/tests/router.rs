@@ -605,8 +605,8 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
         "kvevent_router_none_serving_total 0",
         // The weights learned: from the one streamed request (its first token's time).
         "kvevent_router_weight_flights_total 1",
-        "kvevent_router_prefill_us_per_token{source=\"learned\"} ",
-        "kvevent_router_queue_us_per_request{source=\"learned\"} ",
+        "kvevent_router_prefill_seconds_per_token{source=\"learned\"} ",
+        "kvevent_router_queue_seconds_per_request{source=\"learned\"} ",
     ] {
         assert!(metrics.contains(needle), "no {needle} in\n{metrics}");
     }

@@ -24,8 +24,8 @@
 //! |---|---|---|---|
 //! | `kvevent_router_retries_total` | counter | `replica`, `reason` | requests sent again because this replica failed them before any byte reached the client (`refused`, `502`, `503`) |
 //! | `kvevent_router_none_serving_total` | counter | | choices made when no candidate could serve (failing open) |
-//! | `kvevent_router_prefill_us_per_token` | gauge | `source` | the cost policy's weight of a prompt token, as the next choice uses it: `learned` ([`Router::learning`](crate::route::Router::learning)) or `given` |
-//! | `kvevent_router_queue_us_per_request` | gauge | `source` | the cost policy's weight of a request ahead, likewise |
+//! | `kvevent_router_prefill_seconds_per_token` | gauge | `source` | the cost policy's weight of a prompt token (its `prefill_us_per_token`, in seconds), as the next choice uses it: `learned` ([`Router::learning`](crate::route::Router::learning)) or `given` |
+//! | `kvevent_router_queue_seconds_per_request` | gauge | `source` | the cost policy's weight of a request ahead (`queue_us_per_request`, in seconds), likewise |
 //! | `kvevent_router_weight_flights_total` | counter | | flights the weights were learned from |
 //!
 //! ```
@@ -250,20 +250,20 @@ impl Collector for RouterCollector {
         m::level(
             &mut m::gauge(
                 &mut enc,
-                "kvevent_router_prefill_us_per_token",
-                "The cost policy's weight of a prompt token to compute, in microseconds, as the next choice uses it",
+                "kvevent_router_prefill_seconds_per_token",
+                "The cost policy's weight of a prompt token to compute, in seconds, as the next choice uses it",
             )?,
             &source,
-            w.weights.prefill_us_per_token,
+            w.weights.prefill_us_per_token / 1e6,
         )?;
         m::level(
             &mut m::gauge(
                 &mut enc,
-                "kvevent_router_queue_us_per_request",
-                "The cost policy's weight of a request ahead, in microseconds, as the next choice uses it",
+                "kvevent_router_queue_seconds_per_request",
+                "The cost policy's weight of a request ahead, in seconds, as the next choice uses it",
             )?,
             &source,
-            w.weights.queue_us_per_request,
+            w.weights.queue_us_per_request / 1e6,
         )?;
         m::single(
             &mut enc,
