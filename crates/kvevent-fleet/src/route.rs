@@ -35,7 +35,8 @@
 //! engine is 100); `queue_us_per_request` is how much later a request starts for each one
 //! ahead of it: about the mean request's time in the engine (its prefill plus its decode
 //! steps) over the requests the engine runs at once. The defaults are an 8B model on one
-//! datacenter GPU ([`Weights::default`]); `docs/operating.md` says how to measure both.
+//! datacenter GPU ([`Weights::default`]); `docs/operating.md` says how to measure both. A
+//! [`Router`] can learn them from its own flights instead ([`Router::learning`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::Relaxed};

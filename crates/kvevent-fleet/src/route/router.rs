@@ -250,17 +250,7 @@ impl Router {
         }
         let block = self.fleet.block_size();
         let scores = self.scores(candidates, prompt, adapter, block);
-        // One lock for every candidate's flights.
-        let flights: Vec<Arc<Flights>> = {
-            let mut map = lock(&self.flights);
-            candidates
-                .iter()
-                .map(|c| match map.get(*c) {
-                    Some(f) => f.clone(),
-                    None => map.entry((*c).to_owned()).or_default().clone(),
-                })
-                .collect()
-        };
+        let flights: Vec<Arc<Flights>> = candidates.iter().map(|c| self.flights(c)).collect();
         let cs: Vec<Candidate<'_>> = candidates
             .iter()
             .zip(&flights)
