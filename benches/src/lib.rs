@@ -222,47 +222,8 @@ impl Cli {
     }
 }
 
-/// Deterministic numbers for workloads: a xorshift generator and a 64-bit mixer.
+/// Deterministic numbers for workloads: a xorshift generator and a 64-bit mixer, the
+/// simulator's workloads' own (`kvevent_sim::workload`).
 pub mod random {
-    /// A small deterministic generator (xorshift64); seed it with an odd number.
-    #[derive(Debug, Clone)]
-    pub struct Rng(pub u64);
-
-    impl Rng {
-        /// The next 64 bits.
-        pub fn next_u64(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-
-        /// A number in `0..n` (0 when `n` is 0).
-        pub fn below(&mut self, n: u64) -> u64 {
-            self.next_u64() % n.max(1)
-        }
-
-        /// A number in `lo..hi`.
-        pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
-            lo + self.below(hi - lo)
-        }
-
-        /// A number in `[0, 1)`.
-        pub fn unit(&mut self) -> f64 {
-            (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-        }
-
-        /// An exponential wait of mean `mean`.
-        pub fn exp(&mut self, mean: f64) -> f64 {
-            -mean * (1.0 - self.unit()).ln()
-        }
-    }
-
-    /// splitmix64's finalizer: keys as random as fingerprints.
-    pub fn mix(mut x: u64) -> u64 {
-        x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        x ^ (x >> 31)
-    }
+    pub use kvevent_sim::workload::{Rng, mix};
 }

@@ -32,10 +32,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use kvevent_benches::random::{Rng, mix};
+use kvevent_sim::workload::{self, Planned, tokens};
 use kvevent_sim::{Config, TimeModel};
+use kvevent_simulator::client::{self, percentile};
 use kvevent_simulator::{Serving, SimEngine};
 
 const USAGE: &str =
@@ -78,103 +77,6 @@ struct Args {
     learn: bool,
 }
 
-/// One request of the workload.
-struct Planned {
-    /// When it is sent, in simulated seconds from the start.
-    at_s: f64,
-    prompt: Vec<u32>,
-    max_tokens: u32,
-}
-
-/// `n` token ids of their own for `stream`.
-fn tokens(stream: u64, n: usize) -> impl Iterator<Item = u32> {
-    (0..n as u64).map(move |i| (mix(stream.wrapping_mul(1_000_003) ^ i) % 32_000) as u32 + 10)
-}
-
-fn shared(a: &Args) -> Vec<Planned> {
-    let mut rng = Rng(a.seed | 1);
-    let systems: Vec<Vec<u32>> = (0..a.prompts)
-        .map(|p| tokens(1 << 40 | p as u64, rng.range(1024, 4097) as usize).collect())
-        .collect();
-    // Zipf over the system prompts.
-    let weights: Vec<f64> = (1..=a.prompts)
-        .map(|r| 1.0 / (r as f64).powf(a.zipf))
-        .collect();
-    let total: f64 = weights.iter().sum();
-    let mut at = 0.0;
-    (0..a.requests)
-        .map(|i| {
-            at += rng.exp(1.0 / a.rate);
-            let mut pick = rng.unit() * total;
-            let system = weights
-                .iter()
-                .position(|w| {
-                    pick -= w;
-                    pick <= 0.0
-                })
-                .unwrap_or(0);
-            let mut prompt = systems[system].clone();
-            prompt.extend(tokens(2 << 40 | i as u64, rng.range(100, 401) as usize));
-            Planned {
-                at_s: at,
-                prompt,
-                max_tokens: a.max_tokens,
-            }
-        })
-        .collect()
-}
-
-fn hot(a: &Args) -> Vec<Planned> {
-    let mut rng = Rng(a.seed | 1);
-    let prefix: Vec<u32> = tokens(3 << 40, 2048).collect();
-    // The prefix is served once alone (one engine holds it), then every request shares it.
-    let mut at = 0.0;
-    (0..a.requests)
-        .map(|i| {
-            at += if i == 1 { 1.0 } else { rng.exp(1.0 / a.rate) };
-            let mut prompt = prefix.clone();
-            prompt.extend(tokens(4 << 40 | i as u64, rng.range(50, 201) as usize));
-            Planned {
-                at_s: if i == 0 { 0.0 } else { at },
-                prompt,
-                max_tokens: a.max_tokens,
-            }
-        })
-        .collect()
-}
-
-fn multiturn(a: &Args) -> Vec<Planned> {
-    let mut rng = Rng(a.seed | 1);
-    // Conversations start at the rate given over their turns; each turn a think time after
-    // the last one's answer could have come (a few seconds).
-    let turns = 6;
-    let conversations = a.requests.div_ceil(turns);
-    let mut out = Vec::new();
-    let mut start = 0.0;
-    for c in 0..conversations {
-        start += rng.exp(turns as f64 / a.rate);
-        let mut at = start;
-        let mut context: Vec<u32> = tokens(5 << 40 | c as u64, 400).collect();
-        for t in 0..turns {
-            context.extend(tokens(
-                6 << 40 | (c * 64 + t) as u64,
-                rng.range(50, 301) as usize,
-            ));
-            let answer = kvevent_sim::generated_tokens(&context, a.max_tokens);
-            out.push(Planned {
-                at_s: at,
-                prompt: context.clone(),
-                max_tokens: a.max_tokens,
-            });
-            context.extend(answer);
-            at += 5.0 + rng.exp(10.0);
-        }
-    }
-    out.sort_by(|x, y| x.at_s.total_cmp(&y.at_s));
-    out.truncate(a.requests);
-    out
-}
-
 fn mooncake(a: &Args) -> anyhow::Result<Vec<Planned>> {
     use std::io::BufRead as _;
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -207,69 +109,6 @@ struct Outcome {
     prompt: u32,
     oracle: u32,
     output: u32,
-}
-
-type Client = hyper_util::client::legacy::Client<
-    hyper_util::client::legacy::connect::HttpConnector,
-    Full<Bytes>,
->;
-
-/// Sends one request through the router, streamed; reads the first token's time and the
-/// end's (the router records the usage's cached tokens against its prediction).
-async fn send(
-    client: &Client,
-    router: &str,
-    planned: &Planned,
-    speed: f64,
-) -> anyhow::Result<Outcome> {
-    let body = serde_json::json!({
-        "model": "sim", "prompt": planned.prompt, "max_tokens": planned.max_tokens,
-        "stream": true,
-    })
-    .to_string();
-    let started = Instant::now();
-    let request = hyper::Request::post(format!("http://{router}/v1/completions"))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body)))?;
-    let response = client.request(request).await?;
-    anyhow::ensure!(response.status().is_success(), "{}", response.status());
-    let mut body = response.into_body();
-    let (mut first, mut output) = (None, 0);
-    let mut buffer = Vec::new();
-    while let Some(frame) = body.frame().await {
-        let Ok(data) = frame?.into_data() else {
-            continue;
-        };
-        buffer.extend_from_slice(&data);
-        while let Some(end) = buffer.windows(2).position(|w| w == b"\n\n") {
-            let event: Vec<u8> = buffer.drain(..end + 2).collect();
-            let Some(json) = event.strip_prefix(b"data: ") else {
-                continue;
-            };
-            let Ok(v) = serde_json::from_slice::<serde_json::Value>(json) else {
-                continue;
-            };
-            if v["choices"][0]["token_ids"].is_array() {
-                output += 1;
-                first.get_or_insert_with(|| started.elapsed());
-            }
-        }
-    }
-    let e2e = started.elapsed();
-    Ok(Outcome {
-        ttft_s: first.unwrap_or(e2e).as_secs_f64() * speed,
-        e2e_s: e2e.as_secs_f64() * speed,
-        prompt: planned.prompt.len() as u32,
-        oracle: 0,
-        output,
-    })
-}
-
-fn percentile(v: &mut [f64], p: f64) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(((v.len() as f64 - 1.0) * p).round() as usize)
-        .copied()
-        .unwrap_or(0.0)
 }
 
 /// The example router, started as its binary, following `engines`; killed when dropped.
@@ -396,9 +235,7 @@ async fn run(
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let cpu_before = kvevent_benches::procfs::cpu_seconds(&format!("/proc/{pid}/stat"));
-    let client: Client =
-        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-            .build_http();
+    let client = client::client();
     let engines = Arc::new(engines);
     let started = Instant::now();
     let mut tasks = Vec::with_capacity(workload.len());
@@ -422,9 +259,16 @@ async fn run(
                 .map(|e| e.cached_prefix(&planned.prompt))
                 .max()
                 .unwrap_or(0);
-            let mut outcome = send(&client, &router, planned, speed).await?;
-            outcome.oracle = oracle;
-            anyhow::Ok(outcome)
+            let base = format!("http://{router}");
+            let s =
+                client::stream(&client, &base, "sim", planned, Duration::from_secs(3600)).await?;
+            anyhow::Ok(Outcome {
+                ttft_s: s.ttft.as_secs_f64() * speed,
+                e2e_s: s.e2e.as_secs_f64() * speed,
+                prompt: planned.prompt.len() as u32,
+                oracle,
+                output: s.output,
+            })
         }));
     }
     let mut outcomes = Vec::new();
@@ -609,10 +453,18 @@ fn main() -> anyhow::Result<()> {
         }
     }
     cli.done()?;
+    let spec = workload::Spec {
+        requests: a.requests,
+        rate: a.rate,
+        prompts: a.prompts,
+        zipf: a.zipf,
+        max_tokens: a.max_tokens,
+        seed: a.seed,
+    };
     let workload = Arc::new(match a.workload.as_str() {
-        "shared" => shared(&a),
-        "hot" => hot(&a),
-        "multiturn" => multiturn(&a),
+        "shared" => workload::shared(&spec),
+        "hot" => workload::hot(&spec),
+        "multiturn" => workload::multiturn(&spec),
         "mooncake" => mooncake(&a)?,
         other => anyhow::bail!("`{other}` is not a workload: shared, multiturn, hot or mooncake"),
     });

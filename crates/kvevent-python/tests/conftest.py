@@ -3,7 +3,8 @@
 --feed-address`) in front of each, and the example router (a Rust `Fleet`) to compare with.
 
 The binaries are the workspace's own (`target/debug`, as `.ci/run`'s test step leaves them);
-missing ones are built with cargo first. KVEVENT_SUBSCRIBER and KVEVENT_ROUTER name others."""
+missing ones are built with cargo first. KVEVENT_SUBSCRIBER, KVEVENT_SIMULATOR
+and KVEVENT_ROUTER name others."""
 
 import json
 import os
@@ -36,6 +37,15 @@ def subscriber_bin():
         "KVEVENT_SUBSCRIBER",
         TARGET / "debug" / "kvevent-subscriber",
         ["-p", "kvevent-subscriber", "--bin", "kvevent-subscriber"],
+    )
+
+
+@pytest.fixture(scope="session")
+def simulator_bin():
+    return _binary(
+        "KVEVENT_SIMULATOR",
+        TARGET / "debug" / "kvevent-simulator",
+        ["-p", "kvevent-simulator", "--bin", "kvevent-simulator"],
     )
 
 

@@ -4,6 +4,7 @@ Fleet) following the same sidecars for the same queries."""
 
 import array
 import asyncio
+import re
 import subprocess
 import sys
 import threading
@@ -12,7 +13,7 @@ import time
 import pytest
 
 import kvevent
-from conftest import Publisher, PythonRouter, Router, Sidecar
+from conftest import ROOT, Publisher, PythonRouter, Router, Sidecar
 
 # Each publisher's batch i stores two blocks of 16 tokens, range(32i, 32i + 32), chained to
 # batch i-1's; odd batches remove batch i-1's first block. One batch: tokens 0..32 held.
@@ -417,3 +418,18 @@ def test_replicas_discovered_from_a_file_come_and_go(tmp_path):
             fleet.discover("consul:x")
         with pytest.raises(ValueError, match="nowhere"):
             fleet.discover(f"file:{tmp_path / 'nowhere'}")
+
+
+def test_the_docs_try_it_routes_a_simulated_fleet_with_the_rule_ahead(subscriber_bin, simulator_bin):
+    # docs/python.md's "Try it": the wheel's Router over simulated engines behind sidecars.
+    script = ROOT / "crates" / "kvevent-python" / "examples" / "route_simulated.py"
+    run = subprocess.run(
+        [sys.executable, str(script), "--simulator", simulator_bin, "--subscriber", subscriber_bin,
+         "--requests", "90"],
+        capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["cost", "round-robin"], run.stdout
+    cost, round_robin = (float(re.search(r"hit rate\s+([\d.]+) %", line).group(1)) for line in lines)
+    assert cost > round_robin + 10, run.stdout
+    assert lines[1].endswith("33 / 33 / 33"), "round-robin alternates"

@@ -5,8 +5,8 @@
 //! the same requests in the same order give the same events, blocks and cached tokens. Its
 //! block hashes are the fingerprint chain of the tokens (its own, not vLLM's).
 //!
-//! No IO and no clock: a host (`kvevent-benches`' `engine-sim`) runs engines behind vLLM's
-//! HTTP API, `/metrics` and KV-event wire.
+//! No IO and no clock: a host (`kvevent-simulator`) runs engines behind vLLM's HTTP API,
+//! `/metrics` and KV-event wire; [`workload`] makes seeded request streams to drive them.
 //!
 //! ```
 //! use kvevent_sim::{Config, Engine, Event, Progress, Request, TimeModel};
@@ -33,6 +33,7 @@
 
 mod engine;
 mod pool;
+pub mod workload;
 
 pub use engine::{Config, Engine, Progress, Request, Step, TimeModel, generated_tokens};
 pub use pool::Event;
