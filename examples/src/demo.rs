@@ -108,6 +108,7 @@ pub async fn run(
         max_num_seqs: 256,
         max_num_batched_tokens: 8192,
         time: spec.time,
+        prefix_caching: true,
     };
     let serving = Serving::new("sim");
     let mut engines = Vec::new();

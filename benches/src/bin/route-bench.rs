@@ -200,6 +200,7 @@ async fn run(
         max_num_seqs: 256,
         max_num_batched_tokens: 8192,
         time: a.time,
+        prefix_caching: true,
     };
     let serving = Serving {
         speed: a.speed,

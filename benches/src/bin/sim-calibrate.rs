@@ -1,7 +1,7 @@
 //! Calibrates the simulator's time model against a real vLLM engine on CPU (the tiny Llama of
 //! `.ci/real-engine`, block size 32): times streamed completions as a router sees them
 //! (prompts nobody holds, of two lengths; decoding alone and four at once), fits
-//! [`kvevent_sim::TimeModel`]'s three figures, and sets the simulator's CPU profile
+//! [`kvevent_sim::TimeModel`]'s four figures, and sets the simulator's CPU profile
 //! ([`kvevent_sim::TimeModel::VLLM_CPU_TINY`]) beside what it measured, probe by probe.
 //!
 //! ```text
@@ -47,6 +47,7 @@ fn simulated(time: TimeModel) -> Probes {
         max_num_seqs: 128,
         max_num_batched_tokens: 2048,
         time,
+        prefix_caching: true,
     };
     // Milliseconds from each request's arrival (all at 0) to its first token and its last.
     let run = |prompts: Vec<Vec<u32>>, max_tokens: u32| {
@@ -69,7 +70,9 @@ fn simulated(time: TimeModel) -> Probes {
             }
             last = now;
         }
-        (first.unwrap_or(0.0), last)
+        // The host admits each request `request_us` late.
+        let late = time.request_us / 1e3;
+        (first.unwrap_or(0.0) + late, last + late)
     };
     let (ttft_short, _) = run(vec![prompt(1, SHORT)], 1);
     let (ttft_long, _) = run(vec![prompt(2, LONG)], 1);
@@ -147,8 +150,16 @@ fn main() -> anyhow::Result<()> {
         (measured.ttft_long - measured.ttft_short) * 1e3 / f64::from(LONG - SHORT);
     let decode_us_per_seq = (measured.step_four - measured.step_alone) * 1e3 / 3.0;
     let step_us = measured.step_alone * 1e3 - decode_us_per_seq;
+    // What serving adds: the short prompt's first token as measured, beyond the engine's step.
+    let engine_only = simulated(TimeModel {
+        step_us,
+        prefill_us_per_token,
+        decode_us_per_seq,
+        request_us: 0.0,
+    });
+    let request_us = ((measured.ttft_short - engine_only.ttft_short) * 1e3).max(0.0);
     println!(
-        "fit: TimeModel {{ step_us: {step_us:.0}, prefill_us_per_token: {prefill_us_per_token:.1}, decode_us_per_seq: {decode_us_per_seq:.0} }}"
+        "fit: TimeModel {{ step_us: {step_us:.0}, prefill_us_per_token: {prefill_us_per_token:.1}, decode_us_per_seq: {decode_us_per_seq:.0}, request_us: {request_us:.0} }}"
     );
     let profile = simulated(TimeModel::VLLM_CPU_TINY);
     println!(

@@ -23,7 +23,7 @@ pub fn client() -> Client {
 /// What one streamed request saw.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Streamed {
-    /// To the first chunk with a token.
+    /// To the first chunk with a token (a choice).
     pub ttft: Duration,
     /// To the end of the stream.
     pub e2e: Duration,
@@ -57,6 +57,8 @@ async fn send(
     let body = serde_json::json!({
         "model": model, "prompt": planned.prompt, "max_tokens": planned.max_tokens,
         "stream": true, "stream_options": {"include_usage": true},
+        // vLLM's: as many tokens as asked (the simulator always makes them).
+        "ignore_eos": true,
     })
     .to_string();
     let started = Instant::now();
@@ -91,7 +93,8 @@ async fn send(
             let Ok(v) = serde_json::from_slice::<serde_json::Value>(json) else {
                 continue;
             };
-            if v["choices"][0]["token_ids"].is_array() {
+            // A chunk with a choice carries a token (the usage chunk has none).
+            if v["choices"][0].is_object() {
                 output += 1;
                 first.get_or_insert_with(|| started.elapsed());
             }

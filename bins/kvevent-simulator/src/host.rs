@@ -199,16 +199,17 @@ async fn run(
     speed: f64,
 ) {
     // The engine's own clock, in wall time: each step ends its duration after the last one
-    // ended (or after it started, from idle), so the timer's rounding never adds up.
+    // was due to end (or after it started, from idle), so the timer's rounding (a sleep ends
+    // on the next millisecond) never adds up.
     let mut clock = tokio::time::Instant::now();
     loop {
         let step = lock(&state).engine.step();
         let Some(step) = step else {
             work.notified().await;
+            clock = tokio::time::Instant::now();
             continue;
         };
-        clock = clock.max(tokio::time::Instant::now())
-            + Duration::from_secs_f64(step.duration_us / 1e6 / speed);
+        clock += Duration::from_secs_f64(step.duration_us / 1e6 / speed);
         tokio::time::sleep_until(clock).await;
         if !step.events.is_empty() {
             let batch = wire::EventBatch {
@@ -526,6 +527,11 @@ async fn complete(
         ));
     }
     let stream = v["stream"].as_bool().unwrap_or(false);
+    // What the API server adds before the engine core sees a request.
+    let request_us = lock(&state).engine.config().time.request_us;
+    if request_us > 0.0 {
+        tokio::time::sleep(Duration::from_secs_f64(request_us / 1e6 / serving.speed)).await;
+    }
     let (tx, mut rx) = mpsc::unbounded_channel();
     {
         let mut s = lock(&state);

@@ -29,12 +29,18 @@ struct Args {
     #[arg(long, default_value_t = 8192)]
     max_model_len: u32,
     /// The engines' speed: gpu-8b (an 8B model on one datacenter GPU, assumed), vllm-cpu
-    /// (vLLM on this project's CI CPU, calibrated), or STEP_US,PREFILL_US_PER_TOKEN,DECODE_US_PER_SEQ.
+    /// (vLLM on this project's CI CPU, calibrated), or
+    /// STEP_US,PREFILL_US_PER_TOKEN,DECODE_US_PER_SEQ[,REQUEST_US] (REQUEST_US: what serving adds
+    /// to each request outside the engine's steps).
     #[arg(long, default_value = "gpu-8b")]
     time_model: TimeModel,
     /// How many times faster than the time model the engines step.
     #[arg(long, default_value_t = 1.0)]
     speed: f64,
+    /// No prefix caching, as vLLM's flag of the name: every prompt computed whole, no block
+    /// cached, no KV event.
+    #[arg(long = "no-enable-prefix-caching", action = clap::ArgAction::SetFalse)]
+    prefix_caching: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -59,6 +65,7 @@ fn main() -> anyhow::Result<()> {
             max_num_seqs: 256,
             max_num_batched_tokens: 8192,
             time: args.time_model,
+            prefix_caching: args.prefix_caching,
         };
         let serving = Serving {
             max_model_len: args.max_model_len,

@@ -27,6 +27,10 @@ pub struct TimeModel {
     pub prefill_us_per_token: f64,
     /// Each request decoding a token in the step, in microseconds.
     pub decode_us_per_seq: f64,
+    /// What serving adds to each request outside the engine's steps, in microseconds: the API
+    /// server's parsing, its hand-off to the engine core and the tokens' way back. Not a step's
+    /// cost: a host admits each request this late ([`Engine`] itself has no clock).
+    pub request_us: f64,
 }
 
 impl TimeModel {
@@ -37,14 +41,17 @@ impl TimeModel {
         step_us: 7_000.0,
         prefill_us_per_token: 50.0,
         decode_us_per_seq: 120.0,
+        request_us: 0.0,
     };
 
     /// vLLM 0.32 on CPU serving the tiny Llama of `.ci/real-engine` (two cores), as
-    /// `kvevent-benches`' `sim-calibrate` measured it (`docs/performance.md`).
+    /// `kvevent-benches`' `sim-calibrate` measured it (`docs/performance.md`), its API server's
+    /// cost a request included.
     pub const VLLM_CPU_TINY: Self = Self {
-        step_us: 1_630.0,
-        prefill_us_per_token: 14.5,
-        decode_us_per_seq: 56.0,
+        step_us: 1_724.0,
+        prefill_us_per_token: 16.4,
+        decode_us_per_seq: 95.0,
+        request_us: 3_069.0,
     };
 
     /// The time models by name, as [`str::parse`] reads them.
@@ -53,12 +60,13 @@ impl TimeModel {
 }
 
 /// A time model by name (`gpu-8b`, `vllm-cpu`) or by its numbers
-/// (`STEP_US,PREFILL_US_PER_TOKEN,DECODE_US_PER_SEQ`).
+/// (`STEP_US,PREFILL_US_PER_TOKEN,DECODE_US_PER_SEQ[,REQUEST_US]`).
 ///
 /// ```
 /// use kvevent_sim::TimeModel;
 /// assert_eq!("vllm-cpu".parse::<TimeModel>(), Ok(TimeModel::VLLM_CPU_TINY));
 /// assert_eq!("5000,40,100".parse::<TimeModel>().map(|t| t.prefill_us_per_token), Ok(40.0));
+/// assert_eq!("5000,40,100,3000".parse::<TimeModel>().map(|t| t.request_us), Ok(3000.0));
 /// assert!("fast".parse::<TimeModel>().is_err());
 /// ```
 impl std::str::FromStr for TimeModel {
@@ -79,13 +87,19 @@ impl std::str::FromStr for TimeModel {
             .collect::<Option<_>>()
             .unwrap_or_default();
         match numbers[..] {
-            [step_us, prefill_us_per_token, decode_us_per_seq] => Ok(Self {
+            [
                 step_us,
                 prefill_us_per_token,
                 decode_us_per_seq,
+                ref request @ ..,
+            ] if request.len() <= 1 => Ok(Self {
+                step_us,
+                prefill_us_per_token,
+                decode_us_per_seq,
+                request_us: request.first().copied().unwrap_or(0.0),
             }),
             _ => Err(format!(
-                "`{s}` is not a time model: gpu-8b, vllm-cpu, or STEP_US,PREFILL_US_PER_TOKEN,DECODE_US_PER_SEQ (microseconds, 0 or more)"
+                "`{s}` is not a time model: gpu-8b, vllm-cpu, or STEP_US,PREFILL_US_PER_TOKEN,DECODE_US_PER_SEQ[,REQUEST_US] (microseconds, 0 or more)"
             )),
         }
     }
@@ -104,6 +118,9 @@ pub struct Config {
     pub max_num_batched_tokens: usize,
     /// How long steps take.
     pub time: TimeModel,
+    /// Blocks cached and found again (vLLM's default); false: every prompt computed whole, no
+    /// block cached, no event (`--no-enable-prefix-caching`).
+    pub prefix_caching: bool,
 }
 
 /// A request as the engine gets it.
@@ -335,7 +352,7 @@ impl Engine {
         let taken = self.pool.take(more);
         live.blocks.extend(taken);
         let cacheable = total.min(live.tokens.len()) / self.config.block_size;
-        if cacheable > live.cached_blocks {
+        if self.config.prefix_caching && cacheable > live.cached_blocks {
             self.pool.cache(
                 &live.blocks,
                 &live.hashes,
@@ -351,6 +368,9 @@ impl Engine {
     /// The longest run of full prompt blocks cached from block 0, at most `tokens - 1`
     /// tokens.
     fn hit(&self, live: &Live) -> Vec<u32> {
+        if !self.config.prefix_caching {
+            return Vec::new();
+        }
         let max_blocks = live.tokens.len().saturating_sub(1) / self.config.block_size;
         live.hashes[..max_blocks.min(live.hashes.len())]
             .iter()
@@ -470,5 +490,46 @@ impl Engine {
             events: std::mem::take(&mut self.pool.events),
             progress,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cached_and_events(prefix_caching: bool) -> (Vec<u32>, usize) {
+        let mut engine = Engine::new(Config {
+            block_size: 16,
+            num_blocks: 64,
+            max_num_seqs: 8,
+            max_num_batched_tokens: 2048,
+            time: TimeModel::GPU_8B,
+            prefix_caching,
+        });
+        let prompt: Vec<u32> = (0..40).collect();
+        let (mut cached, mut events) = (Vec::new(), 0);
+        for id in 0..2 {
+            engine.add(Request {
+                id,
+                prompt: prompt.clone(),
+                max_tokens: 2,
+                output: Vec::new(),
+            });
+            while let Some(step) = engine.step() {
+                events += step.events.len();
+                cached.extend(step.progress.iter().filter_map(|p| match p {
+                    Progress::FirstToken { cached_tokens, .. } => Some(*cached_tokens),
+                    _ => None,
+                }));
+            }
+        }
+        (cached, events)
+    }
+
+    #[test]
+    fn without_prefix_caching_nothing_is_found_again_and_nothing_is_told() {
+        assert_eq!(cached_and_events(true).0, [0, 32]);
+        assert!(cached_and_events(true).1 > 0);
+        assert_eq!(cached_and_events(false), (vec![0, 0], 0));
     }
 }

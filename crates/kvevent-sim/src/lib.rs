@@ -16,6 +16,7 @@
 //!     max_num_seqs: 8,
 //!     max_num_batched_tokens: 2048,
 //!     time: TimeModel::GPU_8B,
+//!     prefix_caching: true,
 //! });
 //! let prompt: Vec<u32> = (0..40).collect();
 //! for id in 0..2 {

@@ -137,6 +137,7 @@ async fn real_engine_and_simulator_make_the_same_events_and_cached_tokens() {
         max_num_seqs: 128,
         max_num_batched_tokens: 2048,
         time: TimeModel::GPU_8B,
+        prefix_caching: true,
     });
     let mut real_cached = Vec::new();
     let mut sim_cached = Vec::new();
