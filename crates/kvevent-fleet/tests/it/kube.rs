@@ -199,8 +199,18 @@ fn rss_kib() -> u64 {
         .unwrap_or(0)
 }
 
+/// Pods churned 500 at a time: 3,000 here (a bounded variant, about a third of the time), the
+/// issue's 10,000 with `KVEVENT_CHURN_PODS=10000` (docs/performance.md has its figures).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ten_thousand_pods_churned_leave_nothing_behind() {
+async fn churned_pods_leave_memory_flat_and_nothing_behind() {
+    let pods: usize = std::env::var("KVEVENT_CHURN_PODS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(3_000);
+    assert!(
+        pods >= 1_500,
+        "KVEVENT_CHURN_PODS: 1,500 or more (1,000 then at least 500 more)"
+    );
     let api = KubeApi::start().await;
     let (fleet, _members) = start(&api, Duration::from_secs(60));
     // 500 pods at a time: each created and Ready (all followed, counted), then deleted (none
@@ -233,16 +243,16 @@ async fn ten_thousand_pods_churned_leave_nothing_behind() {
         churn(chunk).await;
     }
     let after_1k = rss_kib();
-    for chunk in 2..20 {
+    for chunk in 2..pods / 500 {
         churn(chunk).await;
     }
-    let after_10k = rss_kib();
+    let after = rss_kib();
     eprintln!(
-        "10,000 pods churned in {:?}: RSS {after_1k} KiB after 1,000, {after_10k} KiB after 10,000",
+        "{pods} pods churned in {:?}: RSS {after_1k} KiB after 1,000, {after} KiB after {pods}",
         t.elapsed()
     );
     assert!(
-        after_10k < after_1k + 16 * 1024,
-        "memory grew with churn: {after_1k} KiB after 1,000 pods, {after_10k} KiB after 10,000"
+        after < after_1k + 16 * 1024,
+        "memory grew with churn: {after_1k} KiB after 1,000 pods, {after} KiB after {pods}"
     );
 }
