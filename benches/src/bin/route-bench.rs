@@ -257,7 +257,7 @@ async fn run(
             .await;
             let oracle = engines
                 .iter()
-                .map(|e| e.cached_prefix(&planned.prompt))
+                .map(|e| e.cached_prefix(&planned.prompt, None))
                 .max()
                 .unwrap_or(0);
             let base = format!("http://{router}");

@@ -58,6 +58,7 @@ fn simulated(time: TimeModel) -> Probes {
                 prompt: p,
                 max_tokens,
                 output: Vec::new(),
+                lora: None,
             });
         }
         let (mut now, mut first, mut last) = (0.0, None, 0.0);

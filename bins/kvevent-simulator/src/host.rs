@@ -6,7 +6,7 @@
 //! streamed with a usage chunk whose `prompt_tokens_details.cached_tokens` is the engine's, or
 //! whole; `GET /v1/models`, `GET /metrics` (vLLM's names: requests running and waiting, KV-cache usage,
 //! prefix-cache queries and hits) and `GET /health`. Requests vLLM refuses are refused as it
-//! refuses them: a body that is not a completion request (400), another model (404), a prompt
+//! refuses them: a body that is not a completion request (400), another model or adapter (404), a prompt
 //! and completion longer than the model (400, vLLM's message).
 //!
 //! A benchmark reads each engine's state in process too ([`SimEngine::cached_prefix`], the
@@ -41,6 +41,9 @@ pub struct Serving {
     pub max_model_len: u32,
     /// How many times faster than its time model it steps.
     pub speed: f64,
+    /// The LoRA adapters it serves, by name (vLLM's `--lora-modules`): a request naming one in
+    /// `model` runs with it (ids from 1, in this order).
+    pub lora_modules: Vec<String>,
 }
 
 impl Serving {
@@ -50,6 +53,7 @@ impl Serving {
             model: model.into(),
             max_model_len: 8_192,
             speed: 1.0,
+            lora_modules: Vec::new(),
         }
     }
 }
@@ -159,9 +163,9 @@ impl SimEngine {
         })
     }
 
-    /// The prompt tokens `prompt` would find cached here now.
-    pub fn cached_prefix(&self, prompt: &[u32]) -> u32 {
-        lock(&self.state).engine.cached_prefix(prompt)
+    /// The prompt tokens `prompt` (under `lora`, if any) would find cached here now.
+    pub fn cached_prefix(&self, prompt: &[u32], lora: Option<&kvevent_sim::Lora>) -> u32 {
+        lock(&self.state).engine.cached_prefix(prompt, lora)
     }
 
     /// Prompt tokens looked up and found in its prefix cache so far.
@@ -224,7 +228,10 @@ async fn run(
                             hashes,
                             parent,
                             tokens,
+                            lora,
                         } => wire::Event::BlockStored(wire::BlockStored {
+                            lora_id: lora.as_ref().map(|l| l.id),
+                            lora_name: lora.as_ref().map(|l| l.name.clone().into()),
                             block_hashes: hashes
                                 .iter()
                                 .map(|h| wire::BlockHash::Int(wire::Int::U64(*h)))
@@ -373,10 +380,15 @@ async fn handle(
             200,
             serde_json::json!({
                 "object": "list",
-                "data": [{
+                "data": std::iter::once(serde_json::json!({
                     "id": model, "object": "model", "owned_by": "vllm", "root": model,
                     "max_model_len": serving.max_model_len,
-                }],
+                }))
+                .chain(serving.lora_modules.iter().map(|a| serde_json::json!({
+                    "id": a, "object": "model", "owned_by": "vllm", "root": a, "parent": model,
+                    "max_model_len": serving.max_model_len,
+                })))
+                .collect::<Vec<_>>(),
             })
             .to_string(),
         )),
@@ -477,13 +489,21 @@ async fn complete(
         Err(e) => return bad(&format!("the body is not JSON: {e}")),
     };
     let asked = v["model"].as_str().unwrap_or(model);
-    if asked != model {
-        return refused(
-            404,
-            "NotFoundError",
-            &format!("The model `{asked}` does not exist."),
-        );
-    }
+    // The base model, or one of its adapters; anything else is refused as vLLM refuses it.
+    let lora = match serving.lora_modules.iter().position(|a| a == asked) {
+        Some(i) => Some(kvevent_sim::Lora {
+            id: i as i64 + 1,
+            name: asked.to_owned(),
+        }),
+        None if asked == model => None,
+        None => {
+            return refused(
+                404,
+                "NotFoundError",
+                &format!("The model `{asked}` does not exist."),
+            );
+        }
+    };
     let prompt = if chat {
         match chat_prompt(&v["messages"]) {
             Some(p) => p,
@@ -543,6 +563,7 @@ async fn complete(
             prompt: prompt.clone(),
             max_tokens,
             output: Vec::new(),
+            lora,
         });
     }
     work.notify_one();

@@ -41,6 +41,11 @@ struct Args {
     /// cached, no KV event.
     #[arg(long = "no-enable-prefix-caching", action = clap::ArgAction::SetFalse)]
     prefix_caching: bool,
+    /// LoRA adapters each engine serves, as vLLM's flag: NAME or NAME=PATH (the path is not
+    /// read), space- or comma-separated; a request naming one in `model` runs with it, and its
+    /// blocks' events carry its name.
+    #[arg(long, num_args = 1.., value_delimiter = ',', value_name = "NAME[=PATH]")]
+    lora_modules: Vec<String>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -67,9 +72,21 @@ fn main() -> anyhow::Result<()> {
             time: args.time_model,
             prefix_caching: args.prefix_caching,
         };
+        let adapters: Vec<String> = args
+            .lora_modules
+            .iter()
+            .map(|m| m.split('=').next().unwrap_or_default().to_owned())
+            .collect();
+        for (i, a) in adapters.iter().enumerate() {
+            anyhow::ensure!(
+                !a.is_empty() && *a != args.model && !adapters[..i].contains(a),
+                "--lora-modules: `{a}` is empty, the base model's name or given twice"
+            );
+        }
         let serving = Serving {
             max_model_len: args.max_model_len,
             speed: args.speed,
+            lora_modules: adapters,
             ..Serving::new(args.model.clone())
         };
         let mut engines = Vec::with_capacity(args.engines);

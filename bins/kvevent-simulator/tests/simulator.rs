@@ -382,3 +382,87 @@ fn every_fault_hook_does_what_it_says_and_the_truth_is_what_events_said() {
     );
     assert_eq!(admin("publisher/drop").0, 400);
 }
+
+#[test]
+fn an_adapter_is_served_by_name_its_blocks_are_its_own_and_its_events_name_it() {
+    let (_child, lines) = simulator(
+        &[
+            "--model",
+            "tiny",
+            "--lora-modules",
+            "sql-lora=/adapters/sql",
+            "chat",
+        ],
+        1,
+    );
+    let (http_addr, events) = endpoints(&lines[0]);
+    let (status, body) = http(&http_addr, "GET", "/v1/models", "");
+    assert_eq!(status, 200, "{body}");
+    let ids: Vec<String> = json(&body)["data"]
+        .as_array()
+        .expect("models")
+        .iter()
+        .map(|m| format!("{}<{}", m["id"], m["parent"]))
+        .collect();
+    assert_eq!(
+        ids,
+        [
+            "\"tiny\"<null",
+            "\"sql-lora\"<\"tiny\"",
+            "\"chat\"<\"tiny\""
+        ]
+    );
+    let ctx = zmq::Context::new();
+    let sub = ctx.socket(zmq::SUB).expect("sub");
+    sub.set_subscribe(b"").expect("subscribe");
+    sub.set_rcvtimeo(10_000).expect("rcvtimeo");
+    sub.connect(&events).expect("connect");
+    std::thread::sleep(Duration::from_millis(300));
+    let prompt: Vec<u32> = (1..=40).collect();
+    let complete = |model: &str| {
+        let (status, body) = http(
+            &http_addr,
+            "POST",
+            "/v1/completions",
+            &serde_json::json!({"model": model, "prompt": prompt, "max_tokens": 1}).to_string(),
+        );
+        assert_eq!(status, 200, "{body}");
+        json(&body)["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .expect("cached tokens")
+    };
+    // The base model's blocks are not the adapter's, nor one adapter's another's.
+    assert_eq!(complete("tiny"), 0);
+    assert_eq!(complete("sql-lora"), 0);
+    assert_eq!(complete("sql-lora"), 32);
+    assert_eq!(complete("chat"), 0);
+    let mut named = Vec::new();
+    for _ in 0..3 {
+        let frames = sub.recv_multipart(0).expect("a batch of KV events");
+        let batch = kvevent_wire::decode(&frames[2]).expect("vLLM's wire");
+        for e in batch.events {
+            if let kvevent_wire::Event::BlockStored(s) = e {
+                named.push((s.lora_id, s.lora_name.map(|n| n.into_owned())));
+            }
+        }
+    }
+    assert_eq!(
+        named,
+        [
+            (None, None),
+            (Some(1), Some("sql-lora".to_owned())),
+            (Some(2), Some("chat".to_owned()))
+        ]
+    );
+    let (status, body) = http(
+        &http_addr,
+        "POST",
+        "/v1/completions",
+        &serde_json::json!({"model": "nope", "prompt": [1, 2]}).to_string(),
+    );
+    assert_eq!(status, 404, "{body}");
+    assert_eq!(
+        json(&body)["error"]["message"],
+        "The model `nope` does not exist."
+    );
+}

@@ -135,6 +135,27 @@ pub struct Request {
     /// The tokens it generates, in order (repeated if shorter than `max_tokens`; empty:
     /// [`generated_tokens`] of its prompt).
     pub output: Vec<u32>,
+    /// The LoRA adapter it runs with, if any: its blocks are the adapter's own (the same tokens
+    /// under another adapter, or none, are other blocks), and their events name it.
+    pub lora: Option<Lora>,
+}
+
+/// A LoRA adapter, as vLLM names it in its events.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Lora {
+    /// The engine's number for it (vLLM's `lora_id`, from 1 in load order).
+    pub id: i64,
+    /// Its name (vLLM's `lora_name`: what requests name in `model`).
+    pub name: String,
+}
+
+impl Lora {
+    /// The hash a chain of this adapter's blocks starts from (vLLM mixes the adapter into
+    /// every block's hash; a chain from it never meets another adapter's).
+    fn seed(lora: Option<&Lora>) -> Option<u64> {
+        let name = |l: &Lora| l.name.bytes().map(u32::from).collect::<Vec<_>>();
+        lora.map(|l| kvevent_fingerprint::content(&name(l)))
+    }
 }
 
 /// Something a step did to a request.
@@ -208,7 +229,11 @@ impl Live {
     fn rehash(&mut self, block_size: usize) {
         let full = self.tokens.len() / block_size;
         if self.hashes.len() < full {
-            let parent = self.hashes.last().copied();
+            let parent = self
+                .hashes
+                .last()
+                .copied()
+                .or_else(|| Lora::seed(self.req.lora.as_ref()));
             let from = self.hashes.len() * block_size;
             kvevent_fingerprint::prefixes_into(
                 &self.tokens[from..full * block_size],
@@ -302,14 +327,19 @@ impl Engine {
         (self.queries, self.hits)
     }
 
-    /// The prompt tokens a request for `prompt` would find cached now (full blocks from
-    /// token 0, at most `prompt - 1` tokens), without changing anything: what an oracle that
-    /// sees every engine knows.
-    pub fn cached_prefix(&self, prompt: &[u32]) -> u32 {
+    /// The prompt tokens a request for `prompt` (under `lora`, if any) would find cached now
+    /// (full blocks from token 0, at most `prompt - 1` tokens), without changing anything: what
+    /// an oracle that sees every engine knows.
+    pub fn cached_prefix(&self, prompt: &[u32], lora: Option<&Lora>) -> u32 {
         let bs = self.config.block_size;
         let max_blocks = prompt.len().saturating_sub(1) / bs;
         let mut hashes = Vec::with_capacity(max_blocks);
-        kvevent_fingerprint::prefixes_into(&prompt[..max_blocks * bs], bs, None, &mut hashes);
+        kvevent_fingerprint::prefixes_into(
+            &prompt[..max_blocks * bs],
+            bs,
+            Lora::seed(lora),
+            &mut hashes,
+        );
         let hit = hashes
             .iter()
             .take_while(|h| self.pool.lookup(**h).is_some())
@@ -359,6 +389,7 @@ impl Engine {
                 &live.tokens,
                 self.config.block_size,
                 (live.cached_blocks, cacheable),
+                live.req.lora.as_ref(),
             );
             live.cached_blocks = cacheable;
         }
@@ -514,6 +545,7 @@ mod tests {
                 prompt: prompt.clone(),
                 max_tokens: 2,
                 output: Vec::new(),
+                lora: None,
             });
             while let Some(step) = engine.step() {
                 events += step.events.len();
@@ -531,5 +563,66 @@ mod tests {
         assert_eq!(cached_and_events(true).0, [0, 32]);
         assert!(cached_and_events(true).1 > 0);
         assert_eq!(cached_and_events(false), (vec![0, 0], 0));
+    }
+
+    #[test]
+    fn an_adapters_blocks_are_its_own_and_its_events_name_it() {
+        let mut engine = Engine::new(Config {
+            block_size: 16,
+            num_blocks: 64,
+            max_num_seqs: 8,
+            max_num_batched_tokens: 2048,
+            time: TimeModel::GPU_8B,
+            prefix_caching: true,
+        });
+        let a = Lora {
+            id: 1,
+            name: "a".into(),
+        };
+        let prompt: Vec<u32> = (0..40).collect();
+        let mut run = |id, lora: Option<&Lora>| {
+            engine.add(Request {
+                id,
+                prompt: prompt.clone(),
+                max_tokens: 1,
+                output: Vec::new(),
+                lora: lora.cloned(),
+            });
+            let (mut cached, mut stored) = (None, Vec::new());
+            while let Some(step) = engine.step() {
+                for e in step.events {
+                    if let Event::Stored { hashes, lora, .. } = e {
+                        stored.push((hashes, lora));
+                    }
+                }
+                for p in step.progress {
+                    if let Progress::FirstToken { cached_tokens, .. } = p {
+                        cached = Some(cached_tokens);
+                    }
+                }
+            }
+            (cached, stored)
+        };
+        let (base_cached, base_stored) = run(0, None);
+        let (a_cached, a_stored) = run(1, Some(&a));
+        let (again, _) = run(2, Some(&a));
+        assert_eq!((base_cached, a_cached, again), (Some(0), Some(0), Some(32)));
+        assert_eq!(base_stored[0].1, None);
+        assert_eq!(a_stored[0].1, Some(a.clone()));
+        assert_ne!(
+            base_stored[0].0, a_stored[0].0,
+            "the same tokens, other blocks"
+        );
+        assert_eq!(engine.cached_prefix(&prompt, Some(&a)), 32);
+        assert_eq!(
+            engine.cached_prefix(
+                &prompt,
+                Some(&Lora {
+                    id: 2,
+                    name: "b".into()
+                })
+            ),
+            0
+        );
     }
 }

@@ -20,7 +20,7 @@
 //! });
 //! let prompt: Vec<u32> = (0..40).collect();
 //! for id in 0..2 {
-//!     engine.add(Request { id, prompt: prompt.clone(), max_tokens: 1, output: Vec::new() });
+//!     engine.add(Request { id, prompt: prompt.clone(), max_tokens: 1, output: Vec::new(), lora: None });
 //!     let step = engine.step().expect("work");
 //!     // The first request stores two full blocks; the second finds them.
 //!     let cached = step.progress.iter().find_map(|p| match p {
@@ -36,5 +36,5 @@ mod engine;
 mod pool;
 pub mod workload;
 
-pub use engine::{Config, Engine, Progress, Request, Step, TimeModel, generated_tokens};
+pub use engine::{Config, Engine, Lora, Progress, Request, Step, TimeModel, generated_tokens};
 pub use pool::Event;

@@ -23,6 +23,8 @@ pub enum Event {
         parent: Option<u64>,
         /// The blocks' tokens, concatenated.
         tokens: Vec<u32>,
+        /// The LoRA adapter they were computed with.
+        lora: Option<crate::Lora>,
     },
     /// A cached block was taken for other tokens.
     Removed {
@@ -180,6 +182,7 @@ impl Pool {
         tokens: &[u32],
         block_size: usize,
         (from, to): (usize, usize),
+        lora: Option<&crate::Lora>,
     ) {
         if from >= to {
             return;
@@ -202,6 +205,7 @@ impl Pool {
             hashes: hashes[from..to].to_vec(),
             parent: from.checked_sub(1).map(|p| hashes[p]),
             tokens: tokens[from * block_size..to * block_size].to_vec(),
+            lora: lora.cloned(),
         });
     }
 
@@ -253,7 +257,7 @@ mod tests {
         let a = pool.take(3);
         assert_eq!(a, [1, 2, 3]);
         // Blocks 1 and 2 cache a prefix; 3 is partly filled.
-        pool.cache(&a, &[11, 12], &(0..8).collect::<Vec<_>>(), 4, (0, 2));
+        pool.cache(&a, &[11, 12], &(0..8).collect::<Vec<_>>(), 4, (0, 2), None);
         pool.release(&a);
         // The uncached block goes to the front (reused first), the cached ones to the back,
         // the request's tail first.
@@ -275,9 +279,9 @@ mod tests {
     fn a_hash_cached_twice_is_removed_once_per_block() {
         let mut pool = Pool::new(4);
         let a = pool.take(1);
-        pool.cache(&a, &[7], &[1, 2], 2, (0, 1));
+        pool.cache(&a, &[7], &[1, 2], 2, (0, 1), None);
         let b = pool.take(1);
-        pool.cache(&b, &[7], &[1, 2], 2, (0, 1));
+        pool.cache(&b, &[7], &[1, 2], 2, (0, 1), None);
         assert_eq!(pool.lookup(7), Some(a[0]));
         pool.release(&a);
         pool.release(&b);

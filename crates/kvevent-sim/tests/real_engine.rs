@@ -153,6 +153,7 @@ async fn real_engine_and_simulator_make_the_same_events_and_cached_tokens() {
             prompt: ids.clone(),
             max_tokens,
             output: output.clone(),
+            lora: None,
         });
         run_until_idle(&mut simulated, &mut sim_cached, &mut sim_items);
         if i == 4 {
@@ -228,6 +229,7 @@ async fn real_engine_and_simulator_make_the_same_events_and_cached_tokens() {
             prompt: ids.clone(),
             max_tokens: 1,
             output: output.clone(),
+            lora: None,
         });
     }
     let mut sim_burst = Vec::new();
