@@ -44,6 +44,9 @@ pub struct Serving {
     /// The LoRA adapters it serves, by name (vLLM's `--lora-modules`): a request naming one in
     /// `model` runs with it (ids from 1, in this order).
     pub lora_modules: Vec<String>,
+    /// Whose wire its KV events speak and whose names its `/metrics` use: vLLM 0.33's, or
+    /// SGLang 0.5.23's (signed block hashes; the same framing and replay).
+    pub engine: wire::Engine,
 }
 
 impl Serving {
@@ -54,6 +57,7 @@ impl Serving {
             max_model_len: 8_192,
             speed: 1.0,
             lora_modules: Vec::new(),
+            engine: wire::Engine::Vllm,
         }
     }
 }
@@ -140,6 +144,7 @@ impl SimEngine {
             publisher.clone(),
             block_size,
             serving.speed,
+            serving.engine,
         ));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let http = listener.local_addr()?;
@@ -176,21 +181,38 @@ impl SimEngine {
 
 /// Publishes `batches` in order (`lost`: kept for replay, not sent live), on a blocking thread:
 /// the publisher's call waits on its own thread, not on a runtime worker.
-async fn send(publisher: &Arc<Publisher>, batches: Vec<wire::EventBatch<'static>>, lost: bool) {
+async fn send(
+    publisher: &Arc<Publisher>,
+    batches: Vec<wire::EventBatch<'static>>,
+    lost: bool,
+    engine: wire::Engine,
+) {
     let publisher = publisher.clone();
     let _ = tokio::task::spawn_blocking(move || {
         for b in &batches {
+            let payload = match engine {
+                wire::Engine::Vllm => wire::encode(b, publisher.release()),
+                wire::Engine::Sglang => wire::encode_sglang(b, wire::SglangRelease::NEWEST_KNOWN),
+            };
+            let Ok(payload) = payload else { continue };
             if lost {
-                let payload = wire::encode(b, publisher.release());
-                if let Ok(p) = payload {
-                    publisher.publish_lost(p);
-                }
+                publisher.publish_lost(payload);
             } else {
-                let _ = publisher.publish(b);
+                publisher.publish_payload(payload);
             }
         }
     })
     .await;
+}
+
+/// A block's hash as the engine's wire carries it: vLLM's unsigned, SGLang's signed (Python's
+/// `hash`, 64 bits).
+fn block_hash(h: u64, engine: wire::Engine) -> wire::BlockHash<'static> {
+    let int = match engine {
+        wire::Engine::Sglang if (h as i64) < 0 => wire::Int::I64(h as i64),
+        _ => wire::Int::U64(h),
+    };
+    wire::BlockHash::Int(int)
 }
 
 /// Steps the engine while it has work, each step slept for its duration (sped up), then its
@@ -201,6 +223,7 @@ async fn run(
     publisher: Arc<Publisher>,
     block_size: u32,
     speed: f64,
+    engine: wire::Engine,
 ) {
     // The engine's own clock, in wall time: each step ends its duration after the last one
     // was due to end (or after it started, from idle), so the timer's rounding (a sleep ends
@@ -232,19 +255,15 @@ async fn run(
                         } => wire::Event::BlockStored(wire::BlockStored {
                             lora_id: lora.as_ref().map(|l| l.id),
                             lora_name: lora.as_ref().map(|l| l.name.clone().into()),
-                            block_hashes: hashes
-                                .iter()
-                                .map(|h| wire::BlockHash::Int(wire::Int::U64(*h)))
-                                .collect(),
-                            parent_block_hash: parent
-                                .map(|p| wire::BlockHash::Int(wire::Int::U64(p))),
+                            block_hashes: hashes.iter().map(|h| block_hash(*h, engine)).collect(),
+                            parent_block_hash: parent.map(|p| block_hash(p, engine)),
                             token_ids: tokens.clone().into(),
                             block_size,
                             medium: Some(wire::Medium::from("GPU")),
                             ..Default::default()
                         }),
                         Event::Removed { hash } => wire::Event::BlockRemoved(wire::BlockRemoved {
-                            block_hashes: vec![wire::BlockHash::Int(wire::Int::U64(*hash))],
+                            block_hashes: vec![block_hash(*hash, engine)],
                             medium: Some(wire::Medium::from("GPU")),
                             ..Default::default()
                         }),
@@ -268,7 +287,7 @@ async fn run(
                 }
             };
             if !out.is_empty() {
-                send(&publisher, out, lost).await;
+                send(&publisher, out, lost, engine).await;
             }
         }
         let mut s = lock(&state);
@@ -396,6 +415,23 @@ async fn handle(
             let s = lock(&state);
             let e = &s.engine;
             let (queries, hits) = e.prefix_cache();
+            if serving.engine == wire::Engine::Sglang {
+                // SGLang's names: requests running and queued, KV usage, the hit rate.
+                let labels = format!("model_name=\"{model}\",dp_rank=\"0\"");
+                return Ok(full(
+                    200,
+                    format!(
+                        "sglang:num_running_reqs{{{labels}}} {}\n\
+                         sglang:num_queue_reqs{{{labels}}} {}\n\
+                         sglang:token_usage{{{labels}}} {}\n\
+                         sglang:cache_hit_rate{{{labels}}} {}\n",
+                        e.running(),
+                        e.waiting(),
+                        e.kv_usage(),
+                        hits as f64 / queries.max(1) as f64
+                    ),
+                ));
+            }
             let labels = format!("engine=\"0\",model_name=\"{model}\",replica=\"{name}\"");
             Ok(full(
                 200,
@@ -722,7 +758,7 @@ async fn admin(
                 std::mem::take(&mut s.faults.held)
             };
             let n = held.len();
-            send(&host.publisher, held, false).await;
+            send(&host.publisher, held, false, host.serving.engine).await;
             ok(serde_json::json!({"paused": false, "published": n}))
         }
         (false, "publisher/drop") => match number("batches") {

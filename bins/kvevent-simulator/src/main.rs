@@ -46,6 +46,10 @@ struct Args {
     /// blocks' events carry its name.
     #[arg(long, num_args = 1.., value_delimiter = ',', value_name = "NAME[=PATH]")]
     lora_modules: Vec<String>,
+    /// Whose KV-event wire and /metrics names: vllm (0.33) or sglang (0.5.23; follow it with
+    /// the sidecar's or the router's `engine=sglang`).
+    #[arg(long, default_value = "vllm", value_name = "ENGINE")]
+    engine: kvevent_wire::Engine,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -87,6 +91,7 @@ fn main() -> anyhow::Result<()> {
             max_model_len: args.max_model_len,
             speed: args.speed,
             lora_modules: adapters,
+            engine: args.engine,
             ..Serving::new(args.model.clone())
         };
         let mut engines = Vec::with_capacity(args.engines);
@@ -94,8 +99,15 @@ fn main() -> anyhow::Result<()> {
             let name = format!("e{i:03}");
             let e = SimEngine::start(&ctx, &name, config.clone(), &serving).await?;
             println!(
-                "{}={},replay={},http=http://{}",
-                e.name, e.events, e.replay, e.http
+                "{}={},replay={},http=http://{}{}",
+                e.name,
+                e.events,
+                e.replay,
+                e.http,
+                match args.engine {
+                    kvevent_wire::Engine::Sglang => ",engine=sglang",
+                    kvevent_wire::Engine::Vllm => "",
+                }
             );
             engines.push(e);
         }

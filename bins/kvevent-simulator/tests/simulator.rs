@@ -466,3 +466,61 @@ fn an_adapter_is_served_by_name_its_blocks_are_its_own_and_its_events_name_it() 
         "The model `nope` does not exist."
     );
 }
+
+#[test]
+fn with_engine_sglang_its_events_and_metrics_are_sglangs() {
+    let (_child, lines) = simulator(&["--model", "tiny", "--engine", "sglang"], 1);
+    assert!(
+        lines[0].ends_with(",engine=sglang"),
+        "the router's syntax: {}",
+        lines[0]
+    );
+    let (http_addr, events) = endpoints(&lines[0]);
+    let ctx = zmq::Context::new();
+    let sub = ctx.socket(zmq::SUB).expect("sub");
+    sub.set_subscribe(b"").expect("subscribe");
+    sub.set_rcvtimeo(10_000).expect("rcvtimeo");
+    sub.connect(&events).expect("connect");
+    std::thread::sleep(Duration::from_millis(300));
+    // Enough prompts that some block hash has its top bit set: SGLang's are signed.
+    let mut hashes = Vec::new();
+    for p in 0..8u32 {
+        let prompt: Vec<u32> = (p * 100..p * 100 + 40).collect();
+        let body = serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": 1});
+        let (status, body) = http(&http_addr, "POST", "/v1/completions", &body.to_string());
+        assert_eq!(status, 200, "{body}");
+        let frames = sub.recv_multipart(0).expect("a batch of KV events");
+        let batch = kvevent_wire::decode_engine(
+            &frames[2],
+            kvevent_wire::Engine::Sglang,
+            &kvevent_wire::Limits::default(),
+        )
+        .expect("SGLang's wire");
+        for e in batch.events {
+            if let kvevent_wire::Event::BlockStored(s) = e {
+                hashes.extend(s.block_hashes.into_iter().map(|h| match h {
+                    kvevent_wire::BlockHash::Int(i) => i,
+                    other => panic!("not an int: {other:?}"),
+                }));
+            }
+        }
+    }
+    assert_eq!(hashes.len(), 16);
+    assert!(
+        hashes
+            .iter()
+            .any(|h| matches!(h, kvevent_wire::Int::I64(_))),
+        "signed hashes, some negative: {hashes:?}"
+    );
+    let (status, metrics) = http(&http_addr, "GET", "/metrics", "");
+    assert_eq!(status, 200);
+    for name in [
+        "sglang:num_running_reqs{",
+        "sglang:num_queue_reqs{",
+        "sglang:token_usage{",
+        "sglang:cache_hit_rate{",
+    ] {
+        assert!(metrics.contains(name), "no {name} in {metrics}");
+    }
+    assert!(!metrics.contains("vllm:"), "{metrics}");
+}
