@@ -47,6 +47,10 @@ pub struct Serving {
     /// Whose wire its KV events speak and whose names its `/metrics` use: vLLM 0.33's, or
     /// SGLang 0.5.23's (signed block hashes; the same framing and replay).
     pub engine: wire::Engine,
+    /// Its data-parallel ranks (vLLM's `--data-parallel-size`): each an engine of its own, rank
+    /// `r` publishing on the events and replay ports + `r`, its batches carrying its rank; a
+    /// request goes to the least loaded (waiting × 4 + running, as vLLM's API server picks).
+    pub data_parallel_size: usize,
 }
 
 impl Serving {
@@ -58,12 +62,14 @@ impl Serving {
             speed: 1.0,
             lora_modules: Vec::new(),
             engine: wire::Engine::Vllm,
+            data_parallel_size: 1,
         }
     }
 }
 
 struct State {
-    engine: Engine,
+    /// One a data-parallel rank.
+    engines: Vec<Engine>,
     /// Each request's listener: its progress as the steps make it.
     waiters: HashMap<u64, mpsc::UnboundedSender<Progress>>,
     next_id: u64,
@@ -77,7 +83,8 @@ struct Faults {
     incarnation: u64,
     /// Batches are held, not published, until resumed.
     paused: bool,
-    held: Vec<wire::EventBatch<'static>>,
+    /// Each held batch with its rank.
+    held: Vec<(usize, wire::EventBatch<'static>)>,
     /// The next batches lost on the way (kept for replay).
     drop_next: u64,
     /// Requests other than the admin's get no answer (their connection is closed).
@@ -92,10 +99,12 @@ pub struct SimEngine {
     pub name: String,
     /// Its OpenAI-compatible server.
     pub http: SocketAddr,
-    /// Its KV-event PUB endpoint.
+    /// Its KV-event PUB endpoint (rank 0's: rank `r` on its port + `r`).
     pub events: String,
-    /// Its replay endpoint.
+    /// Its replay endpoint (rank 0's likewise).
     pub replay: String,
+    /// Its data-parallel ranks.
+    pub dp: usize,
     state: Arc<Mutex<State>>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -121,62 +130,136 @@ impl SimEngine {
             "the speed is a number above 0, not {}",
             serving.speed
         );
+        let dp = serving.data_parallel_size;
+        anyhow::ensure!(
+            (1..=256).contains(&dp),
+            "the data-parallel size is 1 to 256, not {dp}"
+        );
         let block_size = config.block_size as u32;
-        let publisher = Arc::new(Publisher::start(
-            ctx,
-            PublisherConfig {
-                replay_endpoint: Some("tcp://127.0.0.1:*".into()),
-                ..PublisherConfig::loopback(wire::Release::new(0, 33, 0))
-            },
-        )?);
-        let events = publisher.endpoint().to_owned();
-        let replay = publisher.replay_endpoint().unwrap_or_default().to_owned();
+        let publishers = Arc::new(publishers(ctx, dp)?);
+        let events = publishers[0].endpoint().to_owned();
+        let replay = publishers[0]
+            .replay_endpoint()
+            .unwrap_or_default()
+            .to_owned();
         let state = Arc::new(Mutex::new(State {
-            engine: Engine::new(config),
+            engines: (0..dp).map(|_| Engine::new(config.clone())).collect(),
             waiters: HashMap::new(),
             next_id: 0,
             faults: Faults::default(),
         }));
-        let work = Arc::new(Notify::new());
-        let stepper = tokio::spawn(run(
-            state.clone(),
-            work.clone(),
-            publisher.clone(),
-            block_size,
-            serving.speed,
-            serving.engine,
-        ));
+        let work: Work = (0..dp).map(|_| Notify::new()).collect();
+        let mut tasks: Vec<_> = (0..dp)
+            .map(|rank| {
+                tokio::spawn(run(
+                    state.clone(),
+                    work.clone(),
+                    rank,
+                    publishers.clone(),
+                    block_size,
+                    serving.clone(),
+                ))
+            })
+            .collect();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let http = listener.local_addr()?;
-        let server = tokio::spawn(serve(
+        tasks.push(tokio::spawn(serve(
             listener,
             state.clone(),
             work,
             Arc::new(Host {
                 name: name.to_owned(),
                 serving: serving.clone(),
-                publisher,
+                publishers,
             }),
-        ));
+        )));
         Ok(Self {
             name: name.to_owned(),
             http,
             events,
             replay,
+            dp,
             state,
-            tasks: vec![stepper, server],
+            tasks,
         })
     }
 
     /// The prompt tokens `prompt` (under `lora`, if any) would find cached here now.
     pub fn cached_prefix(&self, prompt: &[u32], lora: Option<&kvevent_sim::Lora>) -> u32 {
-        lock(&self.state).engine.cached_prefix(prompt, lora)
+        let s = lock(&self.state);
+        s.engines
+            .iter()
+            .map(|e| e.cached_prefix(prompt, lora))
+            .max()
+            .unwrap_or(0)
     }
 
     /// Prompt tokens looked up and found in its prefix cache so far.
     pub fn prefix_cache(&self) -> (u64, u64) {
-        lock(&self.state).engine.prefix_cache()
+        lock(&self.state)
+            .engines
+            .iter()
+            .map(Engine::prefix_cache)
+            .fold((0, 0), |(q, h), (eq, eh)| (q + eq, h + eh))
     }
+}
+
+/// Each rank's wake-up: work was added there.
+type Work = Arc<[Notify]>;
+
+/// One publisher a rank, rank `r` on rank 0's events and replay ports + `r`, as vLLM lays them
+/// out (ports taken elsewhere: tried again on others).
+fn publishers(ctx: &zmq::Context, dp: usize) -> anyhow::Result<Vec<Arc<Publisher>>> {
+    let config = |events: String, replay: String| PublisherConfig {
+        endpoint: events,
+        bind: Some(true),
+        replay_endpoint: Some(replay),
+        ..PublisherConfig::loopback(wire::Release::new(0, 33, 0))
+    };
+    let port = |endpoint: &str| {
+        endpoint
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse::<u16>().ok())
+    };
+    let mut last = None;
+    for _ in 0..20 {
+        let first = Publisher::start(
+            ctx,
+            config("tcp://127.0.0.1:*".into(), "tcp://127.0.0.1:*".into()),
+        )?;
+        let (Some(events), Some(replay)) = (
+            port(first.endpoint()),
+            first.replay_endpoint().and_then(port),
+        ) else {
+            anyhow::bail!("no port in {:?}", first.endpoint());
+        };
+        let mut all = vec![Arc::new(first)];
+        for r in 1..dp as u16 {
+            let (Some(e), Some(p)) = (events.checked_add(r), replay.checked_add(r)) else {
+                break;
+            };
+            match Publisher::start(
+                ctx,
+                config(
+                    format!("tcp://127.0.0.1:{e}"),
+                    format!("tcp://127.0.0.1:{p}"),
+                ),
+            ) {
+                Ok(publisher) => all.push(Arc::new(publisher)),
+                Err(error) => {
+                    last = Some(error);
+                    break;
+                }
+            }
+        }
+        if all.len() == dp {
+            return Ok(all);
+        }
+    }
+    Err(anyhow::anyhow!(
+        "no {dp} consecutive ports free for the ranks' publishers after 20 tries: {last:?}"
+    ))
 }
 
 /// Publishes `batches` in order (`lost`: kept for replay, not sent live), on a blocking thread:
@@ -219,20 +302,23 @@ fn block_hash(h: u64, engine: wire::Engine) -> wire::BlockHash<'static> {
 /// events published and its progress handed to the requests' listeners.
 async fn run(
     state: Arc<Mutex<State>>,
-    work: Arc<Notify>,
-    publisher: Arc<Publisher>,
+    work: Work,
+    rank: usize,
+    publishers: Arc<Vec<Arc<Publisher>>>,
     block_size: u32,
-    speed: f64,
-    engine: wire::Engine,
+    serving: Serving,
 ) {
+    let (publisher, engine, speed) = (&publishers[rank], serving.engine, serving.speed);
+    // vLLM's batches say their rank when it runs more than one.
+    let data_parallel_rank = (serving.data_parallel_size > 1).then_some(rank as i64);
     // The engine's own clock, in wall time: each step ends its duration after the last one
     // was due to end (or after it started, from idle), so the timer's rounding (a sleep ends
     // on the next millisecond) never adds up.
     let mut clock = tokio::time::Instant::now();
     loop {
-        let step = lock(&state).engine.step();
+        let step = lock(&state).engines[rank].step();
         let Some(step) = step else {
-            work.notified().await;
+            work[rank].notified().await;
             clock = tokio::time::Instant::now();
             continue;
         };
@@ -269,7 +355,7 @@ async fn run(
                         }),
                     })
                     .collect(),
-                data_parallel_rank: None,
+                data_parallel_rank,
                 unknown_events: 0,
             };
             // Held while paused (in order), lost on the way while dropping, else published.
@@ -277,7 +363,7 @@ async fn run(
                 let mut s = lock(&state);
                 let f = &mut s.faults;
                 if f.paused {
-                    f.held.push(batch);
+                    f.held.push((rank, batch));
                     (Vec::new(), false)
                 } else if f.drop_next > 0 {
                     f.drop_next -= 1;
@@ -287,7 +373,7 @@ async fn run(
                 }
             };
             if !out.is_empty() {
-                send(&publisher, out, lost, engine).await;
+                send(publisher, out, lost, engine).await;
             }
         }
         let mut s = lock(&state);
@@ -307,11 +393,11 @@ async fn run(
     }
 }
 
-/// The engine's name, how it serves, and its publisher (for the admin's faults).
+/// The engine's name, how it serves, and its ranks' publishers (for the admin's faults).
 struct Host {
     name: String,
     serving: Serving,
-    publisher: Arc<Publisher>,
+    publishers: Arc<Vec<Arc<Publisher>>>,
 }
 
 type Named = Arc<Host>;
@@ -319,7 +405,7 @@ type Named = Arc<Host>;
 async fn serve(
     listener: tokio::net::TcpListener,
     state: Arc<Mutex<State>>,
-    work: Arc<Notify>,
+    work: Work,
     name: Named,
 ) {
     loop {
@@ -372,7 +458,7 @@ fn usage(prompt: usize, completion: u32, cached: u32) -> serde_json::Value {
 async fn handle(
     req: hyper::Request<hyper::body::Incoming>,
     state: Arc<Mutex<State>>,
-    work: Arc<Notify>,
+    work: Work,
     named: Named,
 ) -> Result<hyper::Response<Body>, Down> {
     let (name, serving) = (&named.name, &named.serving);
@@ -413,13 +499,12 @@ async fn handle(
         )),
         ("GET", "/metrics") => {
             let s = lock(&state);
-            let e = &s.engine;
-            let (queries, hits) = e.prefix_cache();
-            if serving.engine == wire::Engine::Sglang {
-                // SGLang's names: requests running and queued, KV usage, the hit rate.
-                let labels = format!("model_name=\"{model}\",dp_rank=\"0\"");
-                return Ok(full(
-                    200,
+            let mut text = String::new();
+            for (rank, e) in s.engines.iter().enumerate() {
+                let (queries, hits) = e.prefix_cache();
+                text += &if serving.engine == wire::Engine::Sglang {
+                    // SGLang's names: requests running and queued, KV usage, the hit rate.
+                    let labels = format!("model_name=\"{model}\",dp_rank=\"{rank}\"");
                     format!(
                         "sglang:num_running_reqs{{{labels}}} {}\n\
                          sglang:num_queue_reqs{{{labels}}} {}\n\
@@ -429,23 +514,23 @@ async fn handle(
                         e.waiting(),
                         e.kv_usage(),
                         hits as f64 / queries.max(1) as f64
-                    ),
-                ));
+                    )
+                } else {
+                    let labels =
+                        format!("engine=\"{rank}\",model_name=\"{model}\",replica=\"{name}\"");
+                    format!(
+                        "vllm:num_requests_running{{{labels}}} {}\n\
+                         vllm:num_requests_waiting{{{labels}}} {}\n\
+                         vllm:kv_cache_usage_perc{{{labels}}} {}\n\
+                         vllm:prefix_cache_queries_total{{{labels}}} {queries}\n\
+                         vllm:prefix_cache_hits_total{{{labels}}} {hits}\n",
+                        e.running(),
+                        e.waiting(),
+                        e.kv_usage()
+                    )
+                };
             }
-            let labels = format!("engine=\"0\",model_name=\"{model}\",replica=\"{name}\"");
-            Ok(full(
-                200,
-                format!(
-                    "vllm:num_requests_running{{{labels}}} {}\n\
-                     vllm:num_requests_waiting{{{labels}}} {}\n\
-                     vllm:kv_cache_usage_perc{{{labels}}} {}\n\
-                     vllm:prefix_cache_queries_total{{{labels}}} {queries}\n\
-                     vllm:prefix_cache_hits_total{{{labels}}} {hits}\n",
-                    e.running(),
-                    e.waiting(),
-                    e.kv_usage()
-                ),
-            ))
+            Ok(full(200, text))
         }
         ("POST", path @ ("/v1/completions" | "/v1/chat/completions")) => {
             let chat = path == "/v1/chat/completions";
@@ -516,7 +601,7 @@ async fn complete(
     body: &[u8],
     chat: bool,
     state: Arc<Mutex<State>>,
-    work: Arc<Notify>,
+    work: Work,
     serving: &Serving,
 ) -> hyper::Response<Body> {
     let model = serving.model.as_str();
@@ -584,25 +669,33 @@ async fn complete(
     }
     let stream = v["stream"].as_bool().unwrap_or(false);
     // What the API server adds before the engine core sees a request.
-    let request_us = lock(&state).engine.config().time.request_us;
+    let request_us = lock(&state).engines[0].config().time.request_us;
     if request_us > 0.0 {
         tokio::time::sleep(Duration::from_secs_f64(request_us / 1e6 / serving.speed)).await;
     }
     let (tx, mut rx) = mpsc::unbounded_channel();
-    {
+    let rank = {
         let mut s = lock(&state);
         let id = s.next_id;
         s.next_id += 1;
         s.waiters.insert(id, tx);
-        s.engine.add(Request {
+        // The least loaded rank, as vLLM's API server scores them.
+        let (rank, engine) = s
+            .engines
+            .iter_mut()
+            .enumerate()
+            .min_by_key(|(_, e)| e.waiting() * 4 + e.running())
+            .expect("one rank at least");
+        engine.add(Request {
             id,
             prompt: prompt.clone(),
             max_tokens,
             output: Vec::new(),
             lora,
         });
-    }
-    work.notify_one();
+        rank
+    };
+    work[rank].notify_one();
     let n = prompt.len();
     let object = if chat {
         "chat.completion"
@@ -726,7 +819,7 @@ async fn admin(
     fault: &str,
     query: &str,
     state: &Arc<Mutex<State>>,
-    work: &Arc<Notify>,
+    work: &Work,
     host: &Host,
 ) -> hyper::Response<Body> {
     const KNOWN: &str = "GET truth; POST publisher/pause, publisher/resume, publisher/drop?batches=N, restart, http/down, http/up, http/delay?ms=N";
@@ -741,10 +834,14 @@ async fn admin(
     match (get, fault) {
         (true, "truth") => {
             let s = lock(state);
+            let mut all: Vec<u64> = s.engines.iter().flat_map(Engine::cached_hashes).collect();
+            all.sort_unstable();
+            all.dedup();
             ok(serde_json::json!({
                 "incarnation": s.faults.incarnation,
-                "block_size": s.engine.config().block_size,
-                "blocks": s.engine.cached_hashes(),
+                "block_size": s.engines[0].config().block_size,
+                "blocks": all,
+                "ranks": s.engines.iter().map(Engine::cached_hashes).collect::<Vec<_>>(),
             }))
         }
         (false, "publisher/pause") => {
@@ -758,7 +855,13 @@ async fn admin(
                 std::mem::take(&mut s.faults.held)
             };
             let n = held.len();
-            send(&host.publisher, held, false, host.serving.engine).await;
+            for (rank, publisher) in host.publishers.iter().enumerate() {
+                let batches = held
+                    .iter()
+                    .filter(|(r, _)| *r == rank)
+                    .map(|(_, b)| b.clone());
+                send(publisher, batches.collect(), false, host.serving.engine).await;
+            }
             ok(serde_json::json!({"paused": false, "published": n}))
         }
         (false, "publisher/drop") => match number("batches") {
@@ -771,17 +874,20 @@ async fn admin(
         (false, "restart") => {
             let incarnation = {
                 let mut s = lock(state);
-                let config = s.engine.config().clone();
-                s.engine = Engine::new(config);
+                for e in &mut s.engines {
+                    *e = Engine::new(e.config().clone());
+                }
                 // The requests in flight end with the process they were in.
                 s.waiters.clear();
                 s.faults.held.clear();
                 s.faults.incarnation += 1;
                 s.faults.incarnation
             };
-            let publisher = host.publisher.clone();
-            let _ = tokio::task::spawn_blocking(move || publisher.restart()).await;
-            work.notify_one();
+            let publishers = host.publishers.clone();
+            let _ =
+                tokio::task::spawn_blocking(move || publishers.iter().for_each(|p| p.restart()))
+                    .await;
+            work.iter().for_each(Notify::notify_one);
             ok(serde_json::json!({"incarnation": incarnation}))
         }
         (false, "http/down" | "http/up") => {

@@ -50,6 +50,10 @@ struct Args {
     /// the sidecar's or the router's `engine=sglang`).
     #[arg(long, default_value = "vllm", value_name = "ENGINE")]
     engine: kvevent_wire::Engine,
+    /// Data-parallel ranks an engine (vLLM's flag): rank R an engine of its own on the events and
+    /// replay ports + R; a request goes to the least loaded. Each line then ends ,dp=N.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    data_parallel_size: usize,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -92,6 +96,7 @@ fn main() -> anyhow::Result<()> {
             speed: args.speed,
             lora_modules: adapters,
             engine: args.engine,
+            data_parallel_size: args.data_parallel_size,
             ..Serving::new(args.model.clone())
         };
         let mut engines = Vec::with_capacity(args.engines);
@@ -99,11 +104,16 @@ fn main() -> anyhow::Result<()> {
             let name = format!("e{i:03}");
             let e = SimEngine::start(&ctx, &name, config.clone(), &serving).await?;
             println!(
-                "{}={},replay={},http=http://{}{}",
+                "{}={},replay={},http=http://{}{}{}",
                 e.name,
                 e.events,
                 e.replay,
                 e.http,
+                if e.dp > 1 {
+                    format!(",dp={}", e.dp)
+                } else {
+                    String::new()
+                },
                 match args.engine {
                     kvevent_wire::Engine::Sglang => ",engine=sglang",
                     kvevent_wire::Engine::Vllm => "",

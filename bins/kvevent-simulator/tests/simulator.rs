@@ -524,3 +524,63 @@ fn with_engine_sglang_its_events_and_metrics_are_sglangs() {
     }
     assert!(!metrics.contains("vllm:"), "{metrics}");
 }
+
+#[test]
+fn data_parallel_ranks_are_laid_out_as_vllms_and_share_the_load() {
+    let (_child, lines) = simulator(&["--model", "tiny", "--data-parallel-size", "2"], 1);
+    assert!(
+        lines[0].ends_with(",dp=2"),
+        "the router's syntax: {}",
+        lines[0]
+    );
+    let (http_addr, events) = endpoints(&lines[0]);
+    // Rank 1 publishes on rank 0's port + 1.
+    let (host, port) = events.rsplit_once(':').expect("a port");
+    let rank1 = format!("{host}:{}", port.parse::<u16>().expect("a port") + 1);
+    let ctx = zmq::Context::new();
+    let subscribe = |endpoint: &str| {
+        let sub = ctx.socket(zmq::SUB).expect("sub");
+        sub.set_subscribe(b"").expect("subscribe");
+        sub.set_rcvtimeo(10_000).expect("rcvtimeo");
+        sub.connect(endpoint).expect("connect");
+        sub
+    };
+    let (sub0, sub1) = (subscribe(&events), subscribe(&rank1));
+    std::thread::sleep(Duration::from_millis(300));
+    // Two at once: the second goes to the rank the first left idle.
+    let requests: Vec<_> = (0..2u32)
+        .map(|p| {
+            let addr = http_addr.clone();
+            std::thread::spawn(move || {
+                let prompt: Vec<u32> = (p * 100..p * 100 + 40).collect();
+                let body =
+                    serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": 200});
+                http(&addr, "POST", "/v1/completions", &body.to_string())
+            })
+        })
+        .collect();
+    for r in requests {
+        let (status, body) = r.join().expect("a request");
+        assert_eq!(status, 200, "{body}");
+    }
+    for (rank, sub) in [(0, &sub0), (1, &sub1)] {
+        let frames = sub.recv_multipart(0).expect("a batch of KV events");
+        let batch = kvevent_wire::decode(&frames[2]).expect("vLLM's wire");
+        assert_eq!(batch.data_parallel_rank, Some(rank), "{batch:?}");
+    }
+    let (_, metrics) = http(&http_addr, "GET", "/metrics", "");
+    assert!(
+        metrics.contains("vllm:num_requests_running{engine=\"1\""),
+        "{metrics}"
+    );
+    let (_, truth) = http(&http_addr, "GET", "/admin/truth", "");
+    let truth = json(&truth);
+    let ranks = truth["ranks"].as_array().expect("ranks");
+    assert_eq!(ranks.len(), 2, "{truth}");
+    assert!(
+        ranks
+            .iter()
+            .all(|r| !r.as_array().expect("blocks").is_empty()),
+        "{truth}"
+    );
+}
