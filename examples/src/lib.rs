@@ -3,10 +3,8 @@
 //! --block-size 16 --engine NAME=tcp://host:port[,replay=tcp://host:port][,dp=N]`.
 //!
 //! [`router`] is the example router's service, a library so tests can start it in-process;
-//! [`proxy`] is its routing of `POST /v1/completions`; [`demo`] the routing demo
-//! (`cargo run --release -p kvevent-examples --example routing-demo`).
+//! [`proxy`] is its routing of `POST /v1/completions`.
 
-pub mod demo;
 pub mod proxy;
 pub mod router;
 #[doc(hidden)]

@@ -4,7 +4,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvevent_examples::demo::{self, Report, Spec};
+// The example itself, its `main` unused here.
+#[allow(dead_code, unreachable_pub)]
+#[path = "../routing_demo.rs"]
+mod demo;
+
+use demo::{Report, Spec};
 use kvevent_fleet::route::Policy;
 
 #[test]
