@@ -3,7 +3,7 @@
 //! change is encoded once and the same bytes go to every follower.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("proto");
     let file = root.join("kvevent/feed/v1/feed.proto");
     println!("cargo:rerun-if-changed={}", file.display());
     let descriptors = protox::compile([&file], [&root])?;

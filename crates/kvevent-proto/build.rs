@@ -2,7 +2,7 @@
 //! `proto/` with protox: a pure-Rust compiler, so no system `protoc` is needed.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("proto");
     let file = root.join("inferencecache/v1alpha1/inferencecache.proto");
     println!("cargo:rerun-if-changed={}", file.display());
     let descriptors = protox::compile([&file], [&root])?;

@@ -1,6 +1,4 @@
-//! `kvevent-subscriber`: the sidecar. Parses all configuration before any socket opens (every
-//! problem at once, exit 64), starts the sidecar, drains on SIGTERM/SIGINT (a second signal
-//! exits at once), and maps the outcome to an exit code.
+#![doc = include_str!("../README.md")]
 
 mod cli;
 

@@ -1,19 +1,4 @@
-//! `kvevents`: tooling for vLLM (and SGLang) KV events.
-//!
-//! Offline:
-//! - `decode`: payloads, or a recording, to normalized JSON lines (`--engine sglang` for
-//!   SGLang's);
-//! - `encode`: JSON back to the exact bytes a given vLLM (or SGLang) release sends;
-//! - `fingerprint`: the content-fingerprint chain of token ids, to check that a gateway and the
-//!   subscriber agree;
-//! - `stats`: what each replica's cache, and the fleet's, did over recordings.
-//!
-//! Over the network:
-//! - `publish`: a fake engine speaking any release (PUB + replay ROUTER), or a recording as
-//!   the engine sent it;
-//! - `record`: an engine's stream to a recording (`kvevent-recording`);
-//! - `doctor` (feature `doctor`, on by default): checks an engine's KV-event setup, one line
-//!   per check.
+#![doc = include_str!("../README.md")]
 
 #[cfg(feature = "doctor")]
 mod doctor;

@@ -1,17 +1,4 @@
-//! Endpoint discovery. vLLM (0.31+): `GET /kv_event_sources` on the engine's HTTP port lists
-//! each DP rank's KV-event endpoints as a JSON array,
-//! `[{"data_parallel_rank": 0, "endpoint": "tcp://*:5557", "replay_endpoint": null, "topic": ""}]`.
-//! SGLang (0.5.13+): `GET /server_info` holds a `kv_events` object, `{"publisher",
-//! "endpoint_host", "endpoint_port_base", "topic", "block_size", "dp_size"}` and from 0.5.22
-//! `"replay_endpoint_port_base"`; rank `r` publishes on `endpoint_port_base + r` (SGLang's
-//! port rule, as vLLM's).
-//!
-//! An endpoint written as the engine bound it (a wildcard host: `*`, `0.0.0.0`, `[::]`) means
-//! the host the discovery URL names. A layout where one rank's PUB endpoint is another's (or its
-//! own) replay endpoint is refused: the ranks' port offsets collide.
-//!
-//! The sidecar (`kvevent-sidecar`) and `kvevents doctor` both read listings with this crate:
-//! one set of rules, and the offline tool does not link the sidecar for them.
+#![doc = include_str!("../README.md")]
 
 use std::time::{Duration, Instant};
 

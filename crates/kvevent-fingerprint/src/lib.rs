@@ -1,26 +1,4 @@
-//! Positional content fingerprints of token blocks: prefix keys that a gateway holding only a
-//! request's token ids computes exactly as the subscriber does.
-//!
-//! Engine block hashes depend on the engine's hash algorithm, seed and version; these do not.
-//! The scheme (`shared/spec/fingerprint.md`), with XXH3-64 and seed [`SEED`]:
-//!
-//! - `content[i]` = XXH3 over block i's token ids, each as 4 bytes little-endian (a block is
-//!   `block_size` consecutive tokens; a partial tail block is ignored);
-//! - `prefix[0]` = `content[0]` without a parent, else XXH3 over
-//!   `le_u64(parent) ++ le_u64(content[0])`;
-//! - `prefix[i]` = XXH3 over `le_u64(prefix[i-1]) ++ le_u64(content[i])`;
-//! - on the wire a prefix is 8 bytes big-endian ([`wire_key`]).
-//!
-//! ```
-//! let blocks = kvevent_fingerprint::chain(&(1..=32).collect::<Vec<u32>>(), 16, None);
-//! assert_eq!(blocks.len(), 2);
-//! assert_eq!(blocks[0].prefix, blocks[0].content);
-//! // Extending a known prefix continues its chain:
-//! let tail = kvevent_fingerprint::chain(&(17..=32).collect::<Vec<u32>>(), 16, Some(blocks[0].prefix));
-//! assert_eq!(tail[0].prefix, blocks[1].prefix);
-//! ```
-//!
-//! Pure functions, no state, no IO. Token ids are only read; nothing is kept.
+#![doc = include_str!("../README.md")]
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 

@@ -1,29 +1,4 @@
-//! Writing a family straight to prometheus-client's encoder, no samples kept in between: the
-//! helpers every collector of the workspace writes with (the sidecar's areas, the feed's hub, a
-//! router's `Fleet`), so that a family's name, help, type and labels are written one way.
-//!
-//! A counter is named as exposed, ending in `_total` (the encoder adds the suffix back).
-//!
-//! ```
-//! use prometheus_client::collector::Collector;
-//! use prometheus_client::encoding::DescriptorEncoder;
-//!
-//! #[derive(Debug)]
-//! struct Hits(u64);
-//!
-//! impl Collector for Hits {
-//!     fn encode(&self, mut enc: DescriptorEncoder<'_>) -> std::fmt::Result {
-//!         kvevent_metrics::single(&mut enc, true, "demo_hits_total", "Hits.", self.0)
-//!     }
-//! }
-//!
-//! let mut registry = prometheus_client::registry::Registry::default();
-//! registry.register_collector(Box::new(Hits(3)));
-//! let mut text = String::new();
-//! prometheus_client::encoding::text::encode(&mut text, &registry)?;
-//! assert!(text.contains("# TYPE demo_hits counter\ndemo_hits_total 3\n"));
-//! # Ok::<(), std::fmt::Error>(())
-//! ```
+#![doc = include_str!("../README.md")]
 
 use std::borrow::Cow;
 use std::fmt;

@@ -1,17 +1,4 @@
-//! The InferenceCache v1alpha1 contract as Rust types.
-//!
-//! The `.proto` lives in `proto/inferencecache/v1alpha1/` at the workspace root and is written
-//! from the contract table, so the bytes match the reference server's. The messages depend only
-//! on prost; the tonic client and server (`inference_cache_client`, `inference_cache_server`)
-//! come with feature `grpc`. The server trait answers `unimplemented` for every call a server
-//! does not implement, so an engine-side server writes only `report_cache_state` and
-//! `publish_event`. Code is generated at build time by protox (pure Rust): no system
-//! `protoc` is needed.
-//!
-//! [`Report`] names what the engine side sends: an additive [`CacheStateUpdate`] or a
-//! [`CacheEvent`]. The mapper produces reports; the forwarder delivers them. Neither knows the
-//! other.
-
+#![doc = include_str!("../README.md")]
 #![allow(missing_docs, unreachable_pub, reason = "generated code")]
 #![allow(clippy::doc_lazy_continuation, reason = "generated code")]
 

@@ -1,43 +1,4 @@
-//! Recordings of an engine's KV-event stream, for replay and offline study: each batch's
-//! payload byte for byte, with its DP rank, topic, seq and receive time, after a header that
-//! names the engine and what was asked. `docs/decisions/0010-recordings.md` says why the
-//! format is this one.
-//!
-//! ```text
-//! file    = magic "KVEVREC" version(1 byte) header-len(u32 LE) header(JSON) header-crc(u32 LE)
-//!           record*
-//! record  = body-len(varint) body crc(u32 LE, CRC-32 of body)
-//! body    = flags(1 byte) rank(varint) seq-delta(zigzag varint) gap-us(varint)
-//!           [topic-len(varint) topic] [reason-len(varint) reason] payload
-//! ```
-//!
-//! - `seq-delta` is the seq less the previous seq of the same rank, less one (0 for the next
-//!   seq); `gap-us` the microseconds since the previous record (the first: since the header's
-//!   start). So a batch costs a few bytes beyond its payload: length, flags, rank, seq, time
-//!   and checksum (`docs/performance.md` has what it measured).
-//! - `flags`: bit 0, the topic follows (else it is the rank's previous one); bit 1, the batch
-//!   came from the replay endpoint, not live; bit 2, the rank starts over here (what its
-//!   earlier records built is stale: an engine restart, a gap nothing could fill), and the
-//!   reason follows, a word of `kvevent_source::ResetReason` (`restart`, `gap`, ...). A
-//!   reader from before bit 2 refuses such a file with "flags are unknown" at the record.
-//! - A file cut while a record was written (a killed recorder) reads back up to its last
-//!   whole record ([`Reader::truncated`]); anything else that does not parse is an error
-//!   naming its byte offset, never a panic.
-//!
-//! ```
-//! use kvevent_recording::{Header, Reader, Record, Writer};
-//!
-//! let mut file = Vec::new();
-//! let mut w = Writer::new(&mut file, &Header::new("vllm", 1_700_000_000_000))?;
-//! w.write(&Record { rank: 0, seq: 7, at_us: 1_500, topic: b"kv-events".to_vec(), replay: false, reset: None, payload: b"\x93\xcb".to_vec() })?;
-//! w.finish()?;
-//! let mut r = Reader::new(&file[..])?;
-//! assert_eq!(r.header().engine, "vllm");
-//! let record = r.next_record()?.expect("one record");
-//! assert_eq!((record.rank, record.seq, record.at_us, &record.payload[..]), (0, 7, 1_500, &b"\x93\xcb"[..]));
-//! assert!(r.next_record()?.is_none());
-//! # Ok::<(), kvevent_recording::Error>(())
-//! ```
+#![doc = include_str!("../README.md")]
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};

@@ -1,27 +1,4 @@
-//! The sidecar, composed from the kvevent crates.
-//!
-//! ```text
-//! engine PUB/ROUTER ─▶ kvevent-source::Subscriber ─▶ kvevent-mapper ─▶ kvevent-forwarder ─▶ server
-//!                      (std thread "kvevent-events", one Mapper per source)   (tokio task)
-//! engine /metrics ───▶ kvevent-scrape::Scraper ─▶ stats-only CacheStateUpdate ─▶ server
-//!                      (tokio task, own cadence, own failure domain)
-//! engine /metrics ───▶ kvevent-scrape::read_load ─▶ the feed's Hub (its load, with a feed)
-//!                      (tokio task, every --engine-load-interval, one read at a time)
-//! ```
-//!
-//! [`start`] builds everything from validated [`Settings`] (sockets open only after the
-//! configuration is whole), [`Running::shutdown`] stops intake and drains within a deadline.
-//! Routers can embed the whole sidecar in-process; the `kvevent-subscriber` binary is a thin
-//! shell around it. [`demo`] runs it against an in-process engine, server and metrics endpoint.
-//!
-//! With `--state-file`, [`state_file`] saves each source's mapper and last batch periodically
-//! and at shutdown, and [`start`] resumes from it. With `--feed-address` the events thread
-//! hands each turn's changes and its engine's health to a [`kvevent_feed::Hub`], served to
-//! routers; with no server as well ([`Settings::server`]), that is all it serves: no
-//! forwarder, server probe or stats.
-//!
-//! This is the only crate that knows every layer: the others know their neighbours'
-//! abstractions, never each other.
+#![doc = include_str!("../README.md")]
 
 pub mod credentials;
 pub mod demo;

@@ -1,44 +1,4 @@
-//! A compact hash table for many small `Copy` entries: bucketed cuckoo hashing, tags, no
-//! tombstones, no moves on insert or removal, any size. The index's key table and the
-//! mapper's per-source block maps are both one.
-//!
-//! Why not hashbrown: its deletions leave tombstones, and a table more than 7/16 full whose
-//! free room the tombstones used up doubles instead of rehashing in place, so under an
-//! engine's steady churn (a block stored, the oldest evicted) a table holding the same keys
-//! settled at twice its size (measured with `churn-scan`: 10,000–14,000, 20,000–28,000 and
-//! 40,000–56,000 keys all doubled). And it sizes by powers of two: 4,096 blocks sit in 8,192
-//! buckets. Here:
-//!
-//! - Slots come in buckets of 15. Each bucket has a 16-byte control word: a tag byte a slot
-//!   (0: empty; else the top bit and seven bits of the key's hash), read 15 at a time (one
-//!   SSE2 compare and mask on x86-64, whose baseline has it; word arithmetic elsewhere), so a
-//!   lookup compares with its key only the entries whose tag matches (1 in 128 of the others).
-//! - A key has two buckets, one from the high bits of its hash and one from its low bits, and
-//!   sits in one of them: a lookup reads two control words, which do not depend on each other
-//!   (prefetched together), and one slot. An insert takes an empty slot of the emptier
-//!   bucket; when both are full, it takes a slot and the entry there moves to its other
-//!   bucket (cuckoo hashing; at these loads rare: the walk is bounded, then the table grows).
-//!   A removal clears a tag byte. Nothing else moves, and there are no tombstones: the
-//!   table's size depends only on how many keys it holds, never on its history.
-//! - Any number of buckets (a bucket is the hash scaled to the table, not masked), sized for
-//!   the slot counts 16, 20, 25, … (×1.25): grows past 9/10 full, shrinks to 3/5 full below
-//!   3/10. So a growing table is 72–90 % full whatever it holds (about 1.25 slots a key, 1.33
-//!   control bytes), where a power-of-two table can be half empty. (A table kept at most half
-//!   full, which made the Robin Hood table's runs shorter, only costs memory here: a lookup
-//!   touches the same lines however full, and a larger table misses the cache more.)
-//! - A growth (or shrink, or `retain`) happens in place: the arrays grow first (or shrink
-//!   after), every entry is marked waiting, and each waiting entry is settled in its buckets
-//!   in the new size, taking the waiting entry whose slot it takes in hand next. The old and
-//!   the new arrays are never both in memory: a mapper at its default cap peaks at what it
-//!   holds.
-//! - The Robin Hood table this replaced (linear probing, runs moved one slot on each insert
-//!   and back on each removal) spent most of a fleet-scale apply moving runs of about 13
-//!   slots, 5–6 cache lines each time; here an insert or removal writes one slot and one
-//!   control word.
-//!
-//! Invariant: every entry sits in one of its two buckets with its tag in its slot's control
-//! byte; every other control byte is 0 (between a rebuild's steps, waiting entries' bytes are
-//! 1).
+#![doc = include_str!("../README.md")]
 
 /// Most keys to [`Table::prefetch`] ahead of their lookups: lines beyond this many would leave
 /// the cache before their turn (a long batch prefetches its first ones only).
