@@ -249,7 +249,7 @@ fn sample(text: &str, name: &str, labels: &str) -> f64 {
         .sum()
 }
 
-/// The table's header, over [`line`]s.
+/// The table's header, over the lines of `line`.
 pub const HEADER: &str =
     "policy       hit rate     TTFT p50     TTFT p99   share of requests by engine, %";
 
