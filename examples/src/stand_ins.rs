@@ -35,9 +35,9 @@ pub async fn start(prompt: &[u32]) -> Result<StandIns, Box<dyn std::error::Error
     let blocks = prompt.len() / 16;
     let mut reports = Vec::new();
     mapper.map_batch(
-        &wire::EventBatch {
-            ts: 1.0,
-            events: vec![wire::Event::BlockStored(wire::BlockStored {
+        &wire::EventBatch::new(
+            1.0,
+            vec![wire::Event::BlockStored(wire::BlockStored {
                 block_hashes: (1..=blocks as u64)
                     .map(|h| wire::BlockHash::Int(wire::Int::U64(h)))
                     .collect(),
@@ -45,9 +45,7 @@ pub async fn start(prompt: &[u32]) -> Result<StandIns, Box<dyn std::error::Error
                 block_size: 16,
                 ..Default::default()
             })],
-            data_parallel_rank: None,
-            unknown_events: 0,
-        },
+        ),
         &mut reports,
     );
     reports.iter().for_each(|r| hub.apply(0, r));

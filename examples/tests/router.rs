@@ -346,9 +346,9 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
     let (a, b) = (engine(0), engine(1));
     // Replica a stored the 128-token prompt (4 blocks of 32): the engine will reuse 96 of it.
     let prompt: Vec<u32> = (0..128).collect();
-    a.publish(&wire::EventBatch {
-        ts: 1.0,
-        events: vec![wire::Event::BlockStored(wire::BlockStored {
+    a.publish(&wire::EventBatch::new(
+        1.0,
+        vec![wire::Event::BlockStored(wire::BlockStored {
             block_hashes: (1..=4)
                 .map(|h| wire::BlockHash::Int(wire::Int::U64(h)))
                 .collect(),
@@ -356,15 +356,13 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
             block_size: 32,
             ..Default::default()
         })],
-        data_parallel_rank: None,
-        unknown_events: 0,
-    })
+    ))
     .expect("publish");
     // Replica b stored it for the LoRA adapter `sql-lora` (vLLM serves an adapter under its own
     // model name): a request naming that model is the adapter's.
-    b.publish(&wire::EventBatch {
-        ts: 1.0,
-        events: vec![wire::Event::BlockStored(wire::BlockStored {
+    b.publish(&wire::EventBatch::new(
+        1.0,
+        vec![wire::Event::BlockStored(wire::BlockStored {
             block_hashes: (11..=14)
                 .map(|h| wire::BlockHash::Int(wire::Int::U64(h)))
                 .collect(),
@@ -373,9 +371,7 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
             lora_name: Some("sql-lora".into()),
             ..Default::default()
         })],
-        data_parallel_rank: None,
-        unknown_events: 0,
-    })
+    ))
     .expect("publish");
     let ((ua, _ta), (ub, _tb)) = (fake_upstream("a", 96).await, fake_upstream("b", 0).await);
     let nothing = kvevent_test_support::HeldPort::new();
@@ -529,17 +525,15 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
     assert_eq!(status, 400, "{body}");
     assert!(body.contains("tokenizer"), "{body}");
     // c holds a prompt now: it goes there, and c fails it: a 502 naming it.
-    c.publish(&wire::EventBatch {
-        ts: 1.0,
-        events: vec![wire::Event::BlockStored(wire::BlockStored {
+    c.publish(&wire::EventBatch::new(
+        1.0,
+        vec![wire::Event::BlockStored(wire::BlockStored {
             block_hashes: vec![wire::BlockHash::Int(wire::Int::U64(77))],
             token_ids: (500..532).collect::<Vec<u32>>().into(),
             block_size: 32,
             ..Default::default()
         })],
-        data_parallel_rank: None,
-        unknown_events: 0,
-    })
+    ))
     .expect("publish");
     let held: Vec<u32> = (500..540).collect();
     let _ = eventually("c's store", Duration::from_secs(20), || async {

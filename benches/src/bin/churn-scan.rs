@@ -30,12 +30,7 @@ fn removed(x: u64) -> wire::Event<'static> {
 }
 
 fn batch(events: Vec<wire::Event<'static>>) -> wire::EventBatch<'static> {
-    wire::EventBatch {
-        ts: 1.0,
-        events,
-        data_parallel_rank: None,
-        unknown_events: 0,
-    }
+    wire::EventBatch::new(1.0, events)
 }
 
 const USAGE: &str = "usage: churn-scan

@@ -46,9 +46,9 @@ fn prompt(r: u64, p: u64) -> Vec<u32> {
 }
 
 fn batch(r: u64, p: u64) -> wire::EventBatch<'static> {
-    wire::EventBatch {
-        ts: 1.0,
-        events: vec![wire::Event::BlockStored(wire::BlockStored {
+    wire::EventBatch::new(
+        1.0,
+        vec![wire::Event::BlockStored(wire::BlockStored {
             block_hashes: (0..u64::from(PROMPT_BLOCKS))
                 .map(|b| wire::BlockHash::Int(wire::Int::U64((r << 40) | (p << 8) | b)))
                 .collect(),
@@ -57,9 +57,7 @@ fn batch(r: u64, p: u64) -> wire::EventBatch<'static> {
             medium: Some("GPU".into()),
             ..Default::default()
         })],
-        data_parallel_rank: None,
-        unknown_events: 0,
-    }
+    )
 }
 
 /// A server that takes everything and keeps nothing.

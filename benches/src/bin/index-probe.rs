@@ -183,15 +183,7 @@ fn run(
                             _ => 1,
                         })
                         .sum::<u64>();
-                    group.push((
-                        sources[i],
-                        wire::EventBatch {
-                            ts: 1.0,
-                            events,
-                            data_parallel_rank: None,
-                            unknown_events: 0,
-                        },
-                    ));
+                    group.push((sources[i], wire::EventBatch::new(1.0, events)));
                     if group.len() >= batch_group {
                         apply(&mut group);
                     }

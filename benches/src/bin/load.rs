@@ -516,9 +516,9 @@ fn prefill(publisher: &Publisher, sink: &Sink, n: u64) -> anyhow::Result<()> {
                 token % 128_000
             })
             .collect();
-        let batch = wire::EventBatch {
-            ts: unix_us() as f64 / 1e6,
-            events: vec![wire::Event::BlockStored(wire::BlockStored {
+        let batch = wire::EventBatch::new(
+            unix_us() as f64 / 1e6,
+            vec![wire::Event::BlockStored(wire::BlockStored {
                 block_hashes: (first..first + k)
                     .map(|i| wire::BlockHash::Int(wire::Int::U64((1 << 63) | i)))
                     .collect(),
@@ -527,9 +527,7 @@ fn prefill(publisher: &Publisher, sink: &Sink, n: u64) -> anyhow::Result<()> {
                 medium: Some(wire::Medium("GPU".into())),
                 ..Default::default()
             })],
-            data_parallel_rank: None,
-            unknown_events: 0,
-        };
+        );
         publisher.publish(&batch)?;
         std::thread::sleep(Duration::from_millis(1));
     }

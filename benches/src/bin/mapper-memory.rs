@@ -52,12 +52,7 @@ fn measure(n: u64, mode: KeyMode, digest: bool) -> (f64, f64, f64) {
             medium: Some("GPU".into()),
             ..Default::default()
         });
-        let batch = wire::EventBatch {
-            ts: 1.0,
-            events: vec![event],
-            data_parallel_rank: None,
-            unknown_events: 0,
-        };
+        let batch = wire::EventBatch::new(1.0, vec![event]);
         mapper.map_batch(&batch, &mut out);
         out.clear();
         i += k;

@@ -84,19 +84,14 @@ fn main() -> anyhow::Result<()> {
             kvevent_zmq::publisher::PublisherConfig::loopback(wire::Release::NEWEST_KNOWN),
         )?;
         let prompt: Vec<u32> = (0..128).collect();
-        engine.publish(&wire::EventBatch {
-            ts: 1.0,
-            events: vec![wire::Event::BlockStored(wire::BlockStored {
+        engine.publish(&wire::EventBatch::new(1.0, vec![wire::Event::BlockStored(wire::BlockStored {
                 block_hashes: (1..=4)
                     .map(|h| wire::BlockHash::Int(wire::Int::U64(h)))
                     .collect(),
                 token_ids: prompt.clone().into(),
                 block_size: 32,
                 ..Default::default()
-            })],
-            data_parallel_rank: None,
-            unknown_events: 0,
-        })?;
+            })]))?;
         let server = upstream().await?;
         let spec = format!(
             "a={},replay={}",

@@ -24,9 +24,9 @@ fn filled(n: u64, mode: KeyMode) -> (Mapper, Options) {
     let mut i = 0;
     while i < n {
         let k = 8.min(n - i);
-        let batch = wire::EventBatch {
-            ts: 1.0,
-            events: vec![wire::Event::BlockStored(wire::BlockStored {
+        let batch = wire::EventBatch::new(
+            1.0,
+            vec![wire::Event::BlockStored(wire::BlockStored {
                 block_hashes: (i..i + k).map(hash).collect(),
                 parent_block_hash: (i % 64 != 0).then(|| hash(i - 1)),
                 token_ids: wire::TokenIds::from((0..k as u32 * 16).collect::<Vec<u32>>()),
@@ -34,9 +34,7 @@ fn filled(n: u64, mode: KeyMode) -> (Mapper, Options) {
                 medium: Some("GPU".into()),
                 ..Default::default()
             })],
-            data_parallel_rank: None,
-            unknown_events: 0,
-        };
+        );
         mapper.map_batch(&batch, &mut out);
         out.clear();
         i += k;

@@ -513,9 +513,9 @@ async fn a_feed_only_sidecar_runs_clean_beside_an_engine_and_serves_a_router() {
         )
         .expect("follow");
     fleet.ready(WAIT).await.expect("the router follows it");
-    let batch = kvevent_wire::EventBatch {
-        ts: 1.0,
-        events: vec![kvevent_wire::Event::BlockStored(
+    let batch = kvevent_wire::EventBatch::new(
+        1.0,
+        vec![kvevent_wire::Event::BlockStored(
             kvevent_wire::BlockStored {
                 block_hashes: (1..=2)
                     .map(|h| kvevent_wire::BlockHash::Int(kvevent_wire::Int::U64(h)))
@@ -525,9 +525,7 @@ async fn a_feed_only_sidecar_runs_clean_beside_an_engine_and_serves_a_router() {
                 ..Default::default()
             },
         )],
-        data_parallel_rank: None,
-        unknown_events: 0,
-    };
+    );
     engine.publish(&batch).expect("publish");
     let ids: Vec<u32> = (0..32).collect();
     eventually("the router sees the blocks", WAIT, || async {

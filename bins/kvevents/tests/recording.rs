@@ -301,9 +301,9 @@ fn a_recorder_killed_while_writing_leaves_a_file_that_reads_to_its_last_whole_ba
         .expect("spawn");
     // A batch of 40 blocks of 16 tokens: about 2 kB.
     let payload = wire::encode(
-        &wire::EventBatch {
-            ts: 1.0,
-            events: vec![wire::Event::BlockStored(wire::BlockStored {
+        &wire::EventBatch::new(
+            1.0,
+            vec![wire::Event::BlockStored(wire::BlockStored {
                 block_hashes: (1..=40)
                     .map(|h| wire::BlockHash::Int(wire::Int::U64(h)))
                     .collect(),
@@ -311,9 +311,7 @@ fn a_recorder_killed_while_writing_leaves_a_file_that_reads_to_its_last_whole_ba
                 block_size: 16,
                 ..Default::default()
             })],
-            data_parallel_rank: None,
-            unknown_events: 0,
-        },
+        ),
         wire::Release::NEWEST_KNOWN,
     )
     .expect("encode");
@@ -363,12 +361,7 @@ fn a_damaged_or_foreign_recording_is_an_error_naming_the_byte() {
     let dir = scratch("damaged");
     let good = dir.join("good.kvrec");
     let payload = wire::encode(
-        &wire::EventBatch {
-            ts: 1.0,
-            events: vec![],
-            data_parallel_rank: None,
-            unknown_events: 0,
-        },
+        &wire::EventBatch::new(1.0, vec![]),
         wire::Release::NEWEST_KNOWN,
     )
     .expect("encode");
@@ -656,9 +649,9 @@ fn stats_put_replayed_history_at_its_engine_time() {
     let mut w =
         Writer::new(Vec::new(), &Header::new("vllm", (start_unix_s + 10) * 1000)).expect("header");
     for i in 0..12u64 {
-        let batch = wire::EventBatch {
-            ts: (start_unix_s + i) as f64,
-            events: vec![wire::Event::BlockStored(wire::BlockStored {
+        let batch = wire::EventBatch::new(
+            (start_unix_s + i) as f64,
+            vec![wire::Event::BlockStored(wire::BlockStored {
                 block_hashes: vec![wire::BlockHash::Int(wire::Int::U64(i + 1))],
                 token_ids: ((i as u32 * 16)..(i as u32 * 16 + 16))
                     .collect::<Vec<u32>>()
@@ -666,9 +659,7 @@ fn stats_put_replayed_history_at_its_engine_time() {
                 block_size: 16,
                 ..Default::default()
             })],
-            data_parallel_rank: None,
-            unknown_events: 0,
-        };
+        );
         let replay = i < 10;
         w.write(&Record {
             rank: 0,

@@ -15,17 +15,15 @@ fn engine_keys() -> Config {
 }
 
 fn stored(hash: u64) -> wire::EventBatch<'static> {
-    wire::EventBatch {
-        ts: 0.0,
-        events: vec![wire::Event::BlockStored(wire::BlockStored {
+    wire::EventBatch::new(
+        0.0,
+        vec![wire::Event::BlockStored(wire::BlockStored {
             block_hashes: vec![wire::BlockHash::Int(wire::Int::U64(hash))],
             token_ids: wire::TokenIds::from(vec![0u32; 4]),
             block_size: 4,
             ..Default::default()
         })],
-        data_parallel_rank: None,
-        unknown_events: 0,
-    }
+    )
 }
 
 fn holders(index: &Index, key: u64) -> Vec<String> {
@@ -167,15 +165,13 @@ fn the_sharing_counters_equal_a_scan_after_every_change() {
             }
             6..=200 => index.apply(
                 s,
-                &wire::EventBatch {
-                    ts: 0.0,
-                    events: vec![wire::Event::BlockRemoved(wire::BlockRemoved {
+                &wire::EventBatch::new(
+                    0.0,
+                    vec![wire::Event::BlockRemoved(wire::BlockRemoved {
                         block_hashes: vec![wire::BlockHash::Int(wire::Int::U64(key))],
                         ..Default::default()
                     })],
-                    data_parallel_rank: None,
-                    unknown_events: 0,
-                },
+                ),
             ),
             _ => index.apply(s, &stored(key)),
         }

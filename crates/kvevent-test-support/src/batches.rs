@@ -41,10 +41,5 @@ pub fn cleared() -> wire::Event<'static> {
 
 /// A batch of `events` at time `ts`, no DP rank.
 pub fn batch(ts: f64, events: Vec<wire::Event<'static>>) -> wire::EventBatch<'static> {
-    wire::EventBatch {
-        ts,
-        events,
-        data_parallel_rank: None,
-        unknown_events: 0,
-    }
+    wire::EventBatch::new(ts, events)
 }

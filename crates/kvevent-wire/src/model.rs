@@ -476,3 +476,21 @@ pub struct EventBatch<'a> {
     /// Events with a tag this crate does not know, skipped while decoding.
     pub unknown_events: usize,
 }
+
+impl<'a> EventBatch<'a> {
+    /// A batch of `events` at `ts`, with no DP rank (set `data_parallel_rank` for one).
+    ///
+    /// ```
+    /// use kvevent_wire::{AllBlocksCleared, Event, EventBatch};
+    /// let batch = EventBatch::new(1.5, vec![Event::AllBlocksCleared(AllBlocksCleared::default())]);
+    /// assert_eq!((batch.ts, batch.events.len(), batch.data_parallel_rank), (1.5, 1, None));
+    /// ```
+    pub fn new(ts: f64, events: Vec<Event<'a>>) -> Self {
+        Self {
+            ts,
+            events,
+            data_parallel_rank: None,
+            unknown_events: 0,
+        }
+    }
+}

@@ -35,9 +35,9 @@ fn prompt(seed: u32, blocks: usize) -> Vec<u32> {
 }
 
 fn stored(seed: u32, blocks: usize) -> wire::EventBatch<'static> {
-    wire::EventBatch {
-        ts: 1.0,
-        events: vec![wire::Event::BlockStored(wire::BlockStored {
+    wire::EventBatch::new(
+        1.0,
+        vec![wire::Event::BlockStored(wire::BlockStored {
             block_hashes: (0..blocks as u64)
                 .map(|h| wire::BlockHash::Int(wire::Int::U64(u64::from(seed) * 1000 + h + 1)))
                 .collect(),
@@ -45,23 +45,19 @@ fn stored(seed: u32, blocks: usize) -> wire::EventBatch<'static> {
             block_size: BLOCK as u32,
             ..Default::default()
         })],
-        data_parallel_rank: None,
-        unknown_events: 0,
-    }
+    )
 }
 
 fn removed(seed: u32, block: u64) -> wire::EventBatch<'static> {
-    wire::EventBatch {
-        ts: 1.0,
-        events: vec![wire::Event::BlockRemoved(wire::BlockRemoved {
+    wire::EventBatch::new(
+        1.0,
+        vec![wire::Event::BlockRemoved(wire::BlockRemoved {
             block_hashes: vec![wire::BlockHash::Int(wire::Int::U64(
                 u64::from(seed) * 1000 + block + 1,
             ))],
             ..Default::default()
         })],
-        data_parallel_rank: None,
-        unknown_events: 0,
-    }
+    )
 }
 
 /// Maps a batch and hands its reports to the hub, as the sidecar's events thread does.

@@ -24,12 +24,7 @@ fn hash(h: u64) -> wire::BlockHash<'static> {
 }
 
 fn batch(events: Vec<wire::Event<'static>>) -> wire::EventBatch<'static> {
-    wire::EventBatch {
-        ts: 1.0,
-        events,
-        data_parallel_rank: None,
-        unknown_events: 0,
-    }
+    wire::EventBatch::new(1.0, events)
 }
 
 fn stored(hashes: &[u64], medium: &'static str) -> wire::Event<'static> {

@@ -199,12 +199,7 @@ fn with_an_offload_tier_a_block_stored_again_is_re_reported_at_t1_never_as_new()
         ..Options::default()
     };
     let mut m = mapper(options);
-    let batch = |ts: f64, events| wire::EventBatch {
-        ts,
-        events,
-        data_parallel_rank: None,
-        unknown_events: 0,
-    };
+    let batch = |ts: f64, events| wire::EventBatch::new(ts, events);
     let mut out = Vec::new();
     m.map_batch(
         &batch(1.0, vec![stored(&[1], None, tokens(0..4), 4)]),

@@ -23,9 +23,9 @@ fn prompt(seed: u64) -> Vec<u32> {
 
 /// One prompt of two blocks stored.
 fn stored(seed: u64) -> wire::EventBatch<'static> {
-    wire::EventBatch {
-        ts: 1.0,
-        events: vec![wire::Event::BlockStored(wire::BlockStored {
+    wire::EventBatch::new(
+        1.0,
+        vec![wire::Event::BlockStored(wire::BlockStored {
             block_hashes: (0..2)
                 .map(|h| wire::BlockHash::Int(wire::Int::U64(seed * 10 + h + 1)))
                 .collect(),
@@ -33,9 +33,7 @@ fn stored(seed: u64) -> wire::EventBatch<'static> {
             block_size: BLOCK as u32,
             ..Default::default()
         })],
-        data_parallel_rank: None,
-        unknown_events: 0,
-    }
+    )
 }
 
 /// Blocks of prompt `seed` the fleet finds on `replica`; none while it does not know the block
@@ -297,15 +295,13 @@ async fn in_engine_key_mode_the_feed_carries_fingerprints_from_the_same_pass() {
         }
         // Seed 3's second block leaves the engine.
         engine
-            .publish(&wire::EventBatch {
-                ts: 2.0,
-                events: vec![wire::Event::BlockRemoved(wire::BlockRemoved {
+            .publish(&wire::EventBatch::new(
+                2.0,
+                vec![wire::Event::BlockRemoved(wire::BlockRemoved {
                     block_hashes: vec![wire::BlockHash::Int(wire::Int::U64(32))],
                     ..Default::default()
                 })],
-                data_parallel_rank: None,
-                unknown_events: 0,
-            })
+            ))
             .expect("publish");
         let hub = running.telemetry().feed.hub().expect("hub").clone();
         wait_until("the feed holds them", || hub.blocks() == 9);
