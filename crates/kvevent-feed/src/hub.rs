@@ -133,7 +133,7 @@ pub struct Hub {
     changed: tokio::sync::watch::Sender<(u64, u64)>,
     /// What the sidecar sees of its engine, rank by rank, each with when its connection last
     /// changed; `None` until the events thread says.
-    engine: Mutex<Option<Vec<(RankHealth, std::time::Instant)>>>,
+    engine: Mutex<Option<Vec<(EngineRank, std::time::Instant)>>>,
     /// The engine's HTTP server failing its health check: since when, and why.
     server_down: Mutex<Option<(std::time::Instant, String)>>,
     /// The engine's load: the last read, when it was read, and why reads since fail.
@@ -151,7 +151,7 @@ pub struct Hub {
 
 /// One engine rank as the sidecar sees it ([`Hub::set_engine`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RankHealth {
+pub struct EngineRank {
     /// The DP rank.
     pub rank: u32,
     /// Its health, as its source state machine says it.
@@ -521,7 +521,7 @@ impl Hub {
     /// What the sidecar sees of its engine now, rank by rank: followers are sent it at once
     /// when it changed, and with every hello and heartbeat. The events thread calls it once a
     /// turn; it costs a compare when nothing changed.
-    pub fn set_engine(&self, ranks: &[RankHealth]) {
+    pub fn set_engine(&self, ranks: &[EngineRank]) {
         // A turn after a stall: the followers hear at once that it is over, and the log says
         // it happened (at most every 10 s).
         let now = self.now_ms();
@@ -744,7 +744,7 @@ mod tests {
             stalled_after: Duration::from_millis(50),
             ..HubConfig::new("r", "m")
         });
-        let rank = RankHealth {
+        let rank = EngineRank {
             rank: 0,
             health: kvevent_source::RankHealth::Trusted,
         };

@@ -15,7 +15,7 @@ pub mod pb {
 }
 
 #[cfg(feature = "server")]
-pub use hub::{Hub, HubConfig, HubMetrics, RankHealth, RankLoad};
+pub use hub::{EngineRank, Hub, HubConfig, HubMetrics, RankLoad};
 pub use pb::RankState;
 
 impl pb::RankHealth {

@@ -45,7 +45,7 @@ pub(crate) struct Feed {
     /// This turn's fingerprint-keyed reports, with `two_keys` (kept for capacity).
     pub(crate) reports: Vec<kvevent_proto::Report>,
     /// What the sockets say of the engine, this turn (kept for capacity).
-    pub(crate) health: Vec<kvevent_feed::RankHealth>,
+    pub(crate) health: Vec<kvevent_feed::EngineRank>,
 }
 
 impl Feed {
@@ -58,7 +58,7 @@ impl Feed {
                 subscriber
                     .health()
                     .enumerate()
-                    .map(|(source, h)| kvevent_feed::RankHealth {
+                    .map(|(source, h)| kvevent_feed::EngineRank {
                         rank: self.ranks.get(source).copied().unwrap_or(0),
                         health: h.get(),
                     }),

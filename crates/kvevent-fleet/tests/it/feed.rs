@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
-use kvevent_feed::{Hub, HubConfig, RankHealth, ServeOptions};
+use kvevent_feed::{EngineRank, Hub, HubConfig, ServeOptions};
 use kvevent_fleet::{
     Degraded, Fleet, FleetConfig, Lost, Query, QueryKeys, ReplicaSource, ReplicaState, ScoreError,
     SidecarFeed,
@@ -503,7 +503,7 @@ async fn an_engine_lost_behind_a_live_sidecar_and_a_lost_sidecar_are_told_apart(
         ..HubConfig::new("replica-a", "m")
     });
     let up = |connected| {
-        [RankHealth {
+        [EngineRank {
             rank: 0,
             health: if connected {
                 kvevent_source::RankHealth::Trusted
