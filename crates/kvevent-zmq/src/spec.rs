@@ -107,7 +107,16 @@ impl std::str::FromStr for EngineSockets {
                         .map_err(|_| format!("engine={w}: vllm or sglang"))?;
                 }
                 Some(("http", h)) => {
-                    if !(h.starts_with("http://") || h.starts_with("https://")) {
+                    // Plain HTTP, as the health check and the load reader speak to an engine
+                    // on the pod network (kvevent-scrape): https is refused here, not later.
+                    let authority = h.strip_prefix("http://").unwrap_or_default();
+                    let authority = authority.trim_end_matches('/');
+                    if h.starts_with("https://") {
+                        return Err(format!(
+                            "http={h}: an engine's server is read over plain http://HOST:PORT (https is not supported)"
+                        ));
+                    }
+                    if authority.is_empty() || authority.contains('/') {
                         return Err(format!("http={h}: an http://HOST:PORT URL"));
                     }
                     e.http = Some(h.to_owned());
@@ -178,6 +187,11 @@ mod tests {
             ("tcp://h:1,dp=0", "dp=0"),
             ("tcp://h:1,engine=tgi", "engine=tgi"),
             ("tcp://h:1,http=h:8000", "http=h:8000"),
+            ("tcp://h:1,http=https://h:8000", "https is not supported"),
+            (
+                "tcp://h:1,http=http://h:8000/metrics",
+                "an http://HOST:PORT URL",
+            ),
             ("tcp://h:1,port=2", "`port=2`"),
         ] {
             let e = bad.parse::<EngineSockets>().expect_err(bad);
