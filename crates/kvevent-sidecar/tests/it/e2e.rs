@@ -686,7 +686,11 @@ async fn a_sidecar_restarted_beside_a_connecting_engine_sees_no_false_restart() 
         }
     };
     let addr = second.metrics_addr().expect("metrics address");
-    wait_subscribed(&engine).await;
+    // The second sidecar's own subscription (the first's still counts): published before it
+    // arrives, a batch finds no subscriber and is gone.
+    assert!(tokio::task::block_in_place(
+        || engine.wait_for_subscribers(2, WAIT)
+    ));
     for step in 10..15 {
         engine.publish(&scripted_batch(step)).expect("publish");
     }
