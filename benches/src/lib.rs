@@ -39,25 +39,34 @@ pub fn vector_payloads_of(prefix: &str) -> std::io::Result<Vec<(String, Vec<u8>)
     Ok(out)
 }
 
-/// Plain HTTP/1.1 against the example router and the sidecar's endpoints.
+/// Blocking calls to the example router's and the sidecar's endpoints, through the
+/// workspace's client (`kvevent_simulator::client`) on a runtime of their own.
 pub mod http {
-    use std::io::{Read, Write};
     use std::time::Duration;
 
-    /// `METHOD path` with `body` to `addr` (`host:port`); the response's body.
+    /// `METHOD path` with `body` to `addr` (`host:port`); the response's body (an error for an
+    /// answer that is not 2xx).
     pub fn call(addr: &str, method: &str, path: &str, body: &str) -> std::io::Result<String> {
-        let mut s = std::net::TcpStream::connect(addr)?;
-        s.set_read_timeout(Some(Duration::from_secs(30)))?;
-        write!(
-            s,
-            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        )?;
-        let mut text = String::new();
-        s.read_to_string(&mut text)?;
-        Ok(text
-            .split_once("\r\n\r\n")
-            .map_or(String::new(), |(_, b)| b.to_owned()))
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let client = kvevent_simulator::client::client();
+        let base = format!("http://{addr}");
+        let called = runtime.block_on(kvevent_simulator::client::call(
+            &client,
+            &base,
+            method,
+            path,
+            body,
+            Duration::from_secs(30),
+        ));
+        match called {
+            Ok((status, body)) if (200..300).contains(&status) => Ok(body),
+            Ok((status, body)) => Err(std::io::Error::other(format!(
+                "{method} {base}{path}: {status}: {body}"
+            ))),
+            Err(e) => Err(std::io::Error::other(format!("{e:#}"))),
+        }
     }
 
     /// `GET path`.

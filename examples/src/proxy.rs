@@ -43,14 +43,14 @@ impl std::str::FromStr for Upstream {
         let Some((name, url)) = s.split_once('=') else {
             anyhow::bail!("`{s}`: an upstream is NAME=http://HOST:PORT (the replica's server)");
         };
-        let authority = url.strip_prefix("http://").unwrap_or_default();
-        if name.is_empty() || authority.is_empty() || !authority.trim_end_matches('/').contains(':')
-        {
+        if name.is_empty() {
             anyhow::bail!("`{s}`: an upstream is NAME=http://HOST:PORT (the replica's server)");
         }
+        let url = kvevent_scrape::url::server_url(url)
+            .map_err(|e| anyhow::anyhow!("`{s}`: an upstream is NAME=http://HOST:PORT: {e}"))?;
         Ok(Self {
             name: name.to_owned(),
-            url: url.trim_end_matches('/').to_owned(),
+            url: url.to_owned(),
         })
     }
 }

@@ -333,12 +333,13 @@ impl Router {
                 "blocks": r.blocks,
                 "newest_change_ms": r.newest_change.map(|d| d.as_millis() as u64),
                 "block_size": r.block_size,
-                "load": r.load.map(|l| {
+                "load": r.load.as_ref().map(|l| {
                     let age = l.age(std::time::Instant::now());
                     serde_json::json!({
-                        "running": l.running,
-                        "waiting": l.waiting,
-                        "kv_usage": l.kv_usage,
+                        "running": l.load.running(),
+                        "waiting": l.load.waiting(),
+                        "kv_usage": l.load.kv_usage(),
+                        "ranks": l.load.ranks.iter().map(figures).collect::<Vec<_>>(),
                         "age_ms": age.as_millis() as u64,
                         "old": age > self.proxy.router().rule().load_old_after(),
                         "error": r.load_error,
@@ -471,4 +472,19 @@ pub async fn bind(
         .with_context(|| format!("bind --listen {listen}"))?;
     let addr = listener.local_addr()?;
     Ok((addr, tokio::spawn(serve(listener, router))))
+}
+
+/// A rank's load as `/replicas` shows it: each figure by its name.
+fn figures(rank: &kvevent_fleet::RankLoad) -> serde_json::Value {
+    rank.figures()
+        .into_iter()
+        .map(|(name, figure)| {
+            let value = match figure {
+                kvevent_fleet::Figure::Count(n) => serde_json::json!(n),
+                kvevent_fleet::Figure::Fraction(f) => serde_json::json!(f),
+            };
+            (name.to_owned(), value)
+        })
+        .collect::<serde_json::Map<_, _>>()
+        .into()
 }

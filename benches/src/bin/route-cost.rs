@@ -16,7 +16,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvevent_fleet::route::{Candidate, Flights, Policy, Request, Rule, affinity};
-use kvevent_index::{Config, Index, KeyChange, Load, Query, QueryKeys, Tier};
+use kvevent_index::{
+    Config, Index, KeyChange, Load, LoadReading, Query, QueryKeys, RankLoad, Tier,
+};
 
 const BLOCK: usize = 16;
 
@@ -69,10 +71,15 @@ fn main() {
             }
             index.set_replica_load(
                 name,
-                Some(Load {
-                    running: (r % 7) as u32,
-                    waiting: (r % 3) as u32,
-                    kv_usage: Some(0.5),
+                Some(LoadReading {
+                    load: Load {
+                        ranks: vec![RankLoad {
+                            running: (r % 7) as u32,
+                            waiting: (r % 3) as u32,
+                            kv_usage: Some(0.5),
+                            ..RankLoad::idle(0)
+                        }],
+                    },
                     read_at: now,
                     failing: false,
                 }),

@@ -112,6 +112,35 @@ async fn send(
     })
 }
 
+/// `METHOD base+path` with a JSON `body` (empty: none), within `timeout`: the answer's status
+/// and body. For the small calls around a benchmark (a router's `/replicas`, `/score`,
+/// `/metrics`, an engine's admin hooks).
+pub async fn call(
+    client: &Client,
+    base: &str,
+    method: &str,
+    path: &str,
+    body: &str,
+    timeout: Duration,
+) -> anyhow::Result<(u16, String)> {
+    let what = format!("{method} {base}{path}");
+    let exchange = async {
+        let request = hyper::Request::builder()
+            .method(method)
+            .uri(format!("{base}{path}"))
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body.to_owned())))?;
+        let response = client.request(request).await?;
+        let status = response.status().as_u16();
+        let body = response.into_body().collect().await?.to_bytes();
+        anyhow::Ok((status, String::from_utf8_lossy(&body).into_owned()))
+    };
+    tokio::time::timeout(timeout, exchange)
+        .await
+        .with_context(|| format!("{what}: no whole answer within {timeout:?}"))?
+        .with_context(|| what.clone())
+}
+
 /// The `p` quantile (0 to 1) of `v`, nearest rank; 0 when empty. Sorts `v`.
 pub fn percentile(v: &mut [f64], p: f64) -> f64 {
     v.sort_by(f64::total_cmp);

@@ -27,13 +27,9 @@ pub(crate) struct DoctorArgs {
 
 /// `--engine-url`: an HTTP base URL, or what is wrong with the form it likely meant.
 fn http_url(text: &str) -> Result<String, String> {
-    if text.starts_with("http://") || text.starts_with("https://") {
-        return Ok(text.to_owned());
-    }
-    let rest = text.split_once("://").map_or(text, |(_, rest)| rest);
-    Err(format!(
-        "`{text}` is not an http:// or https:// URL (http://{rest}?)"
-    ))
+    kvevent_scrape::url::server_url(text)
+        .map(str::to_owned)
+        .map_err(|e| e.to_string())
 }
 
 fn parse_secs(s: &str) -> Result<Duration, String> {

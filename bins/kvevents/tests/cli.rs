@@ -580,11 +580,14 @@ fn doctor_names_an_engine_url_without_its_scheme() {
     assert_eq!(out.status.code(), Some(2), "{said}");
     assert!(
         said.contains("--engine-url")
-            && said.contains(
-                "`127.0.0.1:8000` is not an http:// or https:// URL (http://127.0.0.1:8000?)"
-            ),
+            && said.contains("`127.0.0.1:8000` is not an http:// URL (http://127.0.0.1:8000?)"),
         "{said}"
     );
+    // https is refused where it is given: the client that reads the engine speaks plain HTTP.
+    let out = kvevents(&["doctor", "--engine-url", "https://127.0.0.1:8000"], None);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{said}");
+    assert!(said.contains("https is not supported"), "{said}");
 }
 
 /// `kvevents decode … | head`: the reader going away ends the tool quietly, exit 0.

@@ -158,22 +158,9 @@ pub struct EngineRank {
     pub health: kvevent_source::RankHealth,
 }
 
-/// One engine rank's load, as its `/metrics` said it ([`Hub::set_load`]).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RankLoad {
-    /// The DP rank.
-    pub rank: u32,
-    /// Requests in its running batch.
-    pub running: u32,
-    /// Requests queued for it.
-    pub waiting: u32,
-    /// KV-cache usage, 0–1, when the engine says it.
-    pub kv_usage: Option<f32>,
-}
-
 #[derive(Debug)]
 struct LastLoad {
-    ranks: Vec<RankLoad>,
+    load: kvevent_scrape::Load,
     read: std::time::Instant,
     /// Why the reads after it fail.
     error: Option<String>,
@@ -593,13 +580,13 @@ impl Hub {
 
     /// The engine's load, just read: followers are sent it at once when it differs from the
     /// last, and with every hello and heartbeat (with its age).
-    pub fn set_load(&self, ranks: &[RankLoad]) {
+    pub fn set_load(&self, read: kvevent_scrape::Load) {
         let mut load = self.load.lock().unwrap_or_else(PoisonError::into_inner);
         let changed = load
             .as_ref()
-            .is_none_or(|l| l.ranks != ranks || l.error.is_some());
+            .is_none_or(|l| l.load != read || l.error.is_some());
         *load = Some(LastLoad {
-            ranks: ranks.to_vec(),
+            load: read,
             read: std::time::Instant::now(),
             error: None,
         });
@@ -648,19 +635,8 @@ impl Hub {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .as_ref()
-            .map(|l| pb::EngineLoad {
-                ranks: l
-                    .ranks
-                    .iter()
-                    .map(|r| pb::RankLoad {
-                        rank: r.rank,
-                        running: r.running,
-                        waiting: r.waiting,
-                        kv_usage: r.kv_usage,
-                    })
-                    .collect(),
-                age_ms: l.read.elapsed().as_millis() as u64,
-                error: l.error.clone().unwrap_or_default(),
+            .map(|l| {
+                pb::EngineLoad::new(&l.load, l.read.elapsed(), l.error.as_deref().unwrap_or(""))
             });
         if engine.is_none() && block_size == 0 && server.is_none() && load.is_none() {
             return None;

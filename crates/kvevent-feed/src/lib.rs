@@ -15,7 +15,7 @@ pub mod pb {
 }
 
 #[cfg(feature = "server")]
-pub use hub::{EngineRank, Hub, HubConfig, HubMetrics, RankLoad};
+pub use hub::{EngineRank, Hub, HubConfig, HubMetrics};
 pub use pb::RankState;
 
 impl pb::RankHealth {
@@ -38,6 +38,44 @@ impl pb::RankHealth {
     }
 }
 
+impl pb::EngineLoad {
+    /// `load` as the feed carries it: read `age` before the message is made, and `error`
+    /// (empty while reads succeed) why the reads since fail. The feed's edge: the workspace's
+    /// one shape of a load is [`kvevent_scrape::Load`].
+    pub fn new(load: &kvevent_scrape::Load, age: std::time::Duration, error: &str) -> Self {
+        Self {
+            ranks: load
+                .ranks
+                .iter()
+                .map(|r| pb::RankLoad {
+                    rank: r.rank,
+                    running: r.running,
+                    waiting: r.waiting,
+                    kv_usage: r.kv_usage,
+                })
+                .collect(),
+            age_ms: age.as_millis().try_into().unwrap_or(u64::MAX),
+            error: error.to_owned(),
+        }
+    }
+
+    /// The load it carries, rank by rank (sorted by rank, as read).
+    pub fn load(&self) -> kvevent_scrape::Load {
+        let mut ranks: Vec<kvevent_scrape::RankLoad> = self
+            .ranks
+            .iter()
+            .map(|r| kvevent_scrape::RankLoad {
+                rank: r.rank,
+                running: r.running,
+                waiting: r.waiting,
+                kv_usage: r.kv_usage,
+            })
+            .collect();
+        ranks.sort_by_key(|r| r.rank);
+        kvevent_scrape::Load { ranks }
+    }
+}
+
 /// The source state machine's enum, as the feed carries it.
 #[cfg(feature = "source")]
 impl From<kvevent_source::RankHealth> for RankState {
@@ -56,6 +94,30 @@ pub use server::{ServeError, ServeOptions, TokenSource, serve};
 #[cfg(test)]
 mod tests {
     use super::{RankState, pb};
+
+    /// A load crosses the feed whole: every rank and figure, its age and why reads fail.
+    #[test]
+    fn a_load_crosses_the_feed_as_it_was_read() {
+        let load = kvevent_scrape::Load {
+            ranks: vec![
+                kvevent_scrape::RankLoad {
+                    rank: 0,
+                    running: 3,
+                    waiting: 1,
+                    kv_usage: Some(0.25),
+                },
+                kvevent_scrape::RankLoad {
+                    rank: 1,
+                    running: 0,
+                    waiting: 7,
+                    kv_usage: None,
+                },
+            ],
+        };
+        let sent = pb::EngineLoad::new(&load, std::time::Duration::from_millis(40), "timeout");
+        assert_eq!((sent.age_ms, sent.error.as_str()), (40, "timeout"));
+        assert_eq!(sent.load(), load);
+    }
 
     /// A rank's health crosses the feed as the state machine said it; from a sidecar older
     /// than the field, the flags say it; a stalled sidecar's `degraded` wins over `trusted`.

@@ -388,8 +388,7 @@ struct Seen {
 /// `/metrics` every [`LOAD_EVERY`] ([`EngineSockets::http`]).
 pub(crate) struct Server {
     check: kvevent_scrape::EngineHealth,
-    metrics: kvevent_scrape::Fetcher,
-    metrics_url: String,
+    load: kvevent_scrape::LoadReader,
 }
 
 /// How often an engine followed directly has its load read (a sidecar's default).
@@ -403,13 +402,14 @@ pub(crate) fn server(name: &str, url: &str) -> Result<Server, FleetError> {
     };
     let check = kvevent_scrape::EngineHealth::new(url, Duration::from_secs(1)).map_err(invalid)?;
     let metrics_url = format!("{}/metrics", url.trim_end_matches('/'));
-    let metrics = kvevent_scrape::Fetcher::new(&metrics_url, Duration::from_secs(1), 8 << 20)
-        .map_err(invalid)?;
-    Ok(Server {
-        check,
-        metrics,
-        metrics_url,
-    })
+    let load = kvevent_scrape::LoadReader::new(
+        &metrics_url,
+        Duration::from_secs(1),
+        8 << 20,
+        Default::default(),
+    )
+    .map_err(invalid)?;
+    Ok(Server { check, load })
 }
 
 impl Server {
@@ -421,41 +421,27 @@ impl Server {
             lock(&status).on(&name, Event::Server(down), Instant::now());
             status::publish(&core, &name, &status);
         });
-        let load = async {
-            let mut ticker = tokio::time::interval(LOAD_EVERY);
-            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-            loop {
-                ticker.tick().await;
-                let read = self.read_load().await;
-                let mut s = lock(&status);
-                match read {
-                    Ok(load) => s.set_load(&core, &name, Some(load), None),
-                    // The last load stays, ageing, and says it is failing.
-                    Err(why) => {
-                        let last = s.load.map(|l| kvevent_index::Load { failing: true, ..l });
-                        s.set_load(&core, &name, last, Some(why));
-                    }
+        let load = self.load.run(LOAD_EVERY, |read| {
+            let mut s = lock(&status);
+            match read {
+                Ok(load) => {
+                    let read = kvevent_index::LoadReading {
+                        load,
+                        read_at: Instant::now(),
+                        failing: false,
+                    };
+                    s.set_load(&core, &name, Some(read), None);
+                }
+                // The last load stays, ageing, and says it is failing.
+                Err(f) => {
+                    let last = s
+                        .load
+                        .clone()
+                        .map(|l| kvevent_index::LoadReading { failing: true, ..l });
+                    s.set_load(&core, &name, last, Some(f.why));
                 }
             }
-        };
+        });
         tokio::join!(health, load);
-    }
-
-    /// One read of the engine's load from its `/metrics`.
-    async fn read_load(&self) -> Result<kvevent_index::Load, String> {
-        let why = |e: &(dyn std::error::Error + 'static)| {
-            format!("{}: {}", self.metrics_url, kvevent_scrape::error_chain(e))
-        };
-        let body = self.metrics.fetch().await.map_err(|e| why(&e))?;
-        let exposition = kvevent_scrape::text::parse(&body).map_err(|e| why(&e))?;
-        let load =
-            kvevent_scrape::read_load(&exposition, &Default::default()).map_err(|e| why(&e))?;
-        Ok(kvevent_index::Load {
-            running: load.running(),
-            waiting: load.waiting(),
-            kv_usage: load.kv_usage(),
-            read_at: Instant::now(),
-            failing: false,
-        })
     }
 }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvevent_feed::pb;
-use kvevent_index::{KeyChange, Load, SourceId, Tier};
+use kvevent_index::{KeyChange, LoadReading, SourceId, Tier};
 use tonic::transport::Endpoint;
 
 use crate::status::{self, Event, Shared};
@@ -92,7 +92,7 @@ impl FeedError {
                 };
                 Self::Status {
                     url: url.to_owned(),
-                    what: crate::with_causes(what, &status),
+                    what: kvevent_scrape::with_causes(what, &status),
                 }
             }
         }
@@ -101,7 +101,7 @@ impl FeedError {
     fn connect(url: &str, e: &tonic::transport::Error) -> Self {
         // tonic's own words ("transport error") only where nothing says more.
         let cause = match std::error::Error::source(e) {
-            Some(first) => crate::with_causes(first.to_string(), first),
+            Some(first) => kvevent_scrape::error_chain(first),
             None => e.to_string(),
         };
         Self::Connect {
@@ -351,25 +351,12 @@ impl FeedFollower {
             now,
         );
         s.on(&self.name, Event::Server(server_down), now);
-        let load = health.load.as_ref().map(|l| {
-            let said: Vec<f32> = l.ranks.iter().filter_map(|r| r.kv_usage).collect();
-            Load {
-                running: l
-                    .ranks
-                    .iter()
-                    .map(|r| r.running)
-                    .fold(0, u32::saturating_add),
-                waiting: l
-                    .ranks
-                    .iter()
-                    .map(|r| r.waiting)
-                    .fold(0, u32::saturating_add),
-                kv_usage: (!said.is_empty()).then(|| said.iter().sum::<f32>() / said.len() as f32),
-                read_at: now
-                    .checked_sub(Duration::from_millis(l.age_ms))
-                    .unwrap_or(now),
-                failing: !l.error.is_empty(),
-            }
+        let load = health.load.as_ref().map(|l| LoadReading {
+            load: l.load(),
+            read_at: now
+                .checked_sub(Duration::from_millis(l.age_ms))
+                .unwrap_or(now),
+            failing: !l.error.is_empty(),
         });
         let error = health
             .load

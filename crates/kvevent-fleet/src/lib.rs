@@ -20,9 +20,10 @@ mod status;
 
 pub use accounting::{ERROR_BUCKETS, Outcome, Prediction, ReplicaAccounting};
 pub use kvevent_index::{
-    Config as IndexConfig, Degraded, IndexStats, KeyMode, Load, Lost, Query, QueryKeys,
-    ReplicaState, Score, Scores, ScoresIter, Tier,
+    Config as IndexConfig, Degraded, IndexStats, KeyMode, Load, LoadReading, Lost, Query,
+    QueryKeys, RankLoad, ReplicaState, Score, Scores, ScoresIter, Tier,
 };
+pub use kvevent_scrape::Figure;
 pub use tonic::transport::ClientTlsConfig;
 
 use status::{Shared, Status};
@@ -191,8 +192,8 @@ pub struct ReplicaStatus {
     /// on, or the engine followed directly).
     pub ranks: Vec<RankStatus>,
     /// What the engine was doing when its sidecar last read its load (all ranks; judge its
-    /// age with [`Load::age`]), if the sidecar reads it.
-    pub load: Option<Load>,
+    /// age with [`LoadReading::age`]), if the sidecar reads it.
+    pub load: Option<LoadReading>,
     /// Why the sidecar's reads of the load fail since then, in its words.
     pub load_error: Option<String>,
 }
@@ -279,21 +280,6 @@ pub struct NotReady {
     pub waited: Duration,
     /// Each replica not exact, with its state and reason.
     pub replicas: Vec<(String, String)>,
-}
-
-/// `head`, then each cause in `e`'s chain that it does not say already, joined by ": ":
-/// `kvevent_scrape::error_chain`'s rule, for the feed's errors (a Fleet following sidecars
-/// links no HTTP client of an engine's).
-pub(crate) fn with_causes(mut head: String, e: &(dyn std::error::Error + 'static)) -> String {
-    let mut source = e.source();
-    while let Some(s) = source {
-        let text = s.to_string();
-        if !head.contains(&text) {
-            head = format!("{head}: {text}");
-        }
-        source = s.source();
-    }
-    head
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

@@ -42,7 +42,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
-use kvevent_index::{Load, ReplicaState, Scores};
+use kvevent_index::{LoadReading, ReplicaState, Scores};
 
 mod learn;
 mod router;
@@ -472,7 +472,7 @@ impl Rule {
     /// or after `fresh_since`.
     fn queued(
         c: &Candidate<'_>,
-        load: Option<&Load>,
+        load: Option<&LoadReading>,
         fresh_since: Option<Instant>,
     ) -> (u32, LoadSeen) {
         let own = c.flights.in_flight();

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvevent_feed::RankState;
-use kvevent_index::{Degraded, Load, Lost, ReplicaState, SourceId};
+use kvevent_index::{Degraded, LoadReading, Lost, ReplicaState, SourceId};
 
 use crate::{Core, RankStatus, ReplicaStatus, lock};
 
@@ -59,7 +59,7 @@ pub(crate) struct Status {
     /// Each rank, and when what the follower saw of it last changed (connected or lost).
     pub(crate) ranks: Vec<(RankStatus, Option<Instant>)>,
     /// The engine's load as its sidecar last read it, and why reads since fail.
-    pub(crate) load: Option<Load>,
+    pub(crate) load: Option<LoadReading>,
     pub(crate) load_error: Option<String>,
     /// The state last published to the index.
     published: Option<ReplicaState>,
@@ -331,7 +331,7 @@ impl Status {
                     ..r.clone()
                 })
                 .collect(),
-            load: self.load,
+            load: self.load.clone(),
             load_error: self.load_error.clone(),
         }
     }
@@ -343,7 +343,7 @@ impl Status {
         &mut self,
         core: &Core,
         name: &str,
-        load: Option<Load>,
+        load: Option<LoadReading>,
         error: Option<String>,
     ) {
         // Said when the reason changes, not on every failing read.
@@ -358,11 +358,10 @@ impl Status {
             }
         }
         self.load_error = error;
-        let same = match (self.load, load) {
+        let same = match (&self.load, &load) {
             (None, None) => true,
             (Some(a), Some(b)) => {
-                (a.running, a.waiting, a.kv_usage, a.failing)
-                    == (b.running, b.waiting, b.kv_usage, b.failing)
+                (&a.load, a.failing) == (&b.load, b.failing)
                     && b.read_at.saturating_duration_since(a.read_at) < Duration::from_millis(100)
                     && a.read_at.saturating_duration_since(b.read_at) < Duration::from_millis(100)
             }
@@ -371,7 +370,7 @@ impl Status {
         if same {
             return;
         }
-        self.load = load;
+        self.load = load.clone();
         // Under the status's lock, as the state: a removed replica is not brought back.
         if !self.removed {
             core.index.set_replica_load(name, load);

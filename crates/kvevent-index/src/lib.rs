@@ -20,8 +20,9 @@ mod state;
 mod tests;
 
 pub use keys::{IndexStats, fold_key};
+pub use kvevent_scrape::{Load, RankLoad};
 pub use score::{Score, Scores, ScoresIter};
-pub use state::{Degraded, Load, Lost, ReplicaState};
+pub use state::{Degraded, LoadReading, Lost, ReplicaState};
 
 use holders::*;
 use keys::*;
@@ -133,7 +134,7 @@ struct Inner {
     states: Arc<Vec<ReplicaState>>,
     /// Each replica's load, by number, as its follower last said (none until then); answers
     /// share it like the states.
-    loads: Arc<Vec<Option<Load>>>,
+    loads: Arc<Vec<Option<LoadReading>>>,
     /// Each replica's lease, by number (none until its follower renews one); answers share
     /// the table and judge it when made.
     leases: Arc<Leases>,
@@ -455,7 +456,7 @@ impl Index {
     /// Says what `replica`'s engine was doing when last read (`None`: nothing known): every
     /// [`Score`] of it carries this load from now on. Like the state, it makes the replica
     /// known.
-    pub fn set_replica_load(&self, replica: &str, load: Option<Load>) {
+    pub fn set_replica_load(&self, replica: &str, load: Option<LoadReading>) {
         let mut guard = self.write();
         let inner = &mut guard.inner;
         let id = inner.replica(replica);

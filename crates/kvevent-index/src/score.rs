@@ -22,9 +22,9 @@ pub struct Score<'a> {
     /// How far the replica's entries can be trusted ([`ReplicaState`]): route on
     /// [`ReplicaState::Exact`], fail open otherwise.
     pub state: ReplicaState,
-    /// What its engine was doing when last read, as its follower said ([`Load`]; judge its
+    /// What its engine was doing when last read, as its follower said ([`LoadReading`]; judge its
     /// age), if anything.
-    pub load: Option<&'a Load>,
+    pub load: Option<&'a LoadReading>,
 }
 
 /// The answer to a query: a [`Score`] per replica holding block 0 of the query (with
@@ -35,7 +35,7 @@ pub struct Score<'a> {
 pub struct Scores {
     names: Arc<Vec<Arc<str>>>,
     states: Arc<Vec<ReplicaState>>,
-    loads: Arc<Vec<Option<Load>>>,
+    loads: Arc<Vec<Option<LoadReading>>>,
     /// The replicas in it whose follower's lease had run out when it was made (mostly none).
     expired: Vec<u32>,
     /// ([`rank`], replica), best first.

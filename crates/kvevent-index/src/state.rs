@@ -146,17 +146,14 @@ impl ReplicaState {
 }
 
 /// What a replica's engine was doing when it was last read (its `/metrics`, through its
-/// sidecar): what a router weighs against what the replica holds. Whoever follows the replica
-/// says ([`Index::set_replica_load`](crate::Index::set_replica_load)); it is a reading with its
+/// sidecar or by a fleet following it directly): what a router weighs against what the replica
+/// holds. Whoever follows the replica says
+/// ([`Index::set_replica_load`](crate::Index::set_replica_load)); it is a reading with its
 /// time, never refreshed by the index: a reader judges its age.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Load {
-    /// Requests in the engine's running batches (all DP ranks).
-    pub running: u32,
-    /// Requests queued (all DP ranks).
-    pub waiting: u32,
-    /// KV-cache usage, 0–1 (the mean over DP ranks), when the engine says it.
-    pub kv_usage: Option<f32>,
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadReading {
+    /// The load, rank by rank, as the engine said it.
+    pub load: kvevent_scrape::Load,
     /// When the engine was read, on the follower's clock.
     pub read_at: std::time::Instant,
     /// The reads after this one fail (the engine's `/metrics` slow, failing, or saying
@@ -164,10 +161,10 @@ pub struct Load {
     pub failing: bool,
 }
 
-impl Load {
-    /// Requests in the engine when it was read, running or waiting.
+impl LoadReading {
+    /// Requests in the engine when it was read, running or waiting (every rank).
     pub fn queued(&self) -> u32 {
-        self.running.saturating_add(self.waiting)
+        self.load.queued()
     }
 
     /// How long ago it was read, at `now`.

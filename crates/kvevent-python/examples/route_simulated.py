@@ -99,6 +99,10 @@ for policy in ["cost", "round-robin"]:
                     futures.append(pool.submit(send, prompt))
                     time.sleep(0.02)
                 chosen = [f.result() for f in futures]
+            # Each sidecar reads its engine's load (rank by rank) and the fleet carries it.
+            loads = [r.load for r in fleet.replicas()]
+            if not all(load and [rank["rank"] for rank in load.ranks] == [0] for load in loads):
+                sys.exit(f"FAILED: the engines' loads are not all followed: {loads}")
         queries = sum(counter(url, "vllm:prefix_cache_queries_total") for url in servers.values())
         hits = sum(counter(url, "vllm:prefix_cache_hits_total") for url in servers.values())
         hit_rates[policy] = hits / max(queries, 1)

@@ -18,41 +18,62 @@ use crate::convert::token_ids;
 use crate::fleet::PyFleet;
 
 /// What an engine was doing when its sidecar last read it.
-#[pyclass(
-    frozen,
-    get_all,
-    skip_from_py_object,
-    module = "kvevent",
-    name = "Load"
-)]
+#[pyclass(frozen, skip_from_py_object, module = "kvevent", name = "Load")]
 #[derive(Clone)]
 pub(crate) struct PyLoad {
     /// Requests in its running batches (all DP ranks).
+    #[pyo3(get)]
     running: u32,
     /// Requests queued (all DP ranks).
+    #[pyo3(get)]
     waiting: u32,
     /// KV-cache usage, 0-1 (the mean over DP ranks), or None when the engine does not say.
+    #[pyo3(get)]
     kv_usage: Option<f32>,
     /// Seconds since it was read, when this object was made.
+    #[pyo3(get)]
     age: f64,
     /// The sidecar's reads since this one fail: it only ages.
+    #[pyo3(get)]
     failing: bool,
+    /// Each DP rank's load.
+    ranks: Vec<kvevent_fleet::RankLoad>,
 }
 
 impl PyLoad {
-    pub(crate) fn of(l: &kvevent_fleet::Load) -> Self {
+    pub(crate) fn of(l: &kvevent_fleet::LoadReading) -> Self {
         Self {
-            running: l.running,
-            waiting: l.waiting,
-            kv_usage: l.kv_usage,
+            running: l.load.running(),
+            waiting: l.load.waiting(),
+            kv_usage: l.load.kv_usage(),
             age: l.age(Instant::now()).as_secs_f64(),
             failing: l.failing,
+            ranks: l.load.ranks.clone(),
         }
     }
 }
 
 #[pymethods]
 impl PyLoad {
+    /// Each DP rank's load, a dict of its figures by name (`rank`, `running`, `waiting`,
+    /// `kv_usage`, and any the engine's load gains).
+    #[getter]
+    fn ranks<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, pyo3::types::PyDict>>> {
+        self.ranks
+            .iter()
+            .map(|r| {
+                let dict = pyo3::types::PyDict::new(py);
+                for (name, figure) in r.figures() {
+                    match figure {
+                        kvevent_fleet::Figure::Count(n) => dict.set_item(name, n)?,
+                        kvevent_fleet::Figure::Fraction(f) => dict.set_item(name, f)?,
+                    }
+                }
+                Ok(dict)
+            })
+            .collect()
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "Load(running={}, waiting={}, kv_usage={}, age={:.3}s{})",

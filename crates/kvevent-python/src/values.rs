@@ -181,7 +181,7 @@ pub(crate) struct PyScore {
     pub(crate) matched_tokens: u32,
     pub(crate) tier: &'static str,
     pub(crate) state: ReplicaState,
-    pub(crate) load: Option<kvevent_fleet::Load>,
+    pub(crate) load: Option<kvevent_fleet::LoadReading>,
 }
 
 impl PyScore {
@@ -195,7 +195,7 @@ impl PyScore {
                 fleet::Tier::T2 => "T2",
             },
             state: s.state,
-            load: s.load.copied(),
+            load: s.load.cloned(),
         }
     }
 }

@@ -12,9 +12,9 @@ use hyper_util::rt::TokioExecutor;
 /// Why a fetch failed.
 #[derive(Debug, thiserror::Error)]
 pub enum FetchError {
-    /// The URL is not an `http://` URL.
-    #[error("invalid metrics url `{0}`: expected http://host:port/path")]
-    InvalidUrl(String),
+    /// The URL is not an engine's ([`crate::url`]'s rule).
+    #[error(transparent)]
+    InvalidUrl(#[from] crate::url::UrlError),
     /// No full answer within the timeout.
     #[error("no answer within {0:?}")]
     Timeout(Duration),
@@ -65,14 +65,12 @@ impl Fetcher {
         &self.uri
     }
 
-    /// A fetcher for `url` (plain `http://`; engines serve metrics on the pod network).
+    /// A fetcher for `url` (plain `http://`, [`crate::url::engine_url`]).
     pub fn new(url: &str, timeout: Duration, max_body: usize) -> Result<Self, FetchError> {
+        let url = crate::url::engine_url(url)?;
         let uri: http::Uri = url
             .parse()
-            .map_err(|_| FetchError::InvalidUrl(url.into()))?;
-        if uri.scheme_str() != Some("http") || uri.host().is_none() {
-            return Err(FetchError::InvalidUrl(url.into()));
-        }
+            .map_err(|_| FetchError::InvalidUrl(crate::url::UrlError::NoHost(url.to_owned())))?;
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(timeout));
         connector.set_nodelay(true);

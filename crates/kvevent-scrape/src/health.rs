@@ -18,12 +18,7 @@ impl EngineHealth {
     /// The check of the server at `base` (`http://HOST:PORT`, a trailing `/` allowed, no
     /// path), each ask bounded by `timeout`.
     pub fn new(base: &str, timeout: Duration) -> Result<Self, FetchError> {
-        let base = base.trim_end_matches('/');
-        let invalid = || FetchError::InvalidUrl(base.to_owned());
-        let authority = base.strip_prefix("http://").ok_or_else(invalid)?;
-        if authority.is_empty() || authority.contains('/') {
-            return Err(invalid());
-        }
+        let base = crate::url::server_url(base)?;
         let url = format!("{base}/health");
         Ok(Self {
             fetcher: Fetcher::new(&url, timeout, 64 << 10)?,

@@ -1,19 +1,30 @@
 #![doc = include_str!("../README.md")]
 
+#[cfg(feature = "http")]
 mod fetch;
+#[cfg(feature = "http")]
 mod health;
 mod load;
+#[cfg(feature = "http")]
+mod load_reader;
 pub mod stats;
 pub mod text;
+pub mod url;
 
+#[cfg(feature = "http")]
 use std::time::Duration;
 
+#[cfg(feature = "http")]
 pub use fetch::{FetchError, Fetcher};
+#[cfg(feature = "http")]
 pub use health::EngineHealth;
-pub use load::{Load, LoadError, RankLoad, read_load};
+pub use load::{Figure, Load, LoadError, RankLoad, read_load};
+#[cfg(feature = "http")]
+pub use load_reader::{LoadFailure, LoadReader};
 pub use stats::{CacheTier, Profile, Reading, Stats, StatsConfig, StatsError};
 
 /// Why a scrape produced no stats.
+#[cfg(feature = "http")]
 #[derive(Debug, thiserror::Error)]
 pub enum ScrapeError {
     /// The HTTP exchange failed.
@@ -27,6 +38,7 @@ pub enum ScrapeError {
     Stats(#[from] StatsError),
 }
 
+#[cfg(feature = "http")]
 impl ScrapeError {
     /// A short label for metrics.
     pub fn kind(&self) -> &'static str {
@@ -39,6 +51,7 @@ impl ScrapeError {
 }
 
 /// Fetch, parse, read and diff, one scrape at a time.
+#[cfg(feature = "http")]
 #[derive(Debug)]
 pub struct Scraper {
     fetcher: Fetcher,
@@ -46,6 +59,7 @@ pub struct Scraper {
     deltas: stats::Deltas,
 }
 
+#[cfg(feature = "http")]
 impl Scraper {
     /// The URL it scrapes.
     pub fn url(&self) -> &http::Uri {
@@ -78,15 +92,21 @@ impl Scraper {
 /// `a: b: c` from an error and its causes, a cause its line already says left out (hyper's
 /// errors repeat their source's text): how the sidecar, the tools and the Fleet word an error.
 pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
+    with_causes(e.to_string(), e)
+}
+
+/// `head`, then each cause in `e`'s chain that the line does not say already, joined by `: `:
+/// [`error_chain`] with words of the caller's own in place of `e`'s (tonic's "transport error"
+/// says less than its causes).
+pub fn with_causes(mut head: String, e: &dyn std::error::Error) -> String {
     let mut source = e.source();
     while let Some(s) = source {
         let cause = s.to_string();
-        if !text.contains(&cause) {
-            text.push_str(": ");
-            text.push_str(&cause);
+        if !head.contains(&cause) {
+            head.push_str(": ");
+            head.push_str(&cause);
         }
         source = s.source();
     }
-    text
+    head
 }

@@ -8,7 +8,10 @@
 use crate::stats::{Profile, Select, StatsConfig, StatsError};
 use crate::text::Exposition;
 
-/// One DP rank's load.
+/// One DP rank's load: the one shape of an engine's load from its reading to the sidecar's
+/// feed, a `Fleet`, the routing rule and the wheel (the feed's messages convert at its edge). A
+/// new figure is a field here, its reading in [`read_load`], its fold in [`Load`] and its name
+/// in [`RankLoad::figures`]; the feed's message carries it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RankLoad {
     /// The rank (the series' `engine` or `dp_rank` label; 0 without one).
@@ -21,6 +24,38 @@ pub struct RankLoad {
     pub kv_usage: Option<f32>,
 }
 
+impl RankLoad {
+    /// A rank with nothing running or waiting and no usage said.
+    pub fn idle(rank: u32) -> Self {
+        Self {
+            rank,
+            running: 0,
+            waiting: 0,
+            kv_usage: None,
+        }
+    }
+
+    /// Its figures by name, as every display of a load shows them (a router's `/replicas`, the
+    /// wheel's `Load.ranks`): listed once, so a new figure shows everywhere.
+    pub fn figures(&self) -> [(&'static str, Figure); 4] {
+        [
+            ("rank", Figure::Count(self.rank)),
+            ("running", Figure::Count(self.running)),
+            ("waiting", Figure::Count(self.waiting)),
+            ("kv_usage", Figure::Fraction(self.kv_usage)),
+        ]
+    }
+}
+
+/// One figure of a rank's load ([`RankLoad::figures`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Figure {
+    /// A count (requests).
+    Count(u32),
+    /// A fraction, 0–1, when the engine says it.
+    Fraction(Option<f32>),
+}
+
 /// An engine's load, rank by rank (sorted by rank).
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Load {
@@ -29,14 +64,26 @@ pub struct Load {
 }
 
 impl Load {
+    /// Requests in the engine, running or waiting, over every rank: what the routing rule
+    /// weighs.
+    pub fn queued(&self) -> u32 {
+        self.running().saturating_add(self.waiting())
+    }
+
     /// Requests running, over every rank.
     pub fn running(&self) -> u32 {
-        self.ranks.iter().map(|r| r.running).sum()
+        self.ranks
+            .iter()
+            .map(|r| r.running)
+            .fold(0, u32::saturating_add)
     }
 
     /// Requests waiting, over every rank.
     pub fn waiting(&self) -> u32 {
-        self.ranks.iter().map(|r| r.waiting).sum()
+        self.ranks
+            .iter()
+            .map(|r| r.waiting)
+            .fold(0, u32::saturating_add)
     }
 
     /// The mean KV-cache usage over the ranks that say it.
@@ -89,12 +136,7 @@ fn at(ranks: &mut Vec<RankLoad>, rank: u32) -> &mut RankLoad {
     let i = match ranks.iter().position(|r| r.rank == rank) {
         Some(i) => i,
         None => {
-            ranks.push(RankLoad {
-                rank,
-                running: 0,
-                waiting: 0,
-                kv_usage: None,
-            });
+            ranks.push(RankLoad::idle(rank));
             ranks.len() - 1
         }
     };

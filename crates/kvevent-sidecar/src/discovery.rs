@@ -68,7 +68,7 @@ impl Watcher {
                     lost.iter_mut().for_each(|l| *l = None);
                 }
                 Err(e) => {
-                    tracing::warn!(url = %self.url, error = %crate::stats_reporter::error_chain(&e), "a rank's connection is lost and the endpoint listing does not answer; reading it again later");
+                    tracing::warn!(url = %self.url, error = %kvevent_scrape::error_chain(&e), "a rank's connection is lost and the endpoint listing does not answer; reading it again later");
                     lost.iter_mut()
                         .for_each(|l| *l = l.map(|(_, at)| (Instant::now(), at)));
                 }

@@ -401,9 +401,12 @@ pub async fn start(settings: &Settings, ctx: &zmq::Context) -> Result<Running, S
             .min(settings.scrape_timeout.0);
         tokio::spawn(
             engine_load::EngineLoad {
-                fetcher: kvevent_scrape::Fetcher::new(url, timeout, settings.scrape_max_bytes)?,
-                url: url.to_owned(),
-                config: stats_config(settings),
+                reader: kvevent_scrape::LoadReader::new(
+                    url,
+                    timeout,
+                    settings.scrape_max_bytes,
+                    stats_config(settings),
+                )?,
                 interval,
                 hub: hub.clone(),
                 telemetry: telemetry.clone(),

@@ -117,4 +117,4 @@ impl StatsReporter {
 }
 
 /// `a: b: c` from an error and its sources (written once, with discovery's words).
-pub(crate) use kvevent_scrape::error_chain;
+use kvevent_scrape::error_chain;

@@ -107,18 +107,8 @@ impl std::str::FromStr for EngineSockets {
                         .map_err(|_| format!("engine={w}: vllm or sglang"))?;
                 }
                 Some(("http", h)) => {
-                    // Plain HTTP, as the health check and the load reader speak to an engine
-                    // on the pod network (kvevent-scrape): https is refused here, not later.
-                    let authority = h.strip_prefix("http://").unwrap_or_default();
-                    let authority = authority.trim_end_matches('/');
-                    if h.starts_with("https://") {
-                        return Err(format!(
-                            "http={h}: an engine's server is read over plain http://HOST:PORT (https is not supported)"
-                        ));
-                    }
-                    if authority.is_empty() || authority.contains('/') {
-                        return Err(format!("http={h}: an http://HOST:PORT URL"));
-                    }
+                    // The workspace's rule for an engine's server: refused here, not later.
+                    let h = kvevent_scrape::url::server_url(h).map_err(|e| format!("http={e}"))?;
                     e.http = Some(h.to_owned());
                 }
                 _ => return Err(format!("`{part}` in `{s}`: an engine is {FORM}")),
@@ -186,11 +176,14 @@ mod tests {
             ("tcp://h:1,replay=h:2", "replay=h:2"),
             ("tcp://h:1,dp=0", "dp=0"),
             ("tcp://h:1,engine=tgi", "engine=tgi"),
-            ("tcp://h:1,http=h:8000", "http=h:8000"),
+            (
+                "tcp://h:1,http=h:8000",
+                "http=`h:8000` is not an http:// URL",
+            ),
             ("tcp://h:1,http=https://h:8000", "https is not supported"),
             (
                 "tcp://h:1,http=http://h:8000/metrics",
-                "an http://HOST:PORT URL",
+                "is http://HOST:PORT, without a path",
             ),
             ("tcp://h:1,port=2", "`port=2`"),
         ] {

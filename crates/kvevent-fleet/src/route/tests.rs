@@ -1,7 +1,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvevent_index::{Config, Degraded, Index, Load, Query, QueryKeys, ReplicaState, Scores};
+use kvevent_index::{
+    Config, Degraded, Index, Load, LoadReading, Query, QueryKeys, RankLoad, ReplicaState, Scores,
+};
 
 use super::*;
 
@@ -10,10 +12,10 @@ const DEGRADED: ReplicaState = ReplicaState::Degraded(Degraded::Unverified);
 
 /// The prompt 0..64 (block size 16) and an index where each of `holders` holds its first `n`
 /// blocks, with the state and load given; answered among `asked`.
-fn scores(holders: &[(&str, usize, ReplicaState, Option<Load>)], asked: &[&str]) -> Scores {
+fn scores(holders: &[(&str, usize, ReplicaState, Option<LoadReading>)], asked: &[&str]) -> Scores {
     let index = Index::new(Config::default());
     let prompt: Vec<u32> = (0..64).collect();
-    for &(name, blocks, state, load) in holders {
+    for &(name, blocks, state, ref load) in holders {
         let source = index.add_source(name).expect("a source");
         let keys = kvevent_fingerprint::chain(&prompt[..blocks * 16], 16, None);
         let changes: Vec<kvevent_index::KeyChange<'_>> = keys
@@ -28,7 +30,7 @@ fn scores(holders: &[(&str, usize, ReplicaState, Option<Load>)], asked: &[&str])
             .collect();
         index.apply_keys(source, &changes);
         index.set_replica_state(name, state);
-        index.set_replica_load(name, load);
+        index.set_replica_load(name, load.clone());
     }
     index.score_among(
         &Query {
@@ -42,11 +44,15 @@ fn scores(holders: &[(&str, usize, ReplicaState, Option<Load>)], asked: &[&str])
     )
 }
 
-fn load(queued: u32, read_at: Instant) -> Option<Load> {
-    Some(Load {
-        running: queued,
-        waiting: 0,
-        kv_usage: Some(0.5),
+fn load(queued: u32, read_at: Instant) -> Option<LoadReading> {
+    Some(LoadReading {
+        load: Load {
+            ranks: vec![RankLoad {
+                running: queued,
+                kv_usage: Some(0.5),
+                ..RankLoad::idle(0)
+            }],
+        },
         read_at,
         failing: false,
     })

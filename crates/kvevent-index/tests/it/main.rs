@@ -786,14 +786,19 @@ fn candidates_are_answered_each_known_matching_or_not_and_states_are_carried() {
     );
     assert!(index.score(&query).of_candidate(0).is_none());
     let read_at = std::time::Instant::now();
-    let load = kvevent_index::Load {
-        running: 3,
-        waiting: 1,
-        kv_usage: Some(0.5),
+    let load = kvevent_index::LoadReading {
+        load: kvevent_index::Load {
+            ranks: vec![kvevent_index::RankLoad {
+                running: 3,
+                waiting: 1,
+                kv_usage: Some(0.5),
+                ..kvevent_index::RankLoad::idle(0)
+            }],
+        },
         read_at,
         failing: false,
     };
-    index.set_replica_load("b", Some(load));
+    index.set_replica_load("b", Some(load.clone()));
     let loaded = index.score_among(&query, &["a", "b"]);
     assert_eq!(loaded.of_candidate(1).and_then(|s| s.load), Some(&load));
     assert_eq!(loaded.of_candidate(0).and_then(|s| s.load), None);

@@ -268,6 +268,10 @@ class Load:
     @property
     def failing(self) -> bool:
         """The sidecar's reads since this one fail: it only ages."""
+    @property
+    def ranks(self) -> List[Dict[str, Optional[Union[int, float]]]]:
+        """Each DP rank's load: its figures by name (`rank`, `running`, `waiting`,
+        `kv_usage`, and any the engine's load gains)."""
 
 @final
 class Choice:

@@ -653,7 +653,7 @@ async fn the_engine_s_load_reaches_routers_and_a_bad_metrics_endpoint_only_ages_
         fleet
             .replicas()
             .first()
-            .and_then(|r| r.load.map(|l| (l, r.load_error.clone())))
+            .and_then(|r| r.load.clone().map(|l| (l, r.load_error.clone())))
     };
     // A router following the engine directly, given its HTTP server, reads the load itself.
     let direct = Fleet::new(FleetConfig::default()).expect("fleet");
@@ -671,7 +671,8 @@ async fn the_engine_s_load_reaches_routers_and_a_bad_metrics_endpoint_only_ages_
         wait_until("the first load", || {
             [&fleet, &direct].iter().all(|f| {
                 load(f).is_some_and(|(l, e)| {
-                    (l.running, l.waiting, l.kv_usage, e) == (3, 2, Some(0.5), None)
+                    (l.load.running(), l.load.waiting(), l.load.kv_usage(), e)
+                        == (3, 2, Some(0.5), None)
                 })
             })
         });
@@ -683,7 +684,7 @@ async fn the_engine_s_load_reaches_routers_and_a_bad_metrics_endpoint_only_ages_
         wait_until("the new load, and the prefix", || {
             [&fleet, &direct]
                 .iter()
-                .all(|f| load(f).is_some_and(|(l, _)| l.running == 7))
+                .all(|f| load(f).is_some_and(|(l, _)| l.load.running() == 7))
                 && blocks_matched(&fleet, "a", 1) == 2
         });
     });
@@ -698,7 +699,10 @@ async fn the_engine_s_load_reaches_routers_and_a_bad_metrics_endpoint_only_ages_
     };
     let scores = fleet.score_among(&query, &["a"]).expect("scores");
     assert_eq!(
-        scores.first().and_then(|s| s.load).map(|l| l.running),
+        scores
+            .first()
+            .and_then(|s| s.load)
+            .map(|l| l.load.running()),
         Some(7)
     );
     let flights = std::sync::Arc::new(Flights::default());
@@ -722,7 +726,7 @@ async fn the_engine_s_load_reaches_routers_and_a_bad_metrics_endpoint_only_ages_
             [&fleet, &direct].iter().all(|f| {
                 load(f).is_some_and(|(l, e)| {
                     l.failing
-                        && l.running == 7
+                        && l.load.running() == 7
                         && e.is_some_and(|e| {
                             e.contains("/metrics")
                                 && e.contains("vllm:num_requests_running")
