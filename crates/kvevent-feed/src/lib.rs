@@ -101,16 +101,14 @@ mod tests {
         let load = kvevent_scrape::Load {
             ranks: vec![
                 kvevent_scrape::RankLoad {
-                    rank: 0,
                     running: 3,
                     waiting: 1,
                     kv_usage: Some(0.25),
+                    ..kvevent_scrape::RankLoad::idle(0)
                 },
                 kvevent_scrape::RankLoad {
-                    rank: 1,
-                    running: 0,
                     waiting: 7,
-                    kv_usage: None,
+                    ..kvevent_scrape::RankLoad::idle(1)
                 },
             ],
         };

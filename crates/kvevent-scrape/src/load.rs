@@ -270,10 +270,10 @@ mod tests {
         assert_eq!(
             load.ranks,
             vec![RankLoad {
-                rank: 1,
                 running: 5,
                 waiting: 2,
-                kv_usage: Some(0.25)
+                kv_usage: Some(0.25),
+                ..RankLoad::idle(1)
             }]
         );
     }
