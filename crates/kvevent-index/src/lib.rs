@@ -134,7 +134,7 @@ struct Inner {
     states: Arc<Vec<ReplicaState>>,
     /// Each replica's load, by number, as its follower last said (none until then); answers
     /// share it like the states.
-    loads: Arc<Vec<Option<LoadReading>>>,
+    loads: Arc<Vec<Option<Arc<LoadReading>>>>,
     /// Each replica's lease, by number (none until its follower renews one); answers share
     /// the table and judge it when made.
     leases: Arc<Leases>,
@@ -461,7 +461,7 @@ impl Index {
         let inner = &mut guard.inner;
         let id = inner.replica(replica);
         inner.replica_slots[id as usize].state_set = true;
-        Arc::make_mut(&mut inner.loads)[id as usize] = load;
+        Arc::make_mut(&mut inner.loads)[id as usize] = load.map(Arc::new);
     }
 
     /// Stops following every source of `replica` and forgets it: its entries stop counting

@@ -35,7 +35,7 @@ pub struct Score<'a> {
 pub struct Scores {
     names: Arc<Vec<Arc<str>>>,
     states: Arc<Vec<ReplicaState>>,
-    loads: Arc<Vec<Option<LoadReading>>>,
+    loads: Arc<Vec<Option<Arc<LoadReading>>>>,
     /// The replicas in it whose follower's lease had run out when it was made (mostly none).
     expired: Vec<u32>,
     /// ([`rank`], replica), best first.
@@ -106,7 +106,7 @@ impl Scores {
                 }
                 s => s,
             },
-            load: self.loads[replica as usize].as_ref(),
+            load: self.loads[replica as usize].as_deref(),
         }
     }
 }
