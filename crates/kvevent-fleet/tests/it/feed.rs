@@ -5,19 +5,18 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
-use kvevent_feed::{EngineRank, Hub, HubConfig, ServeOptions};
+use kvevent_feed::{Hub, HubConfig, ServeOptions};
 use kvevent_fleet::{
-    Degraded, Fleet, FleetConfig, Lost, Query, QueryKeys, ReplicaSource, ReplicaState, ScoreError,
-    SidecarFeed,
+    Fleet, FleetConfig, Query, QueryKeys, ReplicaSource, ReplicaState, SidecarFeed,
 };
 use kvevent_mapper::{Identity, KeyMode, Mapper, Options};
 use kvevent_test_support::{eventually_blocking, when};
 use kvevent_wire as wire;
 
-const WAIT: Duration = Duration::from_secs(20);
-const BLOCK: usize = 16;
+pub(crate) const WAIT: Duration = Duration::from_secs(20);
+pub(crate) const BLOCK: usize = 16;
 
-fn mapper() -> Mapper {
+pub(crate) fn mapper() -> Mapper {
     Mapper::new(
         Identity::new("r", "m", "", "test").expect("identity"),
         Options {
@@ -28,13 +27,13 @@ fn mapper() -> Mapper {
 }
 
 /// A prompt of `blocks` blocks, distinct per `seed`.
-fn prompt(seed: u32, blocks: usize) -> Vec<u32> {
+pub(crate) fn prompt(seed: u32, blocks: usize) -> Vec<u32> {
     (0..(blocks * BLOCK) as u32)
         .map(|t| seed * 100_000 + t)
         .collect()
 }
 
-fn stored(seed: u32, blocks: usize) -> wire::EventBatch<'static> {
+pub(crate) fn stored(seed: u32, blocks: usize) -> wire::EventBatch<'static> {
     wire::EventBatch::new(
         1.0,
         vec![wire::Event::BlockStored(wire::BlockStored {
@@ -48,7 +47,7 @@ fn stored(seed: u32, blocks: usize) -> wire::EventBatch<'static> {
     )
 }
 
-fn removed(seed: u32, block: u64) -> wire::EventBatch<'static> {
+pub(crate) fn removed(seed: u32, block: u64) -> wire::EventBatch<'static> {
     wire::EventBatch::new(
         1.0,
         vec![wire::Event::BlockRemoved(wire::BlockRemoved {
@@ -61,7 +60,7 @@ fn removed(seed: u32, block: u64) -> wire::EventBatch<'static> {
 }
 
 /// Maps a batch and hands its reports to the hub, as the sidecar's events thread does.
-fn publish(hub: &Hub, mapper: &mut Mapper, batch: &wire::EventBatch<'_>) {
+pub(crate) fn publish(hub: &Hub, mapper: &mut Mapper, batch: &wire::EventBatch<'_>) {
     let mut reports = Vec::new();
     mapper.map_batch(batch, &mut reports);
     for r in &reports {
@@ -71,7 +70,7 @@ fn publish(hub: &Hub, mapper: &mut Mapper, batch: &wire::EventBatch<'_>) {
     hub.commit();
 }
 
-fn matched(fleet: &Fleet, seed: u32, blocks: usize) -> Option<(u32, ReplicaState)> {
+pub(crate) fn matched(fleet: &Fleet, seed: u32, blocks: usize) -> Option<(u32, ReplicaState)> {
     let ids = prompt(seed, blocks);
     let scores = fleet
         .score(&Query {
@@ -85,11 +84,11 @@ fn matched(fleet: &Fleet, seed: u32, blocks: usize) -> Option<(u32, ReplicaState
     scores.first().map(|s| (s.matched_blocks, s.state))
 }
 
-fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+pub(crate) fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
     eventually_blocking(what, WAIT, || when(f(), |held| *held).map(|_| ()));
 }
 
-fn state_of(fleet: &Fleet, name: &str) -> Option<ReplicaState> {
+pub(crate) fn state_of(fleet: &Fleet, name: &str) -> Option<ReplicaState> {
     fleet
         .replicas()
         .into_iter()
@@ -97,13 +96,13 @@ fn state_of(fleet: &Fleet, name: &str) -> Option<ReplicaState> {
         .map(|r| r.state)
 }
 
-struct Served {
-    url: String,
+pub(crate) struct Served {
+    pub(crate) url: String,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<()>,
 }
 
-async fn serve_on(hub: &Arc<Hub>, address: &str) -> Served {
+pub(crate) async fn serve_on(hub: &Arc<Hub>, address: &str) -> Served {
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let (addr, task) = kvevent_feed::serve(address, hub.clone(), ServeOptions::default(), async {
         let _ = rx.await;
@@ -118,7 +117,7 @@ async fn serve_on(hub: &Arc<Hub>, address: &str) -> Served {
 }
 
 impl Served {
-    async fn stop(mut self) {
+    pub(crate) async fn stop(mut self) {
         if let Some(tx) = self.stop.take() {
             let _ = tx.send(());
         }
@@ -127,7 +126,7 @@ impl Served {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_late_router_gets_everything_then_changes_then_a_new_epoch() {
+pub(crate) async fn a_late_router_gets_everything_then_changes_then_a_new_epoch() {
     let hub = Hub::new(HubConfig {
         heartbeat: Duration::from_millis(200),
         snapshot_chunk: 7,
@@ -213,7 +212,8 @@ async fn a_late_router_gets_everything_then_changes_then_a_new_epoch() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_follower_resumes_from_its_position_and_a_lost_sidecar_turns_stale_then_stops_counting() {
+pub(crate) async fn a_follower_resumes_from_its_position_and_a_lost_sidecar_turns_stale_then_stops_counting()
+ {
     let hub = Hub::new(HubConfig {
         heartbeat: Duration::from_millis(100),
         ..HubConfig::new("replica-a", "m")
@@ -269,7 +269,7 @@ async fn a_follower_resumes_from_its_position_and_a_lost_sidecar_turns_stale_the
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stream_naming_another_replica_is_refused_and_a_slow_follower_is_cut_off() {
+pub(crate) async fn a_stream_naming_another_replica_is_refused_and_a_slow_follower_is_cut_off() {
     let hub = Hub::new(HubConfig::new("replica-a", "m"));
     let served = serve_on(&hub, "127.0.0.1:0").await;
     let fleet = Fleet::new(FleetConfig::default()).expect("fleet");
@@ -357,7 +357,7 @@ async fn a_stream_naming_another_replica_is_refused_and_a_slow_follower_is_cut_o
 }
 
 /// A runtime for the tests that run on a plain thread, as a router without tokio would.
-fn runtime() -> tokio::runtime::Runtime {
+pub(crate) fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -366,7 +366,7 @@ fn runtime() -> tokio::runtime::Runtime {
 }
 
 #[test]
-fn bad_replicas_are_refused_and_lose_nothing() {
+pub(crate) fn bad_replicas_are_refused_and_lose_nothing() {
     let rt = runtime();
     let fleet = Fleet::with_runtime(FleetConfig::default(), rt.handle().clone());
     fleet
@@ -420,327 +420,4 @@ fn bad_replicas_are_refused_and_lose_nothing() {
         .expect_err("fingerprints into engine keys");
     assert!(err.to_string().contains("fingerprint"), "{err}");
     assert!(engine_keys.replicas().is_empty());
-}
-
-#[test]
-fn a_fleet_follows_vllm_and_sglang_engines_side_by_side() {
-    use kvevent_zmq::publisher::{Publisher, PublisherConfig};
-    let ctx = zmq::Context::new();
-    let vllm = Publisher::start(&ctx, PublisherConfig::loopback(wire::Release::NEWEST_KNOWN))
-        .expect("vllm engine");
-    let sglang = Publisher::start(&ctx, PublisherConfig::loopback(wire::Release::NEWEST_KNOWN))
-        .expect("sglang engine");
-    // Both stored tokens 0..32 in blocks of 16: vLLM's wire, and SGLang 0.5.18's own bytes (an
-    // unsalted store of them beside a salted one).
-    vllm.publish(&stored(0, 2)).expect("publish");
-    let payload = std::fs::read(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../testdata/vectors/sglang-0.5.18/cache_salt.msgpack"),
-    )
-    .expect("vector");
-    sglang.publish_payload(payload);
-    let rt = runtime();
-    let fleet = Fleet::with_runtime(FleetConfig::default(), rt.handle().clone());
-    let sockets = |p: &Publisher, engine| {
-        ReplicaSource::Engine(kvevent_fleet::EngineSockets {
-            replay: p.replay_endpoint().map(str::to_owned),
-            engine,
-            ..kvevent_fleet::EngineSockets::new(p.endpoint())
-        })
-    };
-    fleet
-        .ensure_replica("v", sockets(&vllm, kvevent_wire::Engine::Vllm))
-        .expect("vllm");
-    fleet
-        .ensure_replica("s", sockets(&sglang, kvevent_wire::Engine::Sglang))
-        .expect("sglang");
-    let ids: Vec<u32> = (0..32).collect();
-    let query = Query {
-        adapter: "",
-        keys: QueryKeys::Tokens {
-            ids: &ids,
-            block_size: BLOCK,
-        },
-    };
-    // The SGLang engine stored 0..16 unsalted and 0..32 salted: unsalted, it matches one block;
-    // under the salt's adapter, two, and the vLLM engine none.
-    let salted_adapter = kvevent_mapper::salted_adapter("", "tenant-a");
-    let salted = Query {
-        adapter: &salted_adapter,
-        keys: query.keys.clone(),
-    };
-    let blocks = |q: &Query<'_>| -> Vec<(String, u32)> {
-        // Until a store said the block size, a token query cannot be chained.
-        match fleet.score(q) {
-            Ok(scores) => scores
-                .iter()
-                .map(|s| (s.replica.to_owned(), s.matched_blocks))
-                .collect(),
-            Err(e) => {
-                assert_eq!(e, ScoreError::BlockSizeUnknown);
-                Vec::new()
-            }
-        }
-    };
-    eventually_blocking("both replicas", WAIT, || {
-        if blocks(&query) == [("v".to_owned(), 2), ("s".to_owned(), 1)]
-            && blocks(&salted) == [("s".to_owned(), 2)]
-        {
-            return Ok(());
-        }
-        Err(format!("{:?} {:?}", fleet.score(&query), fleet.replicas()))
-    });
-}
-
-/// The sidecar loses its engine: the replica, followed through the live sidecar, is degraded
-/// at once and stale after `dead_after`, saying the engine was lost; its engine back, it is
-/// exact again. Then the sidecar itself goes: stale, saying the source was lost. Each within
-/// `dead_after` + 0.5 s, watched through `changes`, not polled.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_engine_lost_behind_a_live_sidecar_and_a_lost_sidecar_are_told_apart() {
-    let hub = Hub::new(HubConfig {
-        heartbeat: Duration::from_millis(200),
-        ..HubConfig::new("replica-a", "m")
-    });
-    let up = |connected| {
-        [EngineRank {
-            rank: 0,
-            health: if connected {
-                kvevent_source::RankHealth::Trusted
-            } else {
-                kvevent_source::RankHealth::Disconnected
-            },
-        }]
-    };
-    hub.set_engine(&up(true));
-    let mut m = mapper();
-    publish(&hub, &mut m, &stored(1, 2));
-    let served = serve_on(&hub, "127.0.0.1:0").await;
-    let dead_after = Duration::from_millis(600);
-    let fleet = Fleet::new(FleetConfig {
-        dead_after,
-        ..FleetConfig::default()
-    })
-    .expect("fleet");
-    fleet
-        .ensure_replica(
-            "a",
-            ReplicaSource::Sidecar(SidecarFeed::new(served.url.clone())),
-        )
-        .expect("ensure");
-    fleet.ready(WAIT).await.expect("ready");
-    let status = &fleet.replicas()[0];
-    assert_eq!(status.ranks.len(), 1);
-    assert!(
-        status.ranks[0].connected && status.error.is_none(),
-        "{status:?}"
-    );
-    let state = || fleet.replicas()[0].state;
-    let until = |want: fn(ReplicaState) -> bool, within: Duration| {
-        let mut changes = fleet.changes();
-        let state = &state;
-        async move {
-            let started = Instant::now();
-            tokio::time::timeout(within, async {
-                while !want(state()) {
-                    changes.changed().await.expect("fleet alive");
-                }
-            })
-            .await
-            .unwrap_or_else(|_| panic!("not reached in {within:?}: {:?}", state()));
-            started.elapsed()
-        }
-    };
-    // The engine goes: degraded at once (well before a heartbeat), then stale.
-    hub.set_engine(&up(false));
-    until(
-        |s| s == ReplicaState::Degraded(Degraded::EngineLost),
-        Duration::from_millis(500),
-    )
-    .await;
-    assert!(!fleet.replicas()[0].ranks[0].connected);
-    let waited = until(
-        |s| {
-            matches!(
-                s,
-                ReplicaState::Stale {
-                    lost: Lost::Engine,
-                    ..
-                }
-            )
-        },
-        dead_after + Duration::from_millis(500),
-    )
-    .await;
-    assert!(
-        waited + Duration::from_millis(50) >= dead_after / 2,
-        "{waited:?}"
-    );
-    // Its entries still count, stale, until drop_after.
-    assert!(matches!(
-        matched(&fleet, 1, 2),
-        Some((
-            2,
-            ReplicaState::Stale {
-                lost: Lost::Engine,
-                ..
-            }
-        ))
-    ));
-    // It comes back.
-    hub.set_engine(&up(true));
-    until(|s| s == ReplicaState::Exact, Duration::from_millis(500)).await;
-    // The sidecar goes: degraded (connecting), then stale, the source lost.
-    served.stop().await;
-    until(
-        |s| {
-            matches!(
-                s,
-                ReplicaState::Stale {
-                    lost: Lost::Source,
-                    ..
-                }
-            )
-        },
-        dead_after + Duration::from_millis(500) + HubConfig::new("", "").heartbeat * 3,
-    )
-    .await;
-    assert!(fleet.replicas()[0].error.is_some());
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn before_any_block_size_is_known_a_token_query_says_so() {
-    let fleet = Fleet::new(FleetConfig::default()).expect("fleet");
-    let ids = prompt(0, 1);
-    let query = Query {
-        adapter: "",
-        keys: QueryKeys::Tokens {
-            ids: &ids,
-            block_size: BLOCK,
-        },
-    };
-    assert_eq!(
-        fleet.score(&query).expect_err("unknown"),
-        ScoreError::BlockSizeUnknown
-    );
-    // Keys need no block size; a replica not followed is named as such.
-    let keys = Query {
-        adapter: "",
-        keys: QueryKeys::Keys(&[1]),
-    };
-    let answer = fleet.score_among(&keys, &["nobody"]).expect("keys");
-    assert_eq!((answer.len(), answer.unknown()), (0, &[0usize][..]));
-    // Waiting for a replica that is not followed fails at once, naming it: waiting cannot
-    // help.
-    let asked = std::time::Instant::now();
-    let err = fleet
-        .ready_among(&["nobody"], Duration::from_secs(30))
-        .await
-        .expect_err("not followed");
-    assert!(err.to_string().contains("nobody (not followed)"), "{err}");
-    assert!(
-        asked.elapsed() < Duration::from_secs(1),
-        "{:?}",
-        asked.elapsed()
-    );
-}
-
-/// A sidecar nobody listens for: the replica's error names the address and the cause, in our
-/// words.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_feed_that_cannot_be_reached_says_where_and_why() {
-    let port = {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
-        listener.local_addr().expect("address").port()
-    };
-    let url = format!("http://127.0.0.1:{port}");
-    let fleet = Fleet::new(FleetConfig::default()).expect("fleet");
-    fleet
-        .ensure_replica("a", ReplicaSource::Sidecar(SidecarFeed::new(url.clone())))
-        .expect("ensure");
-    let want = format!("cannot connect to {url}: ");
-    tokio::task::block_in_place(|| {
-        wait_until("the error", || {
-            fleet.replicas()[0]
-                .error
-                .as_deref()
-                .is_some_and(|e| e.starts_with(&want))
-        });
-    });
-    let error = fleet.replicas()[0].error.clone().unwrap_or_default();
-    assert!(error.to_lowercase().contains("refused"), "{error}");
-    assert_eq!(
-        state_of(&fleet, "a"),
-        Some(ReplicaState::Degraded(kvevent_fleet::Degraded::Connecting)),
-        "an address that does not answer may be an outage: degraded, then stale"
-    );
-}
-
-/// The lease on `exact`: a Fleet whose runtime is starved (a task blocking its only thread:
-/// the follower cannot run, nothing marks the replica silent) answers, from another thread,
-/// `lease_expired` two heartbeats after it last heard from the sidecar, never `exact`; the
-/// sidecar and its feed keep running meanwhile. Once the runtime runs again, `exact`.
-#[test]
-fn a_starved_follower_never_answers_exact_past_its_lease() {
-    let sidecar_rt = runtime();
-    let hub = Hub::new(HubConfig {
-        heartbeat: Duration::from_millis(100),
-        ..HubConfig::new("replica-a", "model-m")
-    });
-    let mut m = mapper();
-    publish(&hub, &mut m, &stored(1, 3));
-    let served = sidecar_rt.block_on(serve_on(&hub, "127.0.0.1:0"));
-    // The fleet on a runtime of one thread of its own, driven by a thread of its own.
-    let fleet_rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let handle = fleet_rt.handle().clone();
-    let fleet = {
-        let _in = fleet_rt.enter();
-        Fleet::new(FleetConfig::default()).expect("fleet")
-    };
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let driver = std::thread::spawn(move || {
-        fleet_rt.block_on(async {
-            let _ = stopped.await;
-        });
-    });
-    let feed = SidecarFeed {
-        replica: "replica-a".into(),
-        model: "model-m".into(),
-        ..SidecarFeed::new(served.url.clone())
-    };
-    {
-        let _in = handle.enter();
-        fleet
-            .ensure_replica("a", ReplicaSource::Sidecar(feed))
-            .expect("ensure");
-    }
-    wait_until("exact", || {
-        state_of(&fleet, "a") == Some(ReplicaState::Exact)
-    });
-    assert_eq!(matched(&fleet, 1, 3), Some((3, ReplicaState::Exact)));
-    // Starve it: the runtime's one thread blocked for 2 s.
-    handle.spawn(async { std::thread::sleep(Duration::from_secs(2)) });
-    let starved_at = Instant::now();
-    std::thread::sleep(Duration::from_millis(600));
-    let expired = ReplicaState::Degraded(Degraded::LeaseExpired);
-    // Two heartbeats (200 ms) and more since it last heard: every answer says so.
-    let mut answers = 0;
-    while starved_at.elapsed() < Duration::from_millis(1_700) {
-        assert_eq!(matched(&fleet, 1, 3), Some((3, expired)));
-        assert_eq!(state_of(&fleet, "a"), Some(expired));
-        answers += 1;
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    assert!(answers > 10, "{answers} answers while starved");
-    // It runs again: it hears the sidecar, and its word holds again.
-    wait_until("exact again", || {
-        matched(&fleet, 1, 3) == Some((3, ReplicaState::Exact))
-    });
-    let _ = stop.send(());
-    driver.join().expect("the driver");
-    drop(fleet);
-    sidecar_rt.block_on(served.stop());
 }

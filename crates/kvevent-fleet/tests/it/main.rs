@@ -3,5 +3,6 @@
 
 mod discover;
 mod feed;
+mod feed_states;
 mod kube;
 mod kube_api;

@@ -5,7 +5,9 @@ mod deploy;
 mod discovery;
 mod docs;
 mod e2e;
+mod endpoints;
 mod feed;
+mod feed_engine;
 #[cfg(feature = "real-engine")]
 mod real_engine;
 mod sglang;
