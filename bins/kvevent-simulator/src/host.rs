@@ -18,6 +18,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use anyhow::Context as _;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, StreamBody, combinators::BoxBody};
 use hyper::body::Frame;
@@ -51,6 +52,9 @@ pub struct Serving {
     /// `r` publishing on the events and replay ports + `r`, its batches carrying its rank; a
     /// request goes to the least loaded (waiting × 4 + running, as vLLM's API server picks).
     pub data_parallel_size: usize,
+    /// Its events, replay and HTTP ports (rank `r`'s events and replay + `r`), as a restarted
+    /// engine keeps its own; `None`: ports the system picks.
+    pub ports: Option<[u16; 3]>,
 }
 
 impl Serving {
@@ -63,6 +67,7 @@ impl Serving {
             lora_modules: Vec::new(),
             engine: wire::Engine::Vllm,
             data_parallel_size: 1,
+            ports: None,
         }
     }
 }
@@ -136,7 +141,10 @@ impl SimEngine {
             "the data-parallel size is 1 to 256, not {dp}"
         );
         let block_size = config.block_size as u32;
-        let publishers = Arc::new(publishers(ctx, dp)?);
+        let publishers = Arc::new(match serving.ports {
+            Some([events, replay, _]) => fixed_publishers(ctx, dp, events, replay)?,
+            None => publishers(ctx, dp)?,
+        });
         let events = publishers[0].endpoint().to_owned();
         let replay = publishers[0]
             .replay_endpoint()
@@ -161,7 +169,10 @@ impl SimEngine {
                 ))
             })
             .collect();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let http_port = serving.ports.map_or(0, |[_, _, http]| http);
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", http_port))
+            .await
+            .with_context(|| format!("the HTTP port {http_port}"))?;
         let http = listener.local_addr()?;
         tasks.push(tokio::spawn(serve(
             listener,
@@ -260,6 +271,29 @@ fn publishers(ctx: &zmq::Context, dp: usize) -> anyhow::Result<Vec<Arc<Publisher
     Err(anyhow::anyhow!(
         "no {dp} consecutive ports free for the ranks' publishers after 20 tries: {last:?}"
     ))
+}
+
+/// One publisher a rank on the ports given (rank `r` on `events + r` and `replay + r`).
+fn fixed_publishers(
+    ctx: &zmq::Context,
+    dp: usize,
+    events: u16,
+    replay: u16,
+) -> anyhow::Result<Vec<Arc<Publisher>>> {
+    (0..dp as u16)
+        .map(|r| {
+            let (e, p) = (events.saturating_add(r), replay.saturating_add(r));
+            let config = PublisherConfig {
+                endpoint: format!("tcp://127.0.0.1:{e}"),
+                bind: Some(true),
+                replay_endpoint: Some(format!("tcp://127.0.0.1:{p}")),
+                ..PublisherConfig::loopback(wire::Release::new(0, 33, 0))
+            };
+            Publisher::start(ctx, config)
+                .map(Arc::new)
+                .with_context(|| format!("rank {r}'s events and replay ports {e} and {p}"))
+        })
+        .collect()
 }
 
 /// Publishes `batches` in order (`lost`: kept for replay, not sent live), on a blocking thread:

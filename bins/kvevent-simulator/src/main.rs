@@ -54,6 +54,23 @@ struct Args {
     /// replay ports + R; a request goes to the least loaded. Each line then ends ,dp=N.
     #[arg(long, default_value_t = 1, value_name = "N")]
     data_parallel_size: usize,
+    /// With one engine: its events, replay and HTTP ports (ranks on events and replay + R), so
+    /// that a restarted simulator is found where it was, as a restarted vLLM is. Default: ports
+    /// the system picks.
+    #[arg(long, value_name = "EVENTS,REPLAY,HTTP", value_parser = ports)]
+    ports: Option<[u16; 3]>,
+}
+
+/// `EVENTS,REPLAY,HTTP`: three port numbers.
+fn ports(s: &str) -> Result<[u16; 3], String> {
+    let ports: Vec<u16> = s
+        .split(',')
+        .map(|p| p.trim().parse().ok().filter(|p| *p > 0))
+        .collect::<Option<_>>()
+        .ok_or_else(|| format!("`{s}`: EVENTS,REPLAY,HTTP, three port numbers"))?;
+    ports
+        .try_into()
+        .map_err(|_| format!("`{s}`: EVENTS,REPLAY,HTTP, three port numbers"))
 }
 
 fn main() -> anyhow::Result<()> {
@@ -66,6 +83,11 @@ fn main() -> anyhow::Result<()> {
     anyhow::ensure!(
         args.block_size > 0 && args.blocks >= 2,
         "--blocks: 2 or more (block 0 is vLLM's null block), --block-size: 1 or more"
+    );
+    anyhow::ensure!(
+        args.ports.is_none() || args.engines == 1,
+        "--ports: one engine's ports, with --engines 1 (not {})",
+        args.engines
     );
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -97,6 +119,7 @@ fn main() -> anyhow::Result<()> {
             lora_modules: adapters,
             engine: args.engine,
             data_parallel_size: args.data_parallel_size,
+            ports: args.ports,
             ..Serving::new(args.model.clone())
         };
         let mut engines = Vec::with_capacity(args.engines);

@@ -260,6 +260,11 @@ fn bad_flags_are_refused_with_a_clear_error() {
         (&["--time-model", "fast"][..], "fast"),
         (&["--speed", "0"][..], "speed"),
         (&["--blocks", "1"][..], "--blocks: 2 or more"),
+        (
+            &["--engines", "2", "--ports", "5557,5558,8000"][..],
+            "--ports: one engine's ports",
+        ),
+        (&["--ports", "5557,5558"][..], "three port numbers"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_kvevent-simulator"))
             .args(flags)

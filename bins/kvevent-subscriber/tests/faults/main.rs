@@ -40,12 +40,14 @@ mod processes;
 mod proxy;
 mod run;
 mod schedule;
+mod simulator;
 mod truth;
 
 use processes::*;
 use proxy::*;
 use run::*;
 use schedule::*;
+use simulator::*;
 use truth::*;
 
 pub(crate) const BIN: &str = env!("CARGO_BIN_EXE_kvevent-subscriber");
@@ -67,7 +69,12 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 pub(crate) type Shared<T> = Arc<Mutex<T>>;
 
-fn run_seed(seed: u64, seconds: u64, runtime: &tokio::runtime::Runtime) -> (Report, Vec<String>) {
+fn run_seed(
+    kind: EngineKind,
+    seed: u64,
+    seconds: u64,
+    runtime: &tokio::runtime::Runtime,
+) -> (Report, Vec<String>) {
     let dir = std::env::temp_dir().join(format!("kvevent-faults-{}-{seed}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("a directory");
     let handle = runtime.handle().clone();
@@ -90,6 +97,8 @@ fn run_seed(seed: u64, seconds: u64, runtime: &tokio::runtime::Runtime) -> (Repo
         let feed_port = ports[4 * i + 2];
         let truth = Arc::new(Mutex::new(Truth::new()));
         let engine = Engine::spawn(
+            kind,
+            &handle,
             engine_ports,
             rng.next() >> 16,
             false,
@@ -116,6 +125,7 @@ fn run_seed(seed: u64, seconds: u64, runtime: &tokio::runtime::Runtime) -> (Repo
         Run::follow(&fleet, r);
     }
     let mut run = Run {
+        kind,
         rng,
         replicas,
         fleet,
@@ -128,11 +138,18 @@ fn run_seed(seed: u64, seconds: u64, runtime: &tokio::runtime::Runtime) -> (Repo
     run.converge("start");
     // `KVEVENT_FAULTS_KINDS=0,1,9`: only those kinds (as numbered in `Fault::draw`), to chase
     // one sequence.
-    let kinds: Vec<u64> = std::env::var("KVEVENT_FAULTS_KINDS")
+    let mut kinds: Vec<u64> = std::env::var("KVEVENT_FAULTS_KINDS")
         .unwrap_or_default()
         .split(',')
         .filter_map(|k| k.trim().parse().ok())
         .collect();
+    if kind == EngineKind::Simulator {
+        // The simulator cannot forget a batch from its replay buffer (5): every other kind.
+        if kinds.is_empty() {
+            kinds = (0..14).collect();
+        }
+        kinds.retain(|k| *k != 5);
+    }
     let end = Instant::now() + Duration::from_secs(seconds);
     while Instant::now() < end {
         let fault = Fault::draw(&mut run.rng, &kinds);
@@ -176,8 +193,29 @@ fn percentile(sorted: &[Duration], q: f64) -> Duration {
     sorted[((sorted.len() - 1) as f64 * q).round() as usize]
 }
 
+/// Against the Python stand-ins, seeds 1, 2 and one drawn at random.
 #[test]
 fn exact_answers_hold_against_the_engines_truth_under_faults() {
+    harness(EngineKind::Python, &[1, 2]);
+}
+
+/// Against `kvevent-simulator` engines (vLLM's scheduler and prefix cache, their truth read
+/// from `/admin/truth`), seed 1 and one drawn at random.
+///
+/// Ignored: it fails, and what it found is open (#63). Even with no engine fault (router
+/// restarts only) 5–6 answers a 12 s run are exact and wrong: with requests one at a time,
+/// exact with 3 blocks of a 4-block prompt the engine holds whole; with requests at once (the
+/// same prefix cached by two blocks, stored twice and removed once per block, as vLLM does),
+/// exact with 4 blocks the engine no longer holds, or fewer than it holds. Run it with
+/// `cargo test -p kvevent-subscriber --test faults -- --ignored` (the simulator built).
+#[test]
+#[ignore = "finds wrong exact answers against the simulator: open, see the doc comment"]
+fn exact_answers_hold_against_the_simulators_truth_under_faults() {
+    harness(EngineKind::Simulator, &[1]);
+}
+
+/// Runs `seeds` and one random seed (or `KVEVENT_FAULTS_SEED` alone) against `kind` engines.
+fn harness(kind: EngineKind, fixed: &[u64]) {
     let seconds: u64 = std::env::var("KVEVENT_FAULTS_SECONDS")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -191,7 +229,7 @@ fn exact_answers_hold_against_the_engines_truth_under_faults() {
             let random = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(3, |d| d.as_nanos() as u64 % 1_000_000);
-            vec![1, 2, random]
+            fixed.iter().copied().chain([random]).collect()
         }
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -201,12 +239,12 @@ fn exact_answers_hold_against_the_engines_truth_under_faults() {
         .expect("runtime");
     let mut failures = Vec::new();
     for seed in seeds {
-        let (report, schedule) = run_seed(seed, seconds, &runtime);
+        let (report, schedule) = run_seed(kind, seed, seconds, &runtime);
         let mut convergence = report.convergence.clone();
         convergence.sort();
         let blind = |(n, blind): (u64, u64)| 100.0 * blind as f64 / n.max(1) as f64;
         println!(
-            "seed {seed}: {} faults in {seconds} s; wrong exact answers {}; convergence p50 {:?} p99 {:?} max {:?}; not converged {}; blind {:.1} % during faults, {:.1} % after; sidecar RSS max {:.1} MB; router RSS max {:.1} MB; unclean exits {}",
+            "{kind:?} seed {seed}: {} faults in {seconds} s; wrong exact answers {}; convergence p50 {:?} p99 {:?} max {:?}; not converged {}; blind {:.1} % during faults, {:.1} % after; sidecar RSS max {:.1} MB; router RSS max {:.1} MB; unclean exits {}",
             report.faults,
             report.wrong.len(),
             percentile(&convergence, 0.5),

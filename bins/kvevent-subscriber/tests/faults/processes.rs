@@ -1,25 +1,39 @@
-//! The processes under test: the Python engine stand-ins and the sidecars (this package's
-//! binary), as children, with their ports and RSS.
+//! The processes under test: the engines (the Python stand-ins or `kvevent-simulator`) and the
+//! sidecars (this package's binary), as children, with their ports and RSS.
 
 #[allow(clippy::wildcard_imports, reason = "the harness's own parts")]
 use super::*;
 
-/// The Python stand-in (`faulty_engine.py`: msgspec + pyzmq, as vLLM's), a child process.
+/// Which engine the harness runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum EngineKind {
+    /// The Python stand-in (`faulty_engine.py`: msgspec + pyzmq, as vLLM's), which prints
+    /// each change as it makes it.
+    Python,
+    /// `kvevent-simulator` (vLLM's scheduler and prefix cache, simulated), its truth read from
+    /// `/admin/truth`.
+    Simulator,
+}
+
+/// An engine under test, a child process.
 pub(crate) struct Engine {
     pub(crate) child: Child,
-    pub(crate) stdin: ChildStdin,
+    /// The stand-in's commands.
+    stdin: Option<ChildStdin>,
+    /// The simulator's workload, truth reader and fault hooks.
+    sim: Option<SimSide>,
 }
 
 impl Engine {
     pub(crate) fn spawn(
+        kind: EngineKind,
+        runtime: &tokio::runtime::Handle,
         ports: Ports,
         seed: u64,
         idle: bool,
         replay_delay: Duration,
         truth: &Shared<Truth>,
     ) -> Self {
-        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../../crates/kvevent-test-support/python/faulty_engine.py");
         let incarnation = {
             let mut t = lock(truth);
             t.held.clear();
@@ -28,6 +42,30 @@ impl Engine {
             t.note(format!("started{}", if idle { " idle" } else { "" }));
             t.incarnation
         };
+        match kind {
+            EngineKind::Python => Self::python(ports, seed, idle, replay_delay, truth, incarnation),
+            // The simulator's replay socket answers at once: a kill with a slow replay is a kill.
+            EngineKind::Simulator => {
+                let (child, sim) = SimSide::spawn(runtime, ports, seed, idle, truth, incarnation);
+                Self {
+                    child,
+                    stdin: None,
+                    sim: Some(sim),
+                }
+            }
+        }
+    }
+
+    fn python(
+        ports: Ports,
+        seed: u64,
+        idle: bool,
+        replay_delay: Duration,
+        truth: &Shared<Truth>,
+        incarnation: u64,
+    ) -> Self {
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../crates/kvevent-test-support/python/faulty_engine.py");
         let mut command = Command::new(kvevent_test_support::python());
         command
             .arg(script)
@@ -87,12 +125,33 @@ impl Engine {
                 }
             }
         });
-        Self { child, stdin }
+        Self {
+            child,
+            stdin: Some(stdin),
+            sim: None,
+        }
     }
 
+    /// One of the stand-in's commands (`busy`, `lose N`, `lose N forget`, `clear`, `http
+    /// down`, `http up`); the simulator's hooks for those it has.
     pub(crate) fn command(&mut self, line: &str) {
-        let _ = writeln!(self.stdin, "{line}");
-        let _ = self.stdin.flush();
+        if let Some(sim) = &self.sim {
+            let lose = line
+                .strip_prefix("lose ")
+                .and_then(|n| n.parse::<u32>().ok());
+            match (line, lose) {
+                ("busy", _) => sim.set_busy(),
+                ("http down", _) => sim.admin("/admin/http/down"),
+                ("http up", _) => sim.admin("/admin/http/up"),
+                (_, Some(n)) => sim.admin(&format!("/admin/publisher/drop?batches={n}")),
+                _ => panic!("the simulator has no `{line}` (its faults are drawn without it)"),
+            }
+            return;
+        }
+        if let Some(stdin) = self.stdin.as_mut() {
+            let _ = writeln!(stdin, "{line}");
+            let _ = stdin.flush();
+        }
     }
 
     pub(crate) fn signal(&self, signal: &str) {
@@ -110,6 +169,9 @@ impl Engine {
             t.held.clear();
             t.all_changed();
             t.server = (false, Instant::now());
+        }
+        if let Some(sim) = &self.sim {
+            sim.end();
         }
         let _ = self.child.kill();
         let _ = self.child.wait();

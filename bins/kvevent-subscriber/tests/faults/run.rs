@@ -31,6 +31,7 @@ pub(crate) struct Replica {
 }
 
 pub(crate) struct Run {
+    pub(crate) kind: EngineKind,
     pub(crate) rng: Rng,
     pub(crate) replicas: Vec<Replica>,
     pub(crate) fleet: Fleet,
@@ -231,6 +232,8 @@ impl Run {
                 self.hold(down, true);
                 let r = &mut self.replicas[replica];
                 r.engine = Some(Engine::spawn(
+                    self.kind,
+                    &self.runtime,
                     r.engine_ports,
                     seed,
                     idle,
