@@ -29,6 +29,11 @@ pub(crate) const T2: u8 = 2;
 const KEYED: u8 = 4;
 const HAS_PREFIX: u8 = 8;
 const TIERS: u8 = T1 | T2;
+/// The copies of the block beyond the first, in the high four bits: vLLM caches one hash in
+/// two blocks when two requests compute the same prefix, or when a prompt cached whole is sent
+/// again (its last block computed anew), and removes it once per block.
+const COPIES_SHIFT: u8 = 4;
+const MAX_EXTRA_COPIES: u8 = 15;
 
 /// What is known of one engine block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -89,6 +94,16 @@ impl Tracked {
 
     pub(crate) fn set_tiers(&mut self, tiers: u8) {
         self.flags = (self.flags & !TIERS) | (tiers & TIERS);
+    }
+
+    /// The engine's copies of the block beyond the first (saturating at 15).
+    pub(crate) fn extra_copies(self) -> u8 {
+        self.flags >> COPIES_SHIFT
+    }
+
+    pub(crate) fn set_extra_copies(&mut self, n: u8) {
+        let n = n.min(MAX_EXTRA_COPIES);
+        self.flags = (self.flags & ((1 << COPIES_SHIFT) - 1)) | (n << COPIES_SHIFT);
     }
 
     /// Its fields as saved: prefix, tokens, adapter, flags.
@@ -277,8 +292,11 @@ trait BlockMap<K> {
     ) -> Option<Tracked>;
 }
 
+/// A block stored again: its tiers joined, and one more copy when a tier already held it.
 fn merge(known: &mut Tracked, mut block: Tracked) {
+    let again = block.tiers() & known.tiers() != 0;
     block.set_tiers(block.tiers() | known.tiers());
+    block.set_extra_copies(known.extra_copies().saturating_add(u8::from(again)));
     *known = block;
 }
 

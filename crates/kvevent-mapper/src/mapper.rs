@@ -776,8 +776,15 @@ impl Mapper {
         // The tiers still holding the block after this removal, in one walk: the block goes
         // when none holds it any more, or when it leaves the GPU with an offload tier (it is
         // re-reported at T2: the map never grows with the offload tier's contents).
+        // One of several copies of the block going leaves the others: nothing changes.
+        let mut copy_left = false;
         let known = group.map(|g| BlockId::new(hash, g)).and_then(|id| {
             let t = self.blocks.change_or_remove(id, |t| {
+                if t.extra_copies() > 0 && t.tiers() & tier_bit(tier) != 0 {
+                    t.set_extra_copies(t.extra_copies() - 1);
+                    copy_left = true;
+                    return false;
+                }
                 let mut tiers = t.tiers() & !tier_bit(tier);
                 if offload {
                     tiers |= T2;
@@ -787,6 +794,9 @@ impl Mapper {
             })?;
             Some((id, t))
         });
+        if copy_left {
+            return;
+        }
         let (key, adapter_id, tokens, remaining) = match known {
             Some((id, t)) => (self.key_of(id, t), Some(t.adapter()), t.tokens(), t.tiers()),
             None => {

@@ -200,16 +200,9 @@ fn exact_answers_hold_against_the_engines_truth_under_faults() {
 }
 
 /// Against `kvevent-simulator` engines (vLLM's scheduler and prefix cache, their truth read
-/// from `/admin/truth`), seed 1 and one drawn at random.
-///
-/// Ignored: it fails, and what it found is open (#63). Even with no engine fault (router
-/// restarts only) 5–6 answers a 12 s run are exact and wrong: with requests one at a time,
-/// exact with 3 blocks of a 4-block prompt the engine holds whole; with requests at once (the
-/// same prefix cached by two blocks, stored twice and removed once per block, as vLLM does),
-/// exact with 4 blocks the engine no longer holds, or fewer than it holds. Run it with
-/// `cargo test -p kvevent-subscriber --test faults -- --ignored` (the simulator built).
+/// from `/admin/truth`), seed 1 and one drawn at random. Its engines cache one prefix in two
+/// blocks and remove it once per block, as vLLM does, which the stand-in never does.
 #[test]
-#[ignore = "finds wrong exact answers against the simulator: open, see the doc comment"]
 fn exact_answers_hold_against_the_simulators_truth_under_faults() {
     harness(EngineKind::Simulator, &[1]);
 }

@@ -76,23 +76,37 @@ impl Run {
         let now = Instant::now();
         for r in &self.replicas {
             let state = states.iter().find(|(n, _)| *n == r.name).map(|(_, s)| *s);
-            let truth = lock(&r.truth);
-            for p in 0..PROMPTS {
-                let tokens = prompt_tokens(p);
-                let query = Query {
-                    adapter: "",
-                    keys: QueryKeys::Tokens {
-                        ids: &tokens,
-                        block_size: BLOCK_SIZE,
-                    },
-                };
-                let answer = self.fleet.score_among(&query, &[r.name.as_str()]);
-                let (matched, exact) = match &answer {
-                    Ok(scores) => scores
-                        .first()
-                        .map_or((0, false), |s| (s.matched_blocks, s.state.is_exact())),
-                    Err(_) => (0, false),
-                };
+            let answers: Vec<(u32, bool)> = (0..PROMPTS)
+                .map(|p| {
+                    let tokens = prompt_tokens(p);
+                    let query = Query {
+                        adapter: "",
+                        keys: QueryKeys::Tokens {
+                            ids: &tokens,
+                            block_size: BLOCK_SIZE,
+                        },
+                    };
+                    match self.fleet.score_among(&query, &[r.name.as_str()]) {
+                        Ok(scores) => scores
+                            .first()
+                            .map_or((0, false), |s| (s.matched_blocks, s.state.is_exact())),
+                        Err(_) => (0, false),
+                    }
+                })
+                .collect();
+            // A truth read by polling is judged as read after the answers (or not this turn).
+            let answered = Instant::now();
+            let deadline = answered + Duration::from_secs(1);
+            let truth = loop {
+                let truth = lock(&r.truth);
+                if truth.polled.is_none_or(|at| at >= answered) || Instant::now() > deadline {
+                    break truth;
+                }
+                drop(truth);
+                std::thread::sleep(Duration::from_millis(5));
+            };
+            let fresh = truth.polled.is_none_or(|at| at >= answered);
+            for (p, &(matched, exact)) in (0..PROMPTS).zip(&answers) {
                 let counter = if during {
                     &mut self.report.answers_during
                 } else {
@@ -100,7 +114,7 @@ impl Run {
                 };
                 counter.0 += 1;
                 counter.1 += u64::from(!exact);
-                let settled = truth.settled(p, now);
+                let settled = fresh && truth.settled(p, now);
                 let (up, since) = truth.server;
                 if exact && !up && now.saturating_duration_since(since) > WINDOW {
                     self.report.wrong.push(format!(

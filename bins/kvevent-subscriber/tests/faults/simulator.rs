@@ -162,6 +162,7 @@ impl SimSide {
             let client = kvevent_simulator::client::client();
             while !stop.load(Relaxed) {
                 std::thread::sleep(TRUTH_EVERY);
+                let asked = Instant::now();
                 let Some((200, body)) =
                     Self::call(&client, &runtime, &base, "GET", "/admin/truth", "")
                 else {
@@ -190,6 +191,7 @@ impl SimSide {
                     t.note(format!("{sign} {p} {b}"));
                 }
                 t.held = held;
+                t.polled = Some(asked);
             }
         });
     }

@@ -39,6 +39,10 @@ pub(crate) struct Truth {
     /// The last changes (`+ P B`, `- P B`, `C`, `. SEQ`, `killed`, `started`), with when and by
     /// which process: a wrong answer is reported with its prompt's story.
     pub(crate) history: std::collections::VecDeque<(Instant, u64, String)>,
+    /// Read by polling (the simulator's `/admin/truth`): when the last read that answered was
+    /// sent. An answer is judged only against a truth read after it. `None`: told as it
+    /// changes (the stand-in).
+    pub(crate) polled: Option<Instant>,
 }
 
 impl Truth {
@@ -50,6 +54,7 @@ impl Truth {
             server: (false, Instant::now()),
             paused: false,
             history: std::collections::VecDeque::new(),
+            polled: None,
         }
     }
 

@@ -126,9 +126,42 @@ fn adapters_come_from_lora_name_then_the_configured_map() {
     );
     assert_eq!(m.stats().unknown_adapter_drops, 1);
     assert_eq!(entries(&run(&mut m, vec![with(None, None)]))[0].3, "");
-    // A removal carries the adapter the block was stored under.
-    let out = run(&mut m, vec![with(Some("chat"), None), removed(&[1], "GPU")]);
-    assert_eq!(events(&out), vec![(EVICTED, be(1), "chat".into())]);
+    // A removal carries the adapter the block was stored under. Block 1 was stored four
+    // times (each a copy, as the engine says): the last copy's removal evicts it.
+    let mut batch = vec![with(Some("chat"), None)];
+    batch.extend((0..4).map(|_| removed(&[1], "GPU")));
+    assert_eq!(
+        events(&run(&mut m, batch)),
+        vec![(EVICTED, be(1), "chat".into())]
+    );
+}
+
+/// vLLM caches one hash in two blocks (two requests computing the same prefix at once, or a
+/// prompt cached whole sent again: its last block computed anew) and removes it once per
+/// block: the prefix stays until the last copy goes.
+#[test]
+fn a_block_cached_twice_is_evicted_with_its_last_copy() {
+    let mut m = mapper(Options::default());
+    let store = || stored(&[7], None, tokens(0..4), 4);
+    assert_eq!(entries(&run(&mut m, vec![store()])).len(), 1);
+    assert_eq!(entries(&run(&mut m, vec![store()])).len(), 1, "re-reported");
+    assert!(
+        events(&run(&mut m, vec![removed(&[7], "GPU")])).is_empty(),
+        "one copy left: nothing evicted"
+    );
+    assert_eq!(
+        events(&run(&mut m, vec![removed(&[7], "GPU")])),
+        vec![(EVICTED, be(7), String::new())]
+    );
+    assert_eq!(m.stats().unknown_removals, 0);
+    // A store on another tier is not a copy: the GPU's removal leaves the CPU's.
+    let mut cpu = store();
+    if let wire::Event::BlockStored(s) = &mut cpu {
+        s.medium = Some(wire::Medium(Cow::Borrowed("CPU")));
+    }
+    run(&mut m, vec![store(), cpu]);
+    let out = run(&mut m, vec![removed(&[7], "GPU")]);
+    assert!(events(&out).is_empty(), "still held on the CPU: {out:?}");
 }
 
 #[test]
