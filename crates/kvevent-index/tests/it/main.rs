@@ -125,8 +125,8 @@ fn matched(index: &Index, keys: &[u64]) -> Vec<(String, u32)> {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(200))]
     /// Six sources (two ranks of three replicas), random stores, removals, resets, freshness
-    /// changes and replaced replicas: every score equals the naive model's (per source a set
-    /// of held blocks and whether it is fresh).
+    /// changes and replaced replicas: every score equals the naive model's (per source each
+    /// held block's copies, and whether it is fresh).
     #[test]
     fn scores_match_a_naive_model(ops in proptest::collection::vec(op(), 1..80)) {
         let index = Index::new(engine_keys());
@@ -147,7 +147,18 @@ proptest! {
             many.apply_many(&batches);
             held.clear();
         };
-        let mut model: Vec<BTreeSet<u64>> = vec![BTreeSet::new(); 6];
+        // Per source, each block's copies: an engine caches one hash in two blocks and removes
+        // it once per block (a block stored again is a copy, as vLLM sends it).
+        let mut model: Vec<BTreeMap<u64, u32>> = vec![BTreeMap::new(); 6];
+        let add = |m: &mut BTreeMap<u64, u32>, h: u64| *m.entry(h).or_default() += 1;
+        let take = |m: &mut BTreeMap<u64, u32>, h: u64| {
+            if let Some(n) = m.get_mut(&h) {
+                *n -= 1;
+                if *n == 0 {
+                    m.remove(&h);
+                }
+            }
+        };
         let mut fresh = [true; 6];
         for op in &ops {
             match *op {
@@ -156,7 +167,7 @@ proptest! {
                     index.apply(sources[source], &batch(vec![stored(&hashes, "GPU")]));
                     small.apply(small_sources[source], &batch(vec![stored(&hashes, "GPU")]));
                     held.push((many_sources[source], batch(vec![stored(&hashes, "GPU")])));
-                    model[source].extend(hashes);
+                    hashes.iter().for_each(|&h| add(&mut model[source], h));
                 }
                 Op::EvictMid { source, first, len, holes } => {
                     let hashes: Vec<u64> = (first..first + len).collect();
@@ -170,16 +181,14 @@ proptest! {
                     index.apply(sources[source], &events());
                     small.apply(small_sources[source], &events());
                     held.push((many_sources[source], events()));
-                    model[source].extend(&hashes);
-                    for h in &middle {
-                        model[source].remove(h);
-                    }
+                    hashes.iter().for_each(|&h| add(&mut model[source], h));
+                    middle.iter().for_each(|&h| take(&mut model[source], h));
                 }
                 Op::Remove { source, h } => {
                     index.apply(sources[source], &batch(vec![removed(h)]));
                     small.apply(small_sources[source], &batch(vec![removed(h)]));
                     held.push((many_sources[source], batch(vec![removed(h)])));
-                    model[source].remove(&h);
+                    take(&mut model[source], h);
                 }
                 Op::Clear { source, before, after } => {
                     let clear = || {
@@ -193,7 +202,7 @@ proptest! {
                     small.apply(small_sources[source], &clear());
                     held.push((many_sources[source], clear()));
                     model[source].clear();
-                    model[source].insert(after);
+                    add(&mut model[source], after);
                 }
                 Op::Reset { source } => {
                     apply_held(&mut held);
@@ -252,7 +261,7 @@ proptest! {
                 .collect();
             let mut want = BTreeMap::new();
             for (i, held) in model.iter().enumerate() {
-                let n = query.iter().take_while(|k| held.contains(k)).count() as u32;
+                let n = query.iter().take_while(|k| held.contains_key(k)).count() as u32;
                 if n > 0 {
                     let best = want.entry(replicas[i / 2].to_owned()).or_insert(0);
                     *best = (*best).max(n);
