@@ -12,7 +12,7 @@
 //!   [`Weights::queue_us_per_request`]. The cheapest wins. A hot prefix spreads: once its
 //!   holder's queue costs more than computing the prefix elsewhere, the next request goes to
 //!   another engine, which then holds it too.
-//! - **Requests ahead.** The engine's load as last read (running + waiting, [`Load`]), plus
+//! - **Requests ahead.** The engine's load as last read (running + waiting, [`LoadReading`]), plus
 //!   what this router sent it since that read ([`Flights::sent_since`]), less what of this
 //!   router's ended since ([`Flights::ended_since`]: each was in the load or sent since);
 //!   never fewer than this router has in flight to it. A load older than [`Rule::load_old_after`] (or none) is not
