@@ -14,8 +14,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use kvevent_examples::proxy::Upstream;
-use kvevent_examples::router::{self, Engine, Router, RouterConfig, Sidecar};
+use kvevent_examples::router::{self, Router, RouterConfig};
+use kvevent_fleet::discover::Listed;
 use kvevent_fleet::route::Policy;
 
 /// An example router (a reference, not a product): follows vLLM replicas' KV caches, through
@@ -52,14 +52,14 @@ struct Args {
     block_size: Option<usize>,
     /// A replica followed through its sidecar's feed (kvevent-subscriber --feed-address):
     /// NAME=http://HOST:PORT; it knows every resident prefix at once.
-    #[arg(long = "sidecar", value_name = "SPEC")]
-    sidecars: Vec<Sidecar>,
+    #[arg(long = "sidecar", value_name = "SPEC", value_parser = Listed::sidecar)]
+    sidecars: Vec<Listed>,
     /// A replica followed through its engine: NAME=tcp://HOST:PORT, with ,replay=tcp://HOST:PORT
     /// for its replay endpoint, ,dp=N for N data-parallel ranks, ,topic=T for one topic only,
     /// ,engine=sglang for an SGLang engine and ,http=http://HOST:PORT for its server (health
     /// asked, load read from /metrics); it knows what the replay buffer holds.
-    #[arg(long = "engine", value_name = "SPEC")]
-    engines: Vec<Engine>,
+    #[arg(long = "engine", value_name = "SPEC", value_parser = Listed::engine)]
+    engines: Vec<Listed>,
     /// Replicas discovered, followed as they come and go: file:PATH, a file of replicas read
     /// again when it changes, one a line: NAME sidecar=http://HOST:PORT (or
     /// engine=SOCKETS, as --engine takes them) [upstream=http://HOST:PORT] [ready=false];
@@ -74,8 +74,8 @@ struct Args {
     discover: Option<kvevent_fleet::discover::Spec>,
     /// Where a replica serves completions: NAME=http://HOST:PORT (its vLLM server); POST
     /// /v1/completions is routed among these.
-    #[arg(long = "upstream", value_name = "SPEC")]
-    upstreams: Vec<Upstream>,
+    #[arg(long = "upstream", value_name = "SPEC", value_parser = Listed::upstream)]
+    upstreams: Vec<Listed>,
     /// Seconds to wait for a routed response, and for each frame of a streamed one.
     #[arg(long, default_value_t = 60.0, value_name = "S", value_parser = seconds)]
     upstream_timeout: f64,
@@ -117,10 +117,8 @@ fn main() -> anyhow::Result<()> {
         learn_weights: args.prefill_us_per_token.is_none() && args.queue_us_per_request.is_none(),
         model: args.model,
         block_size: args.block_size,
-        engines: args.engines,
-        sidecars: args.sidecars,
+        replicas: [args.engines, args.sidecars, args.upstreams].concat(),
         discover: args.discover,
-        upstreams: args.upstreams,
         upstream_timeout: Duration::from_secs_f64(args.upstream_timeout),
         tokenizer: args.tokenizer,
     };

@@ -23,8 +23,8 @@ use kvevent_sim::{Config, TimeModel};
 use kvevent_simulator::client::{self, percentile};
 use kvevent_simulator::{Serving, SimEngine};
 
-use kvevent_examples::proxy::Upstream;
-use kvevent_examples::router::{self, Router, RouterConfig, Sidecar};
+use kvevent_examples::router::{self, Router, RouterConfig};
+use kvevent_fleet::discover::Listed;
 
 /// What the demo runs.
 #[derive(Debug, Clone)]
@@ -139,14 +139,12 @@ pub async fn run(
             .await
             .with_context(|| format!("the sidecar of {}", engine.name))?;
         let feed = sidecar.feed_addr().context("the sidecar's feed")?;
-        router_config.sidecars.push(Sidecar {
-            name: engine.name.clone(),
-            url: format!("http://{feed}"),
-        });
-        router_config.upstreams.push(Upstream {
-            name: engine.name.clone(),
-            url: format!("http://{}", engine.http),
-        });
+        router_config.replicas.extend([
+            Listed::sidecar(&format!("{}=http://{feed}", engine.name))
+                .map_err(anyhow::Error::msg)?,
+            Listed::upstream(&format!("{}=http://{}", engine.name, engine.http))
+                .map_err(anyhow::Error::msg)?,
+        ]);
         engines.push(engine);
         sidecars.push(sidecar);
     }

@@ -7,8 +7,6 @@
 
 pub mod proxy;
 pub mod router;
-#[doc(hidden)]
-pub mod stand_ins;
 
 /// The README's embedding snippet, compiled and run as a doctest (`cargo test --doc -p
 /// kvevent-examples`).

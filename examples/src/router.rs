@@ -8,70 +8,21 @@ use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use crate::proxy::{Body, Proxy, Upstream};
+use crate::proxy::{error, respond};
 use anyhow::{Context as _, bail};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::service::service_fn;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
 use hyper_util::rt::TokioIo;
-use kvevent_fleet::{
-    EngineSockets, Fleet, FleetConfig, Query, QueryKeys, ReplicaSource, ReplicaState, ScoreError,
-    SidecarFeed, Tier, route,
-};
-
-/// One `--engine NAME=SOCKETS`: a replica followed through its engine's sockets, SOCKETS in
-/// [`EngineSockets`]' text form (`tcp://host:port[,replay=tcp://host:port][,dp=N][,topic=T]
-/// [,engine=sglang][,http=http://host:port]`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Engine {
-    /// The replica's name in the scores.
-    pub name: String,
-    /// Its engine's sockets.
-    pub sockets: EngineSockets,
-}
-
-impl std::str::FromStr for Engine {
-    type Err = anyhow::Error;
-
-    fn from_str(s: &str) -> anyhow::Result<Self> {
-        let (name, sockets) = s
-            .split_once('=')
-            .filter(|(name, _)| !name.is_empty())
-            .with_context(|| format!("`{s}`: an engine is NAME=tcp://host:port[,replay=...]"))?;
-        Ok(Engine {
-            name: name.to_owned(),
-            sockets: sockets
-                .parse()
-                .map_err(|e: String| anyhow::anyhow!("`{s}`: {e}"))?,
-        })
-    }
-}
-
-/// One `--sidecar NAME=http://host:port`: a replica followed through its sidecar's feed.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Sidecar {
-    /// The replica's name in the scores.
-    pub name: String,
-    /// The sidecar's `--feed-address`, as `http://host:port`.
-    pub url: String,
-}
-
-impl std::str::FromStr for Sidecar {
-    type Err = anyhow::Error;
-
-    fn from_str(s: &str) -> anyhow::Result<Self> {
-        let (name, url) = s
-            .split_once('=')
-            .context("a sidecar is NAME=http://host:port (its --feed-address)")?;
-        if name.is_empty() || !(url.starts_with("http://") || url.starts_with("https://")) {
-            bail!("`{s}`: a sidecar is NAME=http://host:port (its --feed-address)");
-        }
-        Ok(Sidecar {
-            name: name.to_owned(),
-            url: url.to_owned(),
-        })
-    }
-}
+use kvevent_fleet::discover::{self, Listed};
+use kvevent_fleet::metrics::{FleetCollector, RouterCollector};
+use kvevent_fleet::{Fleet, FleetConfig, Query, QueryKeys, ReplicaState, ScoreError, Tier, route};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
 
 /// What the service is set up with.
 #[derive(Debug, Clone)]
@@ -80,14 +31,11 @@ pub struct RouterConfig {
     pub model: String,
     /// The model's block size, for queries that do not say (else the one the events use).
     pub block_size: Option<usize>,
-    /// The engines followed directly.
-    pub engines: Vec<Engine>,
-    /// The replicas followed through their sidecars' feeds.
-    pub sidecars: Vec<Sidecar>,
-    /// Replicas discovered, followed as they come and go (their upstreams are candidates).
-    pub discover: Option<kvevent_fleet::discover::Spec>,
-    /// Where the replicas serve completions: `POST /v1/completions` is routed among these.
-    pub upstreams: Vec<Upstream>,
+    /// Replicas listed by hand (`--sidecar`, `--engine`, `--upstream`); those with an
+    /// upstream are candidates of `POST /v1/completions`.
+    pub replicas: Vec<Listed>,
+    /// Replicas discovered, followed as they come and go (their upstreams are candidates too).
+    pub discover: Option<discover::Spec>,
     /// Deadline of a routed request's response (and of each frame of a streamed one).
     pub upstream_timeout: std::time::Duration,
     /// The engine's `tokenizer.json`, for text prompts (token ids need none).
@@ -106,10 +54,8 @@ impl RouterConfig {
         Self {
             model: model.into(),
             block_size: None,
-            engines: Vec::new(),
-            sidecars: Vec::new(),
+            replicas: Vec::new(),
             discover: None,
-            upstreams: Vec::new(),
             upstream_timeout: std::time::Duration::from_secs(60),
             tokenizer: None,
             policy: kvevent_fleet::route::Policy::default(),
@@ -118,53 +64,28 @@ impl RouterConfig {
     }
 }
 
-/// Why a request is refused, as its HTTP status says.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum RequestError {
-    /// The body is not what the endpoint takes (400).
-    BadRequest(String),
-    /// It asks about another model than the one served (404).
-    OtherModel {
-        /// The model served.
-        served: String,
-        /// The model asked about.
-        asked: String,
-    },
-    /// Nothing can be answered yet (no replica said its block size): route as if nothing
-    /// matched (503).
-    NotYet(String),
-}
+/// Upper bounds of the proxy overhead histogram, in seconds.
+const OVERHEAD_BUCKETS: [f64; 8] = [
+    0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.05,
+];
 
-impl RequestError {
-    /// The HTTP status.
-    pub fn status(&self) -> u16 {
-        match self {
-            Self::BadRequest(_) => 400,
-            Self::OtherModel { .. } => 404,
-            Self::NotYet(_) => 503,
-        }
-    }
-}
-
-impl std::fmt::Display for RequestError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::BadRequest(m) | Self::NotYet(m) => f.write_str(m),
-            Self::OtherModel { served, asked } => {
-                write!(f, "this router serves `{served}`, not `{asked}`")
-            }
-        }
-    }
-}
-
-impl std::error::Error for RequestError {}
-
-/// The running service: a [`Fleet`] of the replicas.
+/// The running service: a [`Fleet`] of the replicas, and the routing loop on it
+/// (`kvevent_fleet::route::Router`) with HTTP around it.
 pub struct Router {
-    fleet: Arc<Fleet>,
-    config: RouterConfig,
-    proxy: Proxy,
-    /// `/metrics`: the fleet's collector and the proxy's own families.
+    pub(crate) fleet: Arc<Fleet>,
+    pub(crate) config: RouterConfig,
+    pub(crate) router: Arc<route::Router>,
+    /// Where each replica serves completions, listed or discovered: the candidates.
+    pub(crate) upstreams: discover::Upstreams,
+    pub(crate) client: Client<HttpConnector, Full<Bytes>>,
+    /// Turns text prompts into the engine's token ids, when given.
+    pub(crate) tokenizer: Option<tokenizers::Tokenizer>,
+    /// What the router adds to a request, in seconds.
+    pub(crate) overhead: Histogram,
+    /// Responses by replica and status ("502" for a replica that failed, "refused" for one
+    /// whose connection was refused).
+    pub(crate) responses: Family<Vec<(&'static str, String)>, Counter>,
+    /// `/metrics`: the fleet's and the routing loop's collectors, and the families above.
     registry: prometheus_client::registry::Registry,
 }
 
@@ -172,29 +93,11 @@ impl Router {
     /// Follows every engine and sidecar, on the tokio runtime it is called in.
     pub fn start(config: RouterConfig) -> anyhow::Result<Self> {
         let fleet = Arc::new(Fleet::new(FleetConfig::default())?);
-        for e in &config.engines {
-            fleet.ensure_replica(&e.name, ReplicaSource::Engine(e.sockets.clone()))?;
-        }
-        for s in &config.sidecars {
-            fleet.ensure_replica(
-                &s.name,
-                ReplicaSource::Sidecar(SidecarFeed {
-                    model: config.model.clone(),
-                    ..SidecarFeed::new(s.url.clone())
-                }),
-            )?;
-        }
-        let followed = |name: &str| {
-            config.engines.iter().any(|e| e.name == name)
-                || config.sidecars.iter().any(|s| s.name == name)
-        };
-        if let Some(u) = config.upstreams.iter().find(|u| !followed(&u.name)) {
-            bail!(
-                "--upstream {}={}: no --engine or --sidecar follows a replica named `{}`",
-                u.name,
-                u.url,
-                u.name
-            );
+        let listed =
+            discover::listed(&config.replicas, &config.model).map_err(anyhow::Error::msg)?;
+        let followed = discover::reconcile(&fleet, &mut Default::default(), &listed);
+        if let Some((name, why)) = followed.skipped.first() {
+            bail!("`{name}` cannot be followed: {why}");
         }
         let tokenizer = match &config.tokenizer {
             Some(path) => Some(tokenizers::Tokenizer::from_file(path).map_err(|e| {
@@ -214,26 +117,33 @@ impl Router {
             router = router.learning();
         }
         let router = Arc::new(router);
-        let proxy = Proxy::new(
-            config.upstreams.clone(),
-            config.upstream_timeout,
-            tokenizer,
-            config.model.clone(),
-            router.clone(),
-            discovered,
-        );
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(config.upstream_timeout));
+        let (overhead, responses) = (Histogram::new(OVERHEAD_BUCKETS), Family::default());
         let mut registry = prometheus_client::registry::Registry::default();
-        registry.register_collector(Box::new(kvevent_fleet::metrics::FleetCollector::new(
-            fleet.clone(),
-        )));
-        registry.register_collector(Box::new(kvevent_fleet::metrics::RouterCollector::new(
-            router,
-        )));
-        proxy.register(&mut registry);
+        registry.register_collector(Box::new(FleetCollector::new(fleet.clone())));
+        registry.register_collector(Box::new(RouterCollector::new(router.clone())));
+        registry.register(
+            "kvevent_router_responses",
+            "Routed responses by replica and HTTP status (502: the replica failed the request; refused: its connection was refused)",
+            responses.clone(),
+        );
+        registry.register_with_unit(
+            "kvevent_router_proxy_overhead",
+            "What the router adds to a request (choosing, forwarding, reading the usage), not the engine's time",
+            prometheus_client::registry::Unit::Seconds,
+            overhead.clone(),
+        );
         Ok(Self {
             fleet,
             config,
-            proxy,
+            router,
+            upstreams: discover::Upstreams::new(&listed, discovered),
+            client: Client::builder(TokioExecutor::new()).build(connector),
+            tokenizer,
+            overhead,
+            responses,
             registry,
         })
     }
@@ -243,17 +153,19 @@ impl Router {
         &self.fleet
     }
 
-    /// Answers one `/score` body.
-    pub fn score(&self, body: &[u8]) -> Result<serde_json::Value, RequestError> {
-        let bad = RequestError::BadRequest;
+    /// Answers one `/score` body; else the HTTP status and why: 400 for a body that is not what
+    /// it takes, 404 for another model than the one served, 503 when nothing can be answered
+    /// yet (no replica said its block size: route as if nothing matched).
+    pub fn score(&self, body: &[u8]) -> Result<serde_json::Value, (u16, String)> {
+        let bad = |why: String| (400, why);
         let v: serde_json::Value =
             serde_json::from_slice(body).map_err(|e| bad(format!("not JSON: {e}")))?;
         let model = v["model"].as_str().unwrap_or_default();
         if model != self.config.model {
-            return Err(RequestError::OtherModel {
-                served: self.config.model.clone(),
-                asked: model.to_owned(),
-            });
+            return Err((
+                404,
+                format!("this router serves `{}`, not `{model}`", self.config.model),
+            ));
         }
         let adapter = v["adapter"].as_str().unwrap_or_default();
         let block_size = v["block_size"]
@@ -288,7 +200,7 @@ impl Router {
         }
         .map_err(|e| match e {
             // Nothing can be known yet: the caller routes as if nothing matched.
-            ScoreError::BlockSizeUnknown => RequestError::NotYet(e.to_string()),
+            ScoreError::BlockSizeUnknown => (503, e.to_string()),
             ScoreError::BlockSize { .. } => bad(e.to_string()),
         })?;
         let not_followed: Vec<&str> = candidates
@@ -341,13 +253,13 @@ impl Router {
                         "kv_usage": l.load.kv_usage(),
                         "ranks": l.load.ranks.iter().map(figures).collect::<Vec<_>>(),
                         "age_ms": age.as_millis() as u64,
-                        "old": age > self.proxy.router().rule().load_old_after(),
+                        "old": age > self.router.rule().load_old_after(),
                         "error": r.load_error,
                     })
                 }),
             })).collect::<Vec<_>>(),
-            "policy": self.proxy.router().rule().policy().as_str(),
-            "weights": self.proxy.router().weights().map(|w| serde_json::json!({
+            "policy": self.router.rule().policy().as_str(),
+            "weights": self.router.weights().map(|w| serde_json::json!({
                 "prefill_us_per_token": w.weights.prefill_us_per_token,
                 "queue_us_per_request": w.weights.queue_us_per_request,
                 "learned": w.learned,
@@ -359,55 +271,8 @@ impl Router {
     /// The index's and replicas' counters, the predictions' accounting and the proxy's own
     /// latency, in the Prometheus text format.
     pub fn metrics(&self) -> String {
-        let mut text = String::with_capacity(16 * 1024);
-        // Writing into a String cannot fail.
-        let _ = prometheus_client::encoding::text::encode(&mut text, &self.registry);
-        prometheus_text(&text)
+        kvevent_metrics::prometheus_text(&self.registry)
     }
-}
-
-/// prometheus-client writes OpenMetrics; `/metrics` is served as Prometheus text 0.0.4 (what
-/// `promtool check metrics` and every scraper read): a counter's HELP and TYPE name its samples
-/// (`x_total`), and OpenMetrics' `# UNIT` and `# EOF` lines go.
-fn prometheus_text(open_metrics: &str) -> String {
-    let mut counters = std::collections::HashSet::new();
-    for line in open_metrics.lines() {
-        if let Some(name) = line
-            .strip_prefix("# TYPE ")
-            .and_then(|l| l.strip_suffix(" counter"))
-        {
-            counters.insert(name.to_owned());
-        }
-    }
-    let mut out = String::with_capacity(open_metrics.len() + 64 * counters.len());
-    for line in open_metrics.lines() {
-        if line.starts_with("# UNIT ") || line == "# EOF" {
-            continue;
-        }
-        let renamed = ["# HELP ", "# TYPE "].iter().find_map(|p| {
-            let rest = line.strip_prefix(p)?;
-            let (name, tail) = rest.split_once(' ')?;
-            counters
-                .contains(name)
-                .then(|| format!("{p}{name}_total {tail}"))
-        });
-        out.push_str(renamed.as_deref().unwrap_or(line));
-        out.push('\n');
-    }
-    out
-}
-
-fn respond(status: u16, content_type: &str, body: String) -> hyper::Response<Body> {
-    let mut r = hyper::Response::new(
-        Full::new(Bytes::from(body))
-            .map_err(|never| match never {})
-            .boxed(),
-    );
-    *r.status_mut() = hyper::StatusCode::from_u16(status).unwrap_or(hyper::StatusCode::OK);
-    if let Ok(v) = content_type.parse() {
-        r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
-    }
-    r
 }
 
 /// Serves `/v1/completions`, `/score`, `/replicas` and `/metrics` on `listener` until the task
@@ -425,17 +290,13 @@ pub async fn serve(listener: tokio::net::TcpListener, router: Arc<Router>) {
                     let path = req.uri().path().to_owned();
                     let post = req.method() == hyper::Method::POST;
                     Ok::<_, Infallible>(match (post, path.as_str()) {
-                        (true, "/v1/completions") => router.proxy.complete(req).await,
+                        (true, "/v1/completions") => router.complete(req).await,
                         (true, "/score") => {
                             // Prompts are bounded: 8 MiB of JSON is ~1M token ids.
                             match Limited::new(req.into_body(), 8 << 20).collect().await {
                                 Ok(body) => match router.score(&body.to_bytes()) {
                                     Ok(v) => respond(200, "application/json", v.to_string()),
-                                    Err(e) => respond(
-                                        e.status(),
-                                        "application/json",
-                                        serde_json::json!({ "error": e.to_string() }).to_string(),
-                                    ),
+                                    Err((status, why)) => error(status, why),
                                 },
                                 Err(e) => respond(413, "text/plain", format!("body: {e}\n")),
                             }

@@ -7,8 +7,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvevent_examples::proxy::Upstream;
-use kvevent_examples::router::{self, Engine, Router, RouterConfig};
+use kvevent_examples::router::{self, Router, RouterConfig};
+use kvevent_fleet::ReplicaSource;
+use kvevent_fleet::discover::{Listed, Part};
 use kvevent_test_support::{HeldPort, VLLM_BLOCK, Vllm, vllm_venv};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -100,25 +101,18 @@ async fn the_router_routes_between_three_real_engines() {
     let router_by = |policy: kvevent_fleet::route::Policy| RouterConfig {
         model: "tiny".into(),
         block_size: None,
-        engines: ports
+        replicas: ports
             .iter()
             .zip(names)
             .map(|([_, events, replay], name)| {
-                format!("{name}={},replay={}", events.tcp(), replay.tcp())
-                    .parse::<Engine>()
+                Listed::engine(&format!("{name}={},replay={}", events.tcp(), replay.tcp()))
                     .expect("engine")
             })
+            .chain(servers.iter().zip(names).map(|(http, name)| {
+                Listed::upstream(&format!("{name}=http://{http}")).expect("upstream")
+            }))
             .collect(),
-        sidecars: Vec::new(),
         discover: None,
-        upstreams: servers
-            .iter()
-            .zip(names)
-            .map(|(http, name)| Upstream {
-                name: name.into(),
-                url: format!("http://{http}"),
-            })
-            .collect(),
         upstream_timeout: Duration::from_secs(60),
         tokenizer: None,
         policy,
@@ -345,8 +339,15 @@ async fn the_router_routes_between_three_real_engines() {
     assert!(engines[0].kill_api_server(), "an API server to kill");
     for policy in kvevent_fleet::route::Policy::NAMES {
         let mut config = router_by(policy.parse().expect("a policy"));
-        for (e, http) in config.engines.iter_mut().zip(&servers) {
-            e.sockets.http = Some(format!("http://{http}"));
+        let engines = config
+            .replicas
+            .iter_mut()
+            .filter_map(|l| match &mut l.part {
+                Part::Source(ReplicaSource::Engine(sockets)) => Some(sockets),
+                _ => None,
+            });
+        for (sockets, http) in engines.zip(&servers) {
+            sockets.http = Some(format!("http://{http}"));
         }
         let router = Arc::new(Router::start(config).expect("router"));
         let (addr, _server) = router::bind("127.0.0.1:0", router.clone())

@@ -10,8 +10,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvevent_examples::proxy::Upstream;
-use kvevent_examples::router::{self, Engine, Router, RouterConfig};
+use kvevent_examples::router::{self, Router, RouterConfig};
+use kvevent_fleet::discover::Listed;
 use kvevent_wire as wire;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -101,13 +101,11 @@ fn main() -> anyhow::Result<()> {
         let router = Arc::new(Router::start(RouterConfig {
             model: "m".into(),
             block_size: None,
-            engines: vec![spec.parse::<Engine>()?],
-            sidecars: Vec::new(),
+            replicas: vec![
+                Listed::engine(&spec).map_err(anyhow::Error::msg)?,
+                Listed::upstream(&format!("a=http://{server}")).map_err(anyhow::Error::msg)?,
+            ],
             discover: None,
-            upstreams: vec![Upstream {
-                name: "a".into(),
-                url: format!("http://{server}"),
-            }],
             upstream_timeout: Duration::from_secs(10),
             tokenizer: None,
             policy: kvevent_fleet::route::Policy::default(),

@@ -318,54 +318,13 @@ pub fn parse(text: &str, what: &str, model: &str) -> Result<Vec<Member>, Discove
                     "`{word}`: expected sidecar=URL, engine=SOCKETS, upstream=URL or ready=true|false"
                 )));
             };
-            match key {
-                "sidecar" | "engine" if source.is_some() => {
+            match Part::parse(key, value, model).map_err(|e| invalid(format!("`{word}`: {e}")))? {
+                Part::Source(_) if source.is_some() => {
                     return Err(invalid(format!("`{word}`: a second source for `{name}`")));
                 }
-                "sidecar" => {
-                    if !(value.starts_with("http://") || value.starts_with("https://")) {
-                        return Err(invalid(format!(
-                            "`{word}`: a sidecar is http://HOST:PORT (its --feed-address)"
-                        )));
-                    }
-                    source = Some(ReplicaSource::Sidecar(SidecarFeed {
-                        model: model.to_owned(),
-                        ..SidecarFeed::new(value)
-                    }));
-                }
-                #[cfg(feature = "engines")]
-                "engine" => {
-                    source = Some(ReplicaSource::Engine(
-                        value
-                            .parse()
-                            .map_err(|e: String| invalid(format!("`{word}`: {e}")))?,
-                    ));
-                }
-                #[cfg(not(feature = "engines"))]
-                "engine" => {
-                    return Err(invalid(format!(
-                        "`{word}`: engines are followed with kvevent-fleet's feature `engines`"
-                    )));
-                }
-                "upstream" => {
-                    let authority = value.strip_prefix("http://").unwrap_or_default();
-                    if authority.is_empty() || !authority.trim_end_matches('/').contains(':') {
-                        return Err(invalid(format!(
-                            "`{word}`: an upstream is http://HOST:PORT (the replica's server)"
-                        )));
-                    }
-                    upstream = Some(value.trim_end_matches('/').to_owned());
-                }
-                "ready" => {
-                    ready = value
-                        .parse()
-                        .map_err(|_| invalid(format!("`{word}`: ready is true or false")))?;
-                }
-                _ => {
-                    return Err(invalid(format!(
-                        "`{key}`: expected sidecar, engine, upstream or ready"
-                    )));
-                }
+                Part::Source(s) => source = Some(s),
+                Part::Upstream(url) => upstream = Some(url),
+                Part::Ready(r) => ready = r,
             }
         }
         let Some(source) = source else {
@@ -387,6 +346,59 @@ pub fn parse(text: &str, what: &str, model: &str) -> Result<Vec<Member>, Discove
     members.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(members)
 }
+
+/// One thing said of a replica, by a word of a replica file (`key=value`) or a router's flag
+/// ([`Listed`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "one a flag or a file's word, read once: matched on as is, not boxed"
+)]
+pub enum Part {
+    /// How it is followed: `sidecar=URL` (its sidecar's `--feed-address`) or `engine=SOCKETS`
+    /// ([`EngineSockets`](crate::EngineSockets)' text form, feature `engines`).
+    Source(ReplicaSource),
+    /// Where it serves completions: `upstream=http://HOST:PORT`, its OpenAI-compatible server.
+    Upstream(String),
+    /// Whether it may take requests: `ready=true|false`.
+    Ready(bool),
+}
+
+impl Part {
+    /// `key=value`, checked; a sidecar's feed is asked for `model` ("" for whatever it serves).
+    pub fn parse(key: &str, value: &str, model: &str) -> Result<Self, String> {
+        match key {
+            "sidecar" if value.starts_with("http://") || value.starts_with("https://") => {
+                Ok(Self::Source(ReplicaSource::Sidecar(SidecarFeed {
+                    model: model.to_owned(),
+                    ..SidecarFeed::new(value)
+                })))
+            }
+            "sidecar" => Err("a sidecar is http://HOST:PORT (its --feed-address)".into()),
+            #[cfg(feature = "engines")]
+            "engine" => value
+                .parse()
+                .map(|s| Self::Source(ReplicaSource::Engine(s))),
+            #[cfg(not(feature = "engines"))]
+            "engine" => Err("engines are followed with kvevent-fleet's feature `engines`".into()),
+            "upstream" => kvevent_scrape::url::server_url(value)
+                .map(|url| Self::Upstream(url.to_owned()))
+                .map_err(|e| {
+                    format!("an upstream is http://HOST:PORT (the replica's server): {e}")
+                }),
+            "ready" => value
+                .parse()
+                .map(Self::Ready)
+                .map_err(|_| "ready is true or false".into()),
+            _ => Err(format!(
+                "`{key}`: expected sidecar, engine, upstream or ready"
+            )),
+        }
+    }
+}
+
+mod listed;
+pub use listed::{Listed, Upstream, Upstreams, listed};
 
 /// Where replicas are discovered, as a router's flag says it (`--discover`): parsed
 /// ([`str::parse`]) and started ([`Spec::follow`]) in one place for every router.

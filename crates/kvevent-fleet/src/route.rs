@@ -46,8 +46,10 @@ use kvevent_index::{LoadReading, ReplicaState, Scores};
 
 mod learn;
 mod router;
+mod usage;
 pub use learn::Weighing;
 pub use router::{Decision, Retry, Router, RouterCounters, Sent};
+pub use usage::{StreamUsage, cached_tokens};
 
 /// What a request would cost on a candidate, as [`Policy::Cost`] weighs it.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -136,6 +136,35 @@ pub fn single(
     }
 }
 
+/// `registry` in the Prometheus text format 0.0.4 (what `promtool check metrics` and every
+/// scraper read), for an endpoint served as `text/plain; version=0.0.4`. prometheus-client
+/// writes OpenMetrics: here a counter's HELP and TYPE name its samples (`x_total`), and
+/// OpenMetrics' `# UNIT` and `# EOF` lines go.
+pub fn prometheus_text(registry: &prometheus_client::registry::Registry) -> String {
+    let mut open_metrics = String::with_capacity(16 * 1024);
+    // Writing into a String cannot fail.
+    let _ = prometheus_client::encoding::text::encode(&mut open_metrics, registry);
+    let counters: std::collections::HashSet<&str> = open_metrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(open_metrics.len() + 64 * counters.len());
+    for line in open_metrics.lines() {
+        if line.starts_with("# UNIT ") || line == "# EOF" {
+            continue;
+        }
+        let renamed = ["# HELP ", "# TYPE "].iter().find_map(|p| {
+            let (name, tail) = line.strip_prefix(p)?.split_once(' ')?;
+            counters
+                .contains(name)
+                .then(|| format!("{p}{name}_total {tail}"))
+        });
+        out.push_str(renamed.as_deref().unwrap_or(line));
+        out.push('\n');
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use prometheus_client::collector::Collector;
@@ -169,6 +198,30 @@ mod tests {
         assert!(text.contains("t_seconds_bucket{le=\"+Inf\"} 3\n"), "{text}");
         assert!(
             text.contains("t_seconds_sum 2.5\nt_seconds_count 3\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn prometheus_text_names_counters_by_their_samples_and_drops_unit_and_eof() {
+        let mut registry = prometheus_client::registry::Registry::default();
+        registry.register_collector(Box::new(Sample));
+        let c = prometheus_client::metrics::counter::Counter::<u64>::default();
+        c.inc();
+        registry.register_with_unit(
+            "t_work",
+            "Work done",
+            prometheus_client::registry::Unit::Seconds,
+            c,
+        );
+        let text = super::prometheus_text(&registry);
+        assert!(
+            text.contains("# HELP t_work_seconds_total Work done.\n# TYPE t_work_seconds_total counter\nt_work_seconds_total 1\n"),
+            "{text}"
+        );
+        assert!(text.contains("# TYPE t_level gauge\n"), "{text}");
+        assert!(
+            !text.contains("# UNIT") && !text.contains("# EOF"),
             "{text}"
         );
     }

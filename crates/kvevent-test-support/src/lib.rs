@@ -14,6 +14,8 @@
 //!   child process, so both sides' libzmq really talk.
 //! - [`Vllm`]: a real vLLM engine on CPU, for the real-engine checks (`.ci/real-engine`).
 //!
+//! With feature `stand-ins`: [`stand_ins`], what the README's embedding snippet follows.
+//!
 //! And the plumbing of tests: [`eventually`] (a bounded wait whose failure says what it waited
 //! for and the last value seen) and [`batches`] (`EventBatch` builders).
 //!
@@ -24,6 +26,8 @@ mod ports;
 #[cfg(feature = "engine")]
 mod python;
 mod server;
+#[cfg(feature = "stand-ins")]
+pub mod stand_ins;
 #[cfg(feature = "engine")]
 mod vllm;
 mod wait;

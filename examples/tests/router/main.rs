@@ -4,12 +4,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvevent_examples::router::{self, Engine, Router, RouterConfig, Sidecar};
+use kvevent_examples::router::{self, Router, RouterConfig};
+use kvevent_fleet::discover::Listed;
 use kvevent_test_support::{PythonPublisher, eventually, when};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 mod discovery;
-mod flags;
 mod proxy;
 
 async fn post(addr: std::net::SocketAddr, path: &str, body: &str) -> (u16, serde_json::Value) {
@@ -41,14 +41,17 @@ async fn python_publishers_into_the_router_and_scores_out() {
     let engines = [("a", &a), ("b", &b)]
         .iter()
         .map(|(name, p)| {
-            format!("{name}={},replay={}", p.endpoint, p.replay_endpoint).parse::<Engine>()
+            Listed::engine(&format!(
+                "{name}={},replay={}",
+                p.endpoint, p.replay_endpoint
+            ))
         })
         .collect::<Result<Vec<_>, _>>()
         .expect("engines");
     let router = Arc::new(
         Router::start(RouterConfig {
             block_size: Some(16),
-            engines,
+            replicas: engines,
             upstream_timeout: Duration::from_secs(10),
             ..RouterConfig::new("m")
         })
@@ -292,14 +295,18 @@ fn engine(ctx: &zmq::Context) -> kvevent_zmq::publisher::Publisher {
 }
 
 /// `--engine NAME=...` for a stand-in: its events and replay sockets.
-fn engine_spec(name: &str, p: &kvevent_zmq::publisher::Publisher) -> Engine {
-    format!(
+fn engine_spec(name: &str, p: &kvevent_zmq::publisher::Publisher) -> Listed {
+    Listed::engine(&format!(
         "{name}={},replay={}",
         p.endpoint(),
         p.replay_endpoint().unwrap_or_default()
-    )
-    .parse::<Engine>()
+    ))
     .expect("engine")
+}
+
+/// `--upstream NAME=http://ADDR`.
+fn upstream(name: &str, addr: impl std::fmt::Display) -> Listed {
+    Listed::upstream(&format!("{name}=http://{addr}")).expect("upstream")
 }
 
 /// A replica's server that answers every request with `status`.

@@ -9,7 +9,6 @@ use super::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accounted() {
-    use kvevent_examples::proxy::Upstream;
     use kvevent_wire as wire;
     let ctx = zmq::Context::new();
     let engine = |_: u8| {
@@ -82,21 +81,14 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
     .expect("tokenizer.json");
     let router = Arc::new(
         Router::start(RouterConfig {
-            engines: vec![spec("a", &a), spec("b", &b), spec("c", &c)],
-            upstreams: vec![
-                Upstream {
-                    name: "a".into(),
-                    url: format!("http://{ua}"),
-                },
-                Upstream {
-                    name: "b".into(),
-                    url: format!("http://{ub}"),
-                },
+            replicas: vec![
+                spec("a", &a),
+                spec("b", &b),
+                spec("c", &c),
+                upstream("a", ua),
+                upstream("b", ub),
                 // Nothing listens there: a replica that fails.
-                Upstream {
-                    name: "c".into(),
-                    url: format!("http://{}", nothing.addr()),
-                },
+                upstream("c", nothing.addr()),
             ],
             upstream_timeout: Duration::from_secs(5),
             tokenizer: Some(tokenizer.clone()),
@@ -186,11 +178,7 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
     // Without a tokenizer, a text prompt is a clear 400.
     let bare = Arc::new(
         Router::start(RouterConfig {
-            engines: vec![spec("a", &a)],
-            upstreams: vec![Upstream {
-                name: "a".into(),
-                url: format!("http://{ua}"),
-            }],
+            replicas: vec![spec("a", &a), upstream("a", ua)],
             upstream_timeout: Duration::from_secs(5),
             ..RouterConfig::new("m")
         })
@@ -238,11 +226,7 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
     // With no other candidate, c's refusal is a 502 naming it.
     let only_c = Arc::new(
         Router::start(RouterConfig {
-            engines: vec![spec("c", &c)],
-            upstreams: vec![Upstream {
-                name: "c".into(),
-                url: format!("http://{}", nothing.addr()),
-            }],
+            replicas: vec![spec("c", &c), upstream("c", nothing.addr())],
             upstream_timeout: Duration::from_secs(5),
             ..RouterConfig::new("m")
         })
@@ -299,7 +283,6 @@ async fn completions_go_to_the_replica_holding_the_prompt_and_outcomes_are_accou
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_answering_503_or_502_is_passed_over_once() {
-    use kvevent_examples::proxy::Upstream;
     let ctx = zmq::Context::new();
     let engine = || engine(&ctx);
     let (x, y, z) = (engine(), engine(), engine());
@@ -309,10 +292,6 @@ async fn a_replica_answering_503_or_502_is_passed_over_once() {
         fake_upstream("y", 0).await,
         failing_upstream(502).await,
     );
-    let upstream = |name: &str, addr: std::net::SocketAddr| Upstream {
-        name: name.into(),
-        url: format!("http://{addr}"),
-    };
     // Round-robin in the candidates' order: the first request goes to the first.
     let serve = |names: [(
         &str,
@@ -321,8 +300,9 @@ async fn a_replica_answering_503_or_502_is_passed_over_once() {
     ); 2]| {
         let router = Arc::new(
             Router::start(RouterConfig {
-                engines: names.iter().map(|(n, p, _)| spec(n, p)).collect(),
-                upstreams: names.iter().map(|(n, _, a)| upstream(n, *a)).collect(),
+                replicas: (names.iter().map(|(n, p, _)| spec(n, p)))
+                    .chain(names.iter().map(|(n, _, a)| upstream(n, a)))
+                    .collect(),
                 upstream_timeout: Duration::from_secs(5),
                 policy: kvevent_fleet::route::Policy::RoundRobin,
                 ..RouterConfig::new("m")

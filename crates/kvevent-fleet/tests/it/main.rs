@@ -4,5 +4,6 @@
 mod discover;
 mod feed;
 mod feed_states;
+mod flags;
 mod kube;
 mod kube_api;

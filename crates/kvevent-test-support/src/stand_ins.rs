@@ -1,6 +1,6 @@
 //! What the README's embedding snippet follows, on loopback: a sidecar's feed whose engine
 //! stored a prompt long before the router started, and an engine stand-in speaking vLLM's
-//! newest wire with replay. Not an API: the snippet's setup, out of its way.
+//! newest wire with replay: the snippet's setup, out of its way.
 
 use kvevent_wire as wire;
 
