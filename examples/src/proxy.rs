@@ -1,20 +1,18 @@
-//! `POST /v1/completions` routed: the prompt's token ids (a text prompt's, with the engine's
-//! own `tokenizer.json`) go to `kvevent_fleet::route::Router`, which chooses among the replicas
-//! with an upstream by the policy given; the request goes there, and the response comes back
-//! as it came (streamed when it streams), its usage's cached tokens recorded against the
-//! prediction the choice acted on.
+//! `POST /v1/completions` routed: `kvevent_fleet::route::Router` chooses among the replicas with
+//! an upstream by the prompt's token ids (a text prompt's, with the engine's `tokenizer.json`);
+//! the response comes back as it came, its usage's cached tokens recorded against the choice.
 
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http_body_util::combinators::BoxBody;
-use http_body_util::{BodyExt, Full, Limited, StreamBody};
+use http_body_util::{BodyExt, Full, Limited, StreamBody, combinators::BoxBody};
 use hyper::body::{Frame, Incoming};
-use kvevent_fleet::route;
+use kvevent_fleet::{discover::Upstream, route};
 
 use crate::router::Router;
 
 pub(crate) type Body = BoxBody<Bytes, std::io::Error>;
+pub(crate) type Response = hyper::Response<Body>;
 
 fn full(bytes: impl Into<Bytes>) -> Body {
     Full::new(bytes.into())
@@ -22,11 +20,7 @@ fn full(bytes: impl Into<Bytes>) -> Body {
         .boxed()
 }
 
-pub(crate) fn respond(
-    status: u16,
-    content_type: &'static str,
-    body: String,
-) -> hyper::Response<Body> {
+pub(crate) fn respond(status: u16, content_type: &'static str, body: String) -> Response {
     let mut r = hyper::Response::new(full(body));
     *r.status_mut() = hyper::StatusCode::from_u16(status).unwrap_or(hyper::StatusCode::BAD_GATEWAY);
     r.headers_mut().insert(
@@ -36,8 +30,16 @@ pub(crate) fn respond(
     r
 }
 
+/// A request's body, bounded (8 MiB of JSON is ~1M token ids); else a 413.
+pub(crate) async fn body(req: hyper::Request<Incoming>) -> Result<Bytes, Response> {
+    match Limited::new(req.into_body(), 8 << 20).collect().await {
+        Ok(b) => Ok(b.to_bytes()),
+        Err(e) => Err(error(413, format!("body: {e}"))),
+    }
+}
+
 /// `{"error": message}`.
-pub(crate) fn error(status: u16, message: String) -> hyper::Response<Body> {
+pub(crate) fn error(status: u16, message: String) -> Response {
     respond(
         status,
         "application/json",
@@ -46,23 +48,26 @@ pub(crate) fn error(status: u16, message: String) -> hyper::Response<Body> {
 }
 
 impl Router {
-    fn note_overhead(&self, d: Duration) {
-        self.overhead.observe(d.as_secs_f64());
-    }
-
     fn note_response(&self, replica: &str, code: String) {
         self.responses
             .get_or_create(&vec![("replica", replica.to_owned()), ("code", code)])
             .inc();
     }
 
+    /// A 502 naming the replica that failed the request, counted.
+    fn failed(&self, upstream: &Upstream, why: String) -> Response {
+        let Upstream { name, url } = upstream;
+        self.note_response(name, "502".into());
+        error(
+            502,
+            format!("replica `{name}` ({url}) failed the request: {why}"),
+        )
+    }
+
     /// The prompt's token ids, from a body's `prompt`; else why it is a bad request.
     fn prompt(&self, v: &serde_json::Value) -> Result<Vec<u32>, String> {
         match &v["prompt"] {
-            serde_json::Value::Array(ids) => ids
-                .iter()
-                .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
-                .collect::<Option<_>>()
+            serde_json::Value::Array(ids) => kvevent_fleet::json::token_ids(ids)
                 .ok_or_else(|| "`prompt` must be token ids (unsigned 32-bit) or a string".into()),
             serde_json::Value::String(text) => match &self.tokenizer {
                 // The request goes on as text: the engine tokenizes it the same way.
@@ -81,12 +86,12 @@ impl Router {
     /// Routes one `POST /v1/completions`. A replica that refuses the connection, or answers
     /// 502 or 503, before anything reached the client, is passed over once: the request goes
     /// to the next choice (both counted).
-    pub(crate) async fn complete(&self, req: hyper::Request<Incoming>) -> hyper::Response<Body> {
-        let started = Instant::now();
+    pub(crate) async fn complete(&self, req: hyper::Request<Incoming>) -> Response {
+        let (started, timeout) = (Instant::now(), self.config.upstream_timeout);
         let authorization = req.headers().get(hyper::header::AUTHORIZATION).cloned();
-        let body = match Limited::new(req.into_body(), 8 << 20).collect().await {
-            Ok(b) => b.to_bytes(),
-            Err(e) => return error(413, format!("body: {e}")),
+        let body = match body(req).await {
+            Ok(b) => b,
+            Err(r) => return r,
         };
         let mut v: serde_json::Value = match serde_json::from_slice(&body) {
             Ok(v) => v,
@@ -130,28 +135,9 @@ impl Router {
             };
             let sent = self.router.send(&decision);
             let before = started.elapsed();
-            let failed = |why: String| {
-                self.note_response(&upstream.name, "502".into());
-                error(
-                    502,
-                    format!(
-                        "replica `{}` ({}) failed the request: {why}",
-                        upstream.name, upstream.url
-                    ),
-                )
-            };
-            let response = match tokio::time::timeout(
-                self.config.upstream_timeout,
-                self.client.request(request),
-            )
-            .await
-            {
-                Err(_) => {
-                    return failed(format!(
-                        "no response within {:?}",
-                        self.config.upstream_timeout
-                    ));
-                }
+            let failed = |why: String| self.failed(upstream, why);
+            let response = match tokio::time::timeout(timeout, self.client.request(request)).await {
+                Err(_) => return failed(format!("no response within {timeout:?}")),
                 Ok(Err(e)) if e.is_connect() => Err((route::Retry::Refused, e.to_string())),
                 Ok(Err(e)) => return failed(format!("{e}")),
                 Ok(Ok(r)) => match route::Retry::of_status(r.status().as_u16()) {
@@ -174,7 +160,7 @@ impl Router {
                 }
             };
             return self
-                .forward(response, sent, streaming, &upstream.name, before)
+                .forward(response, sent, streaming, upstream, before)
                 .await;
         }
     }
@@ -186,36 +172,22 @@ impl Router {
         response: hyper::Response<Incoming>,
         mut sent: route::Sent,
         streaming: bool,
-        replica: &str,
+        upstream: &Upstream,
         before: Duration,
-    ) -> hyper::Response<Body> {
-        let status = response.status();
-        let failed = |why: String| {
-            self.note_response(replica, "502".into());
-            error(
-                502,
-                format!("replica `{replica}` failed the request: {why}"),
-            )
-        };
+    ) -> Response {
+        let (status, timeout) = (response.status(), self.config.upstream_timeout);
+        let failed = |why: String| self.failed(upstream, why);
         if status.is_server_error() {
             return failed(format!("it answered {status}"));
         }
-        self.note_response(replica, status.as_u16().to_string());
+        self.note_response(&upstream.name, status.as_u16().to_string());
         let (parts, upstream_body) = response.into_parts();
         if !streaming {
-            let bytes =
-                match tokio::time::timeout(self.config.upstream_timeout, upstream_body.collect())
-                    .await
-                {
-                    Ok(Ok(b)) => b.to_bytes(),
-                    Ok(Err(e)) => return failed(format!("its body: {e}")),
-                    Err(_) => {
-                        return failed(format!(
-                            "no whole body within {:?}",
-                            self.config.upstream_timeout
-                        ));
-                    }
-                };
+            let bytes = match tokio::time::timeout(timeout, upstream_body.collect()).await {
+                Ok(Ok(b)) => b.to_bytes(),
+                Ok(Err(e)) => return failed(format!("its body: {e}")),
+                Err(_) => return failed(format!("no whole body within {timeout:?}")),
+            };
             let after = Instant::now();
             let cached = status
                 .is_success()
@@ -223,12 +195,12 @@ impl Router {
                 .flatten();
             sent.finish(cached);
             let r = hyper::Response::from_parts(parts, full(bytes));
-            self.note_overhead(before + after.elapsed());
+            self.overhead
+                .observe((before + after.elapsed()).as_secs_f64());
             return r;
         }
         // Streamed: each frame goes on as it comes; the usage chunk is read on the way.
         let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, std::io::Error>>(16);
-        let timeout = self.config.upstream_timeout;
         tokio::spawn(async move {
             let mut body = upstream_body;
             let mut usage = route::StreamUsage::default();
@@ -256,7 +228,7 @@ impl Router {
                 rx.poll_recv(cx)
             }))),
         );
-        self.note_overhead(before);
+        self.overhead.observe(before.as_secs_f64());
         r
     }
 }

@@ -1,28 +1,23 @@
-//! A router's scoring service: follows replicas through their sidecars' feeds or their engines
-//! (with replay and DP ranks) into a [`kvevent_fleet::Fleet`] and answers `POST /score`,
-//! `GET /replicas` and `GET /metrics` over HTTP.
-//!
-//! `examples/router.rs` is its command line; tests start it in-process.
+//! The example router's service: replicas listed or discovered, followed into a
+//! [`kvevent_fleet::Fleet`]; `POST /v1/completions` routed, `POST /score`, `GET /replicas` and
+//! `GET /metrics` answered. `examples/router.rs` is its command line.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use crate::proxy::{error, respond};
+use crate::proxy::{Response, body, error, respond};
 use anyhow::{Context as _, bail};
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::Full;
+use hyper::body::Incoming;
 use hyper::service::service_fn;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
-use hyper_util::rt::TokioIo;
+use hyper_util::client::legacy::{Client, connect::HttpConnector};
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use kvevent_fleet::discover::{self, Listed};
 use kvevent_fleet::metrics::{FleetCollector, RouterCollector};
-use kvevent_fleet::{Fleet, FleetConfig, Query, QueryKeys, ReplicaState, ScoreError, Tier, route};
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::histogram::Histogram;
+use kvevent_fleet::{Fleet, FleetConfig, Query, QueryKeys, ScoreError, json, route};
+use prometheus_client::metrics::{counter::Counter, family::Family, histogram::Histogram};
 
 /// What the service is set up with.
 #[derive(Debug, Clone)]
@@ -64,15 +59,9 @@ impl RouterConfig {
     }
 }
 
-/// Upper bounds of the proxy overhead histogram, in seconds.
-const OVERHEAD_BUCKETS: [f64; 8] = [
-    0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.05,
-];
-
 /// The running service: a [`Fleet`] of the replicas, and the routing loop on it
 /// (`kvevent_fleet::route::Router`) with HTTP around it.
 pub struct Router {
-    pub(crate) fleet: Arc<Fleet>,
     pub(crate) config: RouterConfig,
     pub(crate) router: Arc<route::Router>,
     /// Where each replica serves completions, listed or discovered: the candidates.
@@ -99,28 +88,30 @@ impl Router {
         if let Some((name, why)) = followed.skipped.first() {
             bail!("`{name}` cannot be followed: {why}");
         }
-        let tokenizer = match &config.tokenizer {
-            Some(path) => Some(tokenizers::Tokenizer::from_file(path).map_err(|e| {
-                anyhow::anyhow!("--tokenizer {}: not a tokenizer.json: {e}", path.display())
-            })?),
-            None => None,
-        };
-        let discovered = match &config.discover {
-            Some(spec) => Some(
-                spec.follow(fleet.clone(), &config.model)
-                    .context("--discover")?,
-            ),
-            None => None,
-        };
-        let mut router = route::Router::new(fleet.clone(), route::Rule::new(config.policy));
-        if config.learn_weights {
-            router = router.learning();
-        }
-        let router = Arc::new(router);
+        let tokenizer = (config.tokenizer.as_ref())
+            .map(|path| {
+                tokenizers::Tokenizer::from_file(path).map_err(|e| {
+                    anyhow::anyhow!("--tokenizer {}: not a tokenizer.json: {e}", path.display())
+                })
+            })
+            .transpose()?;
+        let discovered = (config.discover.as_ref())
+            .map(|spec| spec.follow(fleet.clone(), &config.model))
+            .transpose()
+            .context("--discover")?;
+        let router = route::Router::new(fleet.clone(), route::Rule::new(config.policy));
+        let router = Arc::new(match config.learn_weights {
+            true => router.learning(),
+            false => router,
+        });
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(config.upstream_timeout));
-        let (overhead, responses) = (Histogram::new(OVERHEAD_BUCKETS), Family::default());
+        // The overhead's buckets, in seconds: 100 µs to 50 ms.
+        let buckets = [
+            0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.05,
+        ];
+        let (overhead, responses) = (Histogram::new(buckets), Family::default());
         let mut registry = prometheus_client::registry::Registry::default();
         registry.register_collector(Box::new(FleetCollector::new(fleet.clone())));
         registry.register_collector(Box::new(RouterCollector::new(router.clone())));
@@ -136,7 +127,6 @@ impl Router {
             overhead.clone(),
         );
         Ok(Self {
-            fleet,
             config,
             router,
             upstreams: discover::Upstreams::new(&listed, discovered),
@@ -150,128 +140,79 @@ impl Router {
 
     /// The fleet, for embedding.
     pub fn fleet(&self) -> &Fleet {
-        &self.fleet
+        self.router.fleet()
     }
 
-    /// Answers one `/score` body; else the HTTP status and why: 400 for a body that is not what
-    /// it takes, 404 for another model than the one served, 503 when nothing can be answered
-    /// yet (no replica said its block size: route as if nothing matched).
+    /// Answers one `/score` body ([`kvevent_fleet::json`]); else the HTTP status and why: 400
+    /// for a body that is not what it takes, 404 for another model than the one served, 503
+    /// when nothing can be answered yet (no replica said its block size: route as if nothing
+    /// matched).
     pub fn score(&self, body: &[u8]) -> Result<serde_json::Value, (u16, String)> {
-        let bad = |why: String| (400, why);
-        let v: serde_json::Value =
-            serde_json::from_slice(body).map_err(|e| bad(format!("not JSON: {e}")))?;
-        let model = v["model"].as_str().unwrap_or_default();
-        if model != self.config.model {
+        let r = json::ScoreRequest::parse(body).map_err(|why| (400, why))?;
+        if r.model != self.config.model {
+            let served = &self.config.model;
             return Err((
                 404,
-                format!("this router serves `{}`, not `{model}`", self.config.model),
+                format!("this router serves `{served}`, not `{}`", r.model),
             ));
         }
-        let adapter = v["adapter"].as_str().unwrap_or_default();
-        let block_size = v["block_size"]
-            .as_u64()
-            .map(|b| b as usize)
-            .or(self.config.block_size)
-            .or(self.fleet.block_size().map(|b| b as usize))
+        let block_size = (r.block_size.or(self.config.block_size))
+            .or(self.fleet().block_size().map(|b| b as usize))
             .filter(|b| *b > 0)
-            .ok_or_else(|| {
-                bad("`block_size` is needed: none is configured and no replica has stored a block yet".into())
-            })?;
-        let tokens: Vec<u32> = v["token_ids"]
-            .as_array()
-            .ok_or_else(|| bad("`token_ids` must be an array of token ids".into()))?
-            .iter()
-            .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
-            .collect::<Option<_>>()
-            .ok_or_else(|| bad("`token_ids` must hold unsigned 32-bit integers".into()))?;
+            .ok_or((
+                400,
+                "`block_size` is needed: none is configured and no replica has stored a block yet"
+                    .into(),
+            ))?;
         let query = Query {
-            adapter,
+            adapter: &r.adapter,
             keys: QueryKeys::Tokens {
-                ids: &tokens,
+                ids: &r.token_ids,
                 block_size,
             },
         };
-        let candidates: Option<Vec<&str>> = v["candidates"]
-            .as_array()
-            .map(|c| c.iter().filter_map(|n| n.as_str()).collect());
+        let candidates: Option<Vec<&str>> =
+            (r.candidates.as_ref()).map(|c| c.iter().map(String::as_str).collect());
         let scores = match &candidates {
-            Some(c) => self.fleet.score_among(&query, c),
-            None => self.fleet.score(&query),
-        }
-        .map_err(|e| match e {
-            // Nothing can be known yet: the caller routes as if nothing matched.
-            ScoreError::BlockSizeUnknown => (503, e.to_string()),
-            ScoreError::BlockSize { .. } => bad(e.to_string()),
-        })?;
-        let not_followed: Vec<&str> = candidates
-            .as_deref()
-            .map(|c| scores.unknown().iter().map(|i| c[*i]).collect())
-            .unwrap_or_default();
-        Ok(serde_json::json!({
-            "scores": scores.iter().map(|s| serde_json::json!({
-                "replica": s.replica,
-                "matched_tokens": s.matched_tokens,
-                "matched_blocks": s.matched_blocks,
-                "tier": match s.tier { Tier::T1 => "T1", Tier::T2 => "T2" },
-                "state": s.state.as_str(),
-                "reason": s.state.reason(),
-                "exact": s.state == ReplicaState::Exact,
-            })).collect::<Vec<_>>(),
-            "not_followed": not_followed,
-        }))
+            Some(c) => self.fleet().score_among(&query, c),
+            None => self.fleet().score(&query),
+        };
+        scores
+            .map(|s| json::scores(&s, candidates.as_deref()))
+            .map_err(|e| match e {
+                // Nothing can be known yet: the caller routes as if nothing matched.
+                ScoreError::BlockSizeUnknown => (503, e.to_string()),
+                ScoreError::BlockSize { .. } => (400, e.to_string()),
+            })
     }
 
-    /// Every replica: where it is followed from, its state and why (degraded or stale, and
-    /// what was lost), the last error, its engine's ranks, blocks held, age of its newest
-    /// change, its engine's load (with its age, and whether it is too old to route on).
+    /// Every replica and the routing loop's policy and weights ([`json::replicas`]).
     pub fn replicas(&self) -> serde_json::Value {
-        serde_json::json!({
-            "replicas": self.fleet.replicas().iter().map(|r| serde_json::json!({
-                "name": r.name,
-                "source": r.source,
-                "state": r.state.as_str(),
-                "reason": r.state.reason(),
-                "stale_for_ms": match r.state {
-                    ReplicaState::Stale { since, .. } => Some(since.elapsed().as_millis() as u64),
-                    _ => None,
-                },
-                "error": r.error,
-                "ranks": r.ranks.iter().map(|k| serde_json::json!({
-                    "rank": k.rank,
-                    "connected": k.connected,
-                    "for_ms": k.since.map(|d| d.as_millis() as u64),
-                    "degraded": k.degraded,
-                })).collect::<Vec<_>>(),
-                "blocks": r.blocks,
-                "newest_change_ms": r.newest_change.map(|d| d.as_millis() as u64),
-                "block_size": r.block_size,
-                "load": r.load.as_ref().map(|l| {
-                    let age = l.age(std::time::Instant::now());
-                    serde_json::json!({
-                        "running": l.load.running(),
-                        "waiting": l.load.waiting(),
-                        "kv_usage": l.load.kv_usage(),
-                        "ranks": l.load.ranks.iter().map(figures).collect::<Vec<_>>(),
-                        "age_ms": age.as_millis() as u64,
-                        "old": age > self.router.rule().load_old_after(),
-                        "error": r.load_error,
-                    })
-                }),
-            })).collect::<Vec<_>>(),
-            "policy": self.router.rule().policy().as_str(),
-            "weights": self.router.weights().map(|w| serde_json::json!({
-                "prefill_us_per_token": w.weights.prefill_us_per_token,
-                "queue_us_per_request": w.weights.queue_us_per_request,
-                "learned": w.learned,
-                "flights": w.flights,
-            })),
-        })
+        json::replicas(&self.router)
     }
 
     /// The index's and replicas' counters, the predictions' accounting and the proxy's own
     /// latency, in the Prometheus text format.
     pub fn metrics(&self) -> String {
         kvevent_metrics::prometheus_text(&self.registry)
+    }
+
+    async fn handle(&self, req: hyper::Request<Incoming>) -> Response {
+        let post = req.method() == hyper::Method::POST;
+        match (post, req.uri().path()) {
+            (true, "/v1/completions") => self.complete(req).await,
+            (true, "/score") => match body(req).await.map(|b| self.score(&b)) {
+                Ok(Ok(v)) => respond(200, "application/json", v.to_string()),
+                Ok(Err((status, why))) => error(status, why),
+                Err(r) => r,
+            },
+            (false, "/metrics") => respond(200, "text/plain; version=0.0.4", self.metrics()),
+            (false, "/replicas") => respond(200, "application/json", self.replicas().to_string()),
+            _ => error(
+                404,
+                "POST /v1/completions, POST /score, GET /replicas, GET /metrics".into(),
+            ),
+        }
     }
 }
 
@@ -284,37 +225,9 @@ pub async fn serve(listener: tokio::net::TcpListener, router: Arc<Router>) {
         };
         let router = router.clone();
         tokio::spawn(async move {
-            let service = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+            let service = service_fn(move |req| {
                 let router = router.clone();
-                async move {
-                    let path = req.uri().path().to_owned();
-                    let post = req.method() == hyper::Method::POST;
-                    Ok::<_, Infallible>(match (post, path.as_str()) {
-                        (true, "/v1/completions") => router.complete(req).await,
-                        (true, "/score") => {
-                            // Prompts are bounded: 8 MiB of JSON is ~1M token ids.
-                            match Limited::new(req.into_body(), 8 << 20).collect().await {
-                                Ok(body) => match router.score(&body.to_bytes()) {
-                                    Ok(v) => respond(200, "application/json", v.to_string()),
-                                    Err((status, why)) => error(status, why),
-                                },
-                                Err(e) => respond(413, "text/plain", format!("body: {e}\n")),
-                            }
-                        }
-                        (false, "/metrics") => {
-                            respond(200, "text/plain; version=0.0.4", router.metrics())
-                        }
-                        (false, "/replicas") => {
-                            respond(200, "application/json", router.replicas().to_string())
-                        }
-                        _ => respond(
-                            404,
-                            "text/plain",
-                            "POST /v1/completions, POST /score, GET /replicas, GET /metrics\n"
-                                .into(),
-                        ),
-                    })
-                }
+                async move { Ok::<_, Infallible>(router.handle(req).await) }
             });
             let _ = hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), service)
@@ -333,19 +246,4 @@ pub async fn bind(
         .with_context(|| format!("bind --listen {listen}"))?;
     let addr = listener.local_addr()?;
     Ok((addr, tokio::spawn(serve(listener, router))))
-}
-
-/// A rank's load as `/replicas` shows it: each figure by its name.
-fn figures(rank: &kvevent_fleet::RankLoad) -> serde_json::Value {
-    rank.figures()
-        .into_iter()
-        .map(|(name, figure)| {
-            let value = match figure {
-                kvevent_fleet::Figure::Count(n) => serde_json::json!(n),
-                kvevent_fleet::Figure::Fraction(f) => serde_json::json!(f),
-            };
-            (name.to_owned(), value)
-        })
-        .collect::<serde_json::Map<_, _>>()
-        .into()
 }

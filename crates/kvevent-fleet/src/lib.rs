@@ -13,6 +13,7 @@ pub mod discover;
 #[cfg(feature = "engines")]
 mod engines;
 mod feed;
+pub mod json;
 #[cfg(feature = "metrics")]
 pub mod metrics;
 pub mod route;
