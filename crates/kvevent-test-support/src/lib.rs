@@ -14,7 +14,7 @@
 //!   child process, so both sides' libzmq really talk.
 //! - [`Vllm`]: a real vLLM engine on CPU, for the real-engine checks (`.ci/real-engine`).
 //!
-//! With feature `stand-ins`: [`stand_ins`], what the README's embedding snippet follows.
+//! With feature `stand-ins`: `stand_ins`, what the README's embedding snippet follows.
 //!
 //! And the plumbing of tests: [`eventually`] (a bounded wait whose failure says what it waited
 //! for and the last value seen) and [`batches`] (`EventBatch` builders).
