@@ -10,6 +10,9 @@
 //!   records, re-resolved as their TTL says; a failed lookup keeps the last good set.
 //! - **Kubernetes** ([`kube::KubeSource`], feature `discover-kube`): the pods a label selector
 //!   picks, one replica a pod by its UID, listed again every resync beside the watch.
+//! - **A router's flags** ([`Listed`]): replicas listed by hand, in the file's words, joined by
+//!   name ([`listed`]) and reconciled once; [`Upstreams`] are where requests may go, of these
+//!   and of a discovered set.
 //!
 //! A router that lists its replicas itself builds none of this.
 //!
@@ -31,6 +34,9 @@ use crate::{Fleet, ReplicaSource, SidecarFeed};
 pub mod dns;
 #[cfg(feature = "discover-kube")]
 pub mod kube;
+mod listed;
+
+pub use listed::{Listed, Upstream, Upstreams, listed};
 
 /// One replica as discovery sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -396,9 +402,6 @@ impl Part {
         }
     }
 }
-
-mod listed;
-pub use listed::{Listed, Upstream, Upstreams, listed};
 
 /// Where replicas are discovered, as a router's flag says it (`--discover`): parsed
 /// ([`str::parse`]) and started ([`Spec::follow`]) in one place for every router.
