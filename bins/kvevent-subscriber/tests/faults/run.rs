@@ -76,24 +76,7 @@ impl Run {
         let now = Instant::now();
         for r in &self.replicas {
             let state = states.iter().find(|(n, _)| *n == r.name).map(|(_, s)| *s);
-            let answers: Vec<(u32, bool)> = (0..PROMPTS)
-                .map(|p| {
-                    let tokens = prompt_tokens(p);
-                    let query = Query {
-                        adapter: "",
-                        keys: QueryKeys::Tokens {
-                            ids: &tokens,
-                            block_size: BLOCK_SIZE,
-                        },
-                    };
-                    match self.fleet.score_among(&query, &[r.name.as_str()]) {
-                        Ok(scores) => scores
-                            .first()
-                            .map_or((0, false), |s| (s.matched_blocks, s.state.is_exact())),
-                        Err(_) => (0, false),
-                    }
-                })
-                .collect();
+            let answers: Vec<(u32, bool)> = (0..PROMPTS).map(|p| self.answer(&r.name, p)).collect();
             // A truth read by polling is judged as read after the answers (or not this turn).
             let answered = Instant::now();
             let deadline = answered + Duration::from_secs(1);
@@ -141,6 +124,25 @@ impl Run {
         }
     }
 
+    /// The router's answer for prompt `p` on `replica`: blocks matched, and whether exact
+    /// ((0, false) when it has none).
+    fn answer(&self, replica: &str, p: u32) -> (u32, bool) {
+        let tokens = prompt_tokens(p);
+        let query = Query {
+            adapter: "",
+            keys: QueryKeys::Tokens {
+                ids: &tokens,
+                block_size: BLOCK_SIZE,
+            },
+        };
+        match self.fleet.score_among(&query, &[replica]) {
+            Ok(scores) => scores
+                .first()
+                .map_or((0, false), |s| (s.matched_blocks, s.state.is_exact())),
+            Err(_) => (0, false),
+        }
+    }
+
     /// Every replica exact and equal to its engine (what changed within the propagation
     /// window aside: on a busy engine some change is always on its way).
     pub(crate) fn converged(&self) -> bool {
@@ -148,21 +150,8 @@ impl Run {
         self.replicas.iter().all(|r| {
             let truth = lock(&r.truth);
             (0..PROMPTS).all(|p| {
-                let tokens = prompt_tokens(p);
-                let query = Query {
-                    adapter: "",
-                    keys: QueryKeys::Tokens {
-                        ids: &tokens,
-                        block_size: BLOCK_SIZE,
-                    },
-                };
-                matches!(
-                    self.fleet.score_among(&query, &[r.name.as_str()]),
-                    Ok(s) if s.first().is_some_and(|s| {
-                        s.state.is_exact()
-                            && (s.matched_blocks == truth.matched(p) || !truth.settled(p, now))
-                    })
-                )
+                let (matched, exact) = self.answer(&r.name, p);
+                exact && (matched == truth.matched(p) || !truth.settled(p, now))
             })
         })
     }
