@@ -218,15 +218,19 @@ impl SimEngine {
 /// Each rank's wake-up: work was added there.
 type Work = Arc<[Notify]>;
 
-/// One publisher a rank, rank `r` on rank 0's events and replay ports + `r`, as vLLM lays them
-/// out (ports taken elsewhere: tried again on others).
-fn publishers(ctx: &zmq::Context, dp: usize) -> anyhow::Result<Vec<Arc<Publisher>>> {
-    let config = |events: String, replay: String| PublisherConfig {
+/// A rank's publisher, bound on its events and replay endpoints, speaking vLLM 0.33's wire.
+fn config(events: String, replay: String) -> PublisherConfig {
+    PublisherConfig {
         endpoint: events,
         bind: Some(true),
         replay_endpoint: Some(replay),
         ..PublisherConfig::loopback(wire::Release::new(0, 33, 0))
-    };
+    }
+}
+
+/// One publisher a rank, rank `r` on rank 0's events and replay ports + `r`, as vLLM lays them
+/// out (ports taken elsewhere: tried again on others).
+fn publishers(ctx: &zmq::Context, dp: usize) -> anyhow::Result<Vec<Arc<Publisher>>> {
     let port = |endpoint: &str| {
         endpoint
             .rsplit(':')
@@ -283,12 +287,10 @@ fn fixed_publishers(
     (0..dp as u16)
         .map(|r| {
             let (e, p) = (events.saturating_add(r), replay.saturating_add(r));
-            let config = PublisherConfig {
-                endpoint: format!("tcp://127.0.0.1:{e}"),
-                bind: Some(true),
-                replay_endpoint: Some(format!("tcp://127.0.0.1:{p}")),
-                ..PublisherConfig::loopback(wire::Release::new(0, 33, 0))
-            };
+            let config = config(
+                format!("tcp://127.0.0.1:{e}"),
+                format!("tcp://127.0.0.1:{p}"),
+            );
             Publisher::start(ctx, config)
                 .map(Arc::new)
                 .with_context(|| format!("rank {r}'s events and replay ports {e} and {p}"))
