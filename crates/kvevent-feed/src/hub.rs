@@ -46,6 +46,11 @@ pub struct HubConfig {
     /// sent as degraded until it turns again: a router must not call the replica exact while
     /// the engine's newest batches wait unread. Default 300 ms.
     pub stalled_after: Duration,
+    /// The engine's DP ranks, known before its events are: until the first
+    /// [`Hub::set_engine`], followers are told they are not connected, so one that comes
+    /// before the events thread's first turn is never told an empty state is exact. Empty (the
+    /// default): nothing is said of the engine until then.
+    pub ranks: Vec<u32>,
 }
 
 impl HubConfig {
@@ -60,6 +65,7 @@ impl HubConfig {
             follower_queue: 64,
             linger: Duration::from_millis(50),
             stalled_after: Duration::from_millis(300),
+            ranks: Vec::new(),
         }
     }
 }
@@ -235,6 +241,17 @@ impl Hub {
     /// An empty hub at a new epoch.
     pub fn new(config: HubConfig) -> Arc<Self> {
         let epoch = next_epoch(0);
+        let now = std::time::Instant::now();
+        let engine = (!config.ranks.is_empty()).then(|| {
+            config
+                .ranks
+                .iter()
+                .map(|&rank| {
+                    let health = kvevent_source::RankHealth::Disconnected;
+                    (EngineRank { rank, health }, now)
+                })
+                .collect()
+        });
         Arc::new(Self {
             config,
             state: Mutex::new(State {
@@ -249,7 +266,7 @@ impl Hub {
                 block_size: 0,
             }),
             changed: tokio::sync::watch::channel((epoch, 0)).0,
-            engine: Mutex::new(None),
+            engine: Mutex::new(engine),
             server_down: Mutex::new(None),
             load: Mutex::new(None),
             health: tokio::sync::watch::channel(0).0,

@@ -138,11 +138,13 @@ async fn start_feed(
     restored: bool,
     saved_feed: Option<state_file::FeedPosition>,
 ) -> Result<(events::Feed, FeedServer), StartError> {
+    let ranks: Vec<u32> = sources.iter().map(|s| s.dp_rank).collect();
     let hub = kvevent_feed::Hub::new(kvevent_feed::HubConfig {
         ring_bytes: settings.feed_ring_bytes,
+        // A follower before the events thread's first turn hears of ranks not yet connected.
+        ranks: ranks.clone(),
         ..kvevent_feed::HubConfig::new(&settings.replica_id, &settings.model_id)
     });
-    let ranks: Vec<u32> = sources.iter().map(|s| s.dp_rank).collect();
     // The feed carries fingerprints: with engine keys for the server, the mappers make them
     // in the same pass (`Options::fingerprints_too`).
     let two_keys = settings.key_mode != mapper::KeyMode::Fingerprint;

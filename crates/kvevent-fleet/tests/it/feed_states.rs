@@ -199,6 +199,50 @@ async fn an_engine_lost_behind_a_live_sidecar_and_a_lost_sidecar_are_told_apart(
     .await;
     assert!(fleet.replicas()[0].error.is_some());
 }
+/// A sidecar's feed served before its events thread's first turn (the hub knows its ranks,
+/// not their health): a follower is told the ranks are not connected, never that the empty
+/// state is exact; the first turn's health makes it exact. (A real engine's test once saw the
+/// empty state called exact in that window.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_before_the_sidecar_s_first_turn_is_not_told_exact() {
+    let hub = Hub::new(HubConfig {
+        ranks: vec![0, 1],
+        ..HubConfig::new("replica-a", "m")
+    });
+    hub.commit();
+    let served = serve_on(&hub, "127.0.0.1:0").await;
+    let fleet = Fleet::new(FleetConfig::default()).expect("fleet");
+    fleet
+        .ensure_replica(
+            "a",
+            ReplicaSource::Sidecar(SidecarFeed::new(served.url.clone())),
+        )
+        .expect("ensure");
+    let err = fleet
+        .ready(Duration::from_millis(1500))
+        .await
+        .expect_err("never exact before the engine is seen");
+    let status = &fleet.replicas()[0];
+    assert_eq!(
+        status
+            .ranks
+            .iter()
+            .map(|r| (r.rank, r.connected))
+            .collect::<Vec<_>>(),
+        [(0, false), (1, false)],
+        "{status:?} ({err})"
+    );
+    assert!(
+        matches!(status.state, ReplicaState::Degraded(Degraded::EngineLost)),
+        "{status:?}"
+    );
+    let trusted = |rank| EngineRank {
+        rank,
+        health: kvevent_source::RankHealth::Trusted,
+    };
+    hub.set_engine(&[trusted(0), trusted(1)]);
+    fleet.ready(WAIT).await.expect("exact once the ranks are");
+}
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn before_any_block_size_is_known_a_token_query_says_so() {
     let fleet = Fleet::new(FleetConfig::default()).expect("fleet");
