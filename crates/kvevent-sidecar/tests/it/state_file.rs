@@ -291,6 +291,13 @@ async fn a_sidecar_restarted_from_its_state_file_keeps_its_feed_epoch_and_follow
         .expect("follow")
         .into_inner();
     let hello = next_message(&mut fresh).await;
+    // However early it comes, the hello says the engine's rank: a follower is never told the
+    // restored blocks are exact before the sidecar has seen its engine.
+    assert_eq!(
+        hello.engine.as_ref().map(|e| e.ranks.len()),
+        Some(1),
+        "{hello:?}"
+    );
     let Some(pb::feed_message::Body::Hello(h)) = hello.body else {
         panic!("a hello first: {hello:?}");
     };
