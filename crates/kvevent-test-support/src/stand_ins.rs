@@ -12,13 +12,15 @@ pub struct StandIns {
     pub events: String,
     /// The engine's replay endpoint.
     pub replay: Option<String>,
-    _feed: tokio::task::JoinHandle<()>,
+    /// The feed's server, stopped on drop.
+    feed_task: tokio::task::JoinHandle<()>,
+    /// Held: the engine publishes until dropped.
     _engine: kvevent_zmq::publisher::Publisher,
 }
 
 impl Drop for StandIns {
     fn drop(&mut self) {
-        self._feed.abort();
+        self.feed_task.abort();
     }
 }
 
@@ -66,7 +68,7 @@ pub async fn start(prompt: &[u32]) -> Result<StandIns, Box<dyn std::error::Error
         sidecar: format!("http://{addr}"),
         events: engine.endpoint().to_owned(),
         replay: engine.replay_endpoint().map(str::to_owned),
-        _feed: feed,
+        feed_task: feed,
         _engine: engine,
     })
 }

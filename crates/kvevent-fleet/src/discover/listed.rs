@@ -77,7 +77,7 @@ impl Listed {
 /// upstream for a name no source follows, is an error naming the flag.
 pub fn listed(flags: &[Listed], model: &str) -> Result<Vec<Member>, String> {
     let mut members: Vec<Member> = Vec::new();
-    for flag in flags.iter().filter(|f| matches!(f.part, Part::Source(_))) {
+    for flag in flags {
         let Part::Source(mut source) = flag.part.clone() else {
             continue;
         };

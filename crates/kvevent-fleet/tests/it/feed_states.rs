@@ -211,7 +211,12 @@ async fn a_follower_before_the_sidecar_s_first_turn_is_not_told_exact() {
     });
     hub.commit();
     let served = serve_on(&hub, "127.0.0.1:0").await;
-    let fleet = Fleet::new(FleetConfig::default()).expect("fleet");
+    // Degraded, not yet stale, however slow the machine: the state asserted is one.
+    let fleet = Fleet::new(FleetConfig {
+        dead_after: Duration::from_secs(60),
+        ..FleetConfig::default()
+    })
+    .expect("fleet");
     fleet
         .ensure_replica(
             "a",
