@@ -117,6 +117,18 @@ pub(crate) async fn serve_on(hub: &Arc<Hub>, address: &str) -> Served {
 }
 
 impl Served {
+    /// A Fleet of `config` following this sidecar as replica `a`.
+    pub(crate) fn followed(&self, config: FleetConfig) -> Fleet {
+        let fleet = Fleet::new(config).expect("fleet");
+        fleet
+            .ensure_replica(
+                "a",
+                ReplicaSource::Sidecar(SidecarFeed::new(self.url.clone())),
+            )
+            .expect("ensure");
+        fleet
+    }
+
     pub(crate) async fn stop(mut self) {
         if let Some(tx) = self.stop.take() {
             let _ = tx.send(());
@@ -222,18 +234,11 @@ pub(crate) async fn a_follower_resumes_from_its_position_and_a_lost_sidecar_turn
     publish(&hub, &mut m, &stored(1, 2));
     let served = serve_on(&hub, "127.0.0.1:0").await;
     let address = served.url.trim_start_matches("http://").to_owned();
-    let fleet = Fleet::new(FleetConfig {
+    let fleet = served.followed(FleetConfig {
         dead_after: Duration::from_millis(300),
         drop_after: Duration::from_secs(2),
         ..FleetConfig::default()
-    })
-    .expect("fleet");
-    fleet
-        .ensure_replica(
-            "a",
-            ReplicaSource::Sidecar(SidecarFeed::new(served.url.clone())),
-        )
-        .expect("ensure");
+    });
     tokio::task::block_in_place(|| {
         wait_until("exact", || {
             state_of(&fleet, "a") == Some(ReplicaState::Exact)

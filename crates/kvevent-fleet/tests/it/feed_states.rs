@@ -109,17 +109,10 @@ async fn an_engine_lost_behind_a_live_sidecar_and_a_lost_sidecar_are_told_apart(
     publish(&hub, &mut m, &stored(1, 2));
     let served = serve_on(&hub, "127.0.0.1:0").await;
     let dead_after = Duration::from_millis(600);
-    let fleet = Fleet::new(FleetConfig {
+    let fleet = served.followed(FleetConfig {
         dead_after,
         ..FleetConfig::default()
-    })
-    .expect("fleet");
-    fleet
-        .ensure_replica(
-            "a",
-            ReplicaSource::Sidecar(SidecarFeed::new(served.url.clone())),
-        )
-        .expect("ensure");
+    });
     fleet.ready(WAIT).await.expect("ready");
     let status = &fleet.replicas()[0];
     assert_eq!(status.ranks.len(), 1);
@@ -212,17 +205,10 @@ async fn a_follower_before_the_sidecar_s_first_turn_is_not_told_exact() {
     hub.commit();
     let served = serve_on(&hub, "127.0.0.1:0").await;
     // Degraded, not yet stale, however slow the machine: the state asserted is one.
-    let fleet = Fleet::new(FleetConfig {
+    let fleet = served.followed(FleetConfig {
         dead_after: Duration::from_secs(60),
         ..FleetConfig::default()
-    })
-    .expect("fleet");
-    fleet
-        .ensure_replica(
-            "a",
-            ReplicaSource::Sidecar(SidecarFeed::new(served.url.clone())),
-        )
-        .expect("ensure");
+    });
     let err = fleet
         .ready(Duration::from_millis(1500))
         .await
